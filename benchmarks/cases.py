@@ -1,0 +1,127 @@
+"""Benchmark cases shared by the pytest-benchmark suite and the report script.
+
+Every case is one training step of the output layer: forward + backward of the
+loss w.r.t. hidden states and weight, on the same inputs. The floor is the three
+GEMMs no exact method can avoid: z = h·Wᵀ, dh = dz·W, dW = dzᵀ·h.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import nmst_fast
+
+
+@dataclass(frozen=True)
+class Shape:
+    N: int
+    H: int
+    V: int
+    dtype: torch.dtype
+    device: str
+
+    def label(self) -> str:
+        return f"{self.N}x{self.H}x{self.V} {str(self.dtype).removeprefix('torch.')} {self.device}"
+
+
+CPU_DEFAULT = Shape(4096, 768, 50257, torch.float32, "cpu")  # GPT-2 vocabulary, one 4k-token batch
+CPU_SMALL = Shape(512, 256, 8192, torch.float32, "cpu")  # quick runs and CI smoke
+GPU_SHAPES = (
+    Shape(8192, 2304, 256000, torch.bfloat16, "cuda"),  # Gemma-2-2B-like vocabulary (CCE's headline shape)
+    Shape(16384, 768, 50257, torch.bfloat16, "cuda"),
+)
+
+
+@dataclass
+class Inputs:
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    targets: torch.Tensor
+    steps: torch.Tensor
+    eos_index: int
+
+
+def make_inputs(shape: Shape, seed: int = 0) -> Inputs:
+    """Inputs built in place (no transient copies), so RSS right after is a fair memory baseline."""
+    gen = torch.Generator(device=shape.device).manual_seed(seed)
+    hidden = torch.empty(shape.N, shape.H, dtype=shape.dtype, device=shape.device)
+    hidden.normal_(generator=gen)
+    weight = torch.empty(shape.V, shape.H, dtype=shape.dtype, device=shape.device)
+    weight.normal_(std=shape.H**-0.5, generator=gen)
+    targets = torch.randint(0, shape.V, (shape.N,), device=shape.device, generator=gen)
+    steps = torch.arange(1, shape.N + 1, device=shape.device) % 1000 + 1
+    return Inputs(hidden.requires_grad_(), weight.requires_grad_(), targets, steps, eos_index=shape.V - 1)
+
+
+def _clear(x: Inputs) -> None:
+    x.hidden.grad = None
+    x.weight.grad = None
+
+
+def three_gemms(x: Inputs) -> None:
+    h, w = x.hidden.detach(), x.weight.detach()
+    z = h @ w.t()
+    h.grad = z @ w  # keep the results alive like a real backward would
+    w.grad = z.t() @ h
+
+
+def fused(head: str, impl: str) -> Callable[[Inputs], None]:
+    def step(x: Inputs) -> None:
+        _clear(x)
+        loss = nmst_fast.linear_nmst_loss(
+            x.hidden, x.weight, x.targets, eos_index=x.eos_index, head=head,
+            steps=None if head == "va" else x.steps, impl=impl,
+        )
+        loss.backward()
+
+    return step
+
+
+def fused_st(impl: str) -> Callable[[Inputs], None]:
+    """ST needs the (B, T) layout: the same rows as 4 sequences."""
+
+    def step(x: Inputs) -> None:
+        _clear(x)
+        B = 4
+        loss = nmst_fast.linear_nmst_loss(
+            x.hidden.view(B, -1, x.hidden.shape[-1]), x.weight, x.targets.view(B, -1),
+            eos_index=x.eos_index, head="st", impl=impl,
+        )
+        loss.backward()
+
+    return step
+
+
+def naive_nmst(x: Inputs) -> None:
+    """What a user writes today: materialize logits, NMST log-probs, gather, autograd."""
+    _clear(x)
+    loss = nmst_fast.linear_nmst_loss(x.hidden, x.weight, x.targets, eos_index=x.eos_index, head="nmst",
+                                      steps=x.steps, impl="reference", validate=False)
+    loss.backward()
+
+
+def naive_ce(x: Inputs) -> None:
+    _clear(x)
+    F.cross_entropy(x.hidden @ x.weight.t(), x.targets).backward()
+
+
+def torch_linear_ce(x: Inputs) -> None:
+    _clear(x)
+    F.linear_cross_entropy(x.hidden, x.weight, x.targets).backward()
+
+
+def cases_for(device: str) -> dict[str, Callable[[Inputs], None]]:
+    impl = "triton" if device == "cuda" else "chunked"
+    return {
+        "three GEMMs (floor)": three_gemms,
+        f"nmst {impl}": fused("nmst", impl),
+        f"st {impl}": fused_st(impl),
+        f"va {impl}": fused("va", impl),
+        "naive nmst (torch)": naive_nmst,
+        "F.cross_entropy (logits)": naive_ce,
+        "F.linear_cross_entropy": torch_linear_ce,
+    }

@@ -1,0 +1,1 @@
+"""Pure Triton kernels and their launch wrappers (no autograd; see ``nmst_fast`` for that)."""

@@ -1,0 +1,125 @@
+"""Split-softmax row kernels: the V-wide part shared by the VA, ST and NMST heads.
+
+One program handles one row and walks V in BLOCK_V tiles, so any V works
+(not only multiples of the block) and no row has to fit in registers.
+Arithmetic is fp32 whatever the storage dtype (bf16/fp16/fp32).
+
+* ``split_lse``: L = logsumexp over non-eos columns (online max/sum) and z_target.
+* ``split_softmax_grad_``: overwrite the row with its logit gradient
+  dz_v = coef · exp(z_v − L) (v ≠ eos), dz_eos = grad_eos, plus grad_target at the target.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _split_lse_kernel(
+    z_ptr,
+    z_row_stride,
+    targets_ptr,
+    lse_ptr,
+    z_target_ptr,
+    V,
+    eos_index,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * z_row_stride
+    running_max = tl.full((), float("-inf"), tl.float32)
+    running_sum = tl.full((), 0.0, tl.float32)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        keep = (cols < V) & (cols != eos_index)
+        x = tl.load(z_row + cols, mask=keep, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        # A tile holding only eos/out-of-range columns leaves the max at -inf; shift by 0 then,
+        # since exp(-inf - -inf) would be NaN.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+        running_max = new_max
+    tl.store(lse_ptr + row, running_max + tl.log(running_sum))
+    target = tl.load(targets_ptr + row)
+    tl.store(z_target_ptr + row, tl.load(z_row + target).to(tl.float32))
+
+
+@triton.jit
+def _split_softmax_grad_kernel(
+    z_ptr,
+    z_row_stride,
+    targets_ptr,
+    lse_ptr,
+    coef_ptr,
+    grad_eos_ptr,
+    grad_target_ptr,
+    V,
+    eos_index,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * z_row_stride
+    lse = tl.load(lse_ptr + row)
+    coef = tl.load(coef_ptr + row)
+    grad_eos = tl.load(grad_eos_ptr + row)
+    grad_target = tl.load(grad_target_ptr + row)
+    target = tl.load(targets_ptr + row)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        in_range = cols < V
+        x = tl.load(z_row + cols, mask=in_range, other=0.0).to(tl.float32)
+        g = coef * tl.exp(x - lse)
+        g = tl.where(cols == eos_index, grad_eos, g)
+        g = tl.where(cols == target, g + grad_target, g)
+        tl.store(z_row + cols, g.to(z_ptr.dtype.element_ty), mask=in_range)
+
+
+def _block_v(V: int) -> int:
+    return min(4096, triton.next_power_of_2(V))
+
+
+def _check_rows(z: torch.Tensor, targets: torch.Tensor) -> None:
+    if z.dim() != 2 or z.stride(1) != 1:
+        raise ValueError("z must be a 2-D tensor with unit stride along V")
+    if targets.shape != (z.shape[0],):
+        raise ValueError(f"targets must have shape ({z.shape[0]},), got {tuple(targets.shape)}")
+
+
+def split_lse(z: torch.Tensor, targets: torch.Tensor, eos_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row logsumexp over non-eos columns and the target logit.
+
+    Args:
+        z: (rows, V) logits, fp16/bf16/fp32, unit stride along V.
+        targets: (rows,) int64 in [0, V) (callers clamp ignored targets).
+        eos_index: column excluded from the logsumexp.
+    Returns:
+        (lse, z_target), each (rows,) float32.
+    """
+    _check_rows(z, targets)
+    rows, V = z.shape
+    lse = torch.empty(rows, device=z.device, dtype=torch.float32)
+    z_target = torch.empty(rows, device=z.device, dtype=torch.float32)
+    if rows:
+        _split_lse_kernel[(rows,)](z, z.stride(0), targets, lse, z_target, V, eos_index, BLOCK_V=_block_v(V))
+    return lse, z_target
+
+
+def split_softmax_grad_(
+    z: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    coef: torch.Tensor,
+    grad_eos: torch.Tensor,
+    grad_target: torch.Tensor,
+    eos_index: int,
+) -> torch.Tensor:
+    """Overwrite ``z`` (rows, V) with its logit gradient; every other argument is (rows,) float32."""
+    _check_rows(z, targets)
+    rows, V = z.shape
+    if rows:
+        _split_softmax_grad_kernel[(rows,)](
+            z, z.stride(0), targets, lse, coef, grad_eos, grad_target, V, eos_index, BLOCK_V=_block_v(V)
+        )
+    return z

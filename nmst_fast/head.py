@@ -1,0 +1,86 @@
+"""``NMSTHead``: a model's output layer + loss in one module."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .loss import linear_nmst_loss
+from .reference import nmst_log_probs
+from .validation import HEADS, IMPLS, check_choice, check_eps, check_index
+
+
+class NMSTHead(nn.Module):
+    """Output projection with an NMST / ST / VA head.
+
+    Swap a model's ``lm_head`` + cross-entropy for this module: ``head.loss(h, y)``
+    trains through the fused kernels (no (N, V) logits), ``head.log_probs(h)``
+    gives the full log-distribution for evaluation.
+
+    Args:
+        hidden_size: H.
+        vocab_size: V (eos included).
+        eos_index: vocabulary index of eos.
+        head: "nmst", "st" or "va".
+        eps: ε in (0, 1).
+        bias: learn a (V,) output bias.
+        weight: an existing (V, H) parameter to tie to (e.g. the input
+            embedding's weight); a fresh one is created otherwise.
+        impl: backend for :meth:`loss` (see :func:`nmst_fast.linear_nmst_loss`).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        *,
+        eos_index: int,
+        head: str = "nmst",
+        eps: float = 1e-5,
+        bias: bool = False,
+        weight: Optional[nn.Parameter] = None,
+        impl: str = "auto",
+    ) -> None:
+        super().__init__()
+        check_choice("head", head, HEADS)
+        check_choice("impl", impl, IMPLS)
+        check_eps(eps)
+        check_index("eos_index", eos_index, vocab_size, "vocab_size")
+        if weight is None:
+            weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+            nn.init.normal_(weight, std=hidden_size**-0.5)
+        elif tuple(weight.shape) != (vocab_size, hidden_size):
+            raise ValueError(f"weight must be (vocab_size, hidden_size)=({vocab_size}, {hidden_size}), got {tuple(weight.shape)}")
+        self.weight = weight
+        self.bias = nn.Parameter(torch.zeros(vocab_size)) if bias else None
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.eos_index, self.head, self.eps, self.impl = eos_index, head, eps, impl
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, eos_index={self.eos_index}, "
+                f"head={self.head!r}, eps={self.eps}, bias={self.bias is not None}, impl={self.impl!r}")
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Raw logits z = W h (+ b), shape (…, V). Materializes them: use :meth:`loss` to train."""
+        return nn.functional.linear(hidden, self.weight, self.bias)
+
+    def loss(
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        steps: Optional[torch.Tensor] = None,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
+        """Fused NLL of ``targets`` (see :func:`nmst_fast.linear_nmst_loss` for shapes)."""
+        return linear_nmst_loss(
+            hidden, self.weight, targets, eos_index=self.eos_index, eps=self.eps, head=self.head,
+            steps=steps, bias=self.bias, ignore_index=ignore_index, reduction=reduction, impl=self.impl,
+        )
+
+    def log_probs(self, hidden: torch.Tensor, *, steps: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Full log-distribution (…, V) of the head on ``hidden`` (B, T, H) or (N, H)."""
+        return nmst_log_probs(self(hidden), eos_index=self.eos_index, eps=self.eps, head=self.head, steps=steps)

@@ -1,0 +1,130 @@
+"""O(N) per-row head math for the fused paths: losses and logit-gradient coefficients.
+
+The V-wide part of every head reduces to three per-row scalars, computed by the
+split-softmax row pass: L = logsumexp over non-eos logits, s = z_eos, and z_y
+(the target's logit). Everything head-specific happens here, on (N,) vectors,
+in float64 (cheap at O(N), and it keeps t·log1p(−ε) exact for t up to 1e7).
+
+The gradient of the summed, weighted loss Σ_r w_r ℓ_r with respect to a row's
+logits always has the same shape, which lets one row kernel serve every head:
+
+    dℓ/dz_v = coef_L · exp(z_v − L)     for v ≠ eos
+    dℓ/dz_e = grad_s
+    dℓ/dz_y += grad_target              (added at the target column, eos included)
+
+The closed forms below are derived from the spec (and checked against autograd
+through :mod:`nmst_fast.reference` by the tests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .logmath import log1mexp
+
+_F64 = torch.float64
+
+
+@dataclass
+class GradCoefficients:
+    """Per-row coefficients of the logit gradient, each (N,) float64."""
+
+    coef_lse: torch.Tensor
+    grad_eos: torch.Tensor
+    grad_target: torch.Tensor
+
+    def rows(self, start: int, stop: int) -> "GradCoefficients":
+        return GradCoefficients(self.coef_lse[start:stop], self.grad_eos[start:stop], self.grad_target[start:stop])
+
+
+def _along_time(x: torch.Tensor, seq_len: int) -> torch.Tensor:
+    return x.view(-1, seq_len)
+
+
+def log_survival(head: str, s: torch.Tensor, steps: torch.Tensor, eps: float, seq_len: int) -> torch.Tensor:
+    """log(1 − α_t) per row (N,) float64; 0 at context rows (t <= 0).
+
+    "st" accumulates along T, so its rows must be laid out (B, T) flat with ``seq_len`` = T.
+    """
+    s = s.to(_F64)
+    active = steps >= 1
+    if head == "nmst":
+        value = torch.nn.functional.logsigmoid(-s) + steps.to(_F64) * math.log1p(-eps)
+    else:  # "st"
+        per_step = torch.where(active, torch.nn.functional.logsigmoid(s) + math.log1p(-eps), 0.0)
+        value = torch.cumsum(_along_time(per_step, seq_len), dim=1).reshape(-1)
+    return torch.where(active, value, 0.0)
+
+
+def row_losses(
+    head: str,
+    lse: torch.Tensor,
+    s: torch.Tensor,
+    z_target: torch.Tensor,
+    targets_eos: torch.Tensor,
+    log_surv: torch.Tensor | None,
+) -> torch.Tensor:
+    """Per-row NLL (N,) float64 (not yet masked for ignored rows).
+
+    ``targets_eos`` is a bool mask of rows whose target is eos; ``z_target`` must
+    hold s on those rows.
+    """
+    lse, s, z_target = lse.to(_F64), s.to(_F64), z_target.to(_F64)
+    if head == "va":
+        return torch.logaddexp(lse, s) - z_target
+    return torch.where(targets_eos, -log1mexp(log_surv), -(log_surv + z_target - lse))
+
+
+def eos_logit_grads(
+    head: str,
+    s: torch.Tensor,
+    log_surv: torch.Tensor,
+    targets_eos: torch.Tensor,
+    row_weight: torch.Tensor,
+    steps: torch.Tensor,
+    seq_len: int,
+) -> torch.Tensor:
+    """d(Σ w ℓ)/ds per row for "nmst"/"st" (N,) float64.
+
+    Needs only s, never L, so the fused pass can have it before touching V-wide data.
+    For "st", row t's s enters log(1−α) of every later row of its sequence,
+    so its gradient is a reverse running sum of dℓ/d log(1−α) along T.
+    """
+    s = s.to(_F64)
+    active = steps >= 1
+    # dℓ/d log(1−α): eos target: ℓ = −log(1 − e^a) → 1/expm1(−a); other targets: ℓ = −a − … → −1.
+    # Context rows have a constant a = 0 and pass on no gradient (their eos NLL is inf).
+    d_loss_d_surv = torch.where(targets_eos, 1.0 / torch.expm1(-torch.where(active, log_surv, -1.0)), -1.0)
+    d_loss_d_surv = torch.where(active, d_loss_d_surv * row_weight.to(_F64), 0.0)
+    if head == "nmst":
+        # a = logσ(−s) + t log1p(−ε):  da/ds = −σ(s)
+        return -torch.sigmoid(s) * d_loss_d_surv
+    # a_t = Σ_{t' <= t} logσ(s_t') + …:  d a_t / d s_t' = σ(−s_t') for t' <= t.
+    per_seq = _along_time(d_loss_d_surv, seq_len)
+    from_later_rows = torch.flip(torch.cumsum(torch.flip(per_seq, [1]), dim=1), [1]).reshape(-1)
+    return torch.where(active, torch.sigmoid(-s) * from_later_rows, 0.0)
+
+
+def grad_coefficients(
+    head: str,
+    lse: torch.Tensor,
+    s: torch.Tensor,
+    targets_eos: torch.Tensor,
+    row_weight: torch.Tensor,
+    eos_grads: torch.Tensor | None,
+) -> GradCoefficients:
+    """Coefficients of d(Σ w ℓ)/dz for a block of rows (see module docstring).
+
+    ``eos_grads`` is :func:`eos_logit_grads` for those rows ("nmst"/"st"), None for "va".
+    """
+    w = row_weight.to(_F64)
+    if head == "va":
+        lse, s = lse.to(_F64), s.to(_F64)
+        # softmax over all V: exp(z_v − LSE) = exp(z_v − L) · σ(L − s); its eos entry is σ(s − L).
+        return GradCoefficients(coef_lse=w * torch.sigmoid(lse - s), grad_eos=w * torch.sigmoid(s - lse), grad_target=-w)
+    # Non-eos targets: ℓ = −a − z_y + L, so the non-eos part is the split softmax minus one-hot.
+    non_eos_weight = torch.where(targets_eos, 0.0, w)
+    return GradCoefficients(coef_lse=non_eos_weight, grad_eos=eos_grads, grad_target=-non_eos_weight)

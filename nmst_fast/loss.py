@@ -1,0 +1,175 @@
+"""Public entry point: the fused linear + NMST/ST/VA loss with ``impl=`` backend choice."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from . import ops  # noqa: F401  (registers torch.ops.nmst_fast.*)
+from .fused import default_chunk_rows
+from .reference import reference_linear_nmst_loss
+from .validation import (
+    HEADS,
+    IMPLS,
+    REDUCTIONS,
+    check_choice,
+    check_data,
+    check_eps,
+    check_float_tensor,
+    check_index,
+    check_int_tensor,
+    check_same_device,
+    expand_steps,
+    should_check_data,
+)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """Map ``impl`` to the backend that will run: "reference", "chunked" or "triton"."""
+    if impl == "auto":
+        return "triton" if device.type == "cuda" and _triton_available() else "chunked"
+    if impl == "triton":
+        if not _triton_available():
+            raise ValueError("impl='triton' needs the triton package; use impl='chunked' or 'auto'")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"impl='triton' needs CUDA tensors (got {device}); set TRITON_INTERPRET=1 before importing "
+                "to run the kernels on CPU in the Triton interpreter"
+            )
+    return impl
+
+
+def _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduction, impl) -> None:
+    check_choice("head", head, HEADS)
+    check_choice("reduction", reduction, REDUCTIONS)
+    check_choice("impl", impl, IMPLS)
+    check_eps(eps)
+    check_float_tensor("hidden", hidden)
+    check_float_tensor("weight", weight)
+    check_int_tensor("targets", targets)
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden must be (B, T, H) or (N, H), got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be (V, H) with H={hidden.shape[-1]}, got shape {tuple(weight.shape)}")
+    V = weight.shape[0]
+    if V < 2:
+        raise ValueError(f"weight must have at least 2 rows (eos and one other token), got V={V}")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"targets must have shape {tuple(hidden.shape[:-1])} to match hidden {tuple(hidden.shape)}, "
+            f"got {tuple(targets.shape)}"
+        )
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
+    if bias is not None:
+        check_float_tensor("bias", bias)
+        if bias.shape != (V,):
+            raise ValueError(f"bias must be (V,)=({V},), got shape {tuple(bias.shape)}")
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"bias dtype {bias.dtype} differs from hidden dtype {hidden.dtype}")
+    check_same_device([("hidden", hidden), ("weight", weight), ("targets", targets), ("bias", bias)])
+    check_index("eos_index", eos_index, V, "V")
+    if head == "st" and hidden.dim() != 3:
+        raise ValueError("head='st' needs (B, T, H) hidden states: its running sum goes along T")
+
+
+def linear_nmst_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    eos_index: int,
+    eps: float = 1e-5,
+    head: str = "nmst",
+    steps: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    impl: str = "auto",
+    chunk_size: Optional[int] = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """NLL of ``targets`` under the NMST / ST / VA head on logits ``hidden @ weight.T + bias``.
+
+    Never materializes the (N, V) logits (except ``impl="reference"``).
+
+    Args:
+        hidden: (B, T, H) or flat (N, H); fp32, bf16, fp16 or fp64.
+        weight: (V, H), same dtype and device as ``hidden``.
+        targets: (B, T) or (N,) integer; ``ignore_index`` entries add nothing.
+        eos_index: vocabulary index of eos.
+        eps: ε in (0, 1) of the NMST/ST heads.
+        head: "nmst", "st" or "va" (plain softmax; equals ``F.cross_entropy``).
+        steps: integer t per position, broadcastable to ``targets``. Default for
+            (B, T): 1..T along T. Flat input needs it for "nmst"; "st" needs (B, T).
+            t <= 0 marks context positions (p(eos) = 0); "nmst" rejects t < 0.
+        bias: (V,) or None.
+        reduction: "mean" (over non-ignored targets; 0 if there are none), "sum",
+            or "none" (per-position NLL in ``targets``' shape, 0 where ignored).
+        impl: "auto" (Triton on CUDA, chunked torch elsewhere), "triton",
+            "chunked" or "reference" (materializes logits; the spec).
+        chunk_size: rows per chunk for the fused backends (default: a fixed
+            byte budget for the (chunk, V) logits buffer).
+        validate: run the data checks (target range, step signs, NaN/inf), one
+            host sync; they are skipped automatically under ``torch.compile``.
+    Returns:
+        Scalar loss (or per-position losses) in ``hidden``'s dtype.
+    """
+    _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduction, impl)
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    layout_3d = hidden.dim() == 3
+    full_steps = expand_steps(steps, targets, head, layout_3d)
+    if validate and should_check_data():
+        check_data(
+            head=head,
+            vocab_size=weight.shape[0],
+            targets=targets,
+            ignore_index=ignore_index,
+            steps=full_steps,
+            tensors=[("hidden", hidden), ("weight", weight), ("bias", bias)],
+        )
+    backend = resolve_impl(impl, hidden.device)
+    if backend == "reference":
+        return reference_linear_nmst_loss(
+            hidden, weight, targets, eos_index=eos_index, eps=eps, head=head, steps=full_steps,
+            bias=bias, ignore_index=ignore_index, reduction=reduction,
+        )
+
+    H = hidden.shape[-1]
+    flat_hidden = hidden.reshape(-1, H).contiguous()
+    flat_targets = targets.reshape(-1)
+    flat_steps = None if full_steps is None else full_steps.reshape(-1).contiguous()
+    seq_len = targets.shape[-1] if layout_3d else 1
+    N = flat_hidden.shape[0]
+    chunk_rows = chunk_size or default_chunk_rows(N, weight.shape[0], hidden.dtype, hidden.device)
+    grad_on = torch.is_grad_enabled()
+    loss, _lse, _dh, _dw, _db = torch.ops.nmst_fast.linear_loss(
+        flat_hidden,
+        weight.contiguous(),
+        bias,
+        flat_targets,
+        flat_steps,
+        seq_len,
+        head,
+        eos_index,
+        float(eps),
+        ignore_index,
+        reduction,
+        backend,
+        chunk_rows,
+        grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad,
+    )
+    return loss.view(targets.shape) if reduction == "none" else loss

@@ -1,0 +1,149 @@
+"""``torch.library`` custom ops wrapping the fused driver, with autograd.
+
+Registering the fused loss as one opaque op lets ``torch.compile`` trace a model
+that uses it without graph breaks (the driver's Python loop and the row
+kernels stay outside the graph), and keeps the gradient-in-forward trick
+inside an ordinary autograd formula:
+
+* reduction "mean"/"sum": the forward already computed dh, dW, db for a unit
+  upstream gradient; backward only scales them by the incoming scalar.
+* reduction "none": the upstream gradient is per row, so backward recomputes
+  each chunk's logits from the saved per-row L (one extra GEMM per chunk).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .fused import HeadConfig, fused_backward_from_lse, fused_forward
+
+
+
+def _empty_like_none(t: Optional[Tensor], like: Tensor) -> Tensor:
+    # Custom ops must return tensors; an empty one stands for "not computed".
+    return t if t is not None else like.new_empty(0)
+
+
+@torch.library.custom_op("nmst_fast::linear_loss", mutates_args=())
+def linear_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    targets: Tensor,
+    steps: Optional[Tensor],
+    seq_len: int,
+    head: str,
+    eos_index: int,
+    eps: float,
+    ignore_index: int,
+    reduction: str,
+    backend: str,
+    chunk_rows: int,
+    need_grad_hidden: bool,
+    need_grad_weight: bool,
+    need_grad_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (loss, lse (N,) in at least fp32, dh, dW, db); grads are empty unless computed in this pass."""
+    cfg = HeadConfig(head, eos_index, eps, ignore_index, seq_len)
+    need = (need_grad_hidden, need_grad_weight, need_grad_bias)
+    if reduction == "none":
+        need = (False, False, False)  # per-row upstream grads are only known in backward
+    loss, lse, dh, dw, db = fused_forward(
+        hidden, weight, bias, targets, steps, cfg, reduction=reduction, backend=backend, chunk_rows=chunk_rows, need=need
+    )
+    return loss, lse, _empty_like_none(dh, hidden), _empty_like_none(dw, weight), _empty_like_none(db, weight)
+
+
+@linear_loss.register_fake
+def _(hidden, weight, bias, targets, steps, seq_len, head, eos_index, eps, ignore_index, reduction, backend,
+      chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias):
+    N = hidden.shape[0]
+    in_forward = reduction != "none"
+    loss = hidden.new_empty((N,) if reduction == "none" else ())
+    lse = hidden.new_empty(N, dtype=torch.promote_types(hidden.dtype, torch.float32))
+    dh = torch.empty_like(hidden) if (need_grad_hidden and in_forward) else hidden.new_empty(0)
+    dw = torch.empty_like(weight) if (need_grad_weight and in_forward) else weight.new_empty(0)
+    db = torch.empty_like(bias) if (need_grad_bias and in_forward and bias is not None) else weight.new_empty(0)
+    return loss, lse, dh, dw, db
+
+
+@torch.library.custom_op("nmst_fast::linear_loss_backward", mutates_args=())
+def linear_loss_backward(
+    grad_rows: Tensor,
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    targets: Tensor,
+    steps: Optional[Tensor],
+    lse: Tensor,
+    seq_len: int,
+    head: str,
+    eos_index: int,
+    eps: float,
+    ignore_index: int,
+    backend: str,
+    chunk_rows: int,
+    need_grad_hidden: bool,
+    need_grad_weight: bool,
+    need_grad_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    cfg = HeadConfig(head, eos_index, eps, ignore_index, seq_len)
+    dh, dw, db = fused_backward_from_lse(
+        grad_rows, hidden, weight, bias, targets, steps, lse, cfg,
+        backend=backend, chunk_rows=chunk_rows, need=(need_grad_hidden, need_grad_weight, need_grad_bias),
+    )
+    return _empty_like_none(dh, hidden), _empty_like_none(dw, weight), _empty_like_none(db, weight)
+
+
+@linear_loss_backward.register_fake
+def _(grad_rows, hidden, weight, bias, targets, steps, lse, seq_len, head, eos_index, eps, ignore_index, backend,
+      chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias):
+    dh = torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty(0)
+    dw = torch.empty_like(weight) if need_grad_weight else weight.new_empty(0)
+    db = torch.empty_like(bias) if (need_grad_bias and bias is not None) else weight.new_empty(0)
+    return dh, dw, db
+
+
+_STATIC_ARGS = ("seq_len", "head", "eos_index", "eps", "ignore_index", "backend", "chunk_rows",
+                "need_grad_hidden", "need_grad_weight", "need_grad_bias")
+
+
+def _setup_context(ctx, inputs, output):
+    (hidden, weight, bias, targets, steps, seq_len, head, eos_index, eps, ignore_index, reduction, backend,
+     chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias) = inputs
+    loss, lse, dh, dw, db = output
+    # Only the loss is differentiable. Without these two calls autograd would hand
+    # backward zero-filled gradients for lse/dh/dW/db: a V×H allocation for nothing.
+    ctx.mark_non_differentiable(lse, dh, dw, db)
+    ctx.set_materialize_grads(False)
+    ctx.reduction = reduction
+    ctx.static = dict(zip(_STATIC_ARGS, (seq_len, head, eos_index, eps, ignore_index, backend, chunk_rows,
+                                         need_grad_hidden, need_grad_weight, need_grad_bias)))
+    ctx.has_bias = bias is not None
+    if reduction == "none":
+        ctx.save_for_backward(hidden, weight, bias, targets, steps, lse)
+    else:
+        # Only the finished gradients are kept: no activations outlive the forward.
+        ctx.save_for_backward(dh, dw, db)
+
+
+def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db):
+    st = ctx.static
+    if ctx.reduction == "none":
+        hidden, weight, bias, targets, steps, lse = ctx.saved_tensors
+        dh, dw, db = linear_loss_backward(grad_loss, hidden, weight, bias, targets, steps, lse, **st)
+    else:
+        dh, dw, db = ctx.saved_tensors
+        dh, dw, db = (g * grad_loss.to(g.dtype) for g in (dh, dw, db))
+    grads = (
+        dh if st["need_grad_hidden"] else None,
+        dw if st["need_grad_weight"] else None,
+        db if (st["need_grad_bias"] and ctx.has_bias) else None,
+    )
+    return grads + (None,) * 13
+
+
+linear_loss.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,114 @@
+"""The readable reference: the NMST / ST / VA math of DEVELOPERS.md on materialized logits.
+
+This module is the spec every fast path is tested against. It is written for
+clarity, works in any floating dtype (float64 for tests), and is differentiable
+with plain autograd. It materializes the full (…, V) tensor, so it is not meant
+for large vocabularies in training.
+
+Conventions (shared by every backend):
+  * ``steps`` t is the position's step; t = 1 at the first token after the context.
+  * t <= 0 marks a context position: p(eos) = 0 there (as in the paper's code),
+    so log p(v) = z_v − L, and for "st" it adds nothing to the running sum.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .logmath import log1mexp
+
+
+def reference_log_survival(
+    eos_logits: torch.Tensor, steps: torch.Tensor, *, eps: float, head: str
+) -> torch.Tensor:
+    """log(1 − α_t) for every position; shape of ``eos_logits``; 0 at context positions.
+
+    For "st" the running sum goes along the last dimension of ``eos_logits``.
+    """
+    active = steps >= 1
+    if head == "nmst":
+        value = F.logsigmoid(-eos_logits) + steps.to(eos_logits.dtype) * math.log1p(-eps)
+    elif head == "st":
+        per_step = F.logsigmoid(eos_logits) + math.log1p(-eps)
+        value = torch.cumsum(torch.where(active, per_step, torch.zeros_like(per_step)), dim=-1)
+    else:
+        raise ValueError(f"head must be 'nmst' or 'st' here, got {head!r}")
+    return torch.where(active, value, torch.zeros_like(value))
+
+
+def nmst_log_probs(
+    logits: torch.Tensor,
+    *,
+    eos_index: int,
+    eps: float = 1e-5,
+    head: str = "nmst",
+    steps: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Full log-distribution log p(v) of the chosen head, shape (…, V), dtype of ``logits``.
+
+    Args:
+        logits: (B, T, V) or flat (N, V) logits z = W h (+ b).
+        eos_index: vocabulary index e of eos.
+        eps: ε in (0, 1) of the NMST/ST heads (unused for "va").
+        head: "nmst", "st" or "va".
+        steps: integer t per position, broadcastable to ``logits.shape[:-1]``.
+            Default for (B, T, V): 1..T along T. Flat logits need it for "nmst";
+            "st" needs the (B, T, V) layout (its running sum goes along T).
+    """
+    from .validation import HEADS, check_choice, check_eps, check_float_tensor, check_index, expand_steps
+
+    check_choice("head", head, HEADS)
+    check_float_tensor("logits", logits)
+    if logits.dim() not in (2, 3):
+        raise ValueError(f"logits must be (B, T, V) or (N, V), got shape {tuple(logits.shape)}")
+    check_eps(eps)
+    V = logits.shape[-1]
+    check_index("eos_index", eos_index, V, "V")
+    if head == "va":
+        return torch.log_softmax(logits, dim=-1)
+    if head == "st" and logits.dim() != 3:
+        raise ValueError("head='st' needs (B, T, V) logits: its running sum goes along T")
+    steps = expand_steps(steps, logits[..., 0], head, layout_3d=logits.dim() == 3)
+
+    is_eos = torch.arange(V, device=logits.device) == eos_index
+    non_eos_logits = logits.masked_fill(is_eos, float("-inf"))
+    non_eos_log_softmax = non_eos_logits - torch.logsumexp(non_eos_logits, dim=-1, keepdim=True)
+    log_survival = reference_log_survival(logits[..., eos_index], steps, eps=eps, head=head)
+    log_p = log_survival.unsqueeze(-1) + non_eos_log_softmax
+    log_p_eos = log1mexp(log_survival)  # -inf at context positions, where p(eos) = 0
+    return torch.where(is_eos, log_p_eos.unsqueeze(-1), log_p)
+
+
+def reference_linear_nmst_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    eos_index: int,
+    eps: float,
+    head: str,
+    steps: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    ignore_index: int,
+    reduction: str,
+) -> torch.Tensor:
+    """NLL of ``targets`` under :func:`nmst_log_probs` of ``hidden @ weight.T + bias``.
+
+    Arguments are already validated by the public entry point.
+    """
+    logits = F.linear(hidden, weight, bias)
+    log_p = nmst_log_probs(logits, eos_index=eos_index, eps=eps, head=head, steps=steps)
+    active = targets != ignore_index
+    safe_targets = torch.where(active, targets, torch.zeros_like(targets))
+    nll = -log_p.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1)
+    nll = torch.where(active, nll, torch.zeros_like(nll))
+    if reduction == "none":
+        return nll
+    total = nll.sum()
+    if reduction == "sum":
+        return total
+    return total / active.sum().clamp(min=1).to(total.dtype)

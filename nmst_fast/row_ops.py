@@ -1,0 +1,112 @@
+"""Split-softmax row passes over one chunk of logits, in place.
+
+A row pass turns a chunk of logits z (rows × V) into the logit gradient dz,
+overwriting z, and reports the per-row scalars the head math needs. Two
+implementations share one contract so the chunk driver is backend-agnostic:
+
+* :class:`TorchRowOps` — vectorized in-place torch ops (the CPU backend).
+* :class:`TritonRowOps` — the kernels in ``kernels/split_softmax.py``.
+
+Contract:
+  ``lse_and_grad_(z, targets, eos_index, coefficients)`` returns (L, z_target)
+  (rows,) in at least float32 (float64 for float64 logits), L = logsumexp over non-eos columns. If ``coefficients``
+  is given it is called with L and must return :class:`GradCoefficients`;
+  z is then overwritten with dz (see :mod:`nmst_fast.head_math`).
+  ``grad_from_lse_(z, lse, targets, eos_index, coefficients)`` writes dz when
+  L is already known (the recompute backward).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .head_math import GradCoefficients
+
+CoefficientsFn = Callable[[torch.Tensor], GradCoefficients]
+
+
+class TorchRowOps:
+    """In-place torch row pass: never allocates a second rows×V tensor (fp32/fp64)."""
+
+    name = "chunked"
+
+    @staticmethod
+    def vocab_major(device: torch.device) -> bool:
+        # Works on any strided view; the CPU GEMMs are faster with the (V, rows) layout.
+        return device.type == "cpu"
+
+    @staticmethod
+    def _exp_shifted_(z: torch.Tensor, eos_index: int) -> torch.Tensor:
+        # Masking eos with -inf makes every reduction below range over non-eos columns only.
+        z[:, eos_index] = float("-inf")
+        row_max = z.amax(dim=1, keepdim=True)
+        z.sub_(row_max).exp_()
+        return row_max.squeeze(1).to(torch.float64)
+
+    @staticmethod
+    def _finish_grad_(
+        z: torch.Tensor, scale: torch.Tensor, coefs: GradCoefficients, targets: torch.Tensor, eos_index: int
+    ) -> None:
+        # z holds exp(z − m); scale = coef_L · exp(m − L) turns it into coef_L · exp(z − L).
+        z.mul_(scale.to(z.dtype).unsqueeze(1))
+        z[:, eos_index] = coefs.grad_eos.to(z.dtype)
+        z.scatter_add_(1, targets.unsqueeze(1), coefs.grad_target.to(z.dtype).unsqueeze(1))
+
+    def lse_and_grad_(
+        self, z: torch.Tensor, targets: torch.Tensor, eos_index: int, coefficients: Optional[CoefficientsFn]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        stats_dtype = torch.promote_types(z.dtype, torch.float32)
+        z_target = z.gather(1, targets.unsqueeze(1)).squeeze(1).to(stats_dtype)
+        row_max = self._exp_shifted_(z, eos_index)
+        # Sum in z's precision (>= fp32): torch's sum with dtype=float64 is ~20x slower on CPU.
+        sum_exp = z.sum(dim=1, dtype=stats_dtype).to(torch.float64)
+        lse = row_max + torch.log(sum_exp)
+        if coefficients is not None:
+            coefs = coefficients(lse)
+            self._finish_grad_(z, coefs.coef_lse / sum_exp, coefs, targets, eos_index)
+        return lse.to(stats_dtype), z_target
+
+    def grad_from_lse_(
+        self, z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, eos_index: int, coefs: GradCoefficients
+    ) -> None:
+        # Shift by the row max (exact in z's dtype), not by L, so bf16 never rounds L.
+        row_max = self._exp_shifted_(z, eos_index)
+        self._finish_grad_(z, coefs.coef_lse * torch.exp(row_max - lse.to(torch.float64)), coefs, targets, eos_index)
+
+
+class TritonRowOps:
+    """Row pass by the Triton kernels: one read for L, one read+write for dz."""
+
+    name = "triton"
+
+    @staticmethod
+    def vocab_major(device: torch.device) -> bool:
+        return False  # the kernels walk a row with unit stride
+
+    def __init__(self) -> None:
+        from kernels import split_softmax  # imported lazily: triton decides interpret mode at import
+
+        self._kernels = split_softmax
+
+    def lse_and_grad_(
+        self, z: torch.Tensor, targets: torch.Tensor, eos_index: int, coefficients: Optional[CoefficientsFn]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        lse, z_target = self._kernels.split_lse(z, targets, eos_index)
+        if coefficients is not None:
+            self.grad_from_lse_(z, lse, targets, eos_index, coefficients(lse))
+        return lse, z_target
+
+    def grad_from_lse_(
+        self, z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, eos_index: int, coefs: GradCoefficients
+    ) -> None:
+        self._kernels.split_softmax_grad_(
+            z,
+            targets,
+            lse.float(),
+            coefs.coef_lse.float(),
+            coefs.grad_eos.float(),
+            coefs.grad_target.float(),
+            eos_index,
+        )

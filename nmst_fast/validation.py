@@ -1,0 +1,131 @@
+"""Argument checks shared by the public entry points.
+
+Every check raises ``ValueError``/``TypeError`` naming the offending argument
+*before* any kernel runs. Structural checks (types, shapes, devices, dtypes,
+ranges of Python scalars) are free and always run. Data checks (target range,
+step signs, non-finite values) need one host sync; they are batched into a
+single ``.tolist()`` and skipped while ``torch.compile`` traces, where a sync
+would break the graph.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import torch
+
+HEADS = ("nmst", "st", "va")
+IMPLS = ("auto", "triton", "chunked", "reference")
+REDUCTIONS = ("mean", "sum", "none")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def check_eps(eps: object) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps must be a float in (0, 1), got {type(eps).__name__}")
+    if not (0.0 < float(eps) < 1.0):
+        raise ValueError(f"eps must lie in the open interval (0, 1), got {eps!r}")
+
+
+def check_index(name: str, value: object, size: int, size_name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not (0 <= int(value) < size):
+        raise ValueError(f"{name} must lie in [0, {size_name}={size}), got {value}")
+
+
+def check_float_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor (fp16/bf16/fp32/fp64), got {t.dtype}")
+    return t
+
+
+def check_int_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    return t
+
+
+def check_same_device(pairs: list[tuple[str, Optional[torch.Tensor]]]) -> None:
+    present = [(n, t) for n, t in pairs if t is not None]
+    first_name, first = present[0]
+    for name, t in present[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}")
+
+
+def expand_steps(steps: Optional[torch.Tensor], targets: torch.Tensor, head: str, layout_3d: bool) -> Optional[torch.Tensor]:
+    """Check ``steps`` and broadcast it to ``targets``' shape (int64), or build the default.
+
+    Default for the (B, T) layout is 1..T along T. The flat layout has no notion
+    of time, so "nmst" needs explicit steps there ("st" is rejected earlier).
+    Returns None for "va", which does not use steps.
+    """
+    if head == "va":
+        if steps is not None:
+            check_int_tensor("steps", steps)
+        return None
+    if steps is None:
+        if not layout_3d:
+            raise ValueError(f"steps is required for head={head!r} with flat (N, H) hidden states")
+        T = targets.shape[-1]
+        return torch.arange(1, T + 1, device=targets.device).expand(targets.shape)
+    check_int_tensor("steps", steps)
+    if steps.device != targets.device:
+        raise ValueError(f"steps is on {steps.device} but targets is on {targets.device}")
+    try:
+        return torch.broadcast_to(steps, targets.shape).long()
+    except RuntimeError as err:
+        raise ValueError(
+            f"steps of shape {tuple(steps.shape)} does not broadcast to targets' shape {tuple(targets.shape)}"
+        ) from err
+
+
+def should_check_data() -> bool:
+    """Data checks sync with the device; never inside a torch.compile trace."""
+    return not torch.compiler.is_compiling()
+
+
+def check_data(
+    *,
+    head: str,
+    vocab_size: int,
+    targets: torch.Tensor,
+    ignore_index: int,
+    steps: Optional[torch.Tensor],
+    tensors: list[tuple[str, Optional[torch.Tensor]]],
+) -> None:
+    """Value checks that need to look at data, done with a single host sync."""
+    names: list[str] = []
+    flags: list[torch.Tensor] = []
+    active = targets != ignore_index
+    names.append("targets")
+    flags.append((active & ((targets < 0) | (targets >= vocab_size))).any())
+    if head == "nmst" and steps is not None:
+        names.append("steps")
+        flags.append((steps < 0).any())
+    for name, t in tensors:
+        if t is not None:
+            names.append(name)
+            flags.append(~torch.isfinite(t).all())
+    bad = torch.stack(flags).tolist()
+    for name, is_bad in zip(names, bad):
+        if not is_bad:
+            continue
+        if name == "targets":
+            raise ValueError(
+                f"targets holds a value outside [0, V={vocab_size}) that is not ignore_index={ignore_index}"
+            )
+        if name == "steps":
+            raise ValueError("steps must be >= 0 for head='nmst' (0 marks a context position)")
+        raise ValueError(f"{name} contains NaN or inf")

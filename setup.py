@@ -1,0 +1,15 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="nmst-fast",
+    version="0.1.0",
+    description="Fused, memory-lean losses for non-monotonic self-terminating language models",
+    packages=find_packages(include=["nmst_fast", "nmst_fast.*", "kernels", "kernels.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.5", "numpy"],
+    extras_require={
+        "triton": ["triton>=3.0"],
+        "test": ["pytest", "scipy", "triton>=3.0"],
+        "bench": ["pytest-benchmark", "tqdm"],
+    },
+)

@@ -1,0 +1,84 @@
+"""Shared builders and comparison rules for the correctness tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+import nmst_fast
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FAST_IMPLS = ("chunked", "triton")
+
+
+@dataclass
+class Case:
+    hidden: torch.Tensor  # float64 master copies; each impl gets its own cast leaf
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    targets: torch.Tensor
+    steps: Optional[torch.Tensor]
+    eos_index: int
+    eps: float
+    head: str
+
+
+def make_case(
+    gen: torch.Generator,
+    *,
+    head: str,
+    shape: tuple[int, ...],
+    H: int,
+    V: int,
+    bias: bool,
+    ignore_frac: float = 0.2,
+    eos_frac: float = 0.1,
+    logit_scale: float = 1.0,
+    eps: float = 0.05,
+    steps: Optional[torch.Tensor] = None,
+) -> Case:
+    """Random hidden/weight/targets; some targets ignored (one whole row when (B, T)), some eos."""
+    eos_index = int(torch.randint(0, V, (1,), generator=gen))
+    hidden = torch.randn(*shape, H, generator=gen, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=gen, dtype=torch.float64) * (logit_scale / H**0.5)
+    b = torch.randn(V, generator=gen, dtype=torch.float64) * logit_scale if bias else None
+    targets = torch.randint(0, V, shape, generator=gen)
+    targets[torch.rand(shape, generator=gen) < eos_frac] = eos_index
+    targets[torch.rand(shape, generator=gen) < ignore_frac] = -100
+    if len(shape) == 2 and shape[0] > 1:
+        targets[0] = -100  # a sequence with every target ignored
+    return Case(hidden, weight, b, targets.to(DEVICE), steps, eos_index, eps, head)
+
+
+def run(case: Case, impl: str, dtype: torch.dtype, *, reduction: str = "mean", chunk_size=None,
+        grad_out: Optional[torch.Tensor] = None):
+    """Loss and grads (hidden, weight, bias) of one impl in ``dtype``, returned as float64."""
+    leaves = [t.to(DEVICE, dtype).requires_grad_() if t is not None else None
+              for t in (case.hidden, case.weight, case.bias)]
+    hidden, weight, bias = leaves
+    loss = nmst_fast.linear_nmst_loss(
+        hidden, weight, case.targets, eos_index=case.eos_index, eps=case.eps, head=case.head,
+        steps=case.steps, bias=bias, reduction=reduction, impl=impl, chunk_size=chunk_size,
+    )
+    if grad_out is None:
+        grad_out = torch.ones_like(loss)
+    inputs = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad(loss, inputs, grad_out.to(loss.dtype))
+    return [loss.detach().double()] + [g.double() for g in grads]
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item() if a.numel() else 0.0
+
+
+def assert_matches_truth(fast, naive, truth, *, factor: float = 4.0, rel_atol: float = 1e-6, what: str = ""):
+    """The fast result's error vs float64 truth is at most ``factor`` × the error of plain torch
+    in the same dtype, plus a small tolerance relative to the truth's magnitude (the criterion
+    fused-loss libraries use: being no worse than what users run today)."""
+    for name, f, n, t in zip(["loss", "d_hidden", "d_weight", "d_bias"], fast, naive, truth):
+        assert torch.isfinite(f).all(), f"{what} {name}: non-finite values"
+        scale = max(t.abs().max().item(), 1e-30) if t.numel() else 1.0
+        bound = factor * max_err(n, t) + rel_atol * scale
+        assert max_err(f, t) <= bound, f"{what} {name}: error {max_err(f, t):.3e} > bound {bound:.3e}"

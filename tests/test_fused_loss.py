@@ -1,0 +1,209 @@
+"""Fast backends (chunked torch, Triton) against the float64 reference: forward and gradients."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nmst_fast
+from helpers import DEVICE, FAST_IMPLS, Case, assert_matches_truth, make_case, max_err, run
+
+HEADS = ("nmst", "st", "va")
+
+
+def _truth_and_naive(case, dtype, **kw):
+    return run(case, "reference", torch.float64, **kw), run(case, "reference", dtype, **kw)
+
+
+@pytest.mark.parametrize("impl", FAST_IMPLS)
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_random_shapes_fp32(impl, head, reduction, bias):
+    seed = torch.seed() % 2**31  # fresh every run; printed on failure
+    gen = torch.Generator().manual_seed(seed)
+    B, T = int(torch.randint(1, 5, (1,), generator=gen)), int(torch.randint(1, 10, (1,), generator=gen))
+    H = [3, 17, 33][seed % 3]
+    V = [2, 37, 131, 1000][seed % 4]
+    case = make_case(gen, head=head, shape=(B, T), H=H, V=V, bias=bias, eps=[1e-8, 1e-3, 0.5][seed % 3])
+    grad_out = torch.rand(B, T, generator=gen).to(DEVICE) if reduction == "none" else None
+    chunk = int(torch.randint(1, B * T + 2, (1,), generator=gen))
+    fast = run(case, impl, torch.float32, reduction=reduction, chunk_size=chunk, grad_out=grad_out)
+    truth, naive = _truth_and_naive(case, torch.float32, reduction=reduction, grad_out=grad_out)
+    assert_matches_truth(fast, naive, truth, rel_atol=2e-5, what=f"seed={seed} B,T,H,V={B, T, H, V} chunk={chunk}")
+
+
+@pytest.mark.parametrize("impl", FAST_IMPLS)
+@pytest.mark.parametrize("head", ["nmst", "va"])
+def test_flat_layout_with_explicit_steps(impl, head):
+    gen = torch.Generator().manual_seed(11)
+    N = 23
+    steps = torch.randint(0, 40, (N,), generator=gen).to(DEVICE) if head == "nmst" else None
+    case = make_case(gen, head=head, shape=(N,), H=9, V=77, bias=True, steps=steps)
+    fast = run(case, impl, torch.float64, chunk_size=5)
+    truth = run(case, "reference", torch.float64)
+    tol = 1e-10 if impl == "chunked" else 1e-5  # Triton computes in fp32 whatever the storage dtype
+    for f, t in zip(fast, truth):
+        torch.testing.assert_close(f, t, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("impl", FAST_IMPLS)
+@pytest.mark.parametrize("head", HEADS)
+def test_float64_is_exact(impl, head):
+    """In float64 the fused paths agree with the spec to rounding (Triton works in fp32: looser)."""
+    gen = torch.Generator().manual_seed(3)
+    case = make_case(gen, head=head, shape=(3, 8), H=16, V=129, bias=True)
+    fast = run(case, impl, torch.float64, reduction="none", chunk_size=7)
+    truth = run(case, "reference", torch.float64, reduction="none")
+    tol = 1e-10 if impl == "chunked" else 1e-5
+    for f, t in zip(fast, truth):
+        torch.testing.assert_close(f, t, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("impl", FAST_IMPLS)
+@pytest.mark.parametrize("head", HEADS)
+def test_many_rows(impl, head):
+    """B·T in the thousands, many chunks, V not a multiple of any block."""
+    N_rows = {"chunked": (40, 100), "triton": (8, 64)}[impl]
+    gen = torch.Generator().manual_seed(5)
+    case = make_case(gen, head=head, shape=N_rows, H=24, V=333, bias=False)
+    fast = run(case, impl, torch.float32, chunk_size=700)
+    truth, naive = _truth_and_naive(case, torch.float32)
+    assert_matches_truth(fast, naive, truth, rel_atol=2e-5, what=f"N={N_rows}")
+
+
+@pytest.mark.parametrize("impl", FAST_IMPLS)
+@pytest.mark.parametrize("head", HEADS)
+def test_bf16(impl, head):
+    gen = torch.Generator().manual_seed(7)
+    case = make_case(gen, head=head, shape=(4, 12), H=64, V=500, bias=True, logit_scale=4.0)
+    fast = run(case, impl, torch.bfloat16, chunk_size=13)
+    truth, naive = _truth_and_naive(case, torch.bfloat16)
+    # The truth uses the bf16-rounded inputs, so only arithmetic error is compared.
+    rounded = Case(*(t.to(torch.bfloat16).double() if torch.is_tensor(t) and t.is_floating_point() else t
+                     for t in (case.hidden, case.weight, case.bias, case.targets, case.steps)),
+                   case.eos_index, case.eps, case.head)
+    truth = run(rounded, "reference", torch.float64)
+    assert_matches_truth(fast, naive, truth, factor=2.0, rel_atol=1e-2, what="bf16")
+
+
+@pytest.mark.parametrize("impl", FAST_IMPLS)
+@pytest.mark.parametrize("head", HEADS)
+def test_extreme_logits(impl, head):
+    """|z| up to ~1e4: confident, saturated predictions must stay finite and accurate."""
+    gen = torch.Generator().manual_seed(13)
+    case = make_case(gen, head=head, shape=(3, 9), H=8, V=97, bias=True, logit_scale=2500.0)
+    truth = run(case, "reference", torch.float64)
+    z = case.hidden @ case.weight.T + case.bias
+    assert z.abs().max() > 5e3
+    fast = run(case, impl, torch.float32, chunk_size=10)
+    naive = run(case, "reference", torch.float32)
+    assert_matches_truth(fast, naive, truth, rel_atol=1e-5, what="extreme")
+
+
+@pytest.mark.parametrize("impl", FAST_IMPLS)
+@pytest.mark.parametrize("eps", [1e-8, 1e-5, 1e-2, 0.5])
+def test_large_steps_and_eps_range(impl, eps):
+    gen = torch.Generator().manual_seed(17)
+    N = 40
+    steps = torch.cat([torch.tensor([0, 1, 2, 10**7]), torch.randint(1, 10**7, (N - 4,), generator=gen)])
+    case = make_case(gen, head="nmst", shape=(N,), H=12, V=64, bias=False, eps=eps, steps=steps.to(DEVICE))
+    fast = run(case, impl, torch.float32, reduction="none", chunk_size=16)
+    truth, naive = _truth_and_naive(case, torch.float32, reduction="none")
+    assert_matches_truth(fast, naive, truth, rel_atol=2e-5, what=f"eps={eps}")
+
+
+@pytest.mark.parametrize("impl", FAST_IMPLS)
+def test_st_long_sequence_and_context(impl):
+    """ST's running sum over a long T, with context positions (t <= 0) at the start."""
+    gen = torch.Generator().manual_seed(19)
+    B, T = 2, 300
+    steps = (torch.arange(T) - 9).expand(B, T).to(DEVICE)  # 10 context positions, then 1, 2, ...
+    case = make_case(gen, head="st", shape=(B, T), H=8, V=50, bias=True, eps=1e-3, steps=steps)
+    case.targets[:, :10][case.targets[:, :10] == case.eos_index] = -100  # eos is impossible in context
+    fast = run(case, impl, torch.float32, chunk_size=128)
+    truth, naive = _truth_and_naive(case, torch.float32)
+    assert_matches_truth(fast, naive, truth, rel_atol=2e-5, what="st long")
+
+
+@pytest.mark.parametrize("impl", FAST_IMPLS + ("reference",))
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_targets_ignored(impl, head, reduction):
+    gen = torch.Generator().manual_seed(23)
+    case = make_case(gen, head=head, shape=(2, 5), H=6, V=20, bias=True, ignore_frac=1.0)
+    loss, *grads = run(case, impl, torch.float32, reduction=reduction)
+    assert torch.equal(loss, torch.zeros_like(loss))
+    for g in grads:
+        assert torch.isfinite(g).all()
+        if head != "st":
+            assert torch.equal(g, torch.zeros_like(g))
+
+
+@pytest.mark.parametrize("impl", FAST_IMPLS)
+def test_va_equals_cross_entropy(impl):
+    gen = torch.Generator().manual_seed(29)
+    case = make_case(gen, head="va", shape=(5, 7), H=10, V=211, bias=True)
+    h, W, b = (t.to(DEVICE).requires_grad_() for t in (case.hidden, case.weight, case.bias))
+    expected = F.cross_entropy((h @ W.T + b).reshape(-1, 211), case.targets.reshape(-1), ignore_index=-100)
+    got = nmst_fast.linear_nmst_loss(h, W, case.targets, eos_index=case.eos_index, head="va", bias=b, impl=impl,
+                                     chunk_size=8)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    for g_got, g_exp in zip(torch.autograd.grad(got, (h, W, b)), torch.autograd.grad(expected, (h, W, b))):
+        torch.testing.assert_close(g_got, g_exp, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gradcheck_chunked(head, reduction):
+    gen = torch.Generator().manual_seed(31)
+    case = make_case(gen, head=head, shape=(2, 3), H=4, V=6, bias=True, ignore_frac=0.15, eps=0.2)
+    h, W, b = (t.clone().requires_grad_() for t in (case.hidden, case.weight, case.bias))
+
+    def f(h, W, b):
+        return nmst_fast.linear_nmst_loss(h, W, case.targets.cpu(), eos_index=case.eos_index, eps=case.eps,
+                                          head=head, bias=b, reduction=reduction, impl="chunked", chunk_size=4)
+
+    assert torch.autograd.gradcheck(f, (h, W, b))
+
+
+def test_gradcheck_reference():
+    gen = torch.Generator().manual_seed(37)
+    for head in HEADS:
+        case = make_case(gen, head=head, shape=(2, 3), H=4, V=6, bias=True, eps=0.2)
+        h, W, b = (t.clone().requires_grad_() for t in (case.hidden, case.weight, case.bias))
+        assert torch.autograd.gradcheck(
+            lambda h, W, b: nmst_fast.linear_nmst_loss(h, W, case.targets.cpu(), eos_index=case.eos_index,
+                                                       eps=0.2, head=head, bias=b, impl="reference"), (h, W, b))
+
+
+def test_only_some_inputs_need_grad():
+    gen = torch.Generator().manual_seed(41)
+    case = make_case(gen, head="nmst", shape=(2, 6), H=5, V=30, bias=True)
+    h = case.hidden.clone().requires_grad_()
+    W, b = case.weight.clone(), case.bias.clone()  # frozen output layer
+    loss = nmst_fast.linear_nmst_loss(h, W, case.targets.cpu(), eos_index=case.eos_index, eps=case.eps, bias=b,
+                                      impl="chunked")
+    (g,) = torch.autograd.grad(loss, (h,))
+    ref = nmst_fast.linear_nmst_loss(h, W, case.targets.cpu(), eos_index=case.eos_index, eps=case.eps, bias=b,
+                                     impl="reference")
+    torch.testing.assert_close(g, torch.autograd.grad(ref, (h,))[0])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            nmst_fast.linear_nmst_loss(h, W, case.targets.cpu(), eos_index=case.eos_index, eps=case.eps, bias=b),
+            ref.detach())
+
+
+def test_loss_used_twice_scales_gradients():
+    """Gradients formed in the forward pass are scaled by the real upstream gradient."""
+    gen = torch.Generator().manual_seed(43)
+    case = make_case(gen, head="st", shape=(2, 6), H=5, V=30, bias=False)
+    h = case.hidden.clone().requires_grad_()
+    loss = nmst_fast.linear_nmst_loss(h, case.weight, case.targets.cpu(), eos_index=case.eos_index, head="st",
+                                      impl="chunked")
+    (g_twice,) = torch.autograd.grad(3.0 * loss + loss**2, (h,))
+    ref = nmst_fast.linear_nmst_loss(h, case.weight, case.targets.cpu(), eos_index=case.eos_index, head="st",
+                                     impl="reference")
+    (g_ref,) = torch.autograd.grad(3.0 * ref + ref**2, (h,))
+    torch.testing.assert_close(g_twice, g_ref)

@@ -1,0 +1,48 @@
+"""The Triton row kernels on their own (interpreter on CPU, real GPU when present)."""
+
+import pytest
+import torch
+
+from helpers import DEVICE
+from kernels.split_softmax import split_lse, split_softmax_grad_
+
+
+def _reference_stats(z, targets, eos):
+    z64 = z.double()
+    masked = z64.clone()
+    masked[:, eos] = float("-inf")
+    return torch.logsumexp(masked, 1), z64.gather(1, targets[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("V,eos", [(2, 0), (37, 36), (4097, 4096), (4100, 7), (5000, 4999)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_lse(V, eos, dtype):
+    """V not a multiple of the block, including a last tile that holds only eos."""
+    gen = torch.Generator().manual_seed(V)
+    z = (torch.randn(6, V, generator=gen) * 20).to(DEVICE, dtype)
+    targets = torch.randint(0, V, (6,), generator=gen).to(DEVICE)
+    lse, zt = split_lse(z, targets, eos)
+    exp_lse, exp_zt = _reference_stats(z, targets, eos)
+    torch.testing.assert_close(lse.double(), exp_lse, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(zt.double(), exp_zt)
+
+
+@pytest.mark.parametrize("V,eos", [(37, 0), (4100, 4099)])
+def test_split_softmax_grad(V, eos):
+    gen = torch.Generator().manual_seed(1)
+    rows = 5
+    z = (torch.randn(rows, V, generator=gen) * 5).to(DEVICE)
+    targets = torch.tensor([0, 3, eos, V - 1, 1]).to(DEVICE)
+    lse, _ = split_lse(z, targets, eos)
+    coef, grad_eos, grad_target = (torch.randn(rows, generator=gen).to(DEVICE) for _ in range(3))
+    expected = coef[:, None].double() * torch.exp(z.double() - lse[:, None].double())
+    expected[:, eos] = grad_eos.double()
+    expected[torch.arange(rows), targets] += grad_target.double()
+    split_softmax_grad_(z, targets, lse, coef, grad_eos, grad_target, eos)
+    torch.testing.assert_close(z.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_rejects_strided_rows():
+    z = torch.randn(8, 4, device=DEVICE).t()
+    with pytest.raises(ValueError, match="unit stride"):
+        split_lse(z, torch.zeros(4, dtype=torch.long, device=DEVICE), 0)

@@ -1,0 +1,117 @@
+"""Bad input gets a clear error naming the argument, before any kernel runs."""
+
+import pytest
+import torch
+
+import nmst_fast
+import nmst_fast.ops
+
+
+@pytest.fixture(autouse=True)
+def no_kernel_may_run(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a kernel ran before the input was rejected")
+
+    monkeypatch.setattr(nmst_fast.ops, "fused_forward", forbidden)
+
+
+def _args(**over):
+    B, T, H, V = 2, 4, 8, 11
+    args = dict(hidden=torch.randn(B, T, H), weight=torch.randn(V, H), targets=torch.randint(0, V, (B, T)),
+                eos_index=V - 1)
+    args.update(over)
+    return args
+
+
+def _call(**over):
+    kw = _args(**over)
+    return nmst_fast.linear_nmst_loss(kw.pop("hidden"), kw.pop("weight"), kw.pop("targets"), impl="chunked", **kw)
+
+
+@pytest.mark.parametrize(
+    "over,exc,name",
+    [
+        (dict(eps=0.0), ValueError, "eps"),
+        (dict(eps=1.0), ValueError, "eps"),
+        (dict(eps=-0.1), ValueError, "eps"),
+        (dict(eps="0.1"), TypeError, "eps"),
+        (dict(eos_index=11), ValueError, "eos_index"),
+        (dict(eos_index=-1), ValueError, "eos_index"),
+        (dict(eos_index=1.0), TypeError, "eos_index"),
+        (dict(head="nmts"), ValueError, "head"),
+        (dict(reduction="avg"), ValueError, "reduction"),
+        (dict(hidden=torch.randn(2, 5, 8)), ValueError, "targets"),
+        (dict(weight=torch.randn(11, 7)), ValueError, "weight"),
+        (dict(weight=torch.randn(11, 8, dtype=torch.float64)), TypeError, "weight"),
+        (dict(bias=torch.randn(12)), ValueError, "bias"),
+        (dict(bias=torch.randn(11, dtype=torch.float64)), TypeError, "bias"),
+        (dict(targets=torch.rand(2, 4)), TypeError, "targets"),
+        (dict(hidden=torch.randint(0, 3, (2, 4, 8))), TypeError, "hidden"),
+        (dict(steps=torch.rand(2, 4)), TypeError, "steps"),
+        (dict(steps=torch.ones(3, 4, dtype=torch.long)), ValueError, "steps"),
+        (dict(weight=torch.randn(1, 8), eos_index=0, targets=torch.zeros(2, 4, dtype=torch.long)), ValueError, "V"),
+        (dict(chunk_size=0), ValueError, "chunk_size"),
+    ],
+)
+def test_structural_errors(over, exc, name):
+    with pytest.raises(exc, match=name):
+        _call(**over)
+
+
+def test_unknown_impl():
+    with pytest.raises(ValueError, match="impl"):
+        kw = _args()
+        nmst_fast.linear_nmst_loss(kw.pop("hidden"), kw.pop("weight"), kw.pop("targets"), impl="cuda", **kw)
+
+
+def test_st_needs_sequences_and_flat_nmst_needs_steps():
+    h, W, y = torch.randn(6, 8), torch.randn(11, 8), torch.randint(0, 11, (6,))
+    with pytest.raises(ValueError, match="st"):
+        nmst_fast.linear_nmst_loss(h, W, y, eos_index=0, head="st")
+    with pytest.raises(ValueError, match="steps"):
+        nmst_fast.linear_nmst_loss(h, W, y, eos_index=0, head="nmst")
+
+
+@pytest.mark.parametrize("bad", [11, -5, 100])
+def test_target_out_of_range(bad):
+    y = torch.randint(0, 11, (2, 4))
+    y[1, 2] = bad
+    with pytest.raises(ValueError, match="targets"):
+        _call(targets=y)
+
+
+def test_negative_steps_for_nmst():
+    steps = torch.tensor([[1, 2, 3, 4], [0, -1, 1, 2]])
+    with pytest.raises(ValueError, match="steps"):
+        _call(steps=steps)
+
+
+@pytest.mark.parametrize("which", ["hidden", "weight", "bias"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_inputs(which, value):
+    kw = _args(bias=torch.randn(11))
+    kw[which] = kw[which].clone()
+    kw[which].view(-1)[3] = value
+    with pytest.raises(ValueError, match=which):
+        _call(**kw)
+
+
+def test_device_mismatch():
+    with pytest.raises(ValueError, match="weight"):
+        _call(weight=torch.randn(11, 8, device="meta"))
+
+
+def test_triton_on_cpu_needs_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU tensors: only the interpreter can run them
+    kw = _args()
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        nmst_fast.linear_nmst_loss(kw.pop("hidden"), kw.pop("weight"), kw.pop("targets"), impl="triton", **kw)
+
+
+def test_log_probs_validates():
+    with pytest.raises(ValueError, match="eos_index"):
+        nmst_fast.nmst_log_probs(torch.randn(3, 5), eos_index=5, head="va")
+    with pytest.raises(ValueError, match="eps"):
+        nmst_fast.nmst_log_probs(torch.randn(2, 3, 5), eos_index=0, eps=2.0)
+    with pytest.raises(ValueError, match="head"):
+        nmst_fast.nmst_log_probs(torch.randn(2, 3, 5), eos_index=0, head="x")
