@@ -6,7 +6,7 @@ setup(
     description="Fused, memory-lean losses for non-monotonic self-terminating language models",
     packages=find_packages(include=["nmst_fast", "nmst_fast.*", "kernels", "kernels.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.5", "numpy"],
+    install_requires=["torch>=2.5", "numpy", "tqdm"],
     extras_require={
         "triton": ["triton>=3.0"],
         "test": ["pytest", "scipy", "triton>=3.0"],

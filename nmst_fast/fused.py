@@ -36,10 +36,15 @@ class HeadConfig:
 
 
 def default_chunk_rows(num_rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Rows per chunk so the (chunk, V) logits buffer stays within a fixed byte budget."""
+    """Rows per chunk so the (chunk, V) logits buffer stays within a fixed byte budget.
+
+    Chunks are balanced (4096 rows at <= 1001 per chunk become 5 x 820, not 4 x 1001 + 92):
+    a thin last chunk runs its three GEMMs at poor efficiency.
+    """
     budget = _CHUNK_BYTES["cuda" if device.type == "cuda" else "cpu"]
-    rows = budget // (vocab_size * torch.empty((), dtype=dtype).element_size())
-    return max(1, min(num_rows, rows))
+    max_rows = max(1, budget // (vocab_size * torch.empty((), dtype=dtype).element_size()))
+    num_chunks = -(-num_rows // max_rows)
+    return max(1, -(-num_rows // num_chunks))
 
 
 def row_ops_for(backend: str):

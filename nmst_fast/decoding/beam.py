@@ -1,0 +1,80 @@
+"""One step of beam search on a head's exact step distribution."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .distribution import Steps, effective_logits
+from .selection import ranked_candidates
+
+
+@dataclass
+class BeamCandidates:
+    """The best extensions of a batch of beams, best first per batch item.
+
+    Attributes:
+        tokens: (B, C) int64 next token of each candidate.
+        scores: (B, C) float64 cumulative log-probability of prefix + token.
+        beam_rows: (B, C) int64 row of the (B·K) beam batch each candidate extends.
+        state: (B, C) float64 head state ("st": running log(1−α)) after the token,
+            already taken from the extended beam; None for other heads.
+    """
+
+    tokens: torch.Tensor
+    scores: torch.Tensor
+    beam_rows: torch.Tensor
+    state: Optional[torch.Tensor]
+
+
+def beam_step(
+    logits: torch.Tensor,
+    beam_scores: torch.Tensor,
+    *,
+    num_beams: int,
+    head: str,
+    eos_index: int,
+    eps: float = 1e-5,
+    steps: Steps = 1,
+    state: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    num_candidates: Optional[int] = None,
+) -> BeamCandidates:
+    """The paper's beam step: each beam proposes its top tokens, the best prefixes survive.
+
+    Args:
+        logits: (B·K, V) logits of the K = ``num_beams`` beams of each of B items, beams of
+            one item adjacent.
+        beam_scores: (B·K,) cumulative log-probabilities of the beams (use -inf for beams
+            that should not expand, e.g. all but the first at step 1).
+        state: "st" only: (B·K,) running log(1−α) of each beam.
+        num_candidates: C, how many extensions to return per item (default K: the k best
+            of the k×k candidates). A generation loop that sets finished (eos) candidates
+            aside asks for 2K so that K unfinished ones always remain.
+    Returns:
+        :class:`BeamCandidates`, ranked by score (ties → lower beam, then lower token rank).
+    """
+    if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
+        raise ValueError(f"num_beams must be a positive int, got {num_beams!r}")
+    rows, V = logits.shape
+    if rows % num_beams:
+        raise ValueError(f"logits has {rows} rows, not a multiple of num_beams={num_beams}")
+    if beam_scores.shape != (rows,):
+        raise ValueError(f"beam_scores must have shape ({rows},), got {tuple(beam_scores.shape)}")
+    C = num_beams if num_candidates is None else num_candidates
+    B = rows // num_beams
+    dist = effective_logits(logits, head=head, eos_index=eos_index, eps=eps, steps=steps, state=state,
+                            temperature=temperature)
+    # Any of an item's C best extensions is among its own beam's C best tokens: K·C candidates suffice.
+    per_beam = min(C, V)
+    tokens, log_p = ranked_candidates(dist, per_beam)
+    scores = (beam_scores.to(torch.float64).unsqueeze(1) + log_p).reshape(B, num_beams * per_beam)
+    # Stable sort on the small candidate set: ties go to the lower beam, then the better-ranked token.
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :C]
+    beam_in_item = torch.div(order, per_beam, rounding_mode="floor")
+    beam_rows = beam_in_item + (torch.arange(B, device=logits.device) * num_beams).unsqueeze(1)
+    cand_tokens = tokens.reshape(B, -1).gather(1, order)
+    cand_state = None if dist.state is None else dist.state[beam_rows]
+    return BeamCandidates(cand_tokens, scores.gather(1, order), beam_rows, cand_state)

@@ -1,0 +1,171 @@
+"""The exact one-step distribution of a head, as *effective logits*.
+
+For NMST/ST, p(eos) = α_t and p(v≠eos) = (1−α_t)·softmax_{v≠eos}(z)_v. Writing
+a = log(1−α_t) and L = logsumexp_{v≠eos} z_v, that is exactly softmax(ζ) with
+
+    ζ_v = z_v  (v ≠ eos),      ζ_eos = L + log(1 − e^a) − a,      logsumexp(ζ) = L − a.
+
+So every decoder (greedy, top-k, top-p, sampling, beam) is ordinary softmax
+decoding on ζ, which differs from the raw logits in one entry and needs one
+extra per-row scalar, L. Non-eos tokens keep their raw-logit order.
+
+Temperature τ (NMST/ST) divides the non-eos logits only: α_t depends on s alone,
+so p(eos) and with it the termination guarantee are unchanged. For VA it
+divides every logit, as usual.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from ..logmath import log1mexp
+from ..validation import HEADS, check_choice, check_eps, check_float_tensor, check_index
+
+Steps = Union[int, torch.Tensor]
+
+
+@dataclass
+class StepDistribution:
+    """One decoding step's distribution for a batch of rows.
+
+    Attributes:
+        zeta: (B, V) effective logits, float32 (float64 for float64 input).
+        log_norm: (B,) float64, logsumexp(ζ); log p(v) = ζ_v − log_norm.
+        eos_index: the eos column.
+        eos_zeta: (B,) float64 ζ_eos before rounding into ``zeta`` (None for "va",
+            whose eos is an ordinary logit); ranking uses it so eos is compared exactly.
+        state: (B,) float64 running log(1−α_t) for "st" (None for other heads).
+    """
+
+    zeta: torch.Tensor
+    log_norm: torch.Tensor
+    eos_index: int
+    eos_zeta: Optional[torch.Tensor]
+    state: Optional[torch.Tensor]
+
+    def token_log_probs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B,) float64 log p of one token per row, without forming the (B, V) table."""
+        log_p = self.zeta.gather(1, tokens.unsqueeze(1)).squeeze(1).to(torch.float64) - self.log_norm
+        if self.eos_zeta is not None:
+            log_p = torch.where(tokens == self.eos_index, self.eos_zeta - self.log_norm, log_p)
+        return log_p
+
+    def log_probs(self) -> torch.Tensor:
+        """(B, V) float64 log p."""
+        log_p = self.zeta.to(torch.float64) - self.log_norm.unsqueeze(1)
+        if self.eos_zeta is not None:
+            log_p[:, self.eos_index] = self.eos_zeta - self.log_norm
+        return log_p
+
+
+def _steps_tensor(steps: Steps, batch: int, device: torch.device) -> torch.Tensor:
+    if isinstance(steps, bool):
+        raise TypeError("steps must be an int or an integer tensor")
+    if isinstance(steps, numbers.Integral):
+        return torch.full((batch,), int(steps), dtype=torch.long, device=device)
+    if not isinstance(steps, torch.Tensor) or steps.dtype.is_floating_point or steps.dtype == torch.bool:
+        raise TypeError(f"steps must be an int or an integer tensor, got {type(steps).__name__}")
+    try:
+        return torch.broadcast_to(steps.to(device), (batch,)).long()
+    except RuntimeError as err:
+        raise ValueError(f"steps of shape {tuple(steps.shape)} does not broadcast to the batch ({batch},)") from err
+
+
+def check_step_args(logits: torch.Tensor, head: str, eos_index: int, eps: float, temperature: float) -> None:
+    check_choice("head", head, HEADS)
+    check_float_tensor("logits", logits)
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be (B, V), got shape {tuple(logits.shape)}")
+    if logits.shape[1] < 2:
+        raise ValueError(f"logits must have V >= 2 (eos and one other token), got V={logits.shape[1]}")
+    check_index("eos_index", eos_index, logits.shape[1], "V")
+    check_eps(eps)
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature > 0:
+        raise ValueError(f"temperature must be a positive float, got {temperature!r}")
+
+
+def effective_logits(
+    logits: torch.Tensor,
+    *,
+    head: str,
+    eos_index: int,
+    eps: float = 1e-5,
+    steps: Steps = 1,
+    state: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+) -> StepDistribution:
+    """ζ for one step (see module docstring). ``logits`` (B, V) is not modified.
+
+    Args:
+        logits: (B, V) raw logits of the step.
+        steps: t of this step (int or (B,)); t <= 0 is context (p(eos) = 0).
+        state: "st" only: (B,) running log(1−α) after the previous step (None: start, 0).
+    """
+    check_step_args(logits, head, eos_index, eps, temperature)
+    B, V = logits.shape
+    work_dtype = torch.promote_types(logits.dtype, torch.float32)
+    zeta = logits.to(work_dtype, copy=True)
+    if temperature != 1.0:
+        if head == "va":
+            zeta /= temperature
+        else:
+            s_raw = zeta[:, eos_index].clone()
+            zeta /= temperature
+            zeta[:, eos_index] = s_raw
+    if head == "va":
+        if not torch.compiler.is_compiling():
+            _check_rows(torch.logsumexp(zeta, dim=1))
+        return StepDistribution(zeta, torch.logsumexp(zeta.to(torch.float64), dim=1), eos_index, None, None)
+
+    t = _steps_tensor(steps, B, logits.device)
+    active = t >= 1
+    s = zeta[:, eos_index].to(torch.float64, copy=True)  # a copy: the column is masked next
+    zeta[:, eos_index] = float("-inf")
+    lse = torch.logsumexp(zeta, dim=1).to(torch.float64)
+    if head == "nmst":
+        log_surv = F.logsigmoid(-s) + t.to(torch.float64) * math.log1p(-eps)
+    else:
+        prev = torch.zeros(B, dtype=torch.float64, device=logits.device) if state is None else state.to(torch.float64)
+        if prev.shape != (B,):
+            raise ValueError(f"state must have shape ({B},), got {tuple(prev.shape)}")
+        log_surv = prev + F.logsigmoid(s) + math.log1p(-eps)
+    # Context rows (t <= 0): p(eos) = 0, and ST's running sum stays where it was (0).
+    log_surv = torch.where(active, log_surv, 0.0 if (head == "nmst" or state is None) else state.to(torch.float64))
+    if not torch.compiler.is_compiling():
+        _check_rows(torch.where(torch.isnan(s), s, lse))  # a NaN eos logit is caught too
+    eos_zeta = lse + log1mexp(log_surv) - log_surv
+    zeta[:, eos_index] = eos_zeta.to(work_dtype)
+    return StepDistribution(zeta, lse - log_surv, eos_index, eos_zeta, log_surv if head == "st" else None)
+
+
+def _check_rows(non_eos_lse: torch.Tensor) -> None:
+    """NaN or +inf logits, or rows with no finite non-eos logit, have no defined distribution."""
+    bad = ~torch.isfinite(non_eos_lse)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"logits row {row} has NaN/+inf values or no finite non-eos logit: no distribution to decode")
+
+
+def step_log_probs(
+    logits: torch.Tensor,
+    *,
+    head: str,
+    eos_index: int,
+    eps: float = 1e-5,
+    steps: Steps = 1,
+    state: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Exact log-distribution (B, V) float64 of one decoding step, and the new head state.
+
+    ``state`` carries ST's running log(1−α) from step to step (None for NMST/VA).
+    """
+    dist = effective_logits(logits, head=head, eos_index=eos_index, eps=eps, steps=steps, state=state,
+                            temperature=temperature)
+    return dist.log_probs(), dist.state

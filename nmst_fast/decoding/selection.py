@@ -1,0 +1,167 @@
+"""Token selection on the NMST/ST/VA step distribution: greedy, top-k, top-p, sampling.
+
+CPU/torch path without a full sort of the vocabulary. Tokens are ranked by
+probability with ties broken toward the lower index, exactly:
+
+* non-eos tokens rank by their effective logit ζ (their raw logit, up to a
+  temperature), so a partial selection (``torch.topk``) over packed int64 keys
+  — the float's order-preserving bits in the high half, the reversed index in
+  the low half — yields the top candidates in a unique, deterministic order;
+* eos is merged into that list by comparing its exact float64 ζ_eos.
+
+Top-p grows the candidate list geometrically until it covers mass p, so its
+cost follows the nucleus size, not V.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import torch
+
+from .distribution import StepDistribution, Steps, effective_logits
+
+_FIRST_CANDIDATES = 64
+_TOP_P_SLACK = 1e-12  # a cumulative mass within this of p counts as reaching p (float64 round-off)
+
+
+def _sortable_keys(values: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordering (B, V) float32 values descending, ties → lower column first."""
+    bits = values.contiguous().view(torch.int32).to(torch.int64)
+    magnitude = bits & 0x7FFFFFFF
+    ordered = torch.where(bits < 0, -magnitude, magnitude)  # monotone in the float value (±0 tie)
+    V = values.shape[1]
+    reversed_index = (V - 1) - torch.arange(V, device=values.device, dtype=torch.int64)
+    return ordered * (1 << 32) + reversed_index
+
+
+def ranked_candidates(dist: StepDistribution, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most probable tokens of every row in rank order, with their log-probabilities.
+
+    Returns (tokens (B, k) int64, log_probs (B, k) float64); ranks by probability,
+    ties → lower token index. k is capped at V.
+    """
+    B, V = dist.zeta.shape
+    k = min(k, V)
+    has_special_eos = dist.eos_zeta is not None
+    if dist.zeta.dtype == torch.float64:
+        # Keys cannot pack a float64 and an index into 64 bits: fall back to a stable sort.
+        values = dist.log_probs()
+        order = torch.sort(values, dim=1, descending=True, stable=True).indices[:, :k]
+        return order, values.gather(1, order)
+    keys = _sortable_keys(dist.zeta)
+    if has_special_eos:
+        keys[:, dist.eos_index] = torch.iinfo(torch.int64).min  # eos is merged below, exactly
+    k_other = min(k, V - 1) if has_special_eos else k
+    tokens = torch.topk(keys, k_other, dim=1, sorted=True).indices
+    log_p = dist.zeta.gather(1, tokens).to(torch.float64) - dist.log_norm.unsqueeze(1)
+    if not has_special_eos:
+        return tokens, log_p
+    # Insert eos after every candidate that outranks it (higher ζ, or equal ζ and lower index).
+    cand_zeta = dist.zeta.gather(1, tokens).to(torch.float64)
+    eos_zeta = dist.eos_zeta.unsqueeze(1)
+    outranks_eos = (cand_zeta > eos_zeta) | ((cand_zeta == eos_zeta) & (tokens < dist.eos_index))
+    eos_pos = outranks_eos.sum(dim=1, keepdim=True)
+    slots = torch.arange(k_other + 1, device=tokens.device).expand(B, -1)
+    source = (slots - (slots > eos_pos).long()).clamp(max=k_other - 1)
+    merged_tokens = torch.where(slots == eos_pos, dist.eos_index, tokens.gather(1, source))
+    merged_log_p = torch.where(slots == eos_pos, dist.eos_zeta.unsqueeze(1) - dist.log_norm.unsqueeze(1),
+                               log_p.gather(1, source))
+    return merged_tokens[:, :k], merged_log_p[:, :k]
+
+
+def greedy(dist: StepDistribution) -> torch.Tensor:
+    """Most probable token per row (B,), ties → lower index."""
+    if dist.eos_zeta is None or dist.zeta.dtype == torch.float64:
+        return torch.argmax(dist.log_probs() if dist.eos_zeta is not None else dist.zeta, dim=1)
+    return ranked_candidates(dist, 1)[0].squeeze(1)
+
+
+def _check_truncation(top_k: Optional[int], top_p: Optional[float]) -> None:
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1):
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must lie in (0, 1] or be None, got {top_p!r}")
+
+
+def truncated_candidates(
+    dist: StepDistribution, top_k: Optional[int], top_p: Optional[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates kept by top-k then top-p, and their renormalized probabilities.
+
+    Returns (tokens (B, C) int64, probs (B, C) float64): rows padded with probability 0.
+    Top-k keeps exactly k tokens; top-p keeps the smallest prefix (in rank order) whose
+    mass, renormalized over the top-k set when both are given, reaches p (at least one token).
+    """
+    V = dist.zeta.shape[1]
+    k = top_k if top_k is not None else min(V, _FIRST_CANDIDATES)
+    while True:
+        tokens, log_p = ranked_candidates(dist, k)
+        probs = torch.exp(log_p)
+        if top_k is not None:
+            probs = probs / probs.sum(dim=1, keepdim=True)
+        if top_p is None or top_p >= 1.0:
+            return tokens, probs
+        cumulative = torch.cumsum(probs, dim=1)
+        reached = cumulative >= top_p - _TOP_P_SLACK
+        covered = bool(reached[:, -1].all())
+        if covered or top_k is not None or k >= V:
+            break
+        k = min(V, 4 * k)
+    # Keep rank j if the mass strictly before it is still short of p.
+    mass_before = cumulative - probs
+    keep = mass_before < top_p - _TOP_P_SLACK
+    keep[:, 0] = True
+    probs = torch.where(keep, probs, 0.0)
+    return tokens, probs / probs.sum(dim=1, keepdim=True)
+
+
+def select(
+    dist: StepDistribution,
+    *,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Draw one token per row (B,) from ``dist`` after optional top-k / top-p truncation."""
+    _check_truncation(top_k, top_p)
+    if top_k == 1:
+        return greedy(dist)
+    if top_k is None and (top_p is None or top_p >= 1.0):
+        return torch.multinomial(torch.exp(dist.log_probs()), 1, generator=generator).squeeze(1)
+    tokens, probs = truncated_candidates(dist, top_k, top_p)
+    return tokens.gather(1, torch.multinomial(probs, 1, generator=generator)).squeeze(1)
+
+
+def sample(
+    logits: torch.Tensor,
+    *,
+    head: str,
+    eos_index: int,
+    eps: float = 1e-5,
+    steps: Steps = 1,
+    state: Optional[torch.Tensor] = None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    temperature: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Draw one token per row from the head's step distribution, optionally truncated.
+
+    Args:
+        logits: (B, V) raw logits of this step.
+        head, eos_index, eps: the head (see :func:`nmst_fast.linear_nmst_loss`).
+        steps: t of this step (int or (B,)); t <= 0 is context (p(eos) = 0).
+        state: "st" only: running log(1−α) from the previous step (None at the start).
+        top_k: keep the k most probable tokens (ties → lower index); ``top_k=1`` is greedy.
+        top_p: keep the smallest most-probable set with mass >= p (after top-k, if both).
+        temperature: divides non-eos logits (all logits for "va"); p(eos) of NMST/ST is unchanged.
+        generator: torch.Generator for reproducible draws.
+    Returns:
+        (tokens (B,) int64, new state).
+    """
+    _check_truncation(top_k, top_p)
+    dist = effective_logits(logits, head=head, eos_index=eos_index, eps=eps, steps=steps, state=state,
+                            temperature=temperature)
+    return select(dist, top_k=top_k, top_p=top_p, generator=generator), dist.state

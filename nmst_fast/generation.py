@@ -1,0 +1,235 @@
+"""Batched generation with NMST / ST / VA heads: greedy, top-k, nucleus and beam search.
+
+Any model plugs in through three methods (see :class:`DecodingModel`): encode the
+contexts, advance one token, and select rows of its incremental state (RNN state,
+KV cache). Finished sequences leave the batch, so the cost of a step follows the
+number of live sequences, and an NMST head guarantees that greedy decoding is
+over by ``termination_bound(eps)`` steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+import torch
+from tqdm.auto import tqdm
+
+from .decoding.beam import beam_step
+from .decoding.distribution import effective_logits
+from .decoding.selection import select
+from .head import NMSTHead
+
+STRATEGIES = ("greedy", "top_k", "nucleus", "beam")
+
+
+class DecodingModel(Protocol):
+    """What :func:`generate` needs from a model."""
+
+    nmst_head: NMSTHead
+
+    def prefill(self, contexts: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Encode (B, Tc) context tokens: hidden state (B, H) at the last position, and the cache."""
+
+    def decode_step(self, tokens: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+        """Feed (B,) tokens: next hidden states (B, H) and the updated cache."""
+
+    def select_cache(self, cache: Any, index: torch.Tensor) -> Any:
+        """Rows ``index`` (int64) of the cache, in that order (used to drop and to reorder rows)."""
+
+
+@dataclass
+class GenerationOutput:
+    """Continuations of a batch of contexts.
+
+    Attributes:
+        tokens: (B, T) int64 generated tokens, eos included, padded with -1 after the end
+            (T = the longest continuation; empty when ``keep_tokens=False``).
+        lengths: (B,) int64 generated length (eos included when terminated).
+        terminated: (B,) bool, whether the continuation ended with eos within ``max_length``.
+        scores: (B,) float64 log-probability of each continuation (beam: its ranking score).
+    """
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    terminated: torch.Tensor
+    scores: torch.Tensor
+
+
+def _check(strategy: str, top_k, top_p, num_beams, max_length) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
+        raise ValueError(f"max_length must be a positive int, got {max_length!r}")
+    if strategy == "top_k" and top_k is None:
+        raise ValueError("strategy='top_k' needs top_k")
+    if strategy == "nucleus" and top_p is None:
+        raise ValueError("strategy='nucleus' needs top_p")
+    if strategy == "beam" and (not isinstance(num_beams, int) or num_beams < 1):
+        raise ValueError(f"strategy='beam' needs num_beams >= 1, got {num_beams!r}")
+
+
+@torch.no_grad()
+def generate(
+    model: DecodingModel,
+    contexts: torch.Tensor,
+    *,
+    strategy: str = "greedy",
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    num_beams: Optional[int] = None,
+    max_length: int = 1000,
+    temperature: float = 1.0,
+    length_penalty: float = 0.0,
+    generator: Optional[torch.Generator] = None,
+    keep_tokens: bool = True,
+    progress: bool = False,
+) -> GenerationOutput:
+    """Continue every context until eos or ``max_length`` generated tokens.
+
+    Args:
+        model: a :class:`DecodingModel` whose ``nmst_head`` defines the head, eos and ε.
+        contexts: (B, Tc) int64 context tokens.
+        strategy: "greedy", "top_k" (sampling from the top ``top_k``), "nucleus" (sampling
+            from the top-``top_p`` mass; ``top_k`` may be combined) or "beam".
+        num_beams: beam width for "beam" (returns each item's best hypothesis).
+        max_length: L, the most tokens generated per context.
+        temperature: see :func:`nmst_fast.decoding.sample` (sampling strategies).
+        length_penalty: beam ranking uses score / length**length_penalty (0: raw log-prob).
+        generator: for reproducible sampling.
+        keep_tokens: keep the generated tokens; False keeps only lengths (memory O(B) for
+            non-termination studies with L = 10^5).
+        progress: show a progress bar over steps.
+    """
+    _check(strategy, top_k, top_p, num_beams, max_length)
+    if strategy == "beam":
+        return _beam_search(model, contexts, num_beams, max_length, length_penalty, keep_tokens, progress)
+    head: NMSTHead = model.nmst_head
+    B = contexts.shape[0]
+    device = contexts.device
+    k = 1 if strategy == "greedy" else top_k
+    p = top_p if strategy == "nucleus" else None
+    lengths = torch.full((B,), max_length, dtype=torch.long, device=device)
+    terminated = torch.zeros(B, dtype=torch.bool, device=device)
+    scores = torch.zeros(B, dtype=torch.float64, device=device)
+    history: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live rows, tokens) per step
+    live = torch.arange(B, device=device)
+    hidden, cache = model.prefill(contexts)
+    state = None
+    bar = tqdm(total=max_length, disable=not progress, desc=f"generate[{strategy}]")
+    for t in range(1, max_length + 1):
+        dist = effective_logits(head(hidden), head=head.head, eos_index=head.eos_index, eps=head.eps, steps=t,
+                                state=state, temperature=temperature)
+        tokens = select(dist, top_k=k, top_p=p, generator=generator)
+        new_state = dist.state
+        scores[live] += dist.token_log_probs(tokens)
+        if keep_tokens:
+            history.append((live, tokens))
+        finished = tokens == head.eos_index
+        lengths[live[finished]] = t
+        terminated[live[finished]] = True
+        bar.update(1)
+        bar.set_postfix(live=int((~finished).sum()))
+        if bool(finished.all()) or t == max_length:
+            break
+        keep = (~finished).nonzero().squeeze(1)
+        live, tokens = live[keep], tokens[keep]
+        state = None if new_state is None else new_state[keep]
+        if keep.numel() < finished.numel():
+            cache = model.select_cache(cache, keep)
+        hidden, cache = model.decode_step(tokens, cache)
+    bar.close()
+    return GenerationOutput(_assemble(history, B, lengths, device, keep_tokens), lengths, terminated, scores)
+
+
+def _assemble(history, B: int, lengths: torch.Tensor, device, keep_tokens: bool) -> torch.Tensor:
+    if not keep_tokens:
+        return torch.empty(B, 0, dtype=torch.long, device=device)
+    out = torch.full((B, len(history)), -1, dtype=torch.long, device=device)
+    for t, (rows, tokens) in enumerate(history):
+        out[rows, t] = tokens
+    return out
+
+
+@dataclass
+class _Hypothesis:
+    score: float
+    tokens: list[int]  # empty when keep_tokens=False
+    length: int
+    terminated: bool
+    log_prob: float
+
+
+def _beam_search(model, contexts, K, max_length, length_penalty, keep_tokens, progress) -> GenerationOutput:
+    """Beam search: each step keeps the K best unfinished prefixes of every item; a candidate
+    ending in eos that ranks among the K best becomes a finished hypothesis. An item is done
+    once it holds K finished hypotheses (or at ``max_length``, where its live beams compete
+    too); its best hypothesis by log-prob / length**length_penalty is returned."""
+    head: NMSTHead = model.nmst_head
+    eos = head.eos_index
+    B, device = contexts.shape[0], contexts.device
+    hidden, cache = model.prefill(contexts)
+    rows = torch.arange(B, device=device).repeat_interleave(K)
+    hidden, cache = hidden[rows], model.select_cache(cache, rows)
+    beam_scores = torch.full((B, K), float("-inf"), dtype=torch.float64, device=device)
+    beam_scores[:, 0] = 0.0  # one beam expands at first, so the K beams start distinct
+    beam_scores = beam_scores.view(-1)
+    prefixes = torch.empty(B * K, 0, dtype=torch.long, device=device)
+    items = torch.arange(B, device=device)  # original index of each live item
+    finished: list[list[_Hypothesis]] = [[] for _ in range(B)]
+    state = None
+    rank = torch.arange(2 * K, device=device)
+    bar = tqdm(total=max_length, disable=not progress, desc="generate[beam]")
+    for t in range(1, max_length + 1):
+        cand = beam_step(head(hidden), beam_scores, num_beams=K, head=head.head, eos_index=eos, eps=head.eps,
+                         steps=t, state=state, num_candidates=2 * K)
+        is_eos = cand.tokens == eos
+        to_finish = is_eos & (rank < K) & torch.isfinite(cand.scores)
+        for i, j in to_finish.nonzero().tolist():
+            hyp = finished[int(items[i])]
+            seq = prefixes[cand.beam_rows[i, j]].tolist() + [eos] if keep_tokens else []
+            log_prob = float(cand.scores[i, j])
+            hyp.append(_Hypothesis(log_prob / t**length_penalty, seq, t, True, log_prob))
+            hyp.sort(key=lambda h: -h.score)
+            del hyp[K:]
+        # The K best non-eos candidates continue (2K candidates always hold K of them).
+        continuing = torch.sort((is_eos).to(torch.int8), dim=1, stable=True).indices[:, :K]
+        next_rows = cand.beam_rows.gather(1, continuing).view(-1)
+        next_tokens = cand.tokens.gather(1, continuing).view(-1)
+        beam_scores = cand.scores.gather(1, continuing).view(-1)
+        state = None if cand.state is None else cand.state.gather(1, continuing).view(-1)
+        if keep_tokens:
+            prefixes = torch.cat([prefixes[next_rows], next_tokens[:, None]], dim=1)
+        bar.update(1)
+        done = torch.tensor([len(finished[int(b)]) >= K for b in items], device=device)
+        if t == max_length:
+            for i, b in enumerate(items.tolist()):
+                if done[i]:
+                    continue
+                for j in range(K):
+                    log_prob = float(beam_scores[i * K + j])
+                    seq = prefixes[i * K + j].tolist() if keep_tokens else []
+                    finished[b].append(_Hypothesis(log_prob / t**length_penalty, seq, t, False, log_prob))
+            break
+        if bool(done.all()):
+            break
+        if bool(done.any()):  # finished items leave the batch
+            keep_items = (~done).nonzero().squeeze(1)
+            keep_rows = (keep_items[:, None] * K + torch.arange(K, device=device)).view(-1)
+            items = items[keep_items]
+            next_rows, next_tokens = next_rows[keep_rows], next_tokens[keep_rows]
+            beam_scores = beam_scores[keep_rows]
+            if keep_tokens:
+                prefixes = prefixes[keep_rows]
+            state = None if state is None else state[keep_rows]
+        hidden, cache = model.decode_step(next_tokens, model.select_cache(cache, next_rows))
+    bar.close()
+    best = [max(h, key=lambda h: h.score) for h in finished]  # every item holds >= 1 hypothesis by now
+    lengths = torch.tensor([h.length for h in best], dtype=torch.long, device=device)
+    width = int(lengths.max()) if keep_tokens else 0
+    tokens = torch.full((B, width), -1, dtype=torch.long, device=device)
+    if keep_tokens:
+        for i, h in enumerate(best):
+            tokens[i, : h.length] = torch.tensor(h.tokens, dtype=torch.long, device=device)
+    return GenerationOutput(tokens, lengths, torch.tensor([h.terminated for h in best], device=device),
+                            torch.tensor([h.log_prob for h in best], dtype=torch.float64, device=device))

@@ -1,0 +1,202 @@
+"""Decoding: exact step distributions, tie rules, and sampling tested as distributions."""
+
+import math
+
+import pytest
+import torch
+from scipy import stats
+
+import nmst_fast
+from nmst_fast.decoding import effective_logits, ranked_candidates, sample, step_log_probs, truncated_candidates
+from nmst_fast.decoding.reference import truncated_distribution
+
+HEADS = ("nmst", "st", "va")
+DRAWS = 1_000_000
+
+
+def _g_test(tokens: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """p-value of a G-test of token counts against ``expected_probs`` (V,).
+
+    Tokens with zero expected probability must never be drawn (checked exactly).
+    """
+    V = expected_probs.numel()
+    counts = torch.bincount(tokens, minlength=V).double()
+    support = expected_probs > 0
+    assert counts[~support].sum() == 0, f"drew impossible tokens {torch.nonzero(counts * ~support).flatten().tolist()}"
+    observed, expected = counts[support], expected_probs[support] * counts.sum()
+    if observed.numel() == 1:
+        return 1.0
+    nonzero = observed > 0
+    g = 2.0 * (observed[nonzero] * torch.log(observed[nonzero] / expected[nonzero])).sum().item()
+    return float(stats.chi2.sf(g, df=observed.numel() - 1))
+
+
+def _row(gen: torch.Generator, V: int = 24) -> torch.Tensor:
+    """A row of logits with ties (duplicates) and a wide range."""
+    z = torch.randn(V, generator=gen, dtype=torch.float64) * 2
+    z[5] = z[9] = z[3]  # a three-way tie
+    return z.float()
+
+
+def _reference_log_probs(z: torch.Tensor, head: str, eos: int, eps: float, t: int) -> torch.Tensor:
+    if head == "st":  # ST at step t from a constant eos logit history: build the sequence
+        seq = z.double().expand(1, t, -1)
+        return nmst_fast.nmst_log_probs(seq, eos_index=eos, eps=eps, head="st")[0, -1]
+    return nmst_fast.nmst_log_probs(z.double().unsqueeze(0), eos_index=eos, eps=eps, head=head,
+                                    steps=torch.tensor([t]))[0]
+
+
+def _st_state_before(z: torch.Tensor, eos: int, eps: float, t: int) -> torch.Tensor:
+    state = None
+    for step in range(1, t):
+        _, state = step_log_probs(z.unsqueeze(0), head="st", eos_index=eos, eps=eps, steps=step, state=state)
+    return state
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_step_log_probs_match_reference_along_a_sequence(head):
+    gen = torch.Generator().manual_seed(1)
+    B, T, V, eos = 3, 9, 13, 4
+    z = torch.randn(B, T, V, generator=gen, dtype=torch.float64) * 3
+    steps = torch.arange(-2, T - 2).expand(B, T)  # three context positions first
+    ref = nmst_fast.nmst_log_probs(z, eos_index=eos, eps=0.05, head=head,
+                                   steps=steps.clamp(min=0) if head == "nmst" else steps)
+    state = None
+    for t in range(T):
+        lp, state = step_log_probs(z[:, t], head=head, eos_index=eos, eps=0.05,
+                                   steps=max(t - 2, 0) if head == "nmst" else t - 2, state=state)
+        torch.testing.assert_close(lp.exp(), ref[:, t].exp(), rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("head", ["nmst", "st"])
+def test_temperature_leaves_p_eos_alone(head):
+    gen = torch.Generator().manual_seed(2)
+    z = torch.randn(4, 30, generator=gen, dtype=torch.float64)
+    base, _ = step_log_probs(z, head=head, eos_index=7, eps=0.01, steps=12)
+    hot, _ = step_log_probs(z, head=head, eos_index=7, eps=0.01, steps=12, temperature=0.3)
+    torch.testing.assert_close(hot[:, 7], base[:, 7])
+    non_eos = torch.cat([z[:, :7], z[:, 8:]], 1) / 0.3
+    expected = torch.log_softmax(non_eos, 1) + torch.log1p(-hot[:, 7].exp()).unsqueeze(1)
+    torch.testing.assert_close(torch.cat([hot[:, :7], hot[:, 8:]], 1), expected)
+    va, _ = step_log_probs(z, head="va", eos_index=7, temperature=0.3)
+    torch.testing.assert_close(va, torch.log_softmax(z / 0.3, 1))
+
+
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ranking_is_by_probability_ties_to_lower_index(head, dtype):
+    gen = torch.Generator().manual_seed(3)
+    z = torch.randn(6, 40, generator=gen).round()  # many exact ties
+    eos = 11
+    d = effective_logits(z.to(dtype), head=head, eos_index=eos, eps=0.3, steps=2)
+    if head != "va":  # make eos tie exactly with a token on one row, before and after it
+        d.eos_zeta[0] = d.zeta[0, 3].double()
+        d.eos_zeta[1] = d.zeta[1, 30].double()
+    tokens, log_p = ranked_candidates(d, 40)
+    full = d.log_probs()
+    expected = torch.sort(full, dim=1, descending=True, stable=True).indices
+    assert torch.equal(tokens, expected)
+    torch.testing.assert_close(log_p, full.gather(1, expected))
+
+
+TRUNCATIONS = [(None, None), (3, None), (None, 0.6), (5, 0.7), (30, None), (None, 1.0)]
+# ST's state at step t is built by stepping t−1 times, so its grid stops at t = 50; NMST and VA
+# take t straight from the argument and are also checked at t = 10^6.
+SAMPLING_GRID = [(head, t, k, p) for head in HEADS for t in ([1, 50] if head == "st" else [1, 50, 10**6])
+                 for k, p in TRUNCATIONS]
+
+
+@pytest.mark.parametrize("head,t,top_k,top_p", SAMPLING_GRID)
+def test_sampling_distribution(head, t, top_k, top_p):
+    seed = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
+    eos, eps = 2, 0.002
+    z = _row(gen)
+    state = _st_state_before(z, eos, eps, t) if head == "st" else None
+    reference = truncated_distribution(_reference_log_probs(z, head, eos, eps, t).unsqueeze(0), top_k, top_p)[0]
+    rows = z.unsqueeze(0).expand(DRAWS, -1)
+    tokens, _ = sample(rows, head=head, eos_index=eos, eps=eps, steps=t, top_k=top_k, top_p=top_p,
+                       state=None if state is None else state.expand(DRAWS),
+                       generator=torch.Generator().manual_seed(seed + 1))
+    assert _g_test(tokens, reference) > 1e-5, f"seed={seed}"
+
+
+@pytest.mark.parametrize("t", [1, 7, 300])
+def test_eos_frequency_matches_alpha(t):
+    gen = torch.Generator().manual_seed(5)
+    eps, eos = 0.01, 0
+    z = _row(gen, V=16)
+    tokens, _ = sample(z.unsqueeze(0).expand(DRAWS, -1), head="nmst", eos_index=eos, eps=eps, steps=t, generator=gen)
+    alpha = 1 - (1 - torch.sigmoid(z[eos].double()).item()) * (1 - eps) ** t
+    freq = (tokens == eos).double().mean().item()
+    assert abs(freq - alpha) <= 5 * math.sqrt(alpha * (1 - alpha) / DRAWS) + 1e-9
+
+
+def test_top_p_boundary_mass_hits_p_exactly():
+    probs = torch.tensor([[0.5, 0.25, 0.125, 0.125]], dtype=torch.float64)
+    d = effective_logits(probs.log(), head="va", eos_index=3)
+    for p, kept in [(0.5, 1), (0.75, 2), (0.75 + 1e-6, 3), (0.875, 3), (1.0, 4)]:
+        tokens, q = truncated_candidates(d, None, p)
+        assert int((q > 0).sum()) == kept, p
+    ties = torch.tensor([[0.4, 0.2, 0.2, 0.2]], dtype=torch.float64)
+    tokens, q = truncated_candidates(effective_logits(ties.log(), head="va", eos_index=0), None, 0.6)
+    assert tokens[0, q[0] > 0].tolist() == [0, 1]  # the tie at the boundary goes to the lower index
+    tokens, q = truncated_candidates(effective_logits(ties.log(), head="va", eos_index=0), 2, None)
+    assert tokens[0, q[0] > 0].tolist() == [0, 1]
+
+
+def test_top_k_at_least_vocab_and_single_token_nucleus():
+    z = torch.tensor([[3.0, 1.0, 2.0]])
+    tokens, q = truncated_candidates(effective_logits(z, head="va", eos_index=0), 10, None)
+    assert sorted(tokens[0].tolist()) == [0, 1, 2] and q.sum().item() == pytest.approx(1.0)
+    tokens, q = truncated_candidates(effective_logits(z, head="va", eos_index=0), None, 1e-9)
+    assert tokens[0, q[0] > 0].tolist() == [0]
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_greedy_matches_float64_argmax(head):
+    gen = torch.Generator().manual_seed(6)
+    z = torch.randn(500, 50, generator=gen).round(decimals=1)
+    steps = torch.randint(0, 400, (500,), generator=gen)
+    tokens, _ = sample(z, head=head, eos_index=9, eps=0.01, steps=steps, top_k=1)
+    lp, _ = step_log_probs(z.double(), head=head, eos_index=9, eps=0.01, steps=steps)
+    assert torch.equal(tokens, torch.argmax(lp, dim=1))
+
+
+@pytest.mark.parametrize("eps", [1e-3, 0.05, 0.3])
+def test_greedy_nmst_emits_eos_by_the_bound(eps):
+    gen = torch.Generator().manual_seed(7)
+    bound = nmst_fast.termination_bound(eps)
+    z = torch.randn(2000, 64, generator=gen) * 20  # arbitrary, often very confident logits
+    tokens, _ = sample(z, head="nmst", eos_index=63, eps=eps, steps=bound, top_k=1)
+    assert (tokens == 63).all()
+    for top_k, top_p in [(2, None), (4, None), (None, 0.2), (None, 0.4)]:  # eos survives every truncation
+        d = effective_logits(z, head="nmst", eos_index=63, eps=eps, steps=bound)
+        kept, q = truncated_candidates(d, top_k, top_p)
+        assert ((kept == 63) & (q > 0)).any(dim=1).all()
+
+
+def test_generator_reproducible_and_nan_rows_rejected():
+    z = torch.randn(64, 100)
+    a, _ = sample(z, head="nmst", eos_index=0, steps=3, top_p=0.9, generator=torch.Generator().manual_seed(1))
+    b, _ = sample(z, head="nmst", eos_index=0, steps=3, top_p=0.9, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, b)
+    bad = z.clone()
+    bad[5, 17] = float("nan")
+    for head in HEADS:
+        with pytest.raises(ValueError, match="row 5"):
+            sample(bad, head=head, eos_index=0, steps=3)
+    bad_eos = z.clone()
+    bad_eos[2, 0] = float("nan")
+    with pytest.raises(ValueError, match="row 2"):
+        sample(bad_eos, head="nmst", eos_index=0, steps=3, top_k=1)
+
+
+@pytest.mark.parametrize("kw,name", [(dict(top_k=0), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+                                     (dict(temperature=0.0), "temperature"), (dict(eos_index=100), "eos_index"),
+                                     (dict(head="x"), "head"), (dict(eps=1.0), "eps"), (dict(steps=1.5), "steps")])
+def test_bad_arguments(kw, name):
+    args = dict(head="nmst", eos_index=0, steps=1)
+    args.update(kw)
+    with pytest.raises((ValueError, TypeError), match=name):
+        sample(torch.randn(2, 100), **args)

@@ -1,0 +1,177 @@
+"""generate(): greedy / sampling / beam against straightforward float64 references; metrics."""
+
+import pytest
+import torch
+from torch import nn
+
+import nmst_fast
+from nmst_fast import metrics
+from nmst_fast.generation import generate
+
+
+class TinyRNN(nn.Module):
+    """A small tied-embedding RNN LM exposing the DecodingModel protocol."""
+
+    def __init__(self, V=23, H=16, head="nmst", eps=0.05, scale=3.0, seed=0, eos_bias=None):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(V, H)
+        nn.init.normal_(self.emb.weight, std=scale / H**0.5)
+        self.rnn = nn.RNN(H, H, batch_first=True)
+        self.nmst_head = nmst_fast.NMSTHead(H, V, eos_index=V - 1, head=head, eps=eps, weight=self.emb.weight,
+                                            bias=eos_bias is not None)
+        if eos_bias is not None:  # push the raw eos logit far down: eos looks hopeless to the logits
+            with torch.no_grad():
+                self.nmst_head.bias[V - 1] = eos_bias
+        self.rows_seen = []
+
+    def prefill(self, contexts):
+        out, h = self.rnn(self.emb(contexts))
+        return out[:, -1], h
+
+    def decode_step(self, tokens, h):
+        self.rows_seen.append(tokens.numel())
+        out, h = self.rnn(self.emb(tokens)[:, None], h)
+        return out[:, 0], h
+
+    def select_cache(self, h, index):
+        return h[:, index]
+
+    @torch.no_grad()
+    def sequence_log_probs(self, context, continuation):
+        """Reference: log p of the next token after context + continuation, from scratch."""
+        seq = torch.cat([context, continuation])[None]
+        out, _ = self.rnn(self.emb(seq))
+        logits = self.nmst_head(out)[:, len(context) - 1:]  # positions predicting generated tokens
+        steps = torch.arange(1, logits.shape[1] + 1)[None]
+        head = self.nmst_head
+        return nmst_fast.nmst_log_probs(logits, eos_index=head.eos_index, eps=head.eps, head=head.head,
+                                        steps=steps)[0, -1]
+
+
+def _contexts(B=5, Tc=4, V=23, seed=1):
+    return torch.randint(0, V - 1, (B, Tc), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("head", ["nmst", "st", "va"])
+def test_greedy_matches_reference_loop(head):
+    model = TinyRNN(head=head).double()
+    contexts = _contexts()
+    out = generate(model, contexts, strategy="greedy", max_length=25)
+    for b in range(contexts.shape[0]):
+        seq = torch.empty(0, dtype=torch.long)
+        for _ in range(25):
+            token = int(torch.argmax(model.sequence_log_probs(contexts[b], seq)))
+            seq = torch.cat([seq, torch.tensor([token])])
+            if token == model.nmst_head.eos_index:
+                break
+        assert out.tokens[b, : len(seq)].tolist() == seq.tolist()
+        assert int(out.lengths[b]) == len(seq)
+        assert bool(out.terminated[b]) == (seq[-1].item() == model.nmst_head.eos_index)
+
+
+def test_greedy_nmst_terminates_by_bound_and_batch_shrinks():
+    eps = 0.05
+    bound = nmst_fast.termination_bound(eps)
+    for seed in range(3):
+        model = TinyRNN(head="nmst", eps=eps, scale=8.0, seed=seed, eos_bias=-50.0)
+        out = generate(model, _contexts(B=40, seed=seed), strategy="greedy", max_length=10 * bound)
+        assert out.terminated.all() and int(out.lengths.max()) <= bound
+        assert model.rows_seen == sorted(model.rows_seen, reverse=True)  # finished rows left the batch
+
+
+def test_va_can_fail_to_terminate():
+    model = TinyRNN(head="va", scale=8.0, eos_bias=-50.0)
+    out = generate(model, _contexts(B=20), strategy="greedy", max_length=50)
+    assert not out.terminated.all()
+    assert metrics.non_termination_ratio(out.lengths, 50, out.terminated) > 0
+    assert (out.lengths[~out.terminated] == 50).all()
+
+
+@pytest.mark.parametrize("strategy,kw", [("top_k", dict(top_k=2)), ("top_k", dict(top_k=4)),
+                                         ("nucleus", dict(top_p=0.2)), ("nucleus", dict(top_p=0.4))])
+def test_sampling_strategies_reproducible_and_terminate(strategy, kw):
+    model = TinyRNN(head="nmst", eps=0.05)
+    contexts = _contexts(B=30)
+    a = generate(model, contexts, strategy=strategy, max_length=400, generator=torch.Generator().manual_seed(3), **kw)
+    b = generate(model, contexts, strategy=strategy, max_length=400, generator=torch.Generator().manual_seed(3), **kw)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.lengths, b.lengths)
+    assert a.terminated.all()
+    lengths_only = generate(model, contexts, strategy=strategy, max_length=400, keep_tokens=False,
+                            generator=torch.Generator().manual_seed(3), **kw)
+    assert torch.equal(lengths_only.lengths, a.lengths) and lengths_only.tokens.numel() == 0
+
+
+def _reference_beam(model, context, K, max_length):
+    """Beam search written out plainly: every prefix scored from scratch (float64)."""
+    eos = model.nmst_head.eos_index
+    beams = [(0.0, [])]
+    finished = []
+    for t in range(1, max_length + 1):
+        cands = []
+        for beam_id, (score, seq) in enumerate(beams):
+            log_p = model.sequence_log_probs(context, torch.tensor(seq, dtype=torch.long))
+            order = torch.sort(log_p, descending=True, stable=True).indices[: 2 * K]
+            cands += [(score + float(log_p[tok]), beam_id, rank, int(tok)) for rank, tok in enumerate(order)]
+        cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+        cands = cands[: 2 * K]
+        running = []
+        for pos, (score, beam_id, _, tok) in enumerate(cands):
+            seq = beams[beam_id][1] + [tok]
+            if tok == eos:
+                if pos < K:
+                    finished.append((score, seq, True))
+            elif len(running) < K:
+                running.append((score, seq))
+        finished = sorted(finished, key=lambda h: -h[0])[:K]
+        beams = running
+        if len(finished) >= K:
+            break
+        if t == max_length:
+            finished += [(s, seq, False) for s, seq in beams]
+    return max(finished, key=lambda h: h[0])
+
+
+@pytest.mark.parametrize("head", ["nmst", "st", "va"])
+@pytest.mark.parametrize("K", [1, 3])
+def test_beam_matches_reference(head, K):
+    model = TinyRNN(V=11, head=head, eps=0.1, scale=2.0).double()
+    contexts = _contexts(B=3, V=11)
+    out = generate(model, contexts, strategy="beam", num_beams=K, max_length=12)
+    for b in range(contexts.shape[0]):
+        score, seq, terminated = _reference_beam(model, contexts[b], K, 12)
+        assert out.tokens[b, : len(seq)].tolist() == seq
+        assert int(out.lengths[b]) == len(seq) and bool(out.terminated[b]) == terminated
+        assert float(out.scores[b]) == pytest.approx(score, rel=1e-12)
+
+
+def test_beam_one_equals_greedy():
+    model = TinyRNN(head="nmst").double()
+    contexts = _contexts(B=6)
+    greedy = generate(model, contexts, strategy="greedy", max_length=30)
+    beam = generate(model, contexts, strategy="beam", num_beams=1, max_length=30)
+    assert torch.equal(greedy.lengths, beam.lengths)
+    assert torch.equal(greedy.tokens[:, : beam.tokens.shape[1]], beam.tokens)
+
+
+def test_generate_rejects_bad_arguments():
+    model = TinyRNN()
+    for kw, name in [(dict(strategy="sample"), "strategy"), (dict(strategy="top_k"), "top_k"),
+                     (dict(strategy="nucleus"), "top_p"), (dict(strategy="beam"), "num_beams"),
+                     (dict(max_length=0), "max_length")]:
+        with pytest.raises(ValueError, match=name):
+            generate(model, _contexts(), **kw)
+
+
+def test_metrics():
+    lengths = torch.tensor([3, 10, 100, 5])
+    terminated = torch.tensor([True, True, False, True])
+    assert metrics.non_termination_ratio(lengths, 5, terminated) == 0.5  # 10 and the unterminated one
+    assert metrics.non_termination_ratio(lengths, 100, terminated) == 0.25
+    assert metrics.non_termination_curve(lengths, [1, 5, 10], terminated) == {1: 1.0, 5: 0.5, 10: 0.25}
+    assert metrics.log_grid(1000)[0] == 1 and metrics.log_grid(1000)[-1] == 1000
+    counts, edges = metrics.length_histogram(lengths, bins=[0, 10, 1000])
+    assert counts.tolist() == [2, 2]
+    assert metrics.perplexity(0.0, 10) == 1.0
+    with pytest.raises(ValueError):
+        metrics.non_termination_ratio([], 5)
