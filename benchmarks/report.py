@@ -22,18 +22,8 @@ import time
 
 import torch
 
+from . import memory
 from .cases import CPU_DEFAULT, CPU_SMALL, GPU_SHAPES, Shape, cases_for, make_inputs
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
-def _peak_rss_bytes() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def measure_memory(shape: Shape, case: str) -> dict:
@@ -50,9 +40,10 @@ def measure_memory(shape: Shape, case: str) -> dict:
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     else:
-        base = _rss_bytes()
+        base = memory.rss_bytes()
+        memory.reset_peak()
     fn(x)
-    peak = torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes()
+    peak = torch.cuda.max_memory_allocated() if cuda else memory.peak_bytes()
     return {"case": case, "extra_gb": (peak - base - grad_bytes) / 1e9}
 
 

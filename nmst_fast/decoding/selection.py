@@ -4,9 +4,8 @@ CPU/torch path without a full sort of the vocabulary. Tokens are ranked by
 probability with ties broken toward the lower index, exactly:
 
 * non-eos tokens rank by their effective logit ζ (their raw logit, up to a
-  temperature), so a partial selection (``torch.topk``) over packed int64 keys
-  — the float's order-preserving bits in the high half, the reversed index in
-  the low half — yields the top candidates in a unique, deterministic order;
+  temperature), so a partial selection (``torch.topk``) finds the candidates;
+  ties are then resolved exactly (see :func:`top_tokens`);
 * eos is merged into that list by comparing its exact float64 ζ_eos.
 
 Top-p grows the candidate list geometrically until it covers mass p, so its
@@ -26,14 +25,55 @@ _FIRST_CANDIDATES = 64
 _TOP_P_SLACK = 1e-12  # a cumulative mass within this of p counts as reaching p (float64 round-off)
 
 
-def _sortable_keys(values: torch.Tensor) -> torch.Tensor:
-    """int64 keys ordering (B, V) float32 values descending, ties → lower column first."""
-    bits = values.contiguous().view(torch.int32).to(torch.int64)
-    magnitude = bits & 0x7FFFFFFF
-    ordered = torch.where(bits < 0, -magnitude, magnitude)  # monotone in the float value (±0 tie)
-    V = values.shape[1]
-    reversed_index = (V - 1) - torch.arange(V, device=values.device, dtype=torch.int64)
-    return ordered * (1 << 32) + reversed_index
+def _stable_top(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k by a full stable sort: (value desc, index asc)."""
+    order = torch.sort(values, dim=1, descending=True, stable=True).indices[:, :k]
+    return order, values.gather(1, order)
+
+
+def top_tokens(values: torch.Tensor, k: int, exclude: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest entries of each row of ``values`` (B, V), skipping column ``exclude``.
+
+    Exact order: value descending, ties → lower index. A partial selection
+    (``torch.topk``) does the work; its tie order is unspecified, so the winners are
+    re-sorted by (value, index), and the rare rows whose k-th value is tied with a
+    token *outside* the selection are redone with a stable sort.
+    Returns (tokens (B, k) int64, values (B, k)).
+    """
+    B, V = values.shape
+    available = V - (exclude is not None)
+    k = min(k, available)
+    if k >= available:  # everything is selected: a stable sort is the simplest exact answer
+        tokens, vals = _stable_top(values, V)
+        if exclude is not None:
+            order = torch.sort((tokens == exclude).to(torch.int8), dim=1, stable=True).indices[:, :k]
+            tokens, vals = tokens.gather(1, order), vals.gather(1, order)
+        return tokens, vals
+    extra = 1 if exclude is not None else 0
+    vals, tokens = torch.topk(values, k + extra, dim=1, sorted=True)
+    if extra:  # drop eos if it was selected, else the (k+1)-th entry
+        keep = tokens != exclude
+        keep[:, -1] &= ~keep.all(dim=1)
+        order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :k]
+        tokens, vals = tokens.gather(1, order), vals.gather(1, order)
+    # Order the winners by (value desc, index asc): sort by index, then stable by value.
+    by_index = torch.sort(tokens, dim=1).indices
+    tokens, vals = tokens.gather(1, by_index), vals.gather(1, by_index)
+    by_value = torch.sort(vals, dim=1, descending=True, stable=True).indices
+    tokens, vals = tokens.gather(1, by_value), vals.gather(1, by_value)
+    # A tie at the boundary value is exact only if every tied token made it in.
+    boundary = vals[:, -1:]
+    tied_in_row = (values == boundary).sum(dim=1)
+    if exclude is not None:
+        tied_in_row -= (values[:, exclude] == boundary[:, 0]).long()
+    tied_in_top = (vals == boundary).sum(dim=1)
+    redo = (tied_in_row > tied_in_top).nonzero().squeeze(1)
+    if redo.numel():
+        row_values = values[redo].clone()
+        if exclude is not None:
+            row_values[:, exclude] = float("-inf")
+        tokens[redo], vals[redo] = _stable_top(row_values, k)
+    return tokens, vals
 
 
 def ranked_candidates(dist: StepDistribution, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,20 +86,16 @@ def ranked_candidates(dist: StepDistribution, k: int) -> tuple[torch.Tensor, tor
     k = min(k, V)
     has_special_eos = dist.eos_zeta is not None
     if dist.zeta.dtype == torch.float64:
-        # Keys cannot pack a float64 and an index into 64 bits: fall back to a stable sort.
-        values = dist.log_probs()
-        order = torch.sort(values, dim=1, descending=True, stable=True).indices[:, :k]
-        return order, values.gather(1, order)
-    keys = _sortable_keys(dist.zeta)
-    if has_special_eos:
-        keys[:, dist.eos_index] = torch.iinfo(torch.int64).min  # eos is merged below, exactly
-    k_other = min(k, V - 1) if has_special_eos else k
-    tokens = torch.topk(keys, k_other, dim=1, sorted=True).indices
-    log_p = dist.zeta.gather(1, tokens).to(torch.float64) - dist.log_norm.unsqueeze(1)
+        # Rank by the exact float64 log-probabilities with a stable sort (the float64 path is
+        # the exact one for tests and references; speed matters for float32/bf16 logits).
+        return _stable_top(dist.log_probs(), k)
+    tokens, values = top_tokens(dist.zeta, k, exclude=dist.eos_index if has_special_eos else None)
+    k_other = tokens.shape[1]
+    log_p = values.to(torch.float64) - dist.log_norm.unsqueeze(1)
     if not has_special_eos:
         return tokens, log_p
     # Insert eos after every candidate that outranks it (higher ζ, or equal ζ and lower index).
-    cand_zeta = dist.zeta.gather(1, tokens).to(torch.float64)
+    cand_zeta = values.to(torch.float64)
     eos_zeta = dist.eos_zeta.unsqueeze(1)
     outranks_eos = (cand_zeta > eos_zeta) | ((cand_zeta == eos_zeta) & (tokens < dist.eos_index))
     eos_pos = outranks_eos.sum(dim=1, keepdim=True)
@@ -73,8 +109,8 @@ def ranked_candidates(dist: StepDistribution, k: int) -> tuple[torch.Tensor, tor
 
 def greedy(dist: StepDistribution) -> torch.Tensor:
     """Most probable token per row (B,), ties → lower index."""
-    if dist.eos_zeta is None or dist.zeta.dtype == torch.float64:
-        return torch.argmax(dist.log_probs() if dist.eos_zeta is not None else dist.zeta, dim=1)
+    if dist.eos_zeta is None:
+        return torch.argmax(dist.zeta, dim=1)  # argmax returns the first maximal index
     return ranked_candidates(dist, 1)[0].squeeze(1)
 
 

@@ -1,0 +1,39 @@
+"""Per-step token selection cases: the fast path vs the obvious sort-based implementation."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from nmst_fast.decoding import sample, step_log_probs
+from nmst_fast.decoding.reference import sort_based_sample
+
+BATCHES = (1, 32, 256)
+VOCABS = (33278, 50257, 128256)  # WikiText-2 words, GPT-2 BPE, Llama-3
+STRATEGIES = {"greedy": (1, None), "top-k 4": (4, None), "top-p 0.4": (None, 0.4), "top-p 0.9": (None, 0.9)}
+
+
+def make_logits(B: int, V: int, device: str = "cpu", seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(B, V, generator=gen, device=device) * 3  # a realistically peaked softmax
+
+
+def fast(top_k: Optional[int], top_p: Optional[float]) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
+    def step(logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        return sample(logits, head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, steps=100,
+                      top_k=top_k, top_p=top_p, generator=gen)[0]
+
+    return step
+
+
+def sort_based(top_k: Optional[int], top_p: Optional[float]) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
+    """NMST log-probs for the whole vocabulary, full sort, cumulative sum, multinomial."""
+
+    def step(logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        log_p, _ = step_log_probs(logits, head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, steps=100)
+        if top_k == 1:
+            return torch.argmax(log_p, dim=1)
+        return sort_based_sample(log_p, top_k=top_k, top_p=top_p, generator=gen)
+
+    return step
