@@ -9,7 +9,8 @@ setup(
     install_requires=["torch>=2.5", "numpy", "tqdm"],
     extras_require={
         "triton": ["triton>=3.0"],
-        "test": ["pytest", "scipy", "triton>=3.0"],
+        "hf": ["transformers>=4.45"],
+        "test": ["pytest", "scipy", "triton>=3.0", "transformers>=4.45"],
         "bench": ["pytest-benchmark", "tqdm"],
     },
 )

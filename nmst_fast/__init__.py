@@ -5,12 +5,17 @@ Public API:
     nmst_log_probs     full log-distribution of a head (the readable reference)
     NMSTHead           nn.Module: output layer + loss, weight optionally tied
     termination_bound  t½ = ⌈ln 2 / −ln(1−ε)⌉, the step by which greedy NMST stops
+    generate           batched greedy / top-k / nucleus / beam generation
+    decoding, metrics  per-step selection; non-termination ratio and friends
 """
 
+from . import decoding, metrics
+from .generation import GenerationOutput, generate
 from .head import NMSTHead
 from .logmath import termination_bound
 from .loss import linear_nmst_loss
 from .reference import nmst_log_probs
 
-__all__ = ["NMSTHead", "linear_nmst_loss", "nmst_log_probs", "termination_bound"]
+__all__ = ["GenerationOutput", "NMSTHead", "decoding", "generate", "linear_nmst_loss", "metrics", "nmst_log_probs",
+           "termination_bound"]
 __version__ = "0.1.0"
