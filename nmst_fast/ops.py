@@ -132,6 +132,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db):
     st = ctx.static
+    if grad_loss is None:  # grads are not materialized: None means the loss got no gradient
+        return (None,) * 16
     if ctx.reduction == "none":
         hidden, weight, bias, targets, steps, lse = ctx.saved_tensors
         dh, dw, db = linear_loss_backward(grad_loss, hidden, weight, bias, targets, steps, lse, **st)
