@@ -1,0 +1,46 @@
+"""Generation throughput (tokens/s) of the paper's LSTM (2×512, tied) with an NMST head.
+
+    python -m benchmarks.report_generation
+
+Random-init weights (no training data needed): throughput depends on shapes, not on
+what the model says. V = 33278 is WikiText-2's word vocabulary; contexts are 10 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import nmst_fast
+from nmst_fast.models import RecurrentLM
+
+STRATEGIES = {"greedy": {}, "top_k": dict(top_k=4), "nucleus": dict(top_p=0.4), "beam": dict(num_beams=4)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vocab", type=int, default=33278)
+    parser.add_argument("--max-length", type=int, default=64)
+    parser.add_argument("--batches", type=int, nargs="+", default=[32, 256])
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    model = RecurrentLM(args.vocab, eos_index=args.vocab - 1, arch="lstm", head="nmst", eps=1e-5).eval()
+    print(f"LSTM 2x512 tied, V={args.vocab}, NMST eps=1e-5, max_length={args.max_length}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    print("| batch | strategy | returned tokens | seconds | tokens/s |")
+    print("|---:|---|---:|---:|---:|")
+    for B in args.batches:
+        contexts = torch.randint(0, args.vocab - 1, (B, 10))
+        for name, kw in STRATEGIES.items():
+            t0 = time.perf_counter()
+            out = nmst_fast.generate(model, contexts, strategy=name, max_length=args.max_length,
+                                     generator=torch.Generator().manual_seed(0), **kw)
+            seconds = time.perf_counter() - t0
+            tokens = int(out.lengths.sum())  # tokens returned (beam search evaluates num_beams rows per item)
+            print(f"| {B} | {name} | {tokens} | {seconds:.2f} | {tokens / seconds:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
