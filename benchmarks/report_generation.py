@@ -27,6 +27,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     model = RecurrentLM(args.vocab, eos_index=args.vocab - 1, arch="lstm", head="nmst", eps=1e-5).eval()
+    with torch.no_grad():
+        # Random weights put p(eos) near 1/2 at t = 1, so every sequence would stop at once.
+        # Point the (tied) eos embedding against the typical hidden state: s << 0, and the
+        # continuations run to max_length, as a trained model's mostly would at these lengths.
+        probe, _ = model(torch.randint(0, args.vocab - 1, (64, 20)))
+        direction = probe.reshape(-1, probe.shape[-1]).mean(0)
+        model.embedding.weight[args.vocab - 1] = -200.0 * direction / direction.norm() ** 2
     print(f"LSTM 2x512 tied, V={args.vocab}, NMST eps=1e-5, max_length={args.max_length}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     print("| batch | strategy | returned tokens | seconds | tokens/s |")

@@ -17,7 +17,8 @@ from tqdm.auto import tqdm
 
 from .decoding.beam import beam_step
 from .decoding.distribution import effective_logits
-from .decoding.selection import select
+from .decoding.fused import fused_select
+from .decoding.selection import select, use_fused
 from .head import NMSTHead
 
 STRATEGIES = ("greedy", "top_k", "nucleus", "beam")
@@ -84,6 +85,7 @@ def generate(
     generator: Optional[torch.Generator] = None,
     keep_tokens: bool = True,
     progress: bool = False,
+    impl: str = "auto",
 ) -> GenerationOutput:
     """Continue every context until eos or ``max_length`` generated tokens.
 
@@ -100,6 +102,8 @@ def generate(
         keep_tokens: keep the generated tokens; False keeps only lengths (memory O(B) for
             non-termination studies with L = 10^5).
         progress: show a progress bar over steps.
+        impl: token selection backend, see :func:`nmst_fast.decoding.sample` ("auto" uses the
+            one-read Triton scan for greedy / untruncated sampling on CUDA).
     """
     _check(strategy, top_k, top_p, num_beams, max_length)
     if strategy == "beam":
@@ -118,11 +122,17 @@ def generate(
     state = None
     bar = tqdm(total=max_length, disable=not progress, desc=f"generate[{strategy}]")
     for t in range(1, max_length + 1):
-        dist = effective_logits(head(hidden), head=head.head, eos_index=head.eos_index, eps=head.eps, steps=t,
-                                state=state, temperature=temperature)
-        tokens = select(dist, top_k=k, top_p=p, generator=generator)
-        new_state = dist.state
-        scores[live] += dist.token_log_probs(tokens)
+        logits = head(hidden)
+        if use_fused(impl, logits, k, p):
+            picked = fused_select(logits, head=head.head, eos_index=head.eos_index, eps=head.eps, steps=t,
+                                  state=state, temperature=temperature, greedy=k == 1, generator=generator)
+            tokens, new_state, step_log_p = picked.tokens, picked.state, picked.log_probs
+        else:
+            dist = effective_logits(logits, head=head.head, eos_index=head.eos_index, eps=head.eps, steps=t,
+                                    state=state, temperature=temperature)
+            tokens = select(dist, top_k=k, top_p=p, generator=generator)
+            new_state, step_log_p = dist.state, dist.token_log_probs(tokens)
+        scores[live] += step_log_p
         if keep_tokens:
             history.append((live, tokens))
         finished = tokens == head.eos_index

@@ -70,6 +70,16 @@ def test_greedy_matches_reference_loop(head):
         assert bool(out.terminated[b]) == (seq[-1].item() == model.nmst_head.eos_index)
 
 
+@pytest.mark.parametrize("head", ["nmst", "st", "va"])
+def test_fused_greedy_generation_equals_torch_path(head):
+    model = TinyRNN(head=head)
+    contexts = _contexts(B=8)
+    fused = generate(model, contexts, strategy="greedy", max_length=40, impl="triton")
+    plain = generate(model, contexts, strategy="greedy", max_length=40, impl="torch")
+    assert torch.equal(fused.tokens, plain.tokens) and torch.equal(fused.lengths, plain.lengths)
+    torch.testing.assert_close(fused.scores, plain.scores, rtol=1e-5, atol=1e-5)  # fp32 L in the kernel
+
+
 def test_greedy_nmst_terminates_by_bound_and_batch_shrinks():
     eps = 0.05
     bound = nmst_fast.termination_bound(eps)

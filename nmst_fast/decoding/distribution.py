@@ -90,6 +90,45 @@ def check_step_args(logits: torch.Tensor, head: str, eos_index: int, eps: float,
         raise ValueError(f"temperature must be a positive float, got {temperature!r}")
 
 
+def step_log_survival(
+    eos_logit: torch.Tensor, *, head: str, eps: float, steps: Steps, state: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """log(1 − α_t) of one step (B,) float64 from the raw eos logits s (B,).
+
+    NMST: logσ(−s) + t·log1p(−ε). ST: state + logσ(s) + log1p(−ε) (state: the previous
+    step's value, 0 at the start). Context rows (t <= 0): p(eos) = 0, so 0 for NMST and the
+    unchanged state for ST. For ST the result is also the next step's state.
+    """
+    B = eos_logit.shape[0]
+    s = eos_logit.to(torch.float64)
+    t = _steps_tensor(steps, B, s.device)
+    active = t >= 1
+    if head == "nmst":
+        value = F.logsigmoid(-s) + t.to(torch.float64) * math.log1p(-eps)
+        return torch.where(active, value, 0.0)
+    prev = torch.zeros(B, dtype=torch.float64, device=s.device) if state is None else state.to(torch.float64)
+    if prev.shape != (B,):
+        raise ValueError(f"state must have shape ({B},), got {tuple(prev.shape)}")
+    return torch.where(active, prev + F.logsigmoid(s) + math.log1p(-eps), prev)
+
+
+def eos_effective_logit(lse: torch.Tensor, log_surv: torch.Tensor) -> torch.Tensor:
+    """ζ_eos = L + log(1 − e^a) − a (B,) float64: eos's logit on the scale of the raw non-eos logits."""
+    return lse + log1mexp(log_surv) - log_surv
+
+
+def check_rows(non_eos_lse: torch.Tensor, eos_logit: Optional[torch.Tensor] = None) -> None:
+    """NaN or +inf logits, or rows with no finite non-eos logit, have no defined distribution."""
+    if torch.compiler.is_compiling():
+        return
+    bad = ~torch.isfinite(non_eos_lse)
+    if eos_logit is not None:
+        bad |= torch.isnan(eos_logit)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"logits row {row} has NaN/+inf values or no finite non-eos logit: no distribution to decode")
+
+
 def effective_logits(
     logits: torch.Tensor,
     *,
@@ -119,37 +158,18 @@ def effective_logits(
             zeta /= temperature
             zeta[:, eos_index] = s_raw
     if head == "va":
-        if not torch.compiler.is_compiling():
-            _check_rows(torch.logsumexp(zeta, dim=1))
-        return StepDistribution(zeta, torch.logsumexp(zeta.to(torch.float64), dim=1), eos_index, None, None)
+        lse = torch.logsumexp(zeta, dim=1)
+        check_rows(lse)
+        return StepDistribution(zeta, lse.to(torch.float64), eos_index, None, None)
 
-    t = _steps_tensor(steps, B, logits.device)
-    active = t >= 1
     s = zeta[:, eos_index].to(torch.float64, copy=True)  # a copy: the column is masked next
     zeta[:, eos_index] = float("-inf")
     lse = torch.logsumexp(zeta, dim=1).to(torch.float64)
-    if head == "nmst":
-        log_surv = F.logsigmoid(-s) + t.to(torch.float64) * math.log1p(-eps)
-    else:
-        prev = torch.zeros(B, dtype=torch.float64, device=logits.device) if state is None else state.to(torch.float64)
-        if prev.shape != (B,):
-            raise ValueError(f"state must have shape ({B},), got {tuple(prev.shape)}")
-        log_surv = prev + F.logsigmoid(s) + math.log1p(-eps)
-    # Context rows (t <= 0): p(eos) = 0, and ST's running sum stays where it was (0).
-    log_surv = torch.where(active, log_surv, 0.0 if (head == "nmst" or state is None) else state.to(torch.float64))
-    if not torch.compiler.is_compiling():
-        _check_rows(torch.where(torch.isnan(s), s, lse))  # a NaN eos logit is caught too
-    eos_zeta = lse + log1mexp(log_surv) - log_surv
+    log_surv = step_log_survival(s, head=head, eps=eps, steps=steps, state=state)
+    check_rows(lse, s)
+    eos_zeta = eos_effective_logit(lse, log_surv)
     zeta[:, eos_index] = eos_zeta.to(work_dtype)
     return StepDistribution(zeta, lse - log_surv, eos_index, eos_zeta, log_surv if head == "st" else None)
-
-
-def _check_rows(non_eos_lse: torch.Tensor) -> None:
-    """NaN or +inf logits, or rows with no finite non-eos logit, have no defined distribution."""
-    bad = ~torch.isfinite(non_eos_lse)
-    if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
-        raise ValueError(f"logits row {row} has NaN/+inf values or no finite non-eos logit: no distribution to decode")
 
 
 def step_log_probs(

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from .distribution import StepDistribution, Steps, effective_logits
+from .fused import fused_available, fused_select
 
 _FIRST_CANDIDATES = 64
 _TOP_P_SLACK = 1e-12  # a cumulative mass within this of p counts as reaching p (float64 round-off)
@@ -170,6 +171,20 @@ def select(
     return tokens.gather(1, torch.multinomial(probs, 1, generator=generator)).squeeze(1)
 
 
+def use_fused(impl: str, logits: torch.Tensor, top_k: Optional[int], top_p: Optional[float]) -> bool:
+    """Whether the one-read Triton scan serves this call (greedy or untruncated sampling)."""
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    untruncated = top_k in (None, 1) and (top_p is None or top_p >= 1.0) and not (top_k == 1 and top_p is not None)
+    if impl == "triton":
+        if not untruncated:
+            raise ValueError("impl='triton' covers greedy and untruncated sampling; use impl='torch' for top-k/top-p")
+        if not fused_available(logits):
+            raise ValueError("impl='triton' needs CUDA logits (or TRITON_INTERPRET=1 for CPU tensors)")
+        return True
+    return impl == "auto" and untruncated and logits.is_cuda and fused_available(logits)
+
+
 def sample(
     logits: torch.Tensor,
     *,
@@ -182,6 +197,7 @@ def sample(
     top_p: Optional[float] = None,
     temperature: float = 1.0,
     generator: Optional[torch.Generator] = None,
+    impl: str = "auto",
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Draw one token per row from the head's step distribution, optionally truncated.
 
@@ -194,10 +210,16 @@ def sample(
         top_p: keep the smallest most-probable set with mass >= p (after top-k, if both).
         temperature: divides non-eos logits (all logits for "va"); p(eos) of NMST/ST is unchanged.
         generator: torch.Generator for reproducible draws.
+        impl: "auto" (the fused Triton scan for greedy / untruncated sampling on CUDA, torch
+            otherwise), "triton" (CPU tensors need TRITON_INTERPRET=1) or "torch".
     Returns:
         (tokens (B,) int64, new state).
     """
     _check_truncation(top_k, top_p)
+    if use_fused(impl, logits, top_k, top_p):
+        picked = fused_select(logits, head=head, eos_index=eos_index, eps=eps, steps=steps, state=state,
+                              temperature=temperature, greedy=top_k == 1, generator=generator)
+        return picked.tokens, picked.state
     dist = effective_logits(logits, head=head, eos_index=eos_index, eps=eps, steps=steps, state=state,
                             temperature=temperature)
     return select(dist, top_k=top_k, top_p=top_p, generator=generator), dist.state
