@@ -23,6 +23,9 @@ def test_fused_greedy_equals_torch_path(head, temperature):
     torch_path, torch_state = sample(z, head=head, eos_index=13, eps=0.02, steps=steps, state=state, top_k=1,
                                      temperature=temperature, impl="torch")
     assert torch.equal(fused, torch_path)
+    with_top_p, _ = sample(z, head=head, eos_index=13, eps=0.02, steps=steps, state=state, top_k=1, top_p=0.5,
+                           temperature=temperature, impl="triton")  # top-p after top-1: still greedy
+    assert torch.equal(with_top_p, torch_path)
     if head == "st":
         torch.testing.assert_close(fused_state, torch_state)
 

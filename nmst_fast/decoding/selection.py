@@ -175,7 +175,8 @@ def use_fused(impl: str, logits: torch.Tensor, top_k: Optional[int], top_p: Opti
     """Whether the one-read Triton scan serves this call (greedy or untruncated sampling)."""
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-    untruncated = top_k in (None, 1) and (top_p is None or top_p >= 1.0) and not (top_k == 1 and top_p is not None)
+    # The same dispatch as ``select``: top_k == 1 is greedy (top-p after top-1 keeps that one token).
+    untruncated = top_k == 1 or (top_k is None and (top_p is None or top_p >= 1.0))
     if impl == "triton":
         if not untruncated:
             raise ValueError("impl='triton' covers greedy and untruncated sampling; use impl='torch' for top-k/top-p")
