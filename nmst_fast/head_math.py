@@ -44,18 +44,27 @@ def _along_time(x: torch.Tensor, seq_len: int) -> torch.Tensor:
     return x.view(-1, seq_len)
 
 
+def nmst_log_survival(s: torch.Tensor, steps: torch.Tensor, eps: float) -> torch.Tensor:
+    """NMST's log(1 − α_t) = logσ(−s) + t·log1p(−ε), float64; 0 at context rows (t <= 0)."""
+    value = torch.nn.functional.logsigmoid(-s.to(_F64)) + steps.to(_F64) * math.log1p(-eps)
+    return torch.where(steps >= 1, value, 0.0)
+
+
+def st_step_term(s: torch.Tensor, eps: float) -> torch.Tensor:
+    """One step's addend to ST's running log(1 − α): logσ(s) + log1p(−ε), float64."""
+    return torch.nn.functional.logsigmoid(s.to(_F64)) + math.log1p(-eps)
+
+
 def log_survival(head: str, s: torch.Tensor, steps: torch.Tensor, eps: float, seq_len: int) -> torch.Tensor:
     """log(1 − α_t) per row (N,) float64; 0 at context rows (t <= 0).
 
     "st" accumulates along T, so its rows must be laid out (B, T) flat with ``seq_len`` = T.
     """
-    s = s.to(_F64)
-    active = steps >= 1
     if head == "nmst":
-        value = torch.nn.functional.logsigmoid(-s) + steps.to(_F64) * math.log1p(-eps)
-    else:  # "st"
-        per_step = torch.where(active, torch.nn.functional.logsigmoid(s) + math.log1p(-eps), 0.0)
-        value = torch.cumsum(_along_time(per_step, seq_len), dim=1).reshape(-1)
+        return nmst_log_survival(s, steps, eps)
+    active = steps >= 1
+    per_step = torch.where(active, st_step_term(s, eps), 0.0)
+    value = torch.cumsum(_along_time(per_step, seq_len), dim=1).reshape(-1)
     return torch.where(active, value, 0.0)
 
 

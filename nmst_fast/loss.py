@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.nmst_fast.*)
+from .backends import triton_available
 from .fused import default_chunk_rows
 from .reference import reference_linear_nmst_loss
 from .validation import (
@@ -26,20 +27,12 @@ from .validation import (
 )
 
 
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def resolve_impl(impl: str, device: torch.device) -> str:
     """Map ``impl`` to the backend that will run: "reference", "chunked" or "triton"."""
     if impl == "auto":
-        return "triton" if device.type == "cuda" and _triton_available() else "chunked"
+        return "triton" if device.type == "cuda" and triton_available() else "chunked"
     if impl == "triton":
-        if not _triton_available():
+        if not triton_available():
             raise ValueError("impl='triton' needs the triton package; use impl='chunked' or 'auto'")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(

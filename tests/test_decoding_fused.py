@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from nmst_fast.decoding import effective_logits, sample, step_log_probs
+from nmst_fast.decoding import effective_logits, sample
 from nmst_fast.decoding.fused import fused_select
 
 from test_decoding import DRAWS, _g_test, _reference_log_probs, _row, _st_state_before

@@ -1,13 +1,11 @@
 """Fast backends (chunked torch, Triton) against the float64 reference: forward and gradients."""
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import nmst_fast
-from helpers import DEVICE, FAST_IMPLS, Case, assert_matches_truth, make_case, max_err, run
+from helpers import DEVICE, FAST_IMPLS, Case, assert_matches_truth, make_case, run
 
 HEADS = ("nmst", "st", "va")
 

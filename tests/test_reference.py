@@ -16,7 +16,7 @@ def _sigmoid(x: float) -> float:
 
 @pytest.mark.parametrize("eps,t,s", [(1e-5, 1, 0.3), (1e-3, 50, -2.0), (0.2, 7, 4.0), (1e-8, 10**6, -30.0)])
 def test_nmst_eos_probability_matches_formula(eps, t, s):
-    V, e = 5, 2
+    e = 2
     logits = torch.tensor([[0.1, -1.0, s, 2.0, 0.5]], dtype=torch.float64)
     logp = nmst_fast.nmst_log_probs(logits, eos_index=e, eps=eps, head="nmst", steps=torch.tensor([t]))
     getcontext().prec = 50  # (1 − ε)^t in 50-digit decimals: an independent truth

@@ -16,14 +16,13 @@ divides every logit, as usual.
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
-import torch.nn.functional as F
 
+from ..head_math import nmst_log_survival, st_step_term
 from ..logmath import log1mexp
 from ..validation import HEADS, check_choice, check_eps, check_float_tensor, check_index
 
@@ -100,16 +99,13 @@ def step_log_survival(
     unchanged state for ST. For ST the result is also the next step's state.
     """
     B = eos_logit.shape[0]
-    s = eos_logit.to(torch.float64)
-    t = _steps_tensor(steps, B, s.device)
-    active = t >= 1
+    t = _steps_tensor(steps, B, eos_logit.device)
     if head == "nmst":
-        value = F.logsigmoid(-s) + t.to(torch.float64) * math.log1p(-eps)
-        return torch.where(active, value, 0.0)
-    prev = torch.zeros(B, dtype=torch.float64, device=s.device) if state is None else state.to(torch.float64)
+        return nmst_log_survival(eos_logit, t, eps)
+    prev = torch.zeros(B, dtype=torch.float64, device=eos_logit.device) if state is None else state.to(torch.float64)
     if prev.shape != (B,):
         raise ValueError(f"state must have shape ({B},), got {tuple(prev.shape)}")
-    return torch.where(active, prev + F.logsigmoid(s) + math.log1p(-eps), prev)
+    return torch.where(t >= 1, prev + st_step_term(eos_logit, eps), prev)
 
 
 def eos_effective_logit(lse: torch.Tensor, log_surv: torch.Tensor) -> torch.Tensor:
@@ -150,20 +146,17 @@ def effective_logits(
     B, V = logits.shape
     work_dtype = torch.promote_types(logits.dtype, torch.float32)
     zeta = logits.to(work_dtype, copy=True)
-    if temperature != 1.0:
-        if head == "va":
-            zeta /= temperature
-        else:
-            s_raw = zeta[:, eos_index].clone()
-            zeta /= temperature
-            zeta[:, eos_index] = s_raw
     if head == "va":
+        if temperature != 1.0:
+            zeta /= temperature
         lse = torch.logsumexp(zeta, dim=1)
         check_rows(lse)
         return StepDistribution(zeta, lse.to(torch.float64), eos_index, None, None)
 
-    s = zeta[:, eos_index].to(torch.float64, copy=True)  # a copy: the column is masked next
+    s = zeta[:, eos_index].to(torch.float64, copy=True)  # raw eos logit (a copy: the column is masked next)
     zeta[:, eos_index] = float("-inf")
+    if temperature != 1.0:
+        zeta /= temperature  # non-eos logits only: the eos column is -inf and stays so
     lse = torch.logsumexp(zeta, dim=1).to(torch.float64)
     log_surv = step_log_survival(s, head=head, eps=eps, steps=steps, state=state)
     check_rows(lse, s)

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from ..backends import triton_available
 from .distribution import Steps, check_rows, check_step_args, eos_effective_logit, step_log_survival
 
 
@@ -28,11 +29,7 @@ class FusedSelection:
 
 def fused_available(logits: torch.Tensor) -> bool:
     """The Triton path runs on CUDA tensors, or on CPU tensors in Triton's interpreter."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_available() and (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def _gumbel(shape: int, generator: Optional[torch.Generator], device: torch.device) -> torch.Tensor:
