@@ -123,7 +123,7 @@ def cases_for(device: str) -> dict[str, Callable[[Inputs], None]]:
         f"nmst {impl}": fused("nmst", impl),
         f"st {impl}": fused_st(impl),
         f"va {impl}": fused("va", impl),
+        **({"nmst chunked (torch row ops)": fused("nmst", "chunked")} if device == "cuda" else {}),
         "naive nmst (torch)": naive_nmst,
         "F.cross_entropy (logits)": naive_ce,
-        "F.linear_cross_entropy (chunked)": torch_linear_ce,
-    }
+    } | ({"F.linear_cross_entropy (chunked)": torch_linear_ce} if hasattr(F, "linear_cross_entropy") else {})

@@ -1,14 +1,14 @@
 """Print a table of fused-loss timings and peak memory, as ratios to the three-GEMM floor.
 
-Times: every round runs each case once, back to back, in one process; each
-case's ratio to the three-GEMM floor is taken within a round and the median
-over rounds is reported. Memory: one step per case in a fresh subprocess, so
+Times: every round runs each case once (on a GPU: five steps back to back, the
+steady state of a training loop), in one process; each case's ratio to the
+three-GEMM floor is taken within a round and the median over rounds is reported. Memory: one step per case in a fresh subprocess, so
 its peak is its own. Ratios compare cases measured
 in this one run, never against stored absolute times.
 
     python -m benchmarks.report                 # issue shape on CPU: 4096x768x50257 fp32
     python -m benchmarks.report --small         # a quick shape
-    python -m benchmarks.report --gpu           # the bf16 GPU shapes (needs CUDA)
+    python -m benchmarks.report --gpu           # the bf16 GPU shapes (needs CUDA; memory measured in-process)
 """
 
 from __future__ import annotations
@@ -47,6 +47,17 @@ def measure_memory(shape: Shape, case: str) -> dict:
     return {"case": case, "extra_gb": (peak - base - grad_bytes) / 1e9}
 
 
+def _memory_in_process(shape: Shape, case: str) -> float:
+    """CUDA: the caching allocator's peak is per process and resettable, so no fresh process is needed."""
+    torch.cuda.empty_cache()
+    try:
+        return measure_memory(shape, case)["extra_gb"]
+    except torch.OutOfMemoryError:
+        return float("nan")
+    finally:
+        torch.cuda.empty_cache()
+
+
 def _memory_in_subprocess(shape: Shape, case: str) -> float:
     cmd = [sys.executable, "-m", "benchmarks.report", "--child", case, "--shape", json.dumps(
         [shape.N, shape.H, shape.V, str(shape.dtype).removeprefix("torch."), shape.device])]
@@ -57,12 +68,16 @@ def _memory_in_subprocess(shape: Shape, case: str) -> float:
 
 
 def measure_times(shape: Shape, rounds: int) -> dict[str, list[float]]:
-    """Every round runs each case once, in turn, in this process, on the same inputs.
+    """Every round runs each case once (5 back-to-back steps on a GPU), in turn, in this process,
+    on the same inputs.
 
     Cases of one round run back to back, so dividing by that round's floor cancels
     the slow drifts of a shared machine (identical GEMM runs vary by ±15% here).
     """
     cases = cases_for(shape.device)
+    # On a GPU a case runs several steps back to back, as in training, so the host enqueues
+    # ahead and the time is the device's steady state, not one step's launch latency.
+    steps_per_round = 5 if shape.device == "cuda" else 1
     tiny = make_inputs(Shape(64, 32, 512, shape.dtype, shape.device))
     for fn in cases.values():
         fn(tiny)
@@ -73,10 +88,17 @@ def measure_times(shape: Shape, rounds: int) -> dict[str, list[float]]:
             if shape.device == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            fn(x)
+            try:
+                for _ in range(steps_per_round):
+                    fn(x)
+            except torch.OutOfMemoryError:  # the naive cases may not fit the card: report, go on
+                x.hidden.grad = x.weight.grad = None
+                torch.cuda.empty_cache()
+                times[name].append(float("nan"))
+                continue
             if shape.device == "cuda":
                 torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append((time.perf_counter() - t0) / steps_per_round)
             print(f"  round {r + 1}/{rounds}: {name} {times[name][-1]:.3f}s", file=sys.stderr, flush=True)
     return times
 
@@ -85,11 +107,12 @@ def run_report(shape: Shape, rounds: int) -> list[dict]:
     times = measure_times(shape, rounds)
     floor = times[next(iter(times))]
     rows = []
+    measure = _memory_in_process if shape.device == "cuda" else _memory_in_subprocess
     for name, ts in times.items():
         ratios = [t / f for t, f in zip(ts, floor)]
         rows.append({"case": name, "seconds": statistics.median(ts), "best": min(ts),
                      "ratio": statistics.median(ratios), "ratio_range": (min(ratios), max(ratios)),
-                     "extra_gb": _memory_in_subprocess(shape, name)})
+                     "extra_gb": measure(shape, name)})
         print(f"  memory: {name}", file=sys.stderr, flush=True)
     return rows
 
@@ -114,7 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="quick CPU shape 512x256x8192")
     parser.add_argument("--gpu", action="store_true", help="bf16 GPU shapes (needs CUDA)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds; each round times every case once, back to back")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds; each round times every case once, back to back (default 3 on CPU, 10 on GPU)")
+    parser.add_argument("--json", help="also write the rows of every shape to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -128,8 +153,19 @@ def main(argv: list[str] | None = None) -> None:
         shapes = GPU_SHAPES
     else:
         shapes = (CPU_SMALL,) if args.small else (CPU_DEFAULT,)
+    rounds = args.rounds or (10 if args.gpu else 3)
+    results = []
     for shape in shapes:
-        print(format_table(shape, run_report(shape, args.rounds), args.rounds), flush=True)
+        rows = run_report(shape, rounds)
+        results.append({"shape": shape.label(), "rows": rows})
+        print(format_table(shape, rows, rounds), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "device": _device_name(), "results": results}, f, indent=1)
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 if __name__ == "__main__":

@@ -2,9 +2,13 @@
 
     python -m benchmarks.report_decoding            # B in {1, 32, 256} x V in {33278, 50257, 128256}
     python -m benchmarks.report_decoding --quick    # B = 256, V = 50257 only
+    python -m benchmarks.report_decoding --gpu      # the grid on CUDA, with the one-read floor
 
 Both paths are timed alternately in one process (median of ``--repeats``), and the
-table gives their ratio: ratios, not absolute CPU times, are the claim.
+table gives their ratio: ratios, not absolute CPU times, are the claim. On a GPU
+each path is timed by ``triton.testing.do_bench`` (median, L2 flushed between runs)
+and also compared with the floor: one read of the B×V fp32 logits at the copy
+bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Optional
 
 import torch
 
-from .decoding_cases import BATCHES, STRATEGIES, VOCABS, fast, make_logits, sort_based
+from .decoding_cases import BATCHES, GPU_STRATEGIES, STRATEGIES, VOCABS, fast, make_logits, sort_based
 
 
 def _time(fn, logits, gen) -> float:
@@ -24,11 +29,66 @@ def _time(fn, logits, gen) -> float:
     return time.perf_counter() - t0
 
 
+def copy_bandwidth() -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
+    import triton.testing
+
+    src = torch.empty(2**28, dtype=torch.float32, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() * 4 / (ms * 1e-3)
+
+
+def _scan_only(k: Optional[int], p: Optional[float]):
+    """The one-read scan a strategy runs (kernel + split merge), without the O(B) head math."""
+    from kernels.row_scan import MAX_CANDIDATES, row_scan
+
+    greedy = k == 1
+    untruncated = k is None and p is None
+    candidates = 0 if greedy or untruncated else (k or MAX_CANDIDATES)
+    seed = 1234 if untruncated else None
+
+    def step(logits: torch.Tensor) -> None:
+        row_scan(logits, eos_index=logits.shape[1] - 1, seed=seed, candidates=candidates)
+
+    return step
+
+
+def gpu_main() -> None:
+    import triton.testing
+
+    bandwidth = copy_bandwidth()
+    print(f"per-step selection, NMST head, fp32 logits, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
+          f"do_bench medians; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write); "
+          "floor = B*V*4 bytes / that bandwidth; scan = the strategy's one-read kernel + split merge, "
+          "timed as a CUDA graph (no Python overhead)")
+    print("| B | V | strategy | fast (ms) | sort-based (ms) | speed-up | scan (ms) | floor (ms) | scan / floor |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for V in VOCABS:
+        for B in BATCHES:
+            logits = make_logits(B, V, device="cuda")
+            floor_ms = B * V * 4 / bandwidth * 1e3
+            for name, (k, p) in GPU_STRATEGIES.items():
+                f, s, scan = fast(k, p), sort_based(k, p), _scan_only(k, p)
+                mf = triton.testing.do_bench(lambda: f(logits, gen), return_mode="median")
+                ms = triton.testing.do_bench(lambda: s(logits, gen), return_mode="median")
+                mscan = triton.testing.do_bench_cudagraph(lambda: scan(logits), return_mode="median")
+                print(f"| {B} | {V} | {name} | {mf:.4f} | {ms:.4f} | {ms / mf:.2f}x | {mscan:.4f} | {floor_ms:.4f} | "
+                      f"{mscan / floor_ms:.2f} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only B=256, V=50257")
+    parser.add_argument("--gpu", action="store_true", help="the grid on CUDA, against the one-read floor")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
+    if args.gpu:
+        if not torch.cuda.is_available():
+            parser.error("--gpu needs a CUDA device")
+        gpu_main()
+        return
     grid = [(256, 50257)] if args.quick else [(B, V) for V in VOCABS for B in BATCHES]
     print(f"per-step selection, NMST head, fp32 logits, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"median of {args.repeats} alternating runs")

@@ -1,15 +1,21 @@
-"""One-read row scan for decoding: split logsumexp, first argmax, and a Gumbel-max race.
+"""One-read row scan for decoding: split logsumexp, first argmax, Gumbel-max race, top-K candidates.
 
-Each program takes BLOCK_B rows and walks V in BLOCK_V tiles, so a step reads the
-logits once and writes O(B) scalars — no (B, V) probability tensor, no sort.
+Programs tile the (B, V) logits as BLOCK_B rows × one slice of V (split-V, so a
+small batch still spreads over every SM); each walks its slice in BLOCK_V tiles,
+so a step reads the logits once and writes O(B · splits · K) numbers — no (B, V)
+probability tensor, no sort of the vocabulary. The wrapper merges the splits.
 
 For every row, over the columns other than ``eos_index`` (all columns when HAS_EOS
 is off), with x = z · inv_temp:
   * lse  = logsumexp(x)                                   (L of the NMST head)
   * top  = max(x) and its first (lowest) index            (greedy)
   * race = max(x + G) and its index, G ~ Gumbel(0, 1)     (an exact softmax sample)
+  * candidates = the K largest x, ties → lower index      (top-k / top-p)
 G comes from counter-based Philox noise keyed on (seed, row·V + column), so a draw
-does not depend on the tiling. The caller adds eos with O(B) float64 math.
+does not depend on the tiling. Candidates are ranked by one int64 key per column,
+(orderable float bits of x) << 32 | (2³¹ − 1 − column): key order is exactly
+(value desc, column asc), so a plain top-k of keys breaks ties the required way.
+The caller adds eos with O(B) float64 math.
 """
 
 from __future__ import annotations
@@ -18,6 +24,19 @@ import torch
 import triton
 import triton.language as tl
 
+# The largest candidate list the kernel keeps per row (a power of two; tl.topk needs one).
+MAX_CANDIDATES = 128
+HAS_TOPK = hasattr(tl, "topk")  # tl.topk arrived in Triton 3.3; older ones serve greedy/sampling only
+_NO_KEY = -(2**63)  # below every real key: padding, eos and out-of-range columns
+
+
+@triton.jit
+def _column_keys(x, cols):
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 == +0.0 as floats: give them one key so they tie
+    bits = x.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order == float order
+    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)
+
 
 @triton.jit
 def _row_scan_kernel(
@@ -25,20 +44,28 @@ def _row_scan_kernel(
     z_row_stride,
     n_rows,
     V,
+    split_width,
     eos_index,
     inv_temp,
     seed,
-    lse_ptr,
+    max_ptr,
+    sum_ptr,
     top_val_ptr,
     top_idx_ptr,
     race_val_ptr,
     race_idx_ptr,
+    key_ptr,
     HAS_EOS: tl.constexpr,
     RACE: tl.constexpr,
+    K: tl.constexpr,  # candidates per row and split; 0: none
     BLOCK_B: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    split = tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    lo = split * split_width
+    hi = tl.minimum(lo + split_width, V)
     row_ok = rows < n_rows
     row_base = z_ptr + rows.to(tl.int64)[:, None] * z_row_stride
     running_max = tl.full((BLOCK_B,), float("-inf"), tl.float32)
@@ -47,9 +74,11 @@ def _row_scan_kernel(
     top_idx = tl.zeros((BLOCK_B,), tl.int32)
     race_val = tl.full((BLOCK_B,), float("-inf"), tl.float32)
     race_idx = tl.zeros((BLOCK_B,), tl.int32)
-    for start in range(0, V, BLOCK_V):
+    if K > 0:
+        best = tl.full((BLOCK_B, K), -9223372036854775808, tl.int64)
+    for start in range(lo, hi, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        keep = row_ok[:, None] & (cols[None, :] < V)
+        keep = row_ok[:, None] & (cols[None, :] < hi)
         if HAS_EOS:
             keep = keep & (cols[None, :] != eos_index)
         x = tl.load(row_base + cols[None, :], mask=keep, other=float("-inf")).to(tl.float32) * inv_temp
@@ -76,17 +105,60 @@ def _row_scan_kernel(
             won = key_max > race_val
             race_idx = tl.where(won, key_idx, race_idx)
             race_val = tl.where(won, key_max, race_val)
-    # Padding rows past the batch end hold sum 0; give log a harmless argument there.
-    tl.store(lse_ptr + rows, running_max + tl.log(tl.where(row_ok, running_sum, 1.0)), mask=row_ok)
-    tl.store(top_val_ptr + rows, top_val, mask=row_ok)
-    tl.store(top_idx_ptr + rows, top_idx, mask=row_ok)
+        if K > 0:
+            keys = tl.where(keep, _column_keys(x, cols[None, :]), -9223372036854775808)
+            # Most tiles after the first few hold nothing above the running K-th key: skip the merge.
+            if tl.max((tl.max(keys, axis=1) > tl.min(best, axis=1)).to(tl.int32)) > 0:
+                both = tl.reshape(tl.join(best, tl.topk(keys, K, dim=1)), (BLOCK_B, 2 * K))
+                best = tl.topk(both, K, dim=1)
+    out = rows * n_splits + split
+    tl.store(max_ptr + out, running_max, mask=row_ok)
+    tl.store(sum_ptr + out, running_sum, mask=row_ok)
+    tl.store(top_val_ptr + out, top_val, mask=row_ok)
+    tl.store(top_idx_ptr + out, top_idx, mask=row_ok)
     if RACE:
-        tl.store(race_val_ptr + rows, race_val, mask=row_ok)
-        tl.store(race_idx_ptr + rows, race_idx, mask=row_ok)
+        tl.store(race_val_ptr + out, race_val, mask=row_ok)
+        tl.store(race_idx_ptr + out, race_idx, mask=row_ok)
+    if K > 0:
+        tl.store(key_ptr + out[:, None] * K + tl.arange(0, K)[None, :], best, mask=row_ok[:, None])
+
+
+def decode_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values float32, columns int64) of candidate keys; padding keys decode to (-inf, -1)."""
+    ordered = (keys >> 32).to(torch.int32)
+    values = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).view(torch.float32)
+    columns = 0x7FFFFFFF - (keys & 0xFFFFFFFF)
+    padding = keys == _NO_KEY
+    return values.masked_fill(padding, float("-inf")), columns.masked_fill(padding, -1)
+
+
+def _first_index_of_max(values: torch.Tensor, index: torch.Tensor, sentinel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    best = values.amax(dim=1)
+    return best, torch.where(values == best[:, None], index, sentinel).amin(dim=1)
+
+
+def _launch_shape(z: torch.Tensor, candidates: int) -> tuple[int, int, int]:
+    """(BLOCK_B, BLOCK_V, splits): enough programs to fill a GPU even for one row."""
+    B, V = z.shape
+    if not z.is_cuda:
+        # The CPU interpreter pays per operation, not per element: one split, big tiles
+        # (CI's million-draw tests depend on it).
+        block_v = min(2048, triton.next_power_of_2(V))
+        return max(1, min((1 << 18) // block_v, triton.next_power_of_2(B))), block_v, 1
+    block_v = min(2048 if candidates else 4096, triton.next_power_of_2(V))
+    target_programs = 4 * torch.cuda.get_device_properties(z.device).multi_processor_count
+    splits = max(1, min(triton.cdiv(target_programs, B), triton.cdiv(V, block_v)))
+    return 1, block_v, splits
 
 
 def row_scan(
-    z: torch.Tensor, *, eos_index: int | None, temperature: float = 1.0, seed: int | None = None
+    z: torch.Tensor,
+    *,
+    eos_index: int | None,
+    temperature: float = 1.0,
+    seed: int | None = None,
+    candidates: int = 0,
+    launch: tuple[int, int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Scan (B, V) logits once (see module docstring).
 
@@ -95,31 +167,65 @@ def row_scan(
         eos_index: column left out of every reduction, or None to scan all columns.
         temperature: x = z / temperature.
         seed: run the Gumbel race with this Philox seed (None: no race).
+        candidates: also return the K = next power of two >= ``candidates`` largest x
+            (at most MAX_CANDIDATES; 0: none).
+        launch: (BLOCK_V, splits) instead of the automatic launch shape (tests use it to
+            cover split merging and tile skipping on CPU).
     Returns:
-        dict of (B,) tensors: "lse", "top_val" (fp32), "top_idx" (int64) and, with a seed,
-        "race_val" (fp32), "race_idx" (int64).
+        dict of (B,) tensors: "lse", "top_val" (fp32), "top_idx" (int64); with a seed
+        "race_val" (fp32), "race_idx" (int64); with candidates "cand_val" (B, K) fp32 and
+        "cand_idx" (B, K) int64 in rank order (padding: -inf and -1 when fewer than K columns).
     """
     if z.dim() != 2 or z.stride(1) != 1:
         raise ValueError("z must be a 2-D tensor with unit stride along V")
+    if not 0 <= candidates <= MAX_CANDIDATES or (candidates and not HAS_TOPK):
+        raise ValueError(f"candidates must lie in [0, {MAX_CANDIDATES}] (and needs tl.topk), got {candidates}")
     B, V = z.shape
-    f32 = dict(device=z.device, dtype=torch.float32)
-    i32 = dict(device=z.device, dtype=torch.int32)
-    out = {"lse": torch.empty(B, **f32), "top_val": torch.empty(B, **f32), "top_idx": torch.empty(B, **i32),
-           "race_val": torch.empty(B, **f32), "race_idx": torch.empty(B, **i32)}
-    block_v = min(2048, triton.next_power_of_2(V))
-    # ~8k elements per tile suits GPU registers; the CPU interpreter pays per operation,
-    # not per element, so it gets much larger tiles (CI's million-draw tests depend on it).
-    tile = 8192 if z.is_cuda else 1 << 18
-    block_b = max(1, min(tile // block_v, triton.next_power_of_2(B)))
+    # At least 2: Triton 3.6's tl.topk fails to compile for k = 1.
+    K = max(2, triton.next_power_of_2(candidates)) if candidates else 0
+    block_b, block_v, splits = _launch_shape(z, K)
+    if launch is not None:
+        block_v, splits = launch
+        if K > block_v:
+            raise ValueError(f"launch's BLOCK_V ({block_v}) must hold the {K} candidates")
+    K = min(K, block_v)  # only when V < K: a row has fewer columns than candidates asked for
+    split_width = triton.cdiv(triton.cdiv(V, splits), block_v) * block_v
+    splits = triton.cdiv(V, split_width)
+    part = dict(device=z.device, dtype=torch.float32)
+    shape = (B, splits)
+    parts = {"max": torch.empty(shape, **part), "sum": torch.empty(shape, **part),
+             "top_val": torch.empty(shape, **part), "top_idx": torch.empty(shape, device=z.device, dtype=torch.int32),
+             "race_val": torch.empty(shape, **part), "race_idx": torch.empty(shape, device=z.device, dtype=torch.int32),
+             "keys": torch.empty((B, splits, max(K, 1)), device=z.device, dtype=torch.int64)}
     if B:
-        _row_scan_kernel[(triton.cdiv(B, block_b),)](
-            z, z.stride(0), B, V, -1 if eos_index is None else eos_index, 1.0 / temperature,
+        _row_scan_kernel[(triton.cdiv(B, block_b), splits)](
+            z, z.stride(0), B, V, split_width, -1 if eos_index is None else eos_index, 1.0 / temperature,
             0 if seed is None else seed,
-            out["lse"], out["top_val"], out["top_idx"], out["race_val"], out["race_idx"],
-            HAS_EOS=eos_index is not None, RACE=seed is not None, BLOCK_B=block_b, BLOCK_V=block_v,
+            parts["max"], parts["sum"], parts["top_val"], parts["top_idx"], parts["race_val"], parts["race_idx"],
+            parts["keys"],
+            HAS_EOS=eos_index is not None, RACE=seed is not None, K=K, BLOCK_B=block_b, BLOCK_V=block_v,
         )
-    out["top_idx"] = out["top_idx"].long()
-    out["race_idx"] = out["race_idx"].long()
-    if seed is None:
-        del out["race_val"], out["race_idx"]
+    return _merge_splits(parts, V, race=seed is not None, K=K)
+
+
+def _merge_splits(parts: dict[str, torch.Tensor], V: int, *, race: bool, K: int) -> dict[str, torch.Tensor]:
+    """Combine per-split partials into per-row results (splits cover V in column order)."""
+    m, s = parts["max"], parts["sum"]
+    if m.shape[1] == 1:
+        out = {"lse": (m + torch.log(s)).squeeze(1), "top_val": parts["top_val"].squeeze(1),
+               "top_idx": parts["top_idx"].squeeze(1).long()}
+        if race:
+            out |= {"race_val": parts["race_val"].squeeze(1), "race_idx": parts["race_idx"].squeeze(1).long()}
+    else:
+        row_max = m.amax(dim=1)
+        shift = torch.where(row_max == float("-inf"), 0.0, row_max)
+        out = {"lse": row_max + torch.log((s * torch.exp(m - shift[:, None])).sum(dim=1))}
+        out["top_val"], out["top_idx"] = _first_index_of_max(parts["top_val"], parts["top_idx"].long(), V)
+        if race:
+            out["race_val"], out["race_idx"] = _first_index_of_max(parts["race_val"], parts["race_idx"].long(), V)
+    if K:
+        keys = parts["keys"].flatten(1)
+        if parts["keys"].shape[1] > 1:
+            keys = torch.topk(keys, K, dim=1, sorted=True).values  # keys are distinct: an exact order
+        out["cand_val"], out["cand_idx"] = decode_keys(keys)
     return out

@@ -76,8 +76,15 @@ def _split_softmax_grad_kernel(
         tl.store(z_row + cols, g.to(z_ptr.dtype.element_ty), mask=in_range)
 
 
-def _block_v(V: int) -> int:
-    return min(4096, triton.next_power_of_2(V))
+# Launch shape per kernel: (BLOCK_V cap, num_warps), from a sweep over a (2048, 256000) bf16
+# chunk on an H200 (benchmarks/profile_loss.py): the read-only LSE pass peaks with 4 warps,
+# the read+write gradient pass with 16. Benchmarks override these to sweep tilings.
+LAUNCH = {"lse": (4096, 4), "grad": (4096, 16)}
+
+
+def _launch_args(kernel: str, V: int) -> dict:
+    block_v, num_warps = LAUNCH[kernel]
+    return {"BLOCK_V": min(block_v, triton.next_power_of_2(V)), "num_warps": num_warps}
 
 
 def _check_rows(z: torch.Tensor, targets: torch.Tensor) -> None:
@@ -102,7 +109,7 @@ def split_lse(z: torch.Tensor, targets: torch.Tensor, eos_index: int) -> tuple[t
     lse = torch.empty(rows, device=z.device, dtype=torch.float32)
     z_target = torch.empty(rows, device=z.device, dtype=torch.float32)
     if rows:
-        _split_lse_kernel[(rows,)](z, z.stride(0), targets, lse, z_target, V, eos_index, BLOCK_V=_block_v(V))
+        _split_lse_kernel[(rows,)](z, z.stride(0), targets, lse, z_target, V, eos_index, **_launch_args("lse", V))
     return lse, z_target
 
 
@@ -120,6 +127,6 @@ def split_softmax_grad_(
     rows, V = z.shape
     if rows:
         _split_softmax_grad_kernel[(rows,)](
-            z, z.stride(0), targets, lse, coef, grad_eos, grad_target, V, eos_index, BLOCK_V=_block_v(V)
+            z, z.stride(0), targets, lse, coef, grad_eos, grad_target, V, eos_index, **_launch_args("grad", V)
         )
     return z

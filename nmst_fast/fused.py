@@ -15,6 +15,7 @@ eos gradients before the V-wide pass starts.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -73,15 +74,49 @@ class _RowTargets:
         return cls(active=active, safe=safe, is_eos=active & (safe == cfg.eos_index))
 
 
-def _accumulate_dw_(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> None:
-    """acc (V, H) += dzᵀ h, accumulating in acc's dtype (fp32 for low-precision weights)."""
-    if acc.dtype == dz.dtype:
-        acc.addmm_(dz.t(), h)
-    elif dz.is_cuda:
-        # cuBLAS takes bf16/fp16 operands with an fp32 output directly.
-        torch.addmm(acc, dz.t(), h, out_dtype=acc.dtype, out=acc)
+@functools.cache
+def _cuda_has_fp32_out_gemm() -> bool:
+    """Whether this torch's cuBLAS addmm takes bf16 operands with an fp32 output (torch >= 2.8)."""
+    a = torch.ones(2, 2, dtype=torch.bfloat16, device="cuda")
+    acc = torch.full((2, 2), float("nan"), device="cuda")
+    try:
+        torch.mm(a, a, out_dtype=torch.float32, out=acc)
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+    return bool((acc == 4).all())
+
+
+def dw_accumulator_dtype(weight_dtype: torch.dtype) -> torch.dtype:
+    """dW sums over chunks in at least fp32, so bf16/fp16 weights lose nothing to per-chunk rounding."""
+    return torch.promote_types(weight_dtype, torch.float32)
+
+
+def _accumulate_dw_(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, first: bool) -> None:
+    """acc (V, H) = dzᵀ h for the first chunk (no zero-fill pass over acc), else acc += dzᵀ h.
+
+    The sum runs in acc's dtype (fp32 for bf16/fp16 weights)."""
+    a, b = dz.t(), h
+    if acc.dtype != dz.dtype and not dz.is_cuda:
+        a, b = a.to(acc.dtype), b.to(acc.dtype)
+    if acc.dtype == a.dtype:
+        if first:
+            torch.mm(a, b, out=acc)
+        else:
+            acc.addmm_(a, b)
+    elif _cuda_has_fp32_out_gemm():
+        # cuBLAS takes bf16 operands and reads/writes the fp32 sum directly: no rounding per chunk.
+        if first:
+            torch.mm(a, b, out_dtype=acc.dtype, out=acc)
+        else:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
-        acc.addmm_(dz.t().to(acc.dtype), h.to(acc.dtype))
+        # Older torch: each chunk's product is rounded to bf16 once (as a plain bf16 backward's is).
+        product = a @ b
+        if first:
+            acc.copy_(product)
+        else:
+            acc.add_(product)
 
 
 def _chunk_loop(
@@ -103,10 +138,10 @@ def _chunk_loop(
     need_dh, need_dw, need_db = need
     N = hidden.shape[0]
     V = weight.shape[0]
-    acc_dtype = torch.promote_types(weight.dtype, torch.float32)
+    acc_dtype = dw_accumulator_dtype(weight.dtype)
     dh = torch.empty_like(hidden) if need_dh else None
-    dw = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_dw else None
-    db = torch.zeros(V, dtype=acc_dtype, device=weight.device) if need_db else None
+    dw = torch.empty(weight.shape, dtype=acc_dtype, device=weight.device) if need_dw else None
+    db = torch.zeros(V, dtype=torch.promote_types(weight.dtype, torch.float32), device=weight.device) if need_db else None
     # One flat buffer, reused: each chunk views a contiguous prefix in its own shape.
     buffer = torch.empty(min(chunk_rows, N) * V, dtype=hidden.dtype, device=hidden.device)
     for start in range(0, N, chunk_rows):
@@ -129,7 +164,7 @@ def _chunk_loop(
         if dh is not None:
             torch.mm(z, weight, out=dh[start:stop])
         if dw is not None:
-            _accumulate_dw_(dw, z, h)
+            _accumulate_dw_(dw, z, h, first=start == 0)
         if db is not None:
             db += z.sum(dim=0, dtype=acc_dtype)
     return (

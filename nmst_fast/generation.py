@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from .decoding.beam import beam_step
 from .decoding.distribution import effective_logits
-from .decoding.fused import fused_select
+from .decoding.fused import fused_sample
 from .decoding.selection import select, use_fused
 from .head import NMSTHead
 
@@ -103,7 +103,7 @@ def generate(
             non-termination studies with L = 10^5).
         progress: show a progress bar over steps.
         impl: token selection backend, see :func:`nmst_fast.decoding.sample` ("auto" uses the
-            one-read Triton scan for greedy / untruncated sampling on CUDA).
+            one-read Triton scan on CUDA).
     """
     _check(strategy, top_k, top_p, num_beams, max_length)
     if strategy == "beam":
@@ -123,9 +123,11 @@ def generate(
     bar = tqdm(total=max_length, disable=not progress, desc=f"generate[{strategy}]")
     for t in range(1, max_length + 1):
         logits = head(hidden)
-        if use_fused(impl, logits, k, p):
-            picked = fused_select(logits, head=head.head, eos_index=head.eos_index, eps=head.eps, steps=t,
-                                  state=state, temperature=temperature, greedy=k == 1, generator=generator)
+        picked = None
+        if use_fused(impl, logits, k, p):  # None back: a nucleus beyond the kernel's candidates
+            picked = fused_sample(logits, head=head.head, eos_index=head.eos_index, eps=head.eps, steps=t,
+                                  state=state, temperature=temperature, top_k=k, top_p=p, generator=generator)
+        if picked is not None:
             tokens, new_state, step_log_p = picked.tokens, picked.state, picked.log_probs
         else:
             dist = effective_logits(logits, head=head.head, eos_index=head.eos_index, eps=head.eps, steps=t,

@@ -1,11 +1,15 @@
-"""The one-read Triton selection (interpreter on CPU): exact greedy, exact sampling distribution."""
+"""The one-read Triton selection (interpreter on CPU, real GPU when present): exact greedy and sampling."""
 
 import pytest
 import torch
 
 from nmst_fast.decoding import effective_logits, sample
-from nmst_fast.decoding.fused import fused_select
+from kernels.row_scan import MAX_CANDIDATES
+from nmst_fast.decoding.fused import fused_select, fused_truncated
+from nmst_fast.decoding.reference import truncated_distribution
+from nmst_fast.generation import generate
 
+from helpers import DEVICE
 from test_decoding import DRAWS, _g_test, _reference_log_probs, _row, _st_state_before
 
 HEADS = ("nmst", "st", "va")
@@ -15,9 +19,9 @@ HEADS = ("nmst", "st", "va")
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_fused_greedy_equals_torch_path(head, temperature):
     gen = torch.Generator().manual_seed(0)
-    z = torch.randn(300, 70, generator=gen).round(decimals=1)  # many ties
-    steps = torch.randint(-2 if head == "st" else 0, 60, (300,), generator=gen)
-    state = torch.rand(300, generator=gen, dtype=torch.float64).neg() if head == "st" else None
+    z = torch.randn(300, 70, generator=gen).round(decimals=1).to(DEVICE)  # many ties
+    steps = torch.randint(-2 if head == "st" else 0, 60, (300,), generator=gen).to(DEVICE)
+    state = torch.rand(300, generator=gen, dtype=torch.float64).neg().to(DEVICE) if head == "st" else None
     fused, fused_state = sample(z, head=head, eos_index=13, eps=0.02, steps=steps, state=state, top_k=1,
                                 temperature=temperature, impl="triton")
     torch_path, torch_state = sample(z, head=head, eos_index=13, eps=0.02, steps=steps, state=state, top_k=1,
@@ -32,7 +36,7 @@ def test_fused_greedy_equals_torch_path(head, temperature):
 
 @pytest.mark.parametrize("head", HEADS)
 def test_fused_log_probs_of_chosen_tokens(head):
-    z = torch.randn(50, 33, generator=torch.Generator().manual_seed(1)) * 2
+    z = (torch.randn(50, 33, generator=torch.Generator().manual_seed(1)) * 2).to(DEVICE)
     picked = fused_select(z, head=head, eos_index=4, eps=0.1, steps=7, greedy=False,
                           generator=torch.Generator().manual_seed(2))
     expected = effective_logits(z, head=head, eos_index=4, eps=0.1, steps=7).token_log_probs(picked.tokens)
@@ -47,19 +51,90 @@ def test_fused_sampling_distribution(head, t):
     z = _row(gen, V=16)
     state = _st_state_before(z, eos, eps, t) if head == "st" else None
     reference = torch.exp(_reference_log_probs(z, head, eos, eps, t))
-    tokens, _ = sample(z.unsqueeze(0).expand(DRAWS, -1), head=head, eos_index=eos, eps=eps, steps=t,
-                       state=None if state is None else state.expand(DRAWS), impl="triton",
+    tokens, _ = sample(z.to(DEVICE).unsqueeze(0).expand(DRAWS, -1), head=head, eos_index=eos, eps=eps, steps=t,
+                       state=None if state is None else state.to(DEVICE).expand(DRAWS), impl="triton",
                        generator=torch.Generator().manual_seed(seed + 1))
-    assert _g_test(tokens, reference) > 1e-5, f"seed={seed}"
+    assert _g_test(tokens.cpu(), reference) > 1e-5, f"seed={seed}"
 
 
-def test_fused_rejects_truncation_and_nan():
-    z = torch.randn(4, 20)
-    with pytest.raises(ValueError, match="top-k/top-p"):
-        sample(z, head="nmst", eos_index=0, top_k=4, impl="triton")
+def test_fused_rejects_large_k_and_nan():
+    z = torch.randn(4, 20, device=DEVICE)
+    with pytest.raises(ValueError, match="top_k"):
+        sample(z, head="nmst", eos_index=0, top_k=MAX_CANDIDATES + 1, impl="triton")
     with pytest.raises(ValueError, match="impl"):
         sample(z, head="nmst", eos_index=0, impl="cuda")
     bad = z.clone()
     bad[3, 5] = float("nan")
     with pytest.raises(ValueError, match="row 3"):
         sample(bad, head="nmst", eos_index=0, top_k=1, impl="triton")
+
+
+# (BLOCK_V, splits) launches make several splits to merge and several tiles per split (CPU
+# interpreter shapes: its tl.topk is slow, so the rows are short).
+@pytest.mark.parametrize("V,K,eos,launch,temperature", [(5, 4, 0, None, 1.0), (37, 1, 36, (16, 3), 0.6),
+                                                        (300, 64, 7, (64, 2), 1.0), (300, 128, None, (128, 2), 0.6),
+                                                        (400, 16, 399, (64, 1), 1.0)])
+def test_candidates_are_the_exact_top_k(V, K, eos, launch, temperature):
+    """Across splits and tiles (several merges and skipped tiles), with many ties: (value desc, index asc)."""
+    from kernels.row_scan import row_scan
+
+    gen = torch.Generator().manual_seed(V + K)
+    z = (torch.randn(9, V, generator=gen) * 3).round(decimals=0).to(DEVICE)  # heavy ties
+    z[1] = z[1].sort().values  # ascending rows: every tile improves the running top-K
+    z[2, : V // 2] = float("-inf")
+    scan = row_scan(z, eos_index=eos, temperature=temperature, candidates=K, launch=launch)
+    x = z.double() / temperature
+    if eos is not None:
+        x[:, eos] = float("-inf")
+    order = torch.sort(x, dim=1, descending=True, stable=True).indices[:, :K]
+    got = scan["cand_idx"][:, : min(K, V)]
+    valid = x.gather(1, order) > float("-inf")
+    assert torch.equal(torch.where(valid, got, -1), torch.where(valid, order, -1))
+    torch.testing.assert_close(scan["cand_val"][:, : min(K, V)].double()[valid], x.gather(1, order)[valid],
+                               rtol=1e-6, atol=0)
+    masked = x.clone()
+    torch.testing.assert_close(scan["lse"].double(), torch.logsumexp(masked, dim=1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(scan["top_idx"], order[:, 0])
+
+
+FUSED_TRUNCATIONS = [(3, None), (None, 0.6), (5, 0.7), (30, None)]
+
+
+@pytest.mark.parametrize("head,t,top_k,top_p", [(head, t, k, p) for head in HEADS
+                                                for t in ([1, 50] if head != "nmst" else [1, 10**6])
+                                                for k, p in FUSED_TRUNCATIONS])
+def test_fused_truncated_sampling_distribution(head, t, top_k, top_p):
+    seed = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
+    eos, eps = 2, 0.002
+    z = _row(gen)
+    state = _st_state_before(z, eos, eps, t) if head == "st" else None
+    reference = truncated_distribution(_reference_log_probs(z, head, eos, eps, t).unsqueeze(0), top_k, top_p)[0]
+    tokens, _ = sample(z.to(DEVICE).unsqueeze(0).expand(DRAWS, -1), head=head, eos_index=eos, eps=eps, steps=t,
+                       top_k=top_k, top_p=top_p, state=None if state is None else state.to(DEVICE).expand(DRAWS),
+                       impl="triton", generator=torch.Generator().manual_seed(seed + 1))
+    assert _g_test(tokens.cpu(), reference) > 1e-5, f"seed={seed}"
+
+
+def test_large_nucleus_falls_back_to_the_torch_path():
+    z = torch.zeros(3, 200, device=DEVICE)  # flat: a 0.99 nucleus holds ~198 tokens > the candidates
+    assert fused_truncated(z, head="nmst", eos_index=0, top_p=0.99) is None
+    assert fused_truncated(z, head="nmst", eos_index=0, top_p=0.1) is not None
+    tokens, _ = sample(z, head="nmst", eos_index=0, top_p=0.99, impl="triton",
+                       generator=torch.Generator().manual_seed(0))
+    assert tokens.shape == (3,) and bool(((tokens >= 0) & (tokens < 200)).all())
+
+
+def test_fused_top_k_generation_scores_are_model_log_probs():
+    """The log-probs the fused path reports are the untruncated step log-probs of the drawn tokens."""
+    from test_generation import TinyRNN, _contexts
+
+    model = TinyRNN(head="nmst").double()
+    contexts = _contexts(B=6)
+    out = generate(model.to(DEVICE), contexts.to(DEVICE), strategy="top_k", top_k=3, max_length=30, impl="triton",
+                   generator=torch.Generator().manual_seed(4))
+    model = model.cpu()
+    for b in range(contexts.shape[0]):
+        seq = out.tokens[b, : int(out.lengths[b])].cpu()
+        expected = sum(float(model.sequence_log_probs(contexts[b], seq[:i])[seq[i]]) for i in range(len(seq)))
+        assert float(out.scores[b]) == pytest.approx(expected, rel=1e-5, abs=1e-5)

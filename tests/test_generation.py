@@ -8,6 +8,8 @@ import nmst_fast
 from nmst_fast import metrics
 from nmst_fast.generation import generate
 
+from helpers import DEVICE
+
 
 class TinyRNN(nn.Module):
     """A small tied-embedding RNN LM exposing the DecodingModel protocol."""
@@ -72,8 +74,8 @@ def test_greedy_matches_reference_loop(head):
 
 @pytest.mark.parametrize("head", ["nmst", "st", "va"])
 def test_fused_greedy_generation_equals_torch_path(head):
-    model = TinyRNN(head=head)
-    contexts = _contexts(B=8)
+    model = TinyRNN(head=head).to(DEVICE)
+    contexts = _contexts(B=8).to(DEVICE)
     fused = generate(model, contexts, strategy="greedy", max_length=40, impl="triton")
     plain = generate(model, contexts, strategy="greedy", max_length=40, impl="torch")
     assert torch.equal(fused.tokens, plain.tokens) and torch.equal(fused.lengths, plain.lengths)

@@ -96,6 +96,13 @@ def test_non_finite_inputs(which, value):
         _call(**kw)
 
 
+def test_inf_among_huge_finite_values_is_found():
+    kw = _args(bias=torch.full((11,), 3e38))  # the screening sum overflows on these alone
+    kw["bias"][4] = -float("inf")
+    with pytest.raises(ValueError, match="bias"):
+        _call(**kw)
+
+
 def test_device_mismatch():
     with pytest.raises(ValueError, match="weight"):
         _call(weight=torch.randn(11, 8, device="meta"))

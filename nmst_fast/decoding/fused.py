@@ -1,11 +1,12 @@
-"""Greedy and untruncated sampling from one read of the logits (Triton row scan).
+"""Token selection from one read of the logits (Triton row scan).
 
 The kernel (``kernels/row_scan.py``) returns per row L, the top non-eos logit and
 the winner of a Gumbel-max race over non-eos tokens. eos then joins with O(B)
 float64 math: its effective logit ζ_eos = L + log(1 − e^a) − a competes with the
 non-eos winner (greedy), or, with its own Gumbel draw, with the race winner
 (sampling) — so both are exact for the NMST/ST/VA step distribution without a
-(B, V) probability tensor or a sort. Top-k / top-p go through the torch path.
+(B, V) probability tensor or a sort. Top-k / top-p use the kernel's ranked top-K
+candidates the same way: eos is merged into them by its exact ζ_eos.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from ..backends import triton_available
 from .distribution import Steps, check_rows, check_step_args, eos_effective_logit, step_log_survival
+from .truncation import draw, insert_eos, truncate
 
 
 @dataclass
@@ -38,6 +40,46 @@ def _gumbel(shape: int, generator: Optional[torch.Generator], device: torch.devi
     return (-torch.log(-torch.log(u))).to(device)
 
 
+@dataclass
+class _HeadScan:
+    scan: dict  # row_scan's outputs
+    log_norm: torch.Tensor  # (B,) float64 logsumexp of the effective logits
+    eos_zeta: Optional[torch.Tensor]  # (B,) float64 ζ_eos (None for "va")
+    log_surv: Optional[torch.Tensor]  # (B,) float64 log(1 − α_t) (None for "va")
+
+
+def _scan_with_head(
+    logits: torch.Tensor, head: str, eos_index: int, eps: float, steps: Steps, state: Optional[torch.Tensor],
+    temperature: float, seed: Optional[int], candidates: int = 0,
+) -> _HeadScan:
+    """One read of the logits, then the head's O(B) float64 math (eos's effective logit)."""
+    from kernels.row_scan import row_scan  # lazy: Triton picks interpret mode at import
+
+    B = logits.shape[0]
+    if seed is None and B > 1 and logits.stride(0) == 0:
+        # Rows expanded from one (several samples of one prompt) have the same deterministic
+        # scan: do it once. The head math below stays per row (steps / state may differ).
+        scan = {key: value.expand(B, *value.shape[1:])
+                for key, value in row_scan(logits[:1], eos_index=None if head == "va" else eos_index,
+                                           temperature=temperature, candidates=candidates).items()}
+    else:
+        scan = row_scan(logits, eos_index=None if head == "va" else eos_index, temperature=temperature, seed=seed,
+                        candidates=candidates)
+    lse = scan["lse"].to(torch.float64)
+    if head == "va":
+        check_rows(lse)
+        return _HeadScan(scan, lse, None, None)
+    s = logits[:, eos_index].to(torch.float64)
+    check_rows(lse, s)
+    log_surv = step_log_survival(s, head=head, eps=eps, steps=steps, state=state)
+    return _HeadScan(scan, lse - log_surv, eos_effective_logit(lse, log_surv), log_surv)
+
+
+def _seed(generator: Optional[torch.Generator], device: torch.device) -> int:
+    dev = generator.device if generator is not None else device
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=dev))
+
+
 def fused_select(
     logits: torch.Tensor,
     *,
@@ -51,34 +93,93 @@ def fused_select(
     generator: Optional[torch.Generator] = None,
 ) -> FusedSelection:
     """Greedy (``greedy=True``) or exact sampling of one token per row of (B, V) ``logits``."""
-    from kernels.row_scan import row_scan  # lazy: Triton picks interpret mode at import
+    check_step_args(logits, head, eos_index, eps, temperature)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    seed = None if greedy else _seed(generator, logits.device)
+    hs = _scan_with_head(logits, head, eos_index, eps, steps, state, temperature, seed)
+    scan = hs.scan
+    pick_idx, pick_val = (scan["top_idx"], scan["top_val"]) if greedy else (scan["race_idx"], scan["race_val"])
+    chosen = logits.gather(1, pick_idx[:, None]).squeeze(1).to(torch.float64) / temperature
+    if head == "va":
+        return FusedSelection(pick_idx, chosen - hs.log_norm, None)
+    pick = pick_val.to(torch.float64)
+    if greedy:  # ties go to the lower index, as everywhere
+        eos_wins = (hs.eos_zeta > pick) | ((hs.eos_zeta == pick) & (eos_index < pick_idx))
+    else:
+        eos_wins = hs.eos_zeta + _gumbel(pick.shape[0], generator, logits.device) > pick
+    tokens = torch.where(eos_wins, eos_index, pick_idx)
+    log_p = torch.where(eos_wins, hs.eos_zeta, chosen) - hs.log_norm
+    return FusedSelection(tokens, log_p, hs.log_surv if head == "st" else None)
+
+
+def fused_truncation_available(top_k: Optional[int]) -> bool:
+    """Whether the kernel's candidate list can serve top-k (top_k=None: top-p alone)."""
+    if not triton_available():
+        return False
+    from kernels.row_scan import HAS_TOPK, MAX_CANDIDATES
+
+    return HAS_TOPK and (top_k is None or top_k <= MAX_CANDIDATES)
+
+
+def fused_truncated(
+    logits: torch.Tensor,
+    *,
+    head: str,
+    eos_index: int,
+    eps: float = 1e-5,
+    steps: Steps = 1,
+    state: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    generator: Optional[torch.Generator] = None,
+) -> Optional[FusedSelection]:
+    """Top-k / top-p sampling from the kernel's ranked candidates (one read of the logits).
+
+    The kernel returns the K most probable non-eos tokens (K = top_k, or MAX_CANDIDATES
+    for top-p alone); eos joins them by its exact ζ_eos, which makes them the K + 1 most
+    probable tokens overall. Returns None when top-p's nucleus may need more than those
+    (the caller then takes the torch path).
+    """
+    from kernels.row_scan import MAX_CANDIDATES
 
     check_step_args(logits, head, eos_index, eps, temperature)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    seed = None
-    if not greedy:
-        dev = generator.device if generator is not None else logits.device
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=dev))
-    scan = row_scan(logits, eos_index=None if head == "va" else eos_index, temperature=temperature, seed=seed)
-    lse = scan["lse"].to(torch.float64)
-    pick_idx, pick_val = (scan["top_idx"], scan["top_val"]) if greedy else (scan["race_idx"], scan["race_val"])
-    if head == "va":
-        check_rows(lse)
-        log_p = logits.gather(1, pick_idx[:, None]).squeeze(1).to(torch.float64) / temperature - lse
-        return FusedSelection(pick_idx, log_p, None)
+    wanted = top_k if top_k is not None else MAX_CANDIDATES
+    hs = _scan_with_head(logits, head, eos_index, eps, steps, state, temperature, None, candidates=wanted)
+    tokens, zeta = hs.scan["cand_idx"], hs.scan["cand_val"].to(torch.float64)
+    if head != "va":
+        tokens, zeta = insert_eos(tokens, zeta, eos_index, hs.eos_zeta)
+    if top_k is not None:
+        tokens, zeta = tokens[:, :top_k], zeta[:, :top_k]
+    log_p = zeta - hs.log_norm.unsqueeze(1)
+    probs, covered = truncate(torch.exp(log_p), top_k, top_p)
+    if not covered:
+        return None
+    rank = draw(probs, generator)
+    return FusedSelection(tokens.gather(1, rank).squeeze(1), log_p.gather(1, rank).squeeze(1),
+                          hs.log_surv if head == "st" else None)
 
-    s = logits[:, eos_index].to(torch.float64)
-    check_rows(lse, s)
-    log_surv = step_log_survival(s, head=head, eps=eps, steps=steps, state=state)
-    eos_zeta = eos_effective_logit(lse, log_surv)
-    pick = pick_val.to(torch.float64)
-    if greedy:  # ties go to the lower index, as everywhere
-        eos_wins = (eos_zeta > pick) | ((eos_zeta == pick) & (eos_index < pick_idx))
-    else:
-        eos_wins = eos_zeta + _gumbel(lse.shape[0], generator, logits.device) > pick
-    tokens = torch.where(eos_wins, eos_index, pick_idx)
-    chosen = logits.gather(1, pick_idx[:, None]).squeeze(1).to(torch.float64) / temperature
-    log_norm = lse - log_surv
-    log_p = torch.where(eos_wins, eos_zeta, chosen) - log_norm
-    return FusedSelection(tokens, log_p, log_surv if head == "st" else None)
+
+def fused_sample(
+    logits: torch.Tensor,
+    *,
+    head: str,
+    eos_index: int,
+    eps: float = 1e-5,
+    steps: Steps = 1,
+    state: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    generator: Optional[torch.Generator] = None,
+) -> Optional[FusedSelection]:
+    """Dispatch as :func:`nmst_fast.decoding.selection.select`: top_k=1 is greedy, no truncation
+    samples by the Gumbel race, anything else goes through the candidates (None: see
+    :func:`fused_truncated`)."""
+    args = dict(head=head, eos_index=eos_index, eps=eps, steps=steps, state=state, temperature=temperature)
+    if top_k == 1 or (top_k is None and (top_p is None or top_p >= 1.0)):
+        return fused_select(logits, greedy=top_k == 1, generator=generator, **args)
+    return fused_truncated(logits, top_k=top_k, top_p=top_p, generator=generator, **args)

@@ -20,10 +20,10 @@ from typing import Optional
 import torch
 
 from .distribution import StepDistribution, Steps, effective_logits
-from .fused import fused_available, fused_select
+from .fused import fused_available, fused_sample, fused_truncation_available
+from .truncation import draw, insert_eos, truncate
 
 _FIRST_CANDIDATES = 64
-_TOP_P_SLACK = 1e-12  # a cumulative mass within this of p counts as reaching p (float64 round-off)
 
 
 def _stable_top(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,21 +91,10 @@ def ranked_candidates(dist: StepDistribution, k: int) -> tuple[torch.Tensor, tor
         # the exact one for tests and references; speed matters for float32/bf16 logits).
         return _stable_top(dist.log_probs(), k)
     tokens, values = top_tokens(dist.zeta, k, exclude=dist.eos_index if has_special_eos else None)
-    k_other = tokens.shape[1]
-    log_p = values.to(torch.float64) - dist.log_norm.unsqueeze(1)
-    if not has_special_eos:
-        return tokens, log_p
-    # Insert eos after every candidate that outranks it (higher ζ, or equal ζ and lower index).
-    cand_zeta = values.to(torch.float64)
-    eos_zeta = dist.eos_zeta.unsqueeze(1)
-    outranks_eos = (cand_zeta > eos_zeta) | ((cand_zeta == eos_zeta) & (tokens < dist.eos_index))
-    eos_pos = outranks_eos.sum(dim=1, keepdim=True)
-    slots = torch.arange(k_other + 1, device=tokens.device).expand(B, -1)
-    source = (slots - (slots > eos_pos).long()).clamp(max=k_other - 1)
-    merged_tokens = torch.where(slots == eos_pos, dist.eos_index, tokens.gather(1, source))
-    merged_log_p = torch.where(slots == eos_pos, dist.eos_zeta.unsqueeze(1) - dist.log_norm.unsqueeze(1),
-                               log_p.gather(1, source))
-    return merged_tokens[:, :k], merged_log_p[:, :k]
+    zeta = values.to(torch.float64)
+    if has_special_eos:
+        tokens, zeta = insert_eos(tokens, zeta, dist.eos_index, dist.eos_zeta)
+    return tokens[:, :k], zeta[:, :k] - dist.log_norm.unsqueeze(1)
 
 
 def greedy(dist: StepDistribution) -> torch.Tensor:
@@ -135,23 +124,10 @@ def truncated_candidates(
     k = top_k if top_k is not None else min(V, _FIRST_CANDIDATES)
     while True:
         tokens, log_p = ranked_candidates(dist, k)
-        probs = torch.exp(log_p)
-        if top_k is not None:
-            probs = probs / probs.sum(dim=1, keepdim=True)
-        if top_p is None or top_p >= 1.0:
+        probs, covered = truncate(torch.exp(log_p), top_k, top_p)
+        if covered or k >= V:
             return tokens, probs
-        cumulative = torch.cumsum(probs, dim=1)
-        reached = cumulative >= top_p - _TOP_P_SLACK
-        covered = bool(reached[:, -1].all())
-        if covered or top_k is not None or k >= V:
-            break
         k = min(V, 4 * k)
-    # Keep rank j if the mass strictly before it is still short of p.
-    mass_before = cumulative - probs
-    keep = mass_before < top_p - _TOP_P_SLACK
-    keep[:, 0] = True
-    probs = torch.where(keep, probs, 0.0)
-    return tokens, probs / probs.sum(dim=1, keepdim=True)
 
 
 def select(
@@ -166,24 +142,33 @@ def select(
     if top_k == 1:
         return greedy(dist)
     if top_k is None and (top_p is None or top_p >= 1.0):
-        return torch.multinomial(torch.exp(dist.log_probs()), 1, generator=generator).squeeze(1)
+        return draw(torch.exp(dist.log_probs()), generator).squeeze(1)
     tokens, probs = truncated_candidates(dist, top_k, top_p)
-    return tokens.gather(1, torch.multinomial(probs, 1, generator=generator)).squeeze(1)
+    return tokens.gather(1, draw(probs, generator)).squeeze(1)
 
 
 def use_fused(impl: str, logits: torch.Tensor, top_k: Optional[int], top_p: Optional[float]) -> bool:
-    """Whether the one-read Triton scan serves this call (greedy or untruncated sampling)."""
+    """Whether the one-read Triton scan serves this call.
+
+    It serves greedy, untruncated sampling and top-k / top-p with k up to
+    ``kernels.row_scan.MAX_CANDIDATES`` (top-p alone keeps that many candidates, and a step
+    whose nucleus is larger falls back to the torch path).
+    """
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    if impl == "torch" or (impl == "auto" and not logits.is_cuda):
+        return False
     # The same dispatch as ``select``: top_k == 1 is greedy (top-p after top-1 keeps that one token).
     untruncated = top_k == 1 or (top_k is None and (top_p is None or top_p >= 1.0))
+    servable = untruncated or fused_truncation_available(top_k)
     if impl == "triton":
-        if not untruncated:
-            raise ValueError("impl='triton' covers greedy and untruncated sampling; use impl='torch' for top-k/top-p")
+        if not servable:
+            raise ValueError("impl='triton' serves top_k up to kernels.row_scan.MAX_CANDIDATES (and needs tl.topk "
+                             f"for truncation), got top_k={top_k}; use impl='torch'")
         if not fused_available(logits):
             raise ValueError("impl='triton' needs CUDA logits (or TRITON_INTERPRET=1 for CPU tensors)")
         return True
-    return impl == "auto" and untruncated and logits.is_cuda and fused_available(logits)
+    return servable and fused_available(logits)
 
 
 def sample(
@@ -211,16 +196,18 @@ def sample(
         top_p: keep the smallest most-probable set with mass >= p (after top-k, if both).
         temperature: divides non-eos logits (all logits for "va"); p(eos) of NMST/ST is unchanged.
         generator: torch.Generator for reproducible draws.
-        impl: "auto" (the fused Triton scan for greedy / untruncated sampling on CUDA, torch
-            otherwise), "triton" (CPU tensors need TRITON_INTERPRET=1) or "torch".
+        impl: "auto" (the one-read Triton scan on CUDA when it serves the call, see
+            :func:`use_fused`; torch otherwise), "triton" (CPU tensors need TRITON_INTERPRET=1)
+            or "torch".
     Returns:
         (tokens (B,) int64, new state).
     """
     _check_truncation(top_k, top_p)
     if use_fused(impl, logits, top_k, top_p):
-        picked = fused_select(logits, head=head, eos_index=eos_index, eps=eps, steps=steps, state=state,
-                              temperature=temperature, greedy=top_k == 1, generator=generator)
-        return picked.tokens, picked.state
+        picked = fused_sample(logits, head=head, eos_index=eos_index, eps=eps, steps=steps, state=state,
+                              temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        if picked is not None:  # None: a nucleus larger than the kernel's candidates
+            return picked.tokens, picked.state
     dist = effective_logits(logits, head=head, eos_index=eos_index, eps=eps, steps=steps, state=state,
                             temperature=temperature)
     return select(dist, top_k=top_k, top_p=top_p, generator=generator), dist.state
