@@ -10,7 +10,8 @@ setup(
     extras_require={
         "triton": ["triton>=3.0"],
         "hf": ["transformers>=4.45"],
-        "test": ["pytest", "scipy", "triton>=3.0", "transformers>=4.45"],
+        "train": ["matplotlib>=3.5"],
+        "test": ["pytest", "scipy", "triton>=3.0", "transformers>=4.45", "matplotlib>=3.5"],
         "bench": ["pytest-benchmark", "tqdm"],
     },
 )

@@ -40,6 +40,7 @@ def test_collate_targets_steps_and_padding():
     assert batch.inputs.shape == batch.targets.shape == batch.steps.shape == (4, T)
     # Target i predicts seq[i + 1]; the first token after the 10-token context has t = 1.
     assert batch.steps[0, CONTEXT_LENGTH].item() == 1 and batch.steps[0, CONTEXT_LENGTH - 1].item() == 0
+    assert (batch.steps[:, :CONTEXT_LENGTH] == 0).all()  # every context position is t = 0
     assert batch.targets[1, CONTEXT_LENGTH].item() == vocab.eos  # a blank line: eos right after the context
     assert (batch.targets[1, CONTEXT_LENGTH + 1:] == -100).all()
     assert batch.lengths.tolist() == [len(s) - 1 for s in seqs]

@@ -66,3 +66,90 @@ def test_greedy_agrees_with_hf():
         if 49 in hf_cont:
             hf_cont = hf_cont[: hf_cont.index(49) + 1]
         assert ours.tokens[b, : ours.lengths[b]].tolist() == hf_cont
+
+
+# --- training patch and HF-generate processor ------------------------------------------------
+
+from nmst_fast import linear_nmst_loss  # noqa: E402
+from nmst_fast.integrations.hf_gpt2 import NMSTLogitsProcessor, apply_nmst_to_gpt2, prediction_steps  # noqa: E402
+
+
+def _train_batch(seed=0, B=3, T=14):
+    ids = torch.randint(0, 50, (B, T), generator=torch.Generator().manual_seed(seed))
+    labels = ids.clone()
+    labels[0, -4:] = -100  # a padded tail
+    return ids, labels
+
+
+def test_patched_va_loss_equals_hf_loss_and_gradients():
+    ids, labels = _train_batch()
+    plain = _model(4).train()
+    torch.manual_seed(0)  # dropout draws the same masks in both runs
+    hf_loss = plain(ids, labels=labels).loss
+    hf_loss.backward()
+    patched = apply_nmst_to_gpt2(_model(4).train(), head="va")
+    torch.manual_seed(0)
+    out = patched(ids, labels=labels)
+    assert out.logits is None  # the (B, T, V) logits were never formed
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, hf_loss, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(plain.named_parameters(), patched.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("head", ["nmst", "st"])
+def test_patched_nmst_loss_equals_reference_on_hidden_states(head):
+    ids, labels = _train_batch(1)
+    model = apply_nmst_to_gpt2(_model(5).eval(), head=head, eps=0.05, context_length=4)
+    loss = model(ids, labels=labels).loss
+    hidden = model.transformer(ids).last_hidden_state
+    steps = prediction_steps(ids.shape[1], 4, ids.device).expand(ids.shape[0], -1)
+    assert steps[0, :4].tolist() == [0, 0, 0, 1]  # tokens 0..3 are the context; token 4 is t = 1
+    expected = linear_nmst_loss(hidden[:, :-1], model.lm_head.weight, labels[:, 1:], eos_index=49, eps=0.05,
+                                head=head, steps=steps, impl="reference")
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    total = model(ids, labels=labels, num_items_in_batch=7).loss  # HF Trainer's gradient-accumulation scaling
+    n = int((labels[:, 1:] != -100).sum())
+    torch.testing.assert_close(total, expected * n / 7, rtol=1e-5, atol=1e-6)
+
+
+def test_settings_survive_save_pretrained_and_conflicts_are_refused(tmp_path):
+    model = apply_nmst_to_gpt2(_model(6), head="st", eps=0.01, context_length=3)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    apply_nmst_to_gpt2(loaded)  # no arguments: the recorded head is used, never vanilla by default
+    assert loaded.config.nmst == dict(head="st", eps=0.01, context_length=3)
+    with pytest.raises(ValueError, match="head='st'"):
+        apply_nmst_to_gpt2(transformers.GPT2LMHeadModel.from_pretrained(tmp_path), head="va")
+    with pytest.raises(ValueError, match="eps"):
+        apply_nmst_to_gpt2(_model(6), eps=1.5)
+
+
+@pytest.mark.parametrize("head", ["nmst", "st", "va"])
+def test_processor_greedy_equals_our_generate(head):
+    model = _model(7)
+    contexts = torch.randint(0, 49, (4, 6), generator=torch.Generator().manual_seed(7))
+    processor = NMSTLogitsProcessor(eos_token_id=49, head=head, eps=0.05)
+    with torch.no_grad():
+        hf = model.generate(contexts, attention_mask=torch.ones_like(contexts), do_sample=False, max_new_tokens=20,
+                            eos_token_id=49, pad_token_id=49, logits_processor=[processor])
+    ours = generate(GPT2Decoder(model, head=head, eps=0.05), contexts, strategy="greedy", max_length=20)
+    for b in range(4):
+        hf_cont = hf[b, 6:].tolist()
+        if 49 in hf_cont:
+            hf_cont = hf_cont[: hf_cont.index(49) + 1]
+        assert ours.tokens[b, : ours.lengths[b]].tolist() == hf_cont, f"row {b}"
+
+
+def test_processor_outputs_the_step_distribution_and_refuses_beam_scores():
+    z = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    ids = torch.zeros(3, 5, dtype=torch.long)
+    processor = NMSTLogitsProcessor(eos_token_id=49, head="nmst", eps=0.1)
+    first = processor(ids, z)
+    from nmst_fast.decoding import step_log_probs
+
+    torch.testing.assert_close(first.double(), step_log_probs(z, head="nmst", eos_index=49, eps=0.1, steps=1)[0])
+    second = processor(torch.zeros(3, 6, dtype=torch.long), z)  # one token later: t = 2
+    torch.testing.assert_close(second.double(), step_log_probs(z, head="nmst", eos_index=49, eps=0.1, steps=2)[0])
+    with pytest.raises(ValueError, match="beam"):
+        processor(torch.zeros(3, 7, dtype=torch.long), torch.log_softmax(z, dim=-1))

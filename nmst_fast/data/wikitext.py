@@ -136,8 +136,9 @@ def collate(sequences: list[list[int]], *, pad_id: int, context_length: int = CO
             ignore_index: int = -100) -> Batch:
     """Right-pad a list of encoded sequences into a :class:`Batch`.
 
-    Target position i predicts seq[i + 1]; its step is t = i + 1 − context_length, so t = 1
-    at the first token after the context and t <= 0 on context positions.
+    Target position i predicts seq[i + 1]; its step is t = max(0, i + 1 − context_length):
+    t = 1 at the first token after the context, t = 0 on every context position (p(eos) = 0
+    there for NMST and ST, the library's context convention).
     """
     T = max(len(s) for s in sequences) - 1
     B = len(sequences)
@@ -149,7 +150,7 @@ def collate(sequences: list[list[int]], *, pad_id: int, context_length: int = CO
         inputs[b, :n] = torch.tensor(seq[:-1])
         targets[b, :n] = torch.tensor(seq[1:])
         lengths[b] = n
-    steps = (torch.arange(T) + 1 - context_length).expand(B, T).contiguous()
+    steps = (torch.arange(T) + 1 - context_length).clamp(min=0).expand(B, T).contiguous()
     return Batch(inputs, targets, steps, lengths)
 
 

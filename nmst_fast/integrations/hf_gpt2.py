@@ -1,14 +1,25 @@
-"""Decode a Hugging Face ``GPT2LMHeadModel`` with an NMST / ST / VA head via :func:`nmst_fast.generate`."""
+"""Hugging Face GPT-2 with an NMST / ST / VA head.
+
+* :func:`apply_nmst_to_gpt2` — train a ``GPT2LMHeadModel`` with the fused loss (no logits).
+* :class:`NMSTLogitsProcessor` — HF ``generate()`` greedy / sampling on the head's distribution.
+* :class:`GPT2Decoder` — the model under :func:`nmst_fast.generate` (greedy, top-k, nucleus, beam).
+"""
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+import types
+from typing import Any, Optional
 
 import torch
 from torch import nn
+from transformers import LogitsProcessor
+from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 
+from ..decoding import step_log_probs
 from ..head import NMSTHead
+from ..loss import linear_nmst_loss
+from ..validation import HEADS, check_choice, check_eps
 
 
 class GPT2Decoder(nn.Module):
@@ -44,3 +55,108 @@ class GPT2Decoder(nn.Module):
     def select_cache(self, cache: Any, index: torch.Tensor) -> Any:
         cache.reorder_cache(index)
         return cache
+
+
+def _nmst_settings(model: nn.Module, head: Optional[str], eps: Optional[float],
+                   context_length: Optional[int]) -> dict:
+    """The head settings to use: what the caller gave, else what the model's config recorded."""
+    recorded = getattr(model.config, "nmst", None) or {}
+    given = {k: v for k, v in dict(head=head, eps=eps, context_length=context_length).items() if v is not None}
+    clash = {k: (recorded[k], v) for k, v in given.items() if k in recorded and recorded[k] != v}
+    if clash:
+        raise ValueError(f"the model was trained with {', '.join(f'{k}={a!r}' for k, (a, _) in clash.items())}; "
+                         f"refusing to use {', '.join(f'{k}={b!r}' for k, (_, b) in clash.items())}")
+    settings = dict(head="nmst", eps=1e-5, context_length=10) | recorded | given
+    check_choice("head", settings["head"], HEADS)
+    check_eps(settings["eps"])
+    if isinstance(settings["context_length"], bool) or not isinstance(settings["context_length"], int) \
+            or settings["context_length"] < 0:
+        raise ValueError(f"context_length must be an int >= 0, got {settings['context_length']!r}")
+    return settings
+
+
+def prediction_steps(seq_len: int, context_length: int, device: torch.device) -> torch.Tensor:
+    """t of the token at each position 1..seq_len−1 (what position i−1 predicts): t = 1 at the
+    first token after ``context_length`` context tokens, 0 on the context."""
+    return (torch.arange(1, seq_len, device=device) - context_length + 1).clamp(min=0)
+
+
+def apply_nmst_to_gpt2(model: nn.Module, *, head: Optional[str] = None, eps: Optional[float] = None,
+                       context_length: Optional[int] = None, impl: str = "auto") -> nn.Module:
+    """Make a ``GPT2LMHeadModel`` train with the fused NMST / ST / VA loss on its tied head.
+
+    With ``labels``, ``model(input_ids, labels=...)`` runs the transformer, then
+    :func:`nmst_fast.linear_nmst_loss` on the hidden states and ``lm_head.weight`` — the
+    (B, T, V) logits are never formed, and the output's ``logits`` is None. Labels are shifted
+    inside, as in HF (token i+1 is predicted at position i; -100 is ignored); the first
+    ``context_length`` tokens of every sequence are context (t = 0, p(eos) = 0 there), t = 1 at
+    the next one. HF Trainer's ``num_items_in_batch`` is honoured (loss summed, then divided by it).
+    Without labels the model is unchanged (HF generate; decode NMST with :class:`NMSTLogitsProcessor`
+    or :class:`GPT2Decoder`).
+
+    The settings are stored in ``model.config.nmst`` (so ``save_pretrained`` records them); a model
+    loaded with recorded settings reuses them, and conflicting arguments raise ValueError.
+    Defaults: head "nmst", eps 1e-5, context_length 10 (the paper's GPT-2 setup).
+    """
+    settings = _nmst_settings(model, head, eps, context_length)
+    model.config.nmst = settings
+    original_forward = model.forward
+    eos_index = model.config.eos_token_id
+
+    def forward(self, input_ids=None, labels=None, num_items_in_batch=None, logits_to_keep=0, **kwargs):
+        if labels is None:
+            return original_forward(input_ids=input_ids, logits_to_keep=logits_to_keep, **kwargs)
+        kwargs["use_cache"] = False
+        out = self.transformer(input_ids, **kwargs)
+        hidden = out.last_hidden_state
+        T = hidden.shape[1]
+        targets = labels[:, 1:].to(hidden.device)
+        steps = prediction_steps(T, settings["context_length"], hidden.device).expand(targets.shape)
+        loss = linear_nmst_loss(hidden[:, :-1], self.lm_head.weight, targets, eos_index=eos_index,
+                                eps=settings["eps"], head=settings["head"],
+                                steps=None if settings["head"] == "va" else steps,
+                                reduction="mean" if num_items_in_batch is None else "sum", impl=impl)
+        if num_items_in_batch is not None:
+            loss = loss / num_items_in_batch
+        return CausalLMOutputWithCrossAttentions(loss=loss, logits=None, hidden_states=out.hidden_states,
+                                                 attentions=out.attentions)
+
+    model.forward = types.MethodType(forward, model)
+    return model
+
+
+class NMSTLogitsProcessor(LogitsProcessor):
+    """Turn GPT-2 logits into the NMST / ST log-distribution inside HF ``generate()``.
+
+    Greedy search and sampling (with HF's top-k / top-p, which run after custom processors)
+    then decode the head's exact step distribution; t = 1 at the first generated token.
+    Keep HF's ``temperature`` at 1 (it would scale eos too); pass ``temperature`` here, which
+    divides non-eos logits only. HF beam search hands processors log-softmaxed scores, which
+    have lost the raw eos logit the head needs: that is detected and refused — decode beams with
+    ``nmst_fast.generate(GPT2Decoder(model, head=...), strategy="beam")``. ST keeps its running
+    state per row, so rows must not be reordered between steps (checked).
+    """
+
+    def __init__(self, *, eos_token_id: int, head: str = "nmst", eps: float = 1e-5, temperature: float = 1.0):
+        check_choice("head", head, HEADS)
+        check_eps(eps)
+        self.eos, self.head, self.eps, self.temperature = eos_token_id, head, eps, temperature
+        self._prompt_length: Optional[int] = None
+        self._state: Optional[torch.Tensor] = None
+        self._previous: Optional[torch.Tensor] = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._prompt_length is None or input_ids.shape[1] <= self._prompt_length:
+            self._prompt_length, self._state, self._previous = input_ids.shape[1], None, None
+        if torch.allclose(torch.logsumexp(scores.double(), dim=-1), torch.zeros((), dtype=torch.float64), atol=1e-4):
+            raise ValueError("NMSTLogitsProcessor got normalized log-probs (HF beam search): the raw eos logit "
+                             "is gone; use nmst_fast.generate(GPT2Decoder(model, head=...), strategy='beam')")
+        if self.head == "st" and self._previous is not None and \
+                not torch.equal(input_ids[:, :-1], self._previous):
+            raise ValueError("NMSTLogitsProcessor(head='st') needs rows in a fixed order across steps "
+                             "(its running state follows each row); HF reordered them")
+        t = input_ids.shape[1] - self._prompt_length + 1
+        log_p, state = step_log_probs(scores, head=self.head, eos_index=self.eos, eps=self.eps, steps=t,
+                                      state=self._state, temperature=self.temperature)
+        self._state, self._previous = state, input_ids
+        return log_p.to(scores.dtype)

@@ -1,0 +1,133 @@
+"""train/: the built-in corpus, the recipe's loop (resume == uninterrupted), checkpoints, the CLI."""
+
+import json
+
+import pytest
+import torch
+
+from nmst_fast.data.wikitext import CONTEXT_LENGTH, Vocabulary, encode_lines
+from train.__main__ import main
+from train.checkpoint import load_checkpoint, load_model, save_atomic
+from train.config import TrainConfig
+from train.corpus import CONTEXT_WORDS, builtin_splits, prefix_corpus, stop_probabilities
+from train.loop import train
+
+
+def test_corpus_lines_are_prefixes_of_one_another():
+    lines = prefix_corpus(400, seed=3)
+    assert lines == prefix_corpus(400, seed=3)  # reproducible
+    motifs = stop_probabilities()
+    by_motif = {}
+    for line in lines:
+        words = line.split()
+        assert CONTEXT_WORDS == CONTEXT_LENGTH and len(words) > CONTEXT_WORDS
+        continuation = words[CONTEXT_WORDS:]
+        motif = tuple(continuation[:3])
+        assert motif in motifs and continuation == list(motif) * (len(continuation) // 3)  # ends at a motif end
+        by_motif.setdefault(motif, set()).add(len(continuation))
+    assert all(len(lengths) > 1 for lengths in by_motif.values())  # several lengths per family: prefixes
+
+
+def test_corpus_splits_differ_but_share_the_process():
+    splits = builtin_splits(0, sizes=(50, 20, 20))
+    assert [len(splits[s]) for s in ("train", "valid", "test")] == [50, 20, 20]
+    assert splits["train"][:20] != splits["valid"]
+
+
+@pytest.mark.parametrize("field,value,message", [("head", "nmts", "unknown head"), ("arch", "gru", "unknown arch"),
+                                                 ("eps", 1.0, "eps"), ("eps", 0.0, "eps"), ("size", "huge", "size"),
+                                                 ("max_epochs", 0, "max_epochs")])
+def test_config_rejects_bad_values(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**{field: value}).validate()
+
+
+def _data(n_train=60, n_valid=20):
+    splits = builtin_splits(1, sizes=(n_train, n_valid, 10))
+    vocab = Vocabulary.from_lines(splits["train"])
+    return vocab, encode_lines(splits["train"], vocab), encode_lines(splits["valid"], vocab)
+
+
+def test_resume_after_interruption_equals_uninterrupted_run(tmp_path):
+    """Dropout on (size "small"), so the RNG state must be restored as well as weights and optimizer."""
+    vocab, tr, va = _data()
+    config = TrainConfig(arch="rnn", head="st", size="small", max_epochs=3, batch_size=16, seed=5)
+    full, full_state = train(config, tr, va, vocab, tmp_path / "a.pt", progress=False)
+    train(config, tr, va, vocab, tmp_path / "b.pt", progress=False, stop_after=1)
+    assert load_checkpoint(tmp_path / "b.pt")["state"]["epoch"] == 1
+    resumed, resumed_state = train(config, tr, va, vocab, tmp_path / "b.pt", progress=False)
+    assert resumed_state.history == full_state.history
+    for key, value in full.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[key]), key
+
+
+def test_checkpoint_rebuilds_the_trained_head_and_refuses_another_vocabulary(tmp_path):
+    vocab, tr, va = _data(30, 10)
+    config = TrainConfig(head="nmst", eps=0.05, size="tiny", max_epochs=1, seed=0)
+    model, _ = train(config, tr, va, vocab, tmp_path / "c.pt", progress=False)
+    loaded, loaded_vocab, loaded_config = load_model(tmp_path / "c.pt")
+    assert loaded_vocab == vocab and loaded_config.head == "nmst" and loaded_config.eps == 0.05
+    assert loaded.nmst_head.head == "nmst" and loaded.nmst_head.eps == 0.05  # never silently vanilla
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[key])
+    other = Vocabulary.from_lines(["completely different words here"])
+    with pytest.raises(ValueError, match="different vocabulary"):
+        load_model(tmp_path / "c.pt", other)
+    with pytest.raises(ValueError, match="different vocabulary"):
+        train(config, tr, va, other, tmp_path / "c.pt", progress=False)
+
+
+def test_atomic_save_leaves_no_partial_file(tmp_path):
+    save_atomic({"x": 1}, tmp_path / "ck.pt")
+    save_atomic({"x": 2}, tmp_path / "ck.pt")
+    assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]
+    assert torch.load(tmp_path / "ck.pt")["x"] == 2
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        save_atomic({"x": Unpicklable()}, tmp_path / "ck.pt")
+    assert torch.load(tmp_path / "ck.pt")["x"] == 2  # the previous checkpoint survived the failed write
+    assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]
+    with pytest.raises(ValueError, match="not an nmst-fast"):
+        load_checkpoint(tmp_path / "ck.pt")
+
+
+def test_cli_writes_results_report_and_plots(tmp_path):
+    out = main(["--out", str(tmp_path / "run"), "--heads", "va", "nmst", "--max-epochs", "1", "--max-length", "80",
+                "--quiet"])
+    results = json.loads((out / "results.json").read_text())
+    assert set(results) == {"va", "nmst"}
+    for head in ("va", "nmst"):
+        assert results[head]["perplexity"] > 1.0
+        assert set(results[head]["r_nt"]) == {"greedy", "top-k 2", "top-k 4", "nucleus 0.2", "nucleus 0.4",
+                                              "beam 2", "beam 4"}
+        curve = results[head]["r_nt"]["greedy"]
+        assert "80" in curve and all(0.0 <= r <= 1.0 for r in curve.values())
+    for name in ("report.md", "r_nt.png", "p_eos.png", "lengths.png", "config.json", "nmst/checkpoint.pt"):
+        assert (out / name).is_file(), name
+
+
+@pytest.mark.parametrize("argv,message", [(["--heads", "bogus"], "unknown head"), (["--eps", "1.5"], "eps"),
+                                          (["--arch", "gru"], "unknown arch"),
+                                          (["--data-dir", "/no/such/dir"], "does not exist")])
+def test_cli_bad_input_is_one_clear_line(argv, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv + ["--out", str(tmp_path / "bad")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_builtin_run_separates_the_heads(tmp_path):
+    """The main command's acceptance: VA's greedy decoding fails to stop for some contexts, ST and
+    NMST always stop (NMST by its bound t½), and NMST fits the non-monotone eos pattern better than ST."""
+    out = main(["--out", str(tmp_path / "default"), "--quiet"])
+    results = json.loads((out / "results.json").read_text())
+    L = max(results["va"]["r_nt"]["greedy"], key=int)
+    assert results["va"]["r_nt"]["greedy"][L] > 0
+    assert results["st"]["r_nt"]["greedy"][L] == 0 and results["nmst"]["r_nt"]["greedy"][L] == 0
+    assert max(results["nmst"]["generated_lengths"]["greedy"]) <= results["nmst"]["greedy_bound"]
+    assert results["nmst"]["perplexity"] <= results["st"]["perplexity"]

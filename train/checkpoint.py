@@ -1,0 +1,70 @@
+"""Checkpoints: written atomically, and self-describing (head, ε, vocabulary, recipe).
+
+A checkpoint carries everything needed to rebuild the model exactly as trained, so
+evaluation can never score an NMST model as vanilla, and a run resumed from it
+continues the same trajectory (optimizer, LR schedule state, RNG state).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from nmst_fast.data.wikitext import Vocabulary
+from nmst_fast.models.recurrent import RecurrentLM
+
+from .config import TrainConfig
+
+FORMAT = 1
+
+
+def save_atomic(obj: Any, path: str | Path) -> None:
+    """torch.save to a temporary file in the same directory, then rename over ``path``.
+
+    A crash mid-write leaves the previous checkpoint intact (rename is atomic on POSIX).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # same directory: the rename cannot cross filesystems
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def build_model(config: TrainConfig, vocab: Vocabulary) -> RecurrentLM:
+    return RecurrentLM(len(vocab), eos_index=vocab.eos, arch=config.arch, head=config.head, eps=config.eps,
+                       pad_index=vocab.pad, **config.model_kwargs()).to(config.device)
+
+
+def load_checkpoint(path: str | Path, vocab: Optional[Vocabulary] = None) -> dict:
+    """The checkpoint's contents; ``vocab``, if given, must equal the one it was trained with."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise ValueError(f"{path} is not an nmst-fast training checkpoint (format {FORMAT})")
+    trained_vocab = Vocabulary.from_json(ckpt["vocab"])
+    if vocab is not None and trained_vocab != vocab:
+        raise ValueError(f"checkpoint {path} was trained with a different vocabulary "
+                         f"({len(trained_vocab)} words vs {len(vocab)} here); refusing to mix them")
+    ckpt["vocab"] = trained_vocab
+    ckpt["config"] = TrainConfig.from_dict(ckpt["config"])
+    return ckpt
+
+
+def load_model(path: str | Path, vocab: Optional[Vocabulary] = None, *, best: bool = True) -> tuple[RecurrentLM, Vocabulary, TrainConfig]:
+    """Rebuild a trained model with the head and ε it was trained with (best weights by default)."""
+    ckpt = load_checkpoint(path, vocab)
+    model = build_model(ckpt["config"], ckpt["vocab"])
+    model.load_state_dict(ckpt["best_model" if best else "model"])
+    return model, ckpt["vocab"], ckpt["config"]
