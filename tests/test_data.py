@@ -64,3 +64,33 @@ def test_clear_errors_for_missing_data(tmp_path):
         find_split_file(tmp_path, "valid")
     with pytest.raises(ValueError, match="split"):
         find_split_file(tmp_path, "dev")
+
+
+def test_hub_loading_explains_what_to_do_when_unavailable(monkeypatch):
+    import sys
+    import types
+
+    from nmst_fast.data import hub_lines
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
+    with pytest.raises(RuntimeError, match="datasets` package is not installed"):
+        hub_lines("wikitext-2", "train")
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("no route to huggingface.co")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=offline))
+    with pytest.raises(RuntimeError, match="could not load wikitext-2 .validation. from the Hugging Face hub"):
+        hub_lines("wikitext-2", "valid")
+
+    seen = {}
+
+    def fake_load(path, config, split):
+        seen.update(path=path, config=config, split=split)
+        return [{"text": " = Heading = \n"}, {"text": ""}, {"text": " some words \n"}]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=fake_load))
+    assert hub_lines("wikitext-103", "test") == [" = Heading = ", "", " some words "]
+    assert seen == dict(path="wikitext", config="wikitext-103-v1", split="test")
+    with pytest.raises(ValueError, match="name"):
+        hub_lines("wikitext-7", "test")

@@ -6,11 +6,10 @@ import torch
 from nmst_fast.decoding import effective_logits, sample
 from kernels.row_scan import MAX_CANDIDATES
 from nmst_fast.decoding.fused import fused_select, fused_truncated
-from nmst_fast.decoding.reference import truncated_distribution
 from nmst_fast.generation import generate
 
 from helpers import DEVICE
-from test_decoding import DRAWS, _g_test, _reference_log_probs, _row, _st_state_before
+from test_decoding import DRAWS, _g_test, _reference_log_probs, _row, _st_state_before, check_sampling_distribution
 
 HEADS = ("nmst", "st", "va")
 
@@ -104,16 +103,7 @@ FUSED_TRUNCATIONS = [(3, None), (None, 0.6), (5, 0.7), (30, None)]
                                                 for t in ([1, 50] if head != "nmst" else [1, 10**6])
                                                 for k, p in FUSED_TRUNCATIONS])
 def test_fused_truncated_sampling_distribution(head, t, top_k, top_p):
-    seed = torch.seed() % 2**31
-    gen = torch.Generator().manual_seed(seed)
-    eos, eps = 2, 0.002
-    z = _row(gen)
-    state = _st_state_before(z, eos, eps, t) if head == "st" else None
-    reference = truncated_distribution(_reference_log_probs(z, head, eos, eps, t).unsqueeze(0), top_k, top_p)[0]
-    tokens, _ = sample(z.to(DEVICE).unsqueeze(0).expand(DRAWS, -1), head=head, eos_index=eos, eps=eps, steps=t,
-                       top_k=top_k, top_p=top_p, state=None if state is None else state.to(DEVICE).expand(DRAWS),
-                       impl="triton", generator=torch.Generator().manual_seed(seed + 1))
-    assert _g_test(tokens.cpu(), reference) > 1e-5, f"seed={seed}"
+    check_sampling_distribution(head, t, top_k, top_p, impl="triton", device=DEVICE)
 
 
 def test_large_nucleus_falls_back_to_the_torch_path():

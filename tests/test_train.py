@@ -1,6 +1,7 @@
 """train/: the built-in corpus, the recipe's loop (resume == uninterrupted), checkpoints, the CLI."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -112,8 +113,10 @@ def test_cli_writes_results_report_and_plots(tmp_path):
 
 @pytest.mark.parametrize("argv,message", [(["--heads", "bogus"], "unknown head"), (["--eps", "1.5"], "eps"),
                                           (["--arch", "gru"], "unknown arch"),
-                                          (["--data-dir", "/no/such/dir"], "does not exist")])
-def test_cli_bad_input_is_one_clear_line(argv, message, capsys, tmp_path):
+                                          (["--data-dir", "/no/such/dir"], "does not exist"),
+                                          (["--dataset", "wikitext-2"], "--data-dir")])
+def test_cli_bad_input_is_one_clear_line(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as on a machine without it: no hub
     with pytest.raises(SystemExit) as exit_info:
         main(argv + ["--out", str(tmp_path / "bad")])
     assert exit_info.value.code == 2
@@ -131,3 +134,19 @@ def test_builtin_run_separates_the_heads(tmp_path):
     assert results["st"]["r_nt"]["greedy"][L] == 0 and results["nmst"]["r_nt"]["greedy"][L] == 0
     assert max(results["nmst"]["generated_lengths"]["greedy"]) <= results["nmst"]["greedy_bound"]
     assert results["nmst"]["perplexity"] <= results["st"]["perplexity"]
+
+
+def test_sweep_writes_mean_std_tables(tmp_path):
+    from train.sweep import main as sweep
+
+    out = sweep(["--out", str(tmp_path / "sweep"), "--builtin-lines", "120", "--max-epochs", "1", "--max-length", "30",
+                 "--heads", "va", "nmst", "--eps", "0.05", "0.1", "--seeds", "0", "1", "--quiet"])
+    runs = json.loads((out / "sweep.json").read_text())["runs"]
+    assert len(runs) == 2 * (1 + 2)  # per seed: VA once (no ε), NMST per ε
+    assert {(r["head"], r["eps"]) for r in runs} == {("va", None), ("nmst", 0.05), ("nmst", 0.1)}
+    table = (out / "tables.md").read_text()
+    assert "| nmst | 0.05 | 2 |" in table and "±" in table and "| va | — | 2 |" in table
+    assert (out / "sweep_r_nt.png").is_file()
+    again = sweep(["--out", str(out), "--builtin-lines", "120", "--max-epochs", "1", "--max-length", "30",
+                   "--heads", "va", "nmst", "--eps", "0.05", "0.1", "--seeds", "0", "1", "--quiet"])
+    assert json.loads((again / "sweep.json").read_text())["runs"] == runs  # resumed: same numbers

@@ -92,15 +92,16 @@ def examples(model, sequences: list[list[int]], vocab: Vocabulary, count: int = 
 
 
 def evaluate(model, vocab: Vocabulary, *, valid: list[list[int]], test: list[list[int]], max_length: int,
-             seed: int = 0, device: str = "cpu") -> dict:
-    """Everything the report shows for one trained model."""
-    decoding = non_termination(model, contexts_of(test), max_length, seed=seed, device=device)
+             seed: int = 0, device: str = "cpu", contexts: int | None = None) -> dict:
+    """Everything the report shows for one trained model (r_nt over the first ``contexts`` test
+    sequences, default all; perplexity always over all of them)."""
+    decoding = non_termination(model, contexts_of(test[:contexts]), max_length, seed=seed, device=device)
     return dict(
         perplexity=perplexity(model, test, vocab, device=device),
         valid_perplexity=perplexity(model, valid, vocab, device=device),
         r_nt={name: d["r_nt"] for name, d in decoding.items()},
         generated_lengths={name: d["lengths"] for name, d in decoding.items()},
-        data_lengths=data_lengths(test),
+        data_lengths=data_lengths(test[:contexts]),
         p_eos=eos_probability_by_step(model, test, vocab, device=device),
         examples=examples(model, test, vocab, device=device),
     )

@@ -5,10 +5,11 @@ Every line of a tokens file (headings and blank lines included) becomes
 with ``<cpad>`` so every sequence has a full context. The model reads
 ``seq[:-1]`` and predicts ``seq[1:]``; the first generated position (t = 1) is the
 one predicting the token after the context, and the context positions get
-t <= 0 (p(eos) = 0 there for the NMST/ST heads).
+t = 0 (p(eos) = 0 there for the NMST/ST heads).
 
 Files are read from a local directory holding ``wiki.{split}.tokens`` or
-``{split}.txt`` (split: train / valid / test). Nothing is downloaded.
+``{split}.txt`` (split: train / valid / test). :func:`hub_lines` reads the same
+splits through the ``datasets`` library instead, when it is installed and online.
 """
 
 from __future__ import annotations
@@ -90,6 +91,35 @@ def find_split_file(data_dir: str | Path, split: str) -> Path:
         if (root / name).is_file():
             return root / name
     raise FileNotFoundError(f"no {split!r} split in {str(root)!r}: looked for {', '.join(names)}")
+
+
+HUB_CONFIGS = {"wikitext-2": "wikitext-2-v1", "wikitext-103": "wikitext-103-v1"}
+
+
+def hub_lines(name: str, split: str) -> list[str]:
+    """Lines of a WikiText split from the Hugging Face hub via ``datasets`` (cached after one download).
+
+    Raises RuntimeError with what to do instead when ``datasets`` is missing or the hub is
+    unreachable (this library never needs the network: a local directory works everywhere).
+    """
+    if name not in HUB_CONFIGS:
+        raise ValueError(f"name must be one of {tuple(HUB_CONFIGS)}, got {name!r}")
+    hub_split = {"valid": "validation"}.get(split, split)
+    if hub_split not in ("train", "validation", "test"):
+        raise ValueError(f"split must be train, valid or test, got {split!r}")
+    try:
+        import datasets
+    except ImportError:
+        raise RuntimeError(f"{name} is not available locally and the `datasets` package is not installed: "
+                           "pass a directory of WikiText files (--data-dir), or `pip install datasets` "
+                           "on a machine that can reach the Hugging Face hub") from None
+    try:
+        rows = datasets.load_dataset("wikitext", HUB_CONFIGS[name], split=hub_split)
+    except Exception as err:  # the hub's errors vary by version: offline, DNS, HTTP
+        raise RuntimeError(f"could not load {name} ({hub_split}) from the Hugging Face hub ({type(err).__name__}: "
+                           f"{err}); pass a directory of WikiText files (--data-dir) instead") from None
+    # The hub's rows keep each line's trailing newline; the tokens files' lines do not.
+    return [row["text"].rstrip("\n") for row in rows]
 
 
 def read_lines(path: str | Path) -> list[str]:

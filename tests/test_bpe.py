@@ -1,0 +1,89 @@
+"""GPT-2 BPE data: local tokenizer files, the 11–1024-token filter, length bucketing."""
+
+import random
+
+import pytest
+import torch
+from tokenizers import ByteLevelBPETokenizer
+
+from nmst_fast.data.bpe import bucket_batches, collate_bpe, encode_bpe_lines, load_gpt2_tokenizer
+
+WORDS = "the river flows past stone and reed while bells ring out over the harbor".split()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """A tiny byte-level BPE in GPT-2's file format (vocab.json + merges.txt): no download."""
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 30))) for _ in range(300)]
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(lines, vocab_size=300, min_frequency=1, special_tokens=["<|endoftext|>"])
+    path = tmp_path_factory.mktemp("gpt2-tokenizer")
+    bpe.save_model(str(path))
+    return path
+
+
+def test_lines_become_eos_terminated_sequences_of_11_to_1024_tokens(tokenizer_dir):
+    tok = load_gpt2_tokenizer(tokenizer_dir)
+    lines = ["", " = Heading = ", "the river", " ".join(["harbor bells ring"] * 5), " ".join(["stone"] * 2000)]
+    seqs = encode_bpe_lines(lines, tok)
+    lengths = [len(tok(line, add_special_tokens=False)["input_ids"]) + 1 for line in lines if line.strip()]
+    expected = [n for n in lengths if 11 <= n <= 1024]
+    assert [len(s) for s in seqs] == expected and len(expected) < len(lengths)  # short and long lines dropped
+    assert all(s[-1] == tok.eos_token_id for s in seqs)
+
+
+def test_bucketing_bounds_tokens_per_batch_and_covers_every_sequence_once():
+    rng = random.Random(1)
+    lengths = [rng.randint(11, 1024) for _ in range(500)]
+    batches = bucket_batches(lengths, max_tokens=1024, seed=3)
+    assert sorted(i for b in batches for i in b) == list(range(500))
+    assert all(len(b) * max(lengths[i] for i in b) <= 1024 for b in batches)
+    assert batches == bucket_batches(lengths, max_tokens=1024, seed=3)
+    assert batches != bucket_batches(lengths, max_tokens=1024, seed=4)  # the order is shuffled by seed
+    padding = sum(len(b) * max(lengths[i] for i in b) - sum(lengths[i] for i in b) for b in batches)
+    assert padding < 0.05 * sum(lengths)  # sorted buckets: little padding
+
+
+def test_collate_masks_padding_in_labels():
+    batch = collate_bpe([[5, 6, 7], [8]], pad_id=0)
+    assert batch.input_ids.tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch.labels.tolist() == [[5, 6, 7], [8, -100, -100]]
+    assert torch.equal(batch.attention_mask, torch.tensor([[1, 1, 1], [1, 0, 0]]))
+
+
+def test_missing_tokenizer_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_gpt2_tokenizer(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="vocab.json"):
+        load_gpt2_tokenizer(tmp_path)
+
+
+def test_gpt2_fine_tuning_command_end_to_end(tokenizer_dir, tmp_path):
+    """python -m train.gpt2 on a random-init GPT-2 and a local corpus: fused NMST loss, results, saved head."""
+    import json
+
+    import transformers
+
+    from train.gpt2 import main
+
+    tok = load_gpt2_tokenizer(tokenizer_dir)
+    config = transformers.GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=1, n_head=2,
+                                     bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    rng = random.Random(2)
+    data = tmp_path / "wikitext"
+    data.mkdir()
+    for split, n in (("train", 40), ("valid", 10), ("test", 10)):
+        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(14, 30))) for _ in range(n)]
+        (data / f"{split}.txt").write_text("\n".join(lines) + "\n")
+    out = main(["--model-dir", str(tmp_path / "gpt2"), "--tokenizer-dir", str(tokenizer_dir), "--data-dir", str(data),
+                "--head", "nmst", "--eps", "0.05", "--max-length", "20", "--eval-contexts", "6", "--quiet",
+                "--out", str(tmp_path / "run")])
+    results = json.loads((out / "results.json").read_text())["nmst"]
+    assert results["perplexity"] > 1 and set(results["r_nt"]) >= {"greedy", "top-k 2", "nucleus 0.4", "beam 4"}
+    saved = transformers.GPT2LMHeadModel.from_pretrained(out / "model").config
+    assert saved.nmst == dict(head="nmst", eps=0.05, context_length=10)
+    with pytest.raises(SystemExit):
+        main(["--model-dir", str(tmp_path / "gpt2"), "--tokenizer-dir", str(tokenizer_dir), "--data-dir",
+              str(data), "--max-length", "60", "--out", str(tmp_path / "run2")])  # 10 + 60 > 64 positions

@@ -1,0 +1,161 @@
+"""Fine-tune GPT-2 with a VA / ST / NMST head on WikiText with GPT-2 BPE (the paper's GPT-2 setup).
+
+    python -m train.gpt2 --model-dir GPT2_DIR --tokenizer-dir GPT2_DIR --data-dir WIKITEXT103_DIR \\
+        --head nmst --eps 1e-5 --device cuda
+
+The model loads with ``from_pretrained(--model-dir)`` (no hub access); the loss is the fused
+one (:func:`nmst_fast.integrations.hf_gpt2.apply_nmst_to_gpt2`), so the (B, T, V) logits are never
+formed. Recipe: AdamW, lr 5e-5 decaying linearly to 0, gradient clipping 1.0, length-bucketed
+batches of at most 1024 tokens; the best model by validation perplexity is saved (atomically)
+to ``--out/model`` with its head settings in the config. Evaluation as ``python -m train``:
+perplexity after the 10-token context and r_nt(L) for every decoder, in ``results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from nmst_fast import generate, metrics
+from nmst_fast.data.bpe import bucket_batches, collate_bpe, encode_bpe_lines, load_gpt2_tokenizer
+from nmst_fast.data.wikitext import find_split_file, read_lines
+from nmst_fast.integrations.hf_gpt2 import GPT2Decoder, apply_nmst_to_gpt2
+from nmst_fast.validation import HEADS
+
+from .evaluate import DECODERS
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m train.gpt2", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", type=Path, required=True, help="a from_pretrained directory (weights + config)")
+    p.add_argument("--tokenizer-dir", type=Path, required=True, help="tokenizer.json, or vocab.json + merges.txt")
+    p.add_argument("--data-dir", type=Path, required=True, help="WikiText directory (wiki.*.tokens or *.txt)")
+    p.add_argument("--train-split", default="train")
+    p.add_argument("--valid-split", default="valid")
+    p.add_argument("--eval-split", default="test")
+    p.add_argument("--head", default="nmst", choices=list(HEADS))
+    p.add_argument("--eps", type=float, default=1e-5)
+    p.add_argument("--context-length", type=int, default=10)
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=1024, help="tokens (rows × longest row) per batch")
+    p.add_argument("--max-length", type=int, default=1000, help="largest L of r_nt(L)")
+    p.add_argument("--eval-contexts", type=int, default=None, help="decode only the first N contexts (default all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def _batches(seqs: list[list[int]], max_tokens: int, seed: int, pad_id: int, shuffle: bool = True):
+    for index in bucket_batches([len(s) for s in seqs], max_tokens=max_tokens, seed=seed, shuffle=shuffle):
+        yield collate_bpe([seqs[i] for i in index], pad_id)
+
+
+@torch.no_grad()
+def perplexity(model, seqs: list[list[int]], context_length: int, max_tokens: int, pad_id: int, device: str) -> float:
+    """exp(mean NLL) of the tokens after the context (eos included)."""
+    model.eval()
+    total, count = 0.0, 0
+    for batch in _batches(seqs, max_tokens, 0, pad_id, shuffle=False):
+        labels = batch.labels.clone()
+        labels[:, :context_length] = -100  # the context is given, not predicted
+        out = model(batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                    labels=labels.to(device), num_items_in_batch=1)  # = the summed NLL
+        total += float(out.loss)
+        count += int((labels[:, 1:] != -100).sum())
+    return math.exp(total / max(count, 1))
+
+
+def save_model_atomic(model, path: Path) -> None:
+    """save_pretrained into a fresh directory, then swap it in: a crash never leaves half a model."""
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    from transformers import GPT2LMHeadModel
+
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        tokenizer = load_gpt2_tokenizer(args.tokenizer_dir)
+        text = {k: read_lines(find_split_file(args.data_dir, split)) for k, split in
+                (("train", args.train_split), ("valid", args.valid_split), ("eval", args.eval_split))}
+        if not args.model_dir.is_dir():
+            raise FileNotFoundError(f"model directory {str(args.model_dir)!r} does not exist")
+        model = apply_nmst_to_gpt2(GPT2LMHeadModel.from_pretrained(args.model_dir), head=args.head, eps=args.eps,
+                                   context_length=args.context_length).to(args.device)
+        if args.context_length + args.max_length > model.config.n_positions:
+            raise ValueError(f"--context-length + --max-length = {args.context_length + args.max_length} exceeds "
+                             f"the model's {model.config.n_positions} positions")
+    except (ValueError, FileNotFoundError, OSError) as err:
+        parser.error(str(err))
+    torch.manual_seed(args.seed)
+    seqs = {k: encode_bpe_lines(lines, tokenizer, min_tokens=args.context_length + 1, max_tokens=args.max_tokens)
+            for k, lines in text.items()}
+    empty = [k for k, v in seqs.items() if not v]
+    if empty:
+        parser.error(f"no sequence of {args.context_length + 1} to {args.max_tokens} tokens in the "
+                     f"{', '.join(empty)} split(s)")
+    pad = tokenizer.eos_token_id
+    out = args.out or Path("runs") / ("gpt2-" + time.strftime("%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    steps_per_epoch = len(bucket_batches([len(s) for s in seqs["train"]], max_tokens=args.max_tokens))
+    total_steps = max(1, args.epochs * steps_per_epoch)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / total_steps))
+    best, history = math.inf, []
+    for epoch in range(args.epochs):
+        model.train()
+        bar = tqdm(_batches(seqs["train"], args.max_tokens, args.seed * 1_000_003 + epoch, pad),
+                   total=steps_per_epoch, disable=args.quiet, desc=f"gpt2 {args.head} epoch {epoch + 1}")
+        for batch in bar:
+            loss = model(batch.input_ids.to(args.device), attention_mask=batch.attention_mask.to(args.device),
+                         labels=batch.labels.to(args.device)).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+        valid = perplexity(model, seqs["valid"], args.context_length, args.max_tokens, pad, args.device)
+        history.append(dict(epoch=epoch + 1, valid_perplexity=valid))
+        if valid < best:
+            best = valid
+            save_model_atomic(model, out / "model")
+    model = apply_nmst_to_gpt2(GPT2LMHeadModel.from_pretrained(out / "model")).to(args.device).eval()
+    contexts = torch.tensor([s[: args.context_length] for s in seqs["eval"][: args.eval_contexts]], dtype=torch.long)
+    decoder = GPT2Decoder(model, head=args.head, eps=args.eps)
+    grid = metrics.log_grid(args.max_length)
+    r_nt = {}
+    for name, kwargs in DECODERS.items():
+        with torch.no_grad():
+            result = generate(decoder, contexts.to(args.device), max_length=args.max_length, keep_tokens=False,
+                              generator=torch.Generator(device=args.device).manual_seed(args.seed), **kwargs)
+        r_nt[name] = {str(L): v for L, v in metrics.non_termination_curve(result.lengths, grid, result.terminated).items()}
+    results = {args.head: dict(
+        perplexity=perplexity(model, seqs["eval"], args.context_length, args.max_tokens, pad, args.device),
+        valid_perplexity=best, r_nt=r_nt, history=history, eps=args.eps)}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"results: {out / 'results.json'}", flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()

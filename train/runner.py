@@ -1,0 +1,109 @@
+"""Pieces shared by ``python -m train`` and ``python -m train.sweep``: arguments, data, one run."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from nmst_fast.data.wikitext import Vocabulary, encode_lines, find_split_file, hub_lines, read_lines
+
+from .config import SIZES, TrainConfig
+from .corpus import builtin_splits
+from .evaluate import evaluate
+from .loop import train
+
+# The built-in run: small enough for about a minute on 2 CPU cores, long enough to separate
+# the heads (ε = 0.01: NMST's greedy bound t½ = 69 sits well inside L = 1000).
+BUILTIN = dict(size="tiny", max_epochs=6, eps=1e-2, max_length=1000)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Data, model and recipe arguments (not heads / ε / seeds / arch, which differ by command)."""
+    p.add_argument("--out", type=Path, help="output directory (default: runs/<date-time>)")
+    p.add_argument("--data-dir", type=Path, help="WikiText directory (wiki.*.tokens or *.txt); default: built-in corpus")
+    p.add_argument("--dataset", choices=["wikitext-2", "wikitext-103"],
+                   help="read WikiText through the `datasets` library (needs it installed and online) instead")
+    p.add_argument("--train-split", default="train")
+    p.add_argument("--valid-split", default="valid",
+                   help="early-stopping split; if it is the training split, every 10th line is held out")
+    p.add_argument("--eval-split", default="test")
+    p.add_argument("--builtin-lines", type=int, default=3000,
+                   help="training lines of the built-in corpus (valid and test get a tenth each)")
+    p.add_argument("--size", default=None, help=f"model size, one of {list(SIZES)} (built-in: tiny, else small)")
+    p.add_argument("--max-epochs", type=int, default=None, help="default: 6 on the built-in corpus, else 70")
+    p.add_argument("--patience", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-length", type=int, default=None, help="largest L of r_nt(L) (default 1000)")
+    p.add_argument("--eval-contexts", type=int, default=None,
+                   help="decode only the first N evaluation contexts for r_nt (default: all, as the paper)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def is_builtin(args) -> bool:
+    return args.data_dir is None and args.dataset is None
+
+
+def base_config(args, *, arch: str, eps: float | None, seed: int) -> TrainConfig:
+    builtin = is_builtin(args)
+    return TrainConfig(arch=arch, eps=eps if eps is not None else BUILTIN["eps"],
+                       size=args.size or (BUILTIN["size"] if builtin else "small"),
+                       max_epochs=args.max_epochs or (BUILTIN["max_epochs"] if builtin else 70),
+                       patience=args.patience, batch_size=args.batch_size, lr=args.lr, seed=seed, device=args.device)
+
+
+def max_length(args) -> int:
+    L = args.max_length or BUILTIN["max_length"]
+    if L < 1:
+        raise ValueError(f"--max-length must be positive, got {L}")
+    return L
+
+
+@dataclass
+class Data:
+    vocab: Vocabulary
+    train: list[list[int]]
+    valid: list[list[int]]
+    eval: list[list[int]]
+    source: str
+
+
+def load_data(args, seed: int = 0) -> Data:
+    """Encoded train / valid / eval sequences; the vocabulary comes from the training lines."""
+    if args.dataset is not None:
+        text = {key: hub_lines(args.dataset, split) for key, split in
+                (("train", args.train_split), ("valid", args.valid_split), ("eval", args.eval_split))}
+        source = f"{args.dataset} from the Hugging Face hub"
+    elif args.data_dir is None:
+        n = args.builtin_lines
+        if n < 10:
+            raise ValueError(f"--builtin-lines must be at least 10, got {n}")
+        splits = builtin_splits(seed, sizes=(n, n // 10, n // 10))
+        text = {"train": splits["train"], "valid": splits["valid"], "eval": splits["test"]}
+        source = "built-in prefix corpus"
+    else:
+        train_lines = read_lines(find_split_file(args.data_dir, args.train_split))
+        eval_lines = read_lines(find_split_file(args.data_dir, args.eval_split))
+        if args.valid_split == args.train_split:  # hold out every 10th line for early stopping
+            valid_lines = train_lines[::10]
+            train_lines = [line for i, line in enumerate(train_lines) if i % 10]
+        else:
+            valid_lines = read_lines(find_split_file(args.data_dir, args.valid_split))
+        text = {"train": train_lines, "valid": valid_lines, "eval": eval_lines}
+        source = (f"WikiText in {args.data_dir} (train: {args.train_split}, valid: {args.valid_split}, "
+                  f"eval: {args.eval_split})")
+    vocab = Vocabulary.from_lines(text["train"])
+    return Data(vocab, *(encode_lines(text[k], vocab) for k in ("train", "valid", "eval")), source)
+
+
+def run_one(config: TrainConfig, data: Data, run_dir: Path, L: int, *, progress: bool,
+            eval_contexts: int | None = None) -> dict:
+    """Train (resuming from ``run_dir/checkpoint.pt`` if present) and evaluate one model."""
+    model, state = train(config, data.train, data.valid, data.vocab, run_dir / "checkpoint.pt", progress=progress)
+    print(f"{config.arch}/{config.head}/eps={config.eps}/seed={config.seed}: {state.epoch} epochs, "
+          f"best valid perplexity {state.best_perplexity:.3f}", flush=True)
+    return dict(evaluate(model, data.vocab, valid=data.valid, test=data.eval, max_length=L, seed=config.seed,
+                         device=config.device, contexts=eval_contexts),
+                history=state.history, eps=config.eps, greedy_bound=config.greedy_bound)
