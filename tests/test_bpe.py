@@ -84,6 +84,16 @@ def test_gpt2_fine_tuning_command_end_to_end(tokenizer_dir, tmp_path):
     assert results["perplexity"] > 1 and set(results["r_nt"]) >= {"greedy", "top-k 2", "nucleus 0.4", "beam 4"}
     saved = transformers.GPT2LMHeadModel.from_pretrained(out / "model").config
     assert saved.nmst == dict(head="nmst", eps=0.05, context_length=10)
+    # Interrupted after one of two epochs, then resumed: the same model as an uninterrupted run.
+    common = ["--model-dir", str(tmp_path / "gpt2"), "--tokenizer-dir", str(tokenizer_dir), "--data-dir", str(data),
+              "--head", "st", "--eps", "0.05", "--epochs", "2", "--max-length", "5", "--eval-contexts", "2", "--quiet"]
+    full = main(common + ["--out", str(tmp_path / "full")])
+    main(common + ["--out", str(tmp_path / "cut"), "--stop-after", "1"])
+    resumed = main(common + ["--out", str(tmp_path / "cut")])
+    a = transformers.GPT2LMHeadModel.from_pretrained(full / "last").state_dict()
+    b = transformers.GPT2LMHeadModel.from_pretrained(resumed / "last").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((full / "results.json").read_text()) == json.loads((resumed / "results.json").read_text())
     with pytest.raises(SystemExit):
         main(["--model-dir", str(tmp_path / "gpt2"), "--tokenizer-dir", str(tokenizer_dir), "--data-dir",
               str(data), "--max-length", "60", "--out", str(tmp_path / "run2")])  # 10 + 60 > 64 positions

@@ -7,7 +7,8 @@ The model loads with ``from_pretrained(--model-dir)`` (no hub access); the loss 
 one (:func:`nmst_fast.integrations.hf_gpt2.apply_nmst_to_gpt2`), so the (B, T, V) logits are never
 formed. Recipe: AdamW, lr 5e-5 decaying linearly to 0, gradient clipping 1.0, length-bucketed
 batches of at most 1024 tokens; the best model by validation perplexity is saved (atomically)
-to ``--out/model`` with its head settings in the config. Evaluation as ``python -m train``:
+to ``--out/model`` with its head settings in the config; after every epoch the latest weights and
+the optimizer / schedule / RNG state are saved too, and rerunning with the same ``--out`` resumes. Evaluation as ``python -m train``:
 perplexity after the 10-token context and r_nt(L) for every decoder, in ``results.json``.
 """
 
@@ -30,6 +31,7 @@ from nmst_fast.data.wikitext import find_split_file, read_lines
 from nmst_fast.integrations.hf_gpt2 import GPT2Decoder, apply_nmst_to_gpt2
 from nmst_fast.validation import HEADS
 
+from .checkpoint import save_atomic
 from .evaluate import DECODERS
 
 
@@ -54,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: interrupt after N epochs
     return p
 
 
@@ -120,8 +123,20 @@ def main(argv: list[str] | None = None) -> Path:
     steps_per_epoch = len(bucket_batches([len(s) for s in seqs["train"]], max_tokens=args.max_tokens))
     total_steps = max(1, args.epochs * steps_per_epoch)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / total_steps))
-    best, history = math.inf, []
-    for epoch in range(args.epochs):
+    best, history, start_epoch = math.inf, [], 0
+    state_path = out / "train_state.pt"
+    if state_path.exists():  # an interrupted run: continue from its last finished epoch
+        state = torch.load(state_path, weights_only=False)
+        model = apply_nmst_to_gpt2(GPT2LMHeadModel.from_pretrained(out / "last")).to(args.device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / total_steps))
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        torch.set_rng_state(state["rng"])
+        best, history, start_epoch = state["best"], state["history"], state["epoch"]
+    for epoch in range(start_epoch, args.epochs):
+        if args.stop_after is not None and epoch - start_epoch >= args.stop_after:
+            return out
         model.train()
         bar = tqdm(_batches(seqs["train"], args.max_tokens, args.seed * 1_000_003 + epoch, pad),
                    total=steps_per_epoch, disable=args.quiet, desc=f"gpt2 {args.head} epoch {epoch + 1}")
@@ -139,6 +154,9 @@ def main(argv: list[str] | None = None) -> Path:
         if valid < best:
             best = valid
             save_model_atomic(model, out / "model")
+        save_model_atomic(model, out / "last")
+        save_atomic(dict(epoch=epoch + 1, best=best, history=history, optimizer=optimizer.state_dict(),
+                         schedule=schedule.state_dict(), rng=torch.get_rng_state()), state_path)
     model = apply_nmst_to_gpt2(GPT2LMHeadModel.from_pretrained(out / "model")).to(args.device).eval()
     contexts = torch.tensor([s[: args.context_length] for s in seqs["eval"][: args.eval_contexts]], dtype=torch.long)
     decoder = GPT2Decoder(model, head=args.head, eps=args.eps)
