@@ -150,3 +150,20 @@ def test_sweep_writes_mean_std_tables(tmp_path):
     again = sweep(["--out", str(out), "--builtin-lines", "120", "--max-epochs", "1", "--max-length", "30",
                    "--heads", "va", "nmst", "--eps", "0.05", "0.1", "--seeds", "0", "1", "--quiet"])
     assert json.loads((again / "sweep.json").read_text())["runs"] == runs  # resumed: same numbers
+
+
+@pytest.mark.parametrize("head", ["va", "st", "nmst"])
+def test_teacher_forced_eos_probability_matches_the_full_distribution(head):
+    from nmst_fast import nmst_log_probs
+    from train.checkpoint import build_model
+    from train.evaluate import eos_log_probs
+    from train.loop import batches
+
+    vocab, tr, _ = _data(12, 2)
+    model = build_model(TrainConfig(head=head, eps=0.05, size="tiny"), vocab).double().eval()
+    batch = next(batches(tr, vocab, 6))
+    with torch.no_grad():
+        got = eos_log_probs(model, batch.inputs, batch.steps)
+        hidden, _ = model(batch.inputs)
+        full = nmst_log_probs(model.nmst_head(hidden), eos_index=vocab.eos, eps=0.05, head=head, steps=batch.steps)
+    torch.testing.assert_close(got, full[..., vocab.eos], rtol=1e-6, atol=1e-6)

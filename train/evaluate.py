@@ -11,7 +11,8 @@ from collections import defaultdict
 
 import torch
 
-from nmst_fast import generate, metrics, nmst_log_probs
+from nmst_fast import generate, head_math, metrics
+from nmst_fast.logmath import log1mexp
 from nmst_fast.data.wikitext import CONTEXT_LENGTH, Vocabulary
 
 from .loop import batches, perplexity
@@ -54,18 +55,33 @@ def non_termination(model, contexts: torch.Tensor, max_length: int, *, seed: int
     return out
 
 
+def eos_log_probs(model, inputs: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """(B, T) float64 log p(eos) at every position, teacher-forced.
+
+    NMST/ST need only the eos logit s (p(eos) = 1 − e^{log(1−α_t)}), so no (B, T, V) tensor is
+    formed for them; VA needs its full logsumexp, taken in (at least) float32.
+    """
+    head = model.nmst_head
+    hidden, _ = model(inputs)
+    B, T, _ = hidden.shape
+    s = hidden.double() @ head.weight[head.eos_index].double()
+    if head.bias is not None:
+        s = s + head.bias[head.eos_index].double()
+    if head.head == "va":
+        logits = head(hidden)
+        return s - torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1).double()
+    log_surv = head_math.log_survival(head.head, s.reshape(-1), steps.reshape(-1), head.eps, T).view(B, T)
+    return log1mexp(log_surv)
+
+
 @torch.no_grad()
 def eos_probability_by_step(model, sequences: list[list[int]], vocab: Vocabulary, max_t: int = 100,
-                            device: str = "cpu") -> dict:
+                            device: str = "cpu", batch_size: int = 16) -> dict:
     """Teacher-forced mean p(eos) at continuation step t, next to the data's eos rate at t."""
     model.eval()
-    head = model.nmst_head
     p_sum, eos_count, alive = defaultdict(float), defaultdict(int), defaultdict(int)
-    for batch in batches(sequences, vocab, 64):
-        hidden, _ = model(batch.inputs.to(device))
-        log_p = nmst_log_probs(head(hidden).double(), eos_index=head.eos_index, eps=head.eps, head=head.head,
-                               steps=batch.steps.to(device))
-        p_eos = log_p[..., head.eos_index].exp().cpu()
+    for batch in batches(sequences, vocab, batch_size):
+        p_eos = eos_log_probs(model, batch.inputs.to(device), batch.steps.to(device)).exp().cpu()
         real = (batch.targets != -100) & (batch.steps >= 1) & (batch.steps <= max_t)
         for t, p, is_eos in zip(batch.steps[real].tolist(), p_eos[real].tolist(),
                                 (batch.targets[real] == vocab.eos).tolist()):
