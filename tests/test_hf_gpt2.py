@@ -153,3 +153,29 @@ def test_processor_outputs_the_step_distribution_and_refuses_beam_scores():
     torch.testing.assert_close(second.double(), step_log_probs(z, head="nmst", eos_index=49, eps=0.1, steps=2)[0])
     with pytest.raises(ValueError, match="beam"):
         processor(torch.zeros(3, 7, dtype=torch.long), torch.log_softmax(z, dim=-1))
+
+
+@pytest.mark.parametrize("num_beams", [2, 4])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_hf_beam_search_on_the_nmst_distribution_agrees_with_ours(num_beams, seed):
+    """generation_logits=True: HF's own beam search decodes NMST (no processor) — equal to ours."""
+    model = apply_nmst_to_gpt2(_model(seed), head="nmst", eps=0.05, generation_logits=True)
+    contexts = torch.randint(0, 49, (3, 5), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        hf = model.generate(contexts, attention_mask=torch.ones_like(contexts), num_beams=num_beams, do_sample=False,
+                            max_new_tokens=16, eos_token_id=49, pad_token_id=49, length_penalty=0.0,
+                            early_stopping=True)
+        hf_greedy = model.generate(contexts, attention_mask=torch.ones_like(contexts), do_sample=False,
+                                   max_new_tokens=16, eos_token_id=49, pad_token_id=49)
+    plain = _model(seed)  # the same weights, decoded by nmst_fast
+    ours = generate(GPT2Decoder(plain, head="nmst", eps=0.05), contexts, strategy="beam", num_beams=num_beams,
+                    max_length=16)
+    ours_greedy = generate(GPT2Decoder(plain, head="nmst", eps=0.05), contexts, strategy="greedy", max_length=16)
+    for out, mine in ((hf, ours), (hf_greedy, ours_greedy)):
+        for b in range(contexts.shape[0]):
+            cont = out[b, contexts.shape[1]:].tolist()
+            if 49 in cont:
+                cont = cont[: cont.index(49) + 1]
+            assert mine.tokens[b, : mine.lengths[b]].tolist() == cont, f"item {b}"
+    with pytest.raises(ValueError, match="ST"):
+        apply_nmst_to_gpt2(_model(seed), head="st", generation_logits=True)

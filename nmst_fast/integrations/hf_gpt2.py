@@ -82,7 +82,8 @@ def prediction_steps(seq_len: int, context_length: int, device: torch.device) ->
 
 
 def apply_nmst_to_gpt2(model: nn.Module, *, head: Optional[str] = None, eps: Optional[float] = None,
-                       context_length: Optional[int] = None, impl: str = "auto") -> nn.Module:
+                       context_length: Optional[int] = None, impl: str = "auto",
+                       generation_logits: bool = False) -> nn.Module:
     """Make a ``GPT2LMHeadModel`` train with the fused NMST / ST / VA loss on its tied head.
 
     With ``labels``, ``model(input_ids, labels=...)`` runs the transformer, then
@@ -92,20 +93,44 @@ def apply_nmst_to_gpt2(model: nn.Module, *, head: Optional[str] = None, eps: Opt
     ``context_length`` tokens of every sequence are context (t = 0, p(eos) = 0 there), t = 1 at
     the next one. HF Trainer's ``num_items_in_batch`` is honoured (loss summed, then divided by it).
     Without labels the model is unchanged (HF generate; decode NMST with :class:`NMSTLogitsProcessor`
-    or :class:`GPT2Decoder`).
+    or :class:`GPT2Decoder`) — unless ``generation_logits=True``: then the last position's logits
+    become the head's exact step log-probabilities (t = 1 at the first generated token, counted
+    from the KV cache), so every HF ``generate()`` mode, beam search included, decodes the NMST
+    (or VA) distribution with no processor. ST's running state cannot follow HF's beam
+    reordering, so it is refused there (use :class:`NMSTLogitsProcessor` or :class:`GPT2Decoder`).
 
     The settings are stored in ``model.config.nmst`` (so ``save_pretrained`` records them); a model
     loaded with recorded settings reuses them, and conflicting arguments raise ValueError.
     Defaults: head "nmst", eps 1e-5, context_length 10 (the paper's GPT-2 setup).
     """
     settings = _nmst_settings(model, head, eps, context_length)
+    if generation_logits and settings["head"] == "st":
+        raise ValueError("generation_logits=True supports head 'nmst' and 'va': ST's running state cannot "
+                         "follow HF's beam reordering; use NMSTLogitsProcessor or GPT2Decoder for ST")
     model.config.nmst = settings
     original_forward = model.forward
     eos_index = model.config.eos_token_id
+    prompt = {}  # length of the prompt of the generation in progress (set at its prefill call)
+
+    def step_distribution(out, cache, new_tokens: int):
+        if cache is None:
+            raise ValueError("generation_logits=True needs the KV cache (use_cache=True) to count steps")
+        total = cache.get_seq_length()  # the cache already holds this call's tokens
+        if total == new_tokens:  # prefill: a new generation starts
+            prompt["length"] = total
+        t = total - prompt["length"] + 1
+        log_p, _ = step_log_probs(out.logits[:, -1], head=settings["head"], eos_index=eos_index,
+                                  eps=settings["eps"], steps=t)
+        out.logits[:, -1] = log_p.to(out.logits.dtype)
+        return out
 
     def forward(self, input_ids=None, labels=None, num_items_in_batch=None, logits_to_keep=0, **kwargs):
         if labels is None:
-            return original_forward(input_ids=input_ids, logits_to_keep=logits_to_keep, **kwargs)
+            out = original_forward(input_ids=input_ids, logits_to_keep=logits_to_keep, **kwargs)
+            if not generation_logits:
+                return out
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            return step_distribution(out, cache, input_ids.shape[1])
         kwargs["use_cache"] = False
         out = self.transformer(input_ids, **kwargs)
         hidden = out.last_hidden_state
@@ -133,7 +158,8 @@ class NMSTLogitsProcessor(LogitsProcessor):
     Keep HF's ``temperature`` at 1 (it would scale eos too); pass ``temperature`` here, which
     divides non-eos logits only. HF beam search hands processors log-softmaxed scores, which
     have lost the raw eos logit the head needs: that is detected and refused — decode beams with
-    ``nmst_fast.generate(GPT2Decoder(model, head=...), strategy="beam")``. ST keeps its running
+    ``apply_nmst_to_gpt2(model, generation_logits=True)`` (HF beam search then sees the NMST
+    log-probabilities as the model's logits) or ``nmst_fast.generate(GPT2Decoder(model, head=...), strategy="beam")``. ST keeps its running
     state per row, so rows must not be reordered between steps (checked).
     """
 
@@ -150,7 +176,8 @@ class NMSTLogitsProcessor(LogitsProcessor):
             self._prompt_length, self._state, self._previous = input_ids.shape[1], None, None
         if torch.allclose(torch.logsumexp(scores.double(), dim=-1), torch.zeros((), dtype=torch.float64), atol=1e-4):
             raise ValueError("NMSTLogitsProcessor got normalized log-probs (HF beam search): the raw eos logit "
-                             "is gone; use nmst_fast.generate(GPT2Decoder(model, head=...), strategy='beam')")
+                             "is gone; use apply_nmst_to_gpt2(model, generation_logits=True) without the processor, "
+                             "or nmst_fast.generate(GPT2Decoder(model, head=...), strategy='beam')")
         if self.head == "st" and self._previous is not None and \
                 not torch.equal(input_ids[:, :-1], self._previous):
             raise ValueError("NMSTLogitsProcessor(head='st') needs rows in a fixed order across steps "
