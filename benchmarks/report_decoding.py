@@ -20,6 +20,8 @@ from typing import Optional
 
 import torch
 
+from nmst_fast.decoding.truncation import untruncated
+
 from .decoding_cases import BATCHES, GPU_STRATEGIES, STRATEGIES, VOCABS, fast, make_logits, sort_based
 
 
@@ -43,10 +45,9 @@ def _scan_only(k: Optional[int], p: Optional[float]):
     """The one-read scan a strategy runs (kernel + split merge), without the O(B) head math."""
     from kernels.row_scan import MAX_CANDIDATES, row_scan
 
-    greedy = k == 1
-    untruncated = k is None and p is None
-    candidates = 0 if greedy or untruncated else (k or MAX_CANDIDATES)
-    seed = 1234 if untruncated else None
+    plain = untruncated(k, p)
+    candidates = 0 if plain else (k or MAX_CANDIDATES)
+    seed = 1234 if plain and k != 1 else None  # sampling races; greedy does not
 
     def step(logits: torch.Tensor) -> None:
         row_scan(logits, eos_index=logits.shape[1] - 1, seed=seed, candidates=candidates)

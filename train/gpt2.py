@@ -25,14 +25,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from nmst_fast import generate, metrics
 from nmst_fast.data.bpe import bucket_batches, collate_bpe, encode_bpe_lines, load_gpt2_tokenizer
 from nmst_fast.data.wikitext import find_split_file, read_lines
 from nmst_fast.integrations.hf_gpt2 import GPT2Decoder, apply_nmst_to_gpt2
 from nmst_fast.validation import HEADS
 
 from .checkpoint import save_atomic
-from .evaluate import DECODERS
+from .evaluate import non_termination
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -159,14 +158,9 @@ def main(argv: list[str] | None = None) -> Path:
                          schedule=schedule.state_dict(), rng=torch.get_rng_state()), state_path)
     model = apply_nmst_to_gpt2(GPT2LMHeadModel.from_pretrained(out / "model")).to(args.device).eval()
     contexts = torch.tensor([s[: args.context_length] for s in seqs["eval"][: args.eval_contexts]], dtype=torch.long)
-    decoder = GPT2Decoder(model, head=args.head, eps=args.eps)
-    grid = metrics.log_grid(args.max_length)
-    r_nt = {}
-    for name, kwargs in DECODERS.items():
-        with torch.no_grad():
-            result = generate(decoder, contexts.to(args.device), max_length=args.max_length, keep_tokens=False,
-                              generator=torch.Generator(device=args.device).manual_seed(args.seed), **kwargs)
-        r_nt[name] = {str(L): v for L, v in metrics.non_termination_curve(result.lengths, grid, result.terminated).items()}
+    decoding = non_termination(GPT2Decoder(model, head=args.head, eps=args.eps), contexts, args.max_length,
+                               seed=args.seed, device=args.device)
+    r_nt = {name: d["r_nt"] for name, d in decoding.items()}
     results = {args.head: dict(
         perplexity=perplexity(model, seqs["eval"], args.context_length, args.max_tokens, pad, args.device),
         valid_perplexity=best, r_nt=r_nt, history=history, eps=args.eps)}

@@ -113,6 +113,19 @@ def eos_effective_logit(lse: torch.Tensor, log_surv: torch.Tensor) -> torch.Tens
     return lse + log1mexp(log_surv) - log_surv
 
 
+def eos_terms(
+    non_eos_lse: torch.Tensor, eos_logit: torch.Tensor, *, head: str, eps: float, steps: Steps,
+    state: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The NMST/ST head's per-row scalars from L and s (both (B,) float64), rows checked first.
+
+    Returns (log_norm = L − a, ζ_eos, a = log(1 − α_t)): log p(v) = ζ_v − log_norm.
+    """
+    check_rows(non_eos_lse, eos_logit)
+    log_surv = step_log_survival(eos_logit, head=head, eps=eps, steps=steps, state=state)
+    return non_eos_lse - log_surv, eos_effective_logit(non_eos_lse, log_surv), log_surv
+
+
 def check_rows(non_eos_lse: torch.Tensor, eos_logit: Optional[torch.Tensor] = None) -> None:
     """NaN or +inf logits, or rows with no finite non-eos logit, have no defined distribution."""
     if torch.compiler.is_compiling():
@@ -158,11 +171,9 @@ def effective_logits(
     if temperature != 1.0:
         zeta /= temperature  # non-eos logits only: the eos column is -inf and stays so
     lse = torch.logsumexp(zeta, dim=1).to(torch.float64)
-    log_surv = step_log_survival(s, head=head, eps=eps, steps=steps, state=state)
-    check_rows(lse, s)
-    eos_zeta = eos_effective_logit(lse, log_surv)
+    log_norm, eos_zeta, log_surv = eos_terms(lse, s, head=head, eps=eps, steps=steps, state=state)
     zeta[:, eos_index] = eos_zeta.to(work_dtype)
-    return StepDistribution(zeta, lse - log_surv, eos_index, eos_zeta, log_surv if head == "st" else None)
+    return StepDistribution(zeta, log_norm, eos_index, eos_zeta, log_surv if head == "st" else None)
 
 
 def step_log_probs(

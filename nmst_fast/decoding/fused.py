@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 
 from ..backends import triton_available
-from .distribution import Steps, check_rows, check_step_args, eos_effective_logit, step_log_survival
-from .truncation import draw, insert_eos, truncate
+from .distribution import Steps, check_rows, check_step_args, eos_terms
+from .truncation import draw, insert_eos, truncate, untruncated
 
 
 @dataclass
@@ -56,23 +56,19 @@ def _scan_with_head(
     from kernels.row_scan import row_scan  # lazy: Triton picks interpret mode at import
 
     B = logits.shape[0]
-    if seed is None and B > 1 and logits.stride(0) == 0:
-        # Rows expanded from one (several samples of one prompt) have the same deterministic
-        # scan: do it once. The head math below stays per row (steps / state may differ).
-        scan = {key: value.expand(B, *value.shape[1:])
-                for key, value in row_scan(logits[:1], eos_index=None if head == "va" else eos_index,
-                                           temperature=temperature, candidates=candidates).items()}
-    else:
-        scan = row_scan(logits, eos_index=None if head == "va" else eos_index, temperature=temperature, seed=seed,
-                        candidates=candidates)
+    # Rows expanded from one (several samples of one prompt) have the same deterministic scan:
+    # do it once. The head math below stays per row (steps / state may differ).
+    replicated = seed is None and B > 1 and logits.stride(0) == 0
+    scan = row_scan(logits[:1] if replicated else logits, eos_index=None if head == "va" else eos_index,
+                    temperature=temperature, seed=seed, candidates=candidates)
+    if replicated:
+        scan = {key: value.expand(B, *value.shape[1:]) for key, value in scan.items()}
     lse = scan["lse"].to(torch.float64)
     if head == "va":
         check_rows(lse)
         return _HeadScan(scan, lse, None, None)
     s = logits[:, eos_index].to(torch.float64)
-    check_rows(lse, s)
-    log_surv = step_log_survival(s, head=head, eps=eps, steps=steps, state=state)
-    return _HeadScan(scan, lse - log_surv, eos_effective_logit(lse, log_surv), log_surv)
+    return _HeadScan(scan, *eos_terms(lse, s, head=head, eps=eps, steps=steps, state=state))
 
 
 def _seed(generator: Optional[torch.Generator], device: torch.device) -> int:
@@ -180,6 +176,6 @@ def fused_sample(
     samples by the Gumbel race, anything else goes through the candidates (None: see
     :func:`fused_truncated`)."""
     args = dict(head=head, eos_index=eos_index, eps=eps, steps=steps, state=state, temperature=temperature)
-    if top_k == 1 or (top_k is None and (top_p is None or top_p >= 1.0)):
+    if untruncated(top_k, top_p):
         return fused_select(logits, greedy=top_k == 1, generator=generator, **args)
     return fused_truncated(logits, top_k=top_k, top_p=top_p, generator=generator, **args)

@@ -21,7 +21,7 @@ import torch
 
 from .distribution import StepDistribution, Steps, effective_logits
 from .fused import fused_available, fused_sample, fused_truncation_available
-from .truncation import draw, insert_eos, truncate
+from .truncation import draw, insert_eos, truncate, untruncated
 
 _FIRST_CANDIDATES = 64
 
@@ -141,7 +141,7 @@ def select(
     _check_truncation(top_k, top_p)
     if top_k == 1:
         return greedy(dist)
-    if top_k is None and (top_p is None or top_p >= 1.0):
+    if untruncated(top_k, top_p):
         return draw(torch.exp(dist.log_probs()), generator).squeeze(1)
     tokens, probs = truncated_candidates(dist, top_k, top_p)
     return tokens.gather(1, draw(probs, generator)).squeeze(1)
@@ -158,9 +158,7 @@ def use_fused(impl: str, logits: torch.Tensor, top_k: Optional[int], top_p: Opti
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
     if impl == "torch" or (impl == "auto" and not logits.is_cuda):
         return False
-    # The same dispatch as ``select``: top_k == 1 is greedy (top-p after top-1 keeps that one token).
-    untruncated = top_k == 1 or (top_k is None and (top_p is None or top_p >= 1.0))
-    servable = untruncated or fused_truncation_available(top_k)
+    servable = untruncated(top_k, top_p) or fused_truncation_available(top_k)
     if impl == "triton":
         if not servable:
             raise ValueError("impl='triton' serves top_k up to kernels.row_scan.MAX_CANDIDATES (and needs tl.topk "

@@ -14,6 +14,11 @@ import torch
 TOP_P_SLACK = 1e-12  # a cumulative mass within this of p counts as reaching p (float64 round-off)
 
 
+def untruncated(top_k: Optional[int], top_p: Optional[float]) -> bool:
+    """Greedy (top_k = 1; top-p after top-1 keeps that one token) or plain sampling: no candidate list."""
+    return top_k == 1 or (top_k is None and (top_p is None or top_p >= 1.0))
+
+
 def insert_eos(
     tokens: torch.Tensor, zeta: torch.Tensor, eos_index: int, eos_zeta: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
