@@ -12,13 +12,17 @@ is off), with x = z · inv_temp:
   * race = max(x + G) and its index, G ~ Gumbel(0, 1)     (an exact softmax sample)
   * candidates = the K largest x, ties → lower index      (top-k / top-p)
 G comes from counter-based Philox noise keyed on (seed, row·V + column), so a draw
-does not depend on the tiling. Candidates are ranked by one int64 key per column,
+does not depend on the tiling; the seed is read from a device tensor, so drawing it
+from a CUDA generator needs no host sync. Candidates are ranked by one int64 key per column,
 (orderable float bits of x) << 32 | (2³¹ − 1 − column): key order is exactly
 (value desc, column asc), so a plain top-k of keys breaks ties the required way.
-The caller adds eos with O(B) float64 math.
+The caller adds eos with O(B) float64 math (``kernels/row_select.py`` does it for greedy
+and sampling in one more launch).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -47,7 +51,7 @@ def _row_scan_kernel(
     split_width,
     eos_index,
     inv_temp,
-    seed,
+    seed_ptr,
     max_ptr,
     sum_ptr,
     top_val_ptr,
@@ -74,6 +78,8 @@ def _row_scan_kernel(
     top_idx = tl.zeros((BLOCK_B,), tl.int32)
     race_val = tl.full((BLOCK_B,), float("-inf"), tl.float32)
     race_idx = tl.zeros((BLOCK_B,), tl.int32)
+    if RACE:
+        seed = tl.load(seed_ptr)
     if K > 0:
         best = tl.full((BLOCK_B, K), -9223372036854775808, tl.int64)
     for start in range(lo, hi, BLOCK_V):
@@ -151,31 +157,38 @@ def _launch_shape(z: torch.Tensor, candidates: int) -> tuple[int, int, int]:
     return 1, block_v, splits
 
 
-def row_scan(
+@dataclass
+class ScanPartials:
+    """Per-split results of one scan, before the splits are merged.
+
+    Every tensor is (rows, splits) (``keys``: (rows, splits, K)); ``rows`` is 1 when a
+    replicated batch was scanned once (see :func:`scan_partials`).
+    """
+
+    parts: dict[str, torch.Tensor]
+    V: int
+    K: int
+    race: bool
+
+
+def _as_seed(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    if isinstance(seed, torch.Tensor):
+        if seed.numel() != 1 or seed.dtype.is_floating_point:
+            raise ValueError("seed must be a one-element integer tensor")
+        return seed.reshape(1).to(device=device, dtype=torch.int64)
+    return torch.tensor([seed], dtype=torch.int64, device=device)
+
+
+def scan_partials(
     z: torch.Tensor,
     *,
     eos_index: int | None,
     temperature: float = 1.0,
-    seed: int | None = None,
+    seed: int | torch.Tensor | None = None,
     candidates: int = 0,
     launch: tuple[int, int] | None = None,
-) -> dict[str, torch.Tensor]:
-    """Scan (B, V) logits once (see module docstring).
-
-    Args:
-        z: (B, V) fp16/bf16/fp32 logits with unit stride along V.
-        eos_index: column left out of every reduction, or None to scan all columns.
-        temperature: x = z / temperature.
-        seed: run the Gumbel race with this Philox seed (None: no race).
-        candidates: also return the K = next power of two >= ``candidates`` largest x
-            (at most MAX_CANDIDATES; 0: none).
-        launch: (BLOCK_V, splits) instead of the automatic launch shape (tests use it to
-            cover split merging and tile skipping on CPU).
-    Returns:
-        dict of (B,) tensors: "lse", "top_val" (fp32), "top_idx" (int64); with a seed
-        "race_val" (fp32), "race_idx" (int64); with candidates "cand_val" (B, K) fp32 and
-        "cand_idx" (B, K) int64 in rank order (padding: -inf and -1 when fewer than K columns).
-    """
+) -> ScanPartials:
+    """Launch the scan (arguments as :func:`row_scan`) and return the unmerged per-split results."""
     if z.dim() != 2 or z.stride(1) != 1:
         raise ValueError("z must be a 2-D tensor with unit stride along V")
     if not 0 <= candidates <= MAX_CANDIDATES or (candidates and not HAS_TOPK):
@@ -192,20 +205,53 @@ def row_scan(
     split_width = triton.cdiv(triton.cdiv(V, splits), block_v) * block_v
     splits = triton.cdiv(V, split_width)
     part = dict(device=z.device, dtype=torch.float32)
+    index = dict(device=z.device, dtype=torch.int32)
     shape = (B, splits)
     parts = {"max": torch.empty(shape, **part), "sum": torch.empty(shape, **part),
-             "top_val": torch.empty(shape, **part), "top_idx": torch.empty(shape, device=z.device, dtype=torch.int32),
-             "race_val": torch.empty(shape, **part), "race_idx": torch.empty(shape, device=z.device, dtype=torch.int32),
+             "top_val": torch.empty(shape, **part), "top_idx": torch.empty(shape, **index),
+             "race_val": torch.empty(shape, **part), "race_idx": torch.empty(shape, **index),
              "keys": torch.empty((B, splits, max(K, 1)), device=z.device, dtype=torch.int64)}
+    seed_tensor = parts["top_idx"] if seed is None else _as_seed(seed, z.device)  # any pointer when unused
     if B:
         _row_scan_kernel[(triton.cdiv(B, block_b), splits)](
             z, z.stride(0), B, V, split_width, -1 if eos_index is None else eos_index, 1.0 / temperature,
-            0 if seed is None else seed,
+            seed_tensor,
             parts["max"], parts["sum"], parts["top_val"], parts["top_idx"], parts["race_val"], parts["race_idx"],
             parts["keys"],
             HAS_EOS=eos_index is not None, RACE=seed is not None, K=K, BLOCK_B=block_b, BLOCK_V=block_v,
         )
-    return _merge_splits(parts, V, race=seed is not None, K=K)
+    return ScanPartials(parts, V, K, seed is not None)
+
+
+def row_scan(
+    z: torch.Tensor,
+    *,
+    eos_index: int | None,
+    temperature: float = 1.0,
+    seed: int | torch.Tensor | None = None,
+    candidates: int = 0,
+    launch: tuple[int, int] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Scan (B, V) logits once (see module docstring).
+
+    Args:
+        z: (B, V) fp16/bf16/fp32 logits with unit stride along V.
+        eos_index: column left out of every reduction, or None to scan all columns.
+        temperature: x = z / temperature.
+        seed: run the Gumbel race with this Philox seed (an int or a one-element integer
+            tensor on any device; None: no race).
+        candidates: also return the K = next power of two >= ``candidates`` largest x
+            (at most MAX_CANDIDATES; 0: none).
+        launch: (BLOCK_V, splits) instead of the automatic launch shape (tests use it to
+            cover split merging and tile skipping on CPU).
+    Returns:
+        dict of (B,) tensors: "lse", "top_val" (fp32), "top_idx" (int64); with a seed
+        "race_val" (fp32), "race_idx" (int64); with candidates "cand_val" (B, K) fp32 and
+        "cand_idx" (B, K) int64 in rank order (padding: -inf and -1 when fewer than K columns).
+    """
+    scan = scan_partials(z, eos_index=eos_index, temperature=temperature, seed=seed, candidates=candidates,
+                         launch=launch)
+    return _merge_splits(scan.parts, scan.V, race=scan.race, K=scan.K)
 
 
 def _merge_splits(parts: dict[str, torch.Tensor], V: int, *, race: bool, K: int) -> dict[str, torch.Tensor]:

@@ -42,6 +42,71 @@ def test_fused_log_probs_of_chosen_tokens(head):
     torch.testing.assert_close(picked.log_probs, expected, rtol=1e-6, atol=1e-6)
 
 
+def _torch_head_math(z, head, eos, eps, steps, state, temperature):
+    """L merged in float64 from the same scan's partials, then the head's float64 scalars in torch."""
+    from kernels.row_scan import scan_partials
+    from nmst_fast.decoding.distribution import eos_terms
+
+    parts = scan_partials(z, eos_index=None if head == "va" else eos, temperature=temperature).parts
+    lse = torch.logsumexp(parts["max"].double() + parts["sum"].double().log(), dim=1)
+    if head == "va":
+        return lse, None, None
+    return eos_terms(lse, z[:, eos].double(), head=head, eps=eps, steps=steps, state=state)
+
+
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("eps", [1e-8, 0.5])
+def test_kernel_head_math_equals_torch(head, eps):
+    """The select kernel's float64 head math at extreme inputs: every row's greedy token and its
+    log-prob equal torch's eos_terms on the same scan; ST's new state too."""
+    gen = torch.Generator().manual_seed(int(eps * 1e8) + len(head))
+    B, V, eos = 96, 41, 17
+    z = (torch.randn(B, V, generator=gen) * 3).to(DEVICE)
+    z[:, eos] = torch.tensor([-1e4, -30.0, -3.0, 0.0, 3.0, 30.0, 1e4, 0.5], device=DEVICE).repeat(B // 8)
+    z[5] *= 1e3  # logits far from 0
+    steps = torch.tensor([0, 1, 2, 7, 1000, 10**5, 10**7, -3], device=DEVICE).repeat_interleave(B // 8)
+    state = (-torch.rand(B, generator=gen, dtype=torch.float64) * torch.tensor([1e-12, 1.0, 50.0]).repeat(B // 3)
+             ).to(DEVICE) if head == "st" else None
+    for temperature in (1.0, 0.7):
+        picked = fused_select(z, head=head, eos_index=eos, eps=eps, steps=steps, state=state,
+                              temperature=temperature, greedy=True)
+        log_norm, eos_zeta, log_surv = _torch_head_math(z, head, eos, eps, steps, state, temperature)
+        x = z.double() / temperature
+        if head == "va":
+            expected = x.gather(1, picked.tokens[:, None]).squeeze(1) - log_norm
+        else:
+            x[:, eos] = float("-inf")
+            top = x.max(dim=1)
+            eos_wins = eos_zeta > top.values
+            assert torch.equal(picked.tokens == eos, eos_wins)
+            expected = torch.where(eos_wins, eos_zeta, top.values) - log_norm
+            assert torch.equal(torch.where(eos_wins, eos, top.indices), picked.tokens)
+        finite = torch.isfinite(expected)
+        assert torch.equal(torch.isfinite(picked.log_probs), finite)
+        # atol: logits up to 3e4 cancel in ζ − log_norm, leaving a few float64 ulps of 3e4
+        torch.testing.assert_close(picked.log_probs[finite], expected[finite], rtol=1e-12, atol=1e-10)
+        if head == "st":
+            torch.testing.assert_close(picked.state, log_surv, rtol=1e-13, atol=0)
+
+
+def test_replicated_rows_share_one_scan_but_not_the_head_math():
+    """Greedy over stride-0 rows (one prompt, many continuations) with per-row steps and state."""
+    gen = torch.Generator().manual_seed(8)
+    z = torch.randn(1, 50, generator=gen).to(DEVICE).expand(64, -1)
+    steps = torch.arange(64, device=DEVICE) * 7
+    for head in HEADS:
+        state = torch.linspace(-1e-3, -2, 64, dtype=torch.float64, device=DEVICE) if head == "st" else None
+        fused, fused_state = sample(z, head=head, eos_index=3, eps=0.05, steps=steps, state=state, top_k=1,
+                                    impl="triton")
+        expected, expected_state = sample(z.contiguous(), head=head, eos_index=3, eps=0.05, steps=steps,
+                                          state=state, top_k=1, impl="torch")
+        assert torch.equal(fused, expected)
+        if head != "va":
+            assert 0 < int((fused == 3).sum()) < 64  # eos wins only from some step on
+        if head == "st":
+            torch.testing.assert_close(fused_state, expected_state, rtol=1e-12, atol=0)
+
+
 @pytest.mark.parametrize("head,t", [("nmst", 1), ("nmst", 300), ("st", 20), ("va", 1)])
 def test_fused_sampling_distribution(head, t):
     seed = torch.seed() % 2**31
@@ -128,3 +193,13 @@ def test_fused_top_k_generation_scores_are_model_log_probs():
         seq = out.tokens[b, : int(out.lengths[b])].cpu()
         expected = sum(float(model.sequence_log_probs(contexts[b], seq[:i])[seq[i]]) for i in range(len(seq)))
         assert float(out.scores[b]) == pytest.approx(expected, rel=1e-5, abs=1e-5)
+
+
+def test_gpu_report_device_steps_run():
+    """The decoding report's CUDA-graph step for every strategy (run here in the interpreter)."""
+    from benchmarks.decoding_cases import GPU_STRATEGIES
+    from benchmarks.report_decoding import _device_step
+
+    logits = torch.randn(4, 300, device=DEVICE)
+    for k, p in GPU_STRATEGIES.values():
+        _device_step(k, p, device=DEVICE)(logits)

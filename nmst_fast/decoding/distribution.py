@@ -63,7 +63,7 @@ class StepDistribution:
         return log_p
 
 
-def _steps_tensor(steps: Steps, batch: int, device: torch.device) -> torch.Tensor:
+def steps_tensor(steps: Steps, batch: int, device: torch.device) -> torch.Tensor:
     if isinstance(steps, bool):
         raise TypeError("steps must be an int or an integer tensor")
     if isinstance(steps, numbers.Integral):
@@ -99,7 +99,7 @@ def step_log_survival(
     unchanged state for ST. For ST the result is also the next step's state.
     """
     B = eos_logit.shape[0]
-    t = _steps_tensor(steps, B, eos_logit.device)
+    t = steps_tensor(steps, B, eos_logit.device)
     if head == "nmst":
         return nmst_log_survival(eos_logit, t, eps)
     prev = torch.zeros(B, dtype=torch.float64, device=eos_logit.device) if state is None else state.to(torch.float64)

@@ -1,24 +1,26 @@
 """Token selection from one read of the logits (Triton row scan).
 
-The kernel (``kernels/row_scan.py``) returns per row L, the top non-eos logit and
-the winner of a Gumbel-max race over non-eos tokens. eos then joins with O(B)
-float64 math: its effective logit ζ_eos = L + log(1 − e^a) − a competes with the
-non-eos winner (greedy), or, with its own Gumbel draw, with the race winner
+The scan (``kernels/row_scan.py``) returns per row L, the top non-eos logit and
+the winner of a Gumbel-max race over non-eos tokens. eos then joins with O(1)
+float64 math per row: its effective logit ζ_eos = L + log(1 − e^a) − a competes with
+the non-eos winner (greedy), or, with its own Gumbel draw, with the race winner
 (sampling) — so both are exact for the NMST/ST/VA step distribution without a
-(B, V) probability tensor or a sort. Top-k / top-p use the kernel's ranked top-K
-candidates the same way: eos is merged into them by its exact ζ_eos.
+(B, V) probability tensor or a sort. For greedy and sampling that math runs in a
+second kernel (``kernels/row_select.py``). Top-k / top-p use the scan's ranked top-K
+candidates the same way, with eos merged in by its exact ζ_eos in torch.
 """
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from ..backends import triton_available
-from .distribution import Steps, check_rows, check_step_args, eos_terms
+from .distribution import Steps, check_rows, check_step_args, eos_terms, steps_tensor
 from .truncation import draw, insert_eos, truncate, untruncated
 
 
@@ -32,12 +34,6 @@ class FusedSelection:
 def fused_available(logits: torch.Tensor) -> bool:
     """The Triton path runs on CUDA tensors, or on CPU tensors in Triton's interpreter."""
     return triton_available() and (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
-
-
-def _gumbel(shape: int, generator: Optional[torch.Generator], device: torch.device) -> torch.Tensor:
-    dev = generator.device if generator is not None else device
-    u = torch.rand(shape, dtype=torch.float64, generator=generator, device=dev).clamp_min(1e-300)
-    return (-torch.log(-torch.log(u))).to(device)
 
 
 @dataclass
@@ -71,9 +67,27 @@ def _scan_with_head(
     return _HeadScan(scan, *eos_terms(lse, s, head=head, eps=eps, steps=steps, state=state))
 
 
-def _seed(generator: Optional[torch.Generator], device: torch.device) -> int:
+def _seed(generator: Optional[torch.Generator], device: torch.device) -> torch.Tensor:
+    """A Philox seed as a one-element device tensor: drawn without a host sync."""
     dev = generator.device if generator is not None else device
-    return int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=dev))
+    return torch.randint(0, 2**31 - 1, (1,), generator=generator, device=dev).to(device)
+
+
+def _kernel_steps(steps: Steps, batch: int, device: torch.device) -> Union[int, torch.Tensor]:
+    """An int stays a kernel scalar; a tensor is checked and broadcast to (B,) int64 (stride 0 kept)."""
+    if isinstance(steps, numbers.Integral) and not isinstance(steps, bool):
+        return int(steps)
+    return steps_tensor(steps, batch, device)
+
+
+def _check_state(state: Optional[torch.Tensor], batch: int, device: torch.device) -> Optional[torch.Tensor]:
+    if state is None:
+        return None
+    if not isinstance(state, torch.Tensor) or not state.dtype.is_floating_point:
+        raise TypeError("state must be a floating tensor (ST's running log(1 − α) from the previous step)")
+    if state.shape != (batch,):
+        raise ValueError(f"state must have shape ({batch},), got {tuple(state.shape)}")
+    return state.to(device)
 
 
 def fused_select(
@@ -88,25 +102,33 @@ def fused_select(
     greedy: bool,
     generator: Optional[torch.Generator] = None,
 ) -> FusedSelection:
-    """Greedy (``greedy=True``) or exact sampling of one token per row of (B, V) ``logits``."""
+    """Greedy (``greedy=True``) or exact sampling of one token per row of (B, V) ``logits``.
+
+    Two launches (the scan, then :mod:`kernels.row_select` with the head math and eos's
+    draw) and one host sync at the end, for the undefined-row check.
+    """
+    from kernels.row_scan import scan_partials  # lazy: Triton picks interpret mode at import
+    from kernels.row_select import select_from_scan
+
     check_step_args(logits, head, eos_index, eps, temperature)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    B = logits.shape[0]
+    kernel_steps = _kernel_steps(steps, B, logits.device) if head != "va" else 1
+    kernel_state = _check_state(state, B, logits.device) if head == "st" else None
     seed = None if greedy else _seed(generator, logits.device)
-    hs = _scan_with_head(logits, head, eos_index, eps, steps, state, temperature, seed)
-    scan = hs.scan
-    pick_idx, pick_val = (scan["top_idx"], scan["top_val"]) if greedy else (scan["race_idx"], scan["race_val"])
-    chosen = logits.gather(1, pick_idx[:, None]).squeeze(1).to(torch.float64) / temperature
-    if head == "va":
-        return FusedSelection(pick_idx, chosen - hs.log_norm, None)
-    pick = pick_val.to(torch.float64)
-    if greedy:  # ties go to the lower index, as everywhere
-        eos_wins = (hs.eos_zeta > pick) | ((hs.eos_zeta == pick) & (eos_index < pick_idx))
-    else:
-        eos_wins = hs.eos_zeta + _gumbel(pick.shape[0], generator, logits.device) > pick
-    tokens = torch.where(eos_wins, eos_index, pick_idx)
-    log_p = torch.where(eos_wins, hs.eos_zeta, chosen) - hs.log_norm
-    return FusedSelection(tokens, log_p, hs.log_surv if head == "st" else None)
+    # Rows expanded from one (several greedy continuations of one prompt) share one scan.
+    replicated = greedy and B > 1 and logits.stride(0) == 0
+    scan = scan_partials(logits[:1] if replicated else logits, eos_index=None if head == "va" else eos_index,
+                         temperature=temperature, seed=seed)
+    picked = select_from_scan(logits, scan, head=head, eos_index=eos_index, eps=eps, temperature=temperature,
+                              steps=kernel_steps, state=kernel_state, seed=seed)
+    if not torch.compiler.is_compiling():
+        first_bad = int(picked.first_bad)
+        if first_bad < B:
+            raise ValueError(f"logits row {first_bad} has NaN/+inf values or no finite non-eos logit: "
+                             "no distribution to decode")
+    return FusedSelection(picked.tokens, picked.log_probs, picked.state)
 
 
 def fused_truncation_available(top_k: Optional[int]) -> bool:
