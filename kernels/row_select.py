@@ -74,12 +74,49 @@ def _log1mexp(a):
 
 
 @triton.jit
-def _uniform_f64(seed, offsets):
-    """U(0, 1) with 53 random bits, never 0 or 1 (eos's Gumbel needs its far tail when α_t is tiny)."""
-    r0, r1, _, _ = tl.randint4x(seed, offsets)
+def _uniform_f64(seed, rows):
+    """U(0, 1) per row with 53 random bits, never 0 or 1 (eos's Gumbel needs its far tail when α_t is
+    tiny). The Philox key's high word is 1, so these never reuse the scan's noise (high word 0)."""
+    r0, r1, _, _ = tl.randint4x(seed.to(tl.int64) | 4294967296, rows)
     hi = (r0.to(tl.uint32, bitcast=True) >> 5).to(tl.float64)
     lo = (r1.to(tl.uint32, bitcast=True) >> 6).to(tl.float64)
     return (hi * 67108864.0 + lo + 0.5) / 9007199254740992.0
+
+
+@triton.jit
+def _merged_lse(max_ptr, sum_ptr, part, part_ok, row_ok):
+    """L = logsumexp over non-eos per row, in fp64 from the scan's fp32 per-split (max, sum)."""
+    m = tl.load(max_ptr + part, mask=part_ok, other=float("-inf"))
+    total = tl.load(sum_ptr + part, mask=part_ok, other=0.0).to(tl.float64)
+    row_max = tl.where(row_ok, tl.max(m, axis=1), 0.0)  # padding rows: finite junk, no log(0)
+    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+    row_sum = tl.sum(total * tl.exp((m - shift[:, None]).to(tl.float64)), axis=1)
+    return row_max.to(tl.float64) + tl.log(tl.where(row_ok, row_sum, 1.0))
+
+
+@triton.jit
+def _log_survival(
+    s, rows, row_ok, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr, state_stride,
+    new_state_ptr, HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """a = log(1 − α_t) per row (fp64) from the raw eos logit s; stores ST's new state."""
+    if STEPS_PER_ROW:
+        t = tl.load(steps_ptr + rows.to(tl.int64) * steps_stride, mask=row_ok, other=1)
+    else:
+        t = tl.full((BLOCK_B,), steps_value, tl.int64)
+    # fp64 scalars arrive as fp32 (hi, lo) pairs: Triton passes Python floats as fp32.
+    log1m_eps = tl.cast(log1m_eps_hi, tl.float64) + tl.cast(log1m_eps_lo, tl.float64)
+    if HEAD == 1:
+        a = tl.where(t >= 1, _log_sigmoid(-s) + t.to(tl.float64) * log1m_eps, 0.0)
+    else:
+        if HAS_STATE:
+            prev = tl.load(state_ptr + rows.to(tl.int64) * state_stride, mask=row_ok, other=0.0).to(tl.float64)
+        else:
+            prev = tl.zeros((BLOCK_B,), tl.float64)
+        a = tl.where(t >= 1, prev + _log_sigmoid(s) + log1m_eps, prev)
+        tl.store(new_state_ptr + rows, a, mask=row_ok)
+    return a
 
 
 @triton.jit
@@ -108,7 +145,7 @@ def _select_kernel(
     token_ptr,
     log_prob_ptr,
     new_state_ptr,
-    first_bad_ptr,
+    flags_ptr,
     HEAD: tl.constexpr,  # 0 va, 1 nmst, 2 st
     GREEDY: tl.constexpr,
     STEPS_PER_ROW: tl.constexpr,
@@ -121,59 +158,158 @@ def _select_kernel(
     split = tl.arange(0, BLOCK_S)
     part = rows.to(tl.int64)[:, None] * part_row_stride + split[None, :]
     part_ok = row_ok[:, None] & (split[None, :] < n_splits)
-
-    # Merge the splits: L in fp64 from the fp32 partials; the best value, ties → first index.
-    m = tl.load(max_ptr + part, mask=part_ok, other=float("-inf"))
-    total = tl.load(sum_ptr + part, mask=part_ok, other=0.0).to(tl.float64)
-    row_max = tl.where(row_ok, tl.max(m, axis=1), 0.0)  # padding rows: finite junk, no log(0)
-    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-    row_sum = tl.sum(total * tl.exp((m - shift[:, None]).to(tl.float64)), axis=1)
-    lse64 = row_max.to(tl.float64) + tl.log(tl.where(row_ok, row_sum, 1.0))
+    lse = _merged_lse(max_ptr, sum_ptr, part, part_ok, row_ok)
+    # The best non-eos value over the splits, ties → first index.
     pick_vals = tl.load(pick_val_ptr + part, mask=part_ok, other=float("-inf"))
     pick_idxs = tl.load(pick_idx_ptr + part, mask=part_ok, other=V)
     pick = tl.max(pick_vals, axis=1)
     idx = tl.min(tl.where(pick_vals == pick[:, None], pick_idxs, V), axis=1)
 
-    # fp64 scalars arrive as fp32 (hi, lo) pairs: Triton passes Python floats as fp32.
     temperature = tl.cast(temp_hi, tl.float64) + tl.cast(temp_lo, tl.float64)
     z_row = z_ptr + rows.to(tl.int64) * z_row_stride
     chosen = tl.load(z_row + idx, mask=row_ok & (idx < V), other=0.0).to(tl.float64) / temperature
-    bad = ~(tl.abs(lse64) < float("inf"))  # NaN, +inf, or no finite non-eos logit
+    bad = ~(tl.abs(lse) < float("inf"))  # NaN, +inf, or no finite non-eos logit
     if HEAD == 0:
         token = idx.to(tl.int64)
-        log_prob = chosen - lse64
+        log_prob = chosen - lse
     else:
         s = tl.load(z_row + eos_index, mask=row_ok, other=0.0).to(tl.float64)
         bad = bad | (s != s)
-        if STEPS_PER_ROW:
-            t = tl.load(steps_ptr + rows.to(tl.int64) * steps_stride, mask=row_ok, other=1)
-        else:
-            t = tl.full((BLOCK_B,), steps_value, tl.int64)
-        log1m_eps = tl.cast(log1m_eps_hi, tl.float64) + tl.cast(log1m_eps_lo, tl.float64)
-        if HEAD == 1:
-            a = tl.where(t >= 1, _log_sigmoid(-s) + t.to(tl.float64) * log1m_eps, 0.0)
-        else:
-            if HAS_STATE:
-                prev = tl.load(state_ptr + rows.to(tl.int64) * state_stride, mask=row_ok, other=0.0).to(tl.float64)
-            else:
-                prev = tl.zeros((BLOCK_B,), tl.float64)
-            a = tl.where(t >= 1, prev + _log_sigmoid(s) + log1m_eps, prev)
-            tl.store(new_state_ptr + rows, a, mask=row_ok)
-        log_norm = lse64 - a
-        eos_zeta = lse64 + _log1mexp(a) - a
+        a = _log_survival(s, rows, row_ok, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value,
+                          state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
+        log_norm = lse - a
+        eos_zeta = lse + _log1mexp(a) - a
         best = pick.to(tl.float64)
         if GREEDY:
             eos_wins = (eos_zeta > best) | ((eos_zeta == best) & (eos_index < idx))
         else:
-            # eos's own Gumbel draw, from the scan's Philox stream at the eos column, which the
-            # scan generated but never used (eos is left out of its race).
-            u = _uniform_f64(tl.load(seed_ptr), rows * V + eos_index)
+            # eos's own Gumbel draw (eos is left out of the scan's race).
+            u = _uniform_f64(tl.load(seed_ptr), rows)
             eos_wins = eos_zeta - tl.log(-tl.log(u)) > best
         token = tl.where(eos_wins, eos_index, idx).to(tl.int64)
         log_prob = tl.where(eos_wins, eos_zeta, chosen) - log_norm
     tl.store(token_ptr + rows, token, mask=row_ok)
     tl.store(log_prob_ptr + rows, log_prob, mask=row_ok)
-    tl.atomic_min(first_bad_ptr, tl.min(tl.where(bad & row_ok, rows, n_rows), axis=0))
+    tl.atomic_min(flags_ptr, tl.min(tl.where(bad & row_ok, rows, n_rows), axis=0))
+
+
+@triton.jit
+def _select_candidates_kernel(
+    z_ptr,
+    z_row_stride,
+    n_rows,
+    n_splits,
+    part_row_stride,
+    max_ptr,
+    sum_ptr,
+    key_ptr,
+    eos_index,
+    log1m_eps_hi,
+    log1m_eps_lo,
+    steps_ptr,
+    steps_stride,
+    steps_value,
+    state_ptr,
+    state_stride,
+    top_k,
+    top_p_hi,
+    top_p_lo,
+    seed_ptr,
+    token_ptr,
+    log_prob_ptr,
+    new_state_ptr,
+    flags_ptr,
+    HEAD: tl.constexpr,
+    STEPS_PER_ROW: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    HAS_TOP_K: tl.constexpr,
+    HAS_TOP_P: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Top-k then top-p on the K best non-eos candidates plus eos, and one draw per row."""
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    row_ok = rows < n_rows
+    split = tl.arange(0, BLOCK_S)
+    part = rows.to(tl.int64)[:, None] * part_row_stride + split[None, :]
+    part_ok = row_ok[:, None] & (split[None, :] < n_splits)
+    lse = _merged_lse(max_ptr, sum_ptr, part, part_ok, row_ok)
+
+    # The K best keys over all splits, in rank order (keys sort as (value desc, column asc)).
+    rank = tl.arange(0, K)
+    key_row = key_ptr + rows.to(tl.int64)[:, None] * (part_row_stride * K)
+    if BLOCK_S > 1:
+        slot = tl.arange(0, BLOCK_S * K)
+        keys = tl.load(key_row + slot[None, :], mask=row_ok[:, None] & (slot[None, :] < n_splits * K),
+                       other=-9223372036854775808)
+        keys = tl.topk(keys, K, dim=1)
+    else:
+        keys = tl.load(key_row + rank[None, :], mask=row_ok[:, None], other=-9223372036854775808)
+    padding = keys == -9223372036854775808
+    ordered = (keys >> 32).to(tl.int32)
+    value_bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
+    zeta = tl.where(padding, float("-inf"), value_bits.to(tl.float32, bitcast=True).to(tl.float64))
+    cols = tl.where(padding, -1, 0x7FFFFFFF - (keys & 0xFFFFFFFF))
+
+    bad = ~(tl.abs(lse) < float("inf"))
+    z_row = z_ptr + rows.to(tl.int64) * z_row_stride
+    if HEAD == 0:
+        log_norm = lse
+        eos_zeta = tl.full((BLOCK_B,), float("-inf"), tl.float64)
+        eos_pos = tl.full((BLOCK_B,), K, tl.int32)  # VA's eos is an ordinary candidate
+    else:
+        s = tl.load(z_row + eos_index, mask=row_ok, other=0.0).to(tl.float64)
+        bad = bad | (s != s)
+        a = _log_survival(s, rows, row_ok, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value,
+                          state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
+        log_norm = lse - a
+        eos_zeta = lse + _log1mexp(a) - a
+        # eos follows every candidate with a higher ζ, or an equal ζ and a lower column.
+        outranks_eos = (zeta > eos_zeta[:, None]) | ((zeta == eos_zeta[:, None]) & (cols < eos_index))
+        eos_pos = tl.sum(outranks_eos.to(tl.int32), axis=1)
+    # Rank of each candidate once eos is merged in (eos sits at eos_pos).
+    merged_rank = rank[None, :] + (rank[None, :] >= eos_pos[:, None]).to(tl.int32)
+    prob = tl.exp(zeta - log_norm[:, None])
+    if HEAD == 0:
+        prob_eos = tl.zeros((BLOCK_B,), tl.float64)
+    else:
+        prob_eos = tl.exp(eos_zeta - log_norm)
+    if HAS_TOP_K:
+        prob = tl.where(merged_rank < top_k, prob, 0.0)
+        prob_eos = tl.where(eos_pos < top_k, prob_eos, 0.0)
+        mass = tl.sum(prob, axis=1) + prob_eos
+        mass = tl.where(mass > 0.0, mass, 1.0)  # padding rows of the block
+        prob = prob / mass[:, None]
+        prob_eos = prob_eos / mass
+    uncovered = tl.zeros((BLOCK_B,), tl.int1)
+    if HAS_TOP_P:
+        threshold = tl.cast(top_p_hi, tl.float64) + tl.cast(top_p_lo, tl.float64)
+        # Keep a rank while the mass strictly before it (in merged order) is short of p;
+        # rank 0 always stays.
+        before = tl.cumsum(prob, axis=1) - prob + tl.where(rank[None, :] >= eos_pos[:, None], prob_eos[:, None], 0.0)
+        before_eos = tl.sum(tl.where(rank[None, :] < eos_pos[:, None], prob, 0.0), axis=1)
+        if not HAS_TOP_K:  # the list must reach p, or the nucleus may go on past the candidates
+            uncovered = row_ok & ~bad & (tl.sum(prob, axis=1) + prob_eos < threshold)
+        prob = tl.where((before < threshold) | (merged_rank == 0), prob, 0.0)
+        prob_eos = tl.where((before_eos < threshold) | (eos_pos == 0), prob_eos, 0.0)
+
+    # Inverse-CDF draw over the kept mass: eos first, then the candidates in rank order.
+    u = _uniform_f64(tl.load(seed_ptr), rows) * (tl.sum(prob, axis=1) + prob_eos)
+    last_kept = tl.max(tl.where(prob > 0.0, rank[None, :], -1), axis=1)
+    eos_drawn = (u < prob_eos) | (last_kept < 0)
+    crossed = tl.cumsum(prob, axis=1) > (u - prob_eos)[:, None]
+    pick = tl.min(tl.where(crossed, rank[None, :], K), axis=1)
+    pick = tl.where(pick < K, pick, last_kept)  # rounding at the top of the CDF
+    at_pick = rank[None, :] == pick[:, None]
+    pick_col = tl.sum(tl.where(at_pick, cols, 0), axis=1)
+    pick_zeta = tl.sum(tl.where(at_pick, zeta, 0.0), axis=1)
+    token = tl.where(eos_drawn, eos_index, pick_col)
+    log_prob = tl.where(eos_drawn, eos_zeta, pick_zeta) - log_norm
+    tl.store(token_ptr + rows, token, mask=row_ok)
+    tl.store(log_prob_ptr + rows, log_prob, mask=row_ok)
+    tl.atomic_min(flags_ptr, tl.min(tl.where(bad & row_ok, rows, n_rows), axis=0))
+    tl.atomic_min(flags_ptr + 1, tl.min(tl.where(uncovered, rows, n_rows), axis=0))
 
 
 @dataclass
@@ -181,14 +317,48 @@ class Selection:
     """One token per row; every tensor is on the logits' device."""
 
     tokens: torch.Tensor  # (B,) int64
-    log_probs: torch.Tensor  # (B,) float64 log p of each chosen token
+    log_probs: torch.Tensor  # (B,) float64 log p of each chosen token (untruncated distribution)
     state: Optional[torch.Tensor]  # (B,) float64 ST's log(1 − α_t) after this step; None for other heads
-    first_bad: torch.Tensor  # (1,) int32: the first row without a distribution, B when none
+    # (2,) int32: [first row without a distribution, first row whose top-p nucleus may extend past
+    # the candidates (its draw is then invalid: the caller takes another path)]; B means none
+    flags: torch.Tensor
 
 
 def _split_f64(value: float) -> tuple[float, float]:
+    """(hi, lo) fp32-representable parts of a float64 (hi + lo == value to ~1e-16 relative)."""
     hi = float(np.float32(value))
     return hi, value - hi
+
+
+class _Outputs:
+    """Output buffers plus the head arguments every select kernel takes, in kernel order."""
+
+    def __init__(self, z: torch.Tensor, head: str, eps: float, steps: int | torch.Tensor,
+                 state: Optional[torch.Tensor]):
+        B, device = z.shape[0], z.device
+        self.tokens = torch.empty(B, dtype=torch.int64, device=device)
+        self.log_probs = torch.empty(B, dtype=torch.float64, device=device)
+        self.state = torch.empty(B if head == "st" else 1, dtype=torch.float64, device=device)
+        self.flags = torch.full((2,), B, dtype=torch.int32, device=device)  # a fill: no copy from the host
+        self.steps_per_row = isinstance(steps, torch.Tensor)
+        self.has_state = head == "st" and state is not None
+        steps_tensor = steps if self.steps_per_row else self.tokens  # any pointer when unused
+        state_tensor = state if self.has_state else self.log_probs
+        self.head_args = (
+            *_split_f64(math.log1p(-eps)),
+            steps_tensor, steps_tensor.stride(0) if self.steps_per_row else 0, 0 if self.steps_per_row else int(steps),
+            state_tensor, state_tensor.stride(0) if self.has_state else 0,
+        )
+
+    def selection(self, head: str) -> Selection:
+        return Selection(self.tokens, self.log_probs, self.state if head == "st" else None, self.flags)
+
+
+def _block_rows(z: torch.Tensor, per_row: int, cuda_rows: int) -> int:
+    """Rows per program (a power of two): few on a GPU (registers), many in the CPU
+    interpreter, which pays per operation rather than per element."""
+    cap = cuda_rows if z.is_cuda else max(1, (1 << 20) // per_row)
+    return min(triton.next_power_of_2(z.shape[0]), 1 << (cap.bit_length() - 1))
 
 
 def select_from_scan(
@@ -207,38 +377,77 @@ def select_from_scan(
 
     Args:
         z: (B, V) logits the scan read (any row stride, unit stride along V).
-        scan: :func:`kernels.row_scan.scan_partials` of ``z`` (or of its first row when every
-            row is the same: its partials then have one row and are shared).
+        scan: :func:`kernels.row_scan.scan_partials` of ``z`` without candidates (or of its
+            first row when every row is the same: its partials then have one row and are shared).
         head: "va" | "nmst" | "st"; eos_index, eps, temperature as in the scan.
         steps: t of this step: an int, or a (B,) int64 tensor (stride 0 allowed).
         state: "st" only: (B,) running log(1 − α) before this step (None: 0).
         seed: one-element int64 tensor the scan raced with (None for greedy).
     """
     B, V = z.shape
-    parts = scan.parts
-    n_parts, n_splits = parts["max"].shape
+    n_parts, n_splits = scan.parts["max"].shape
     greedy = seed is None
-    device = z.device
-    tokens = torch.empty(B, dtype=torch.int64, device=device)
-    log_probs = torch.empty(B, dtype=torch.float64, device=device)
-    new_state = torch.empty(B if head == "st" else 1, dtype=torch.float64, device=device)
-    first_bad = torch.full((1,), B, dtype=torch.int32, device=device)
-    steps_per_row = isinstance(steps, torch.Tensor)
-    steps_tensor = steps if steps_per_row else tokens  # any pointer when unused
-    has_state = head == "st" and state is not None
-    state_tensor = state if has_state else log_probs
+    out = _Outputs(z, head, eps, steps, state)
     if B:
-        block_b = min(triton.next_power_of_2(B), 128 if z.is_cuda else 1 << 16)
+        block_b = _block_rows(z, triton.next_power_of_2(n_splits), 128)
+        parts = scan.parts
         _select_kernel[(triton.cdiv(B, block_b),)](
             z, z.stride(0), B, V, n_splits, 0 if n_parts == 1 and B > 1 else n_splits,
             parts["max"], parts["sum"],
             parts["top_val" if greedy else "race_val"], parts["top_idx" if greedy else "race_idx"],
-            eos_index, *_split_f64(float(temperature)), *_split_f64(math.log1p(-eps)),
-            steps_tensor, steps_tensor.stride(0) if steps_per_row else 0, 0 if steps_per_row else int(steps),
-            state_tensor, state_tensor.stride(0) if has_state else 0,
-            seed if seed is not None else first_bad,
-            tokens, log_probs, new_state, first_bad,
-            HEAD=HEAD_CODES[head], GREEDY=greedy, STEPS_PER_ROW=steps_per_row, HAS_STATE=has_state,
+            eos_index, *_split_f64(float(temperature)), *out.head_args,
+            out.flags if greedy else seed,  # any pointer when greedy
+            out.tokens, out.log_probs, out.state, out.flags,
+            HEAD=HEAD_CODES[head], GREEDY=greedy, STEPS_PER_ROW=out.steps_per_row, HAS_STATE=out.has_state,
             BLOCK_B=block_b, BLOCK_S=triton.next_power_of_2(n_splits),
         )
-    return Selection(tokens, log_probs, new_state if head == "st" else None, first_bad)
+    return out.selection(head)
+
+
+def select_candidates_from_scan(
+    z: torch.Tensor,
+    scan: ScanPartials,
+    *,
+    head: str,
+    eos_index: int,
+    eps: float,
+    steps: int | torch.Tensor,
+    state: Optional[torch.Tensor],
+    top_k: Optional[int],
+    top_p_threshold: Optional[float],
+    seed: torch.Tensor,
+) -> Selection:
+    """Draw from the top-k / top-p truncation of each row's step distribution.
+
+    The scan (with ``candidates``) holds each row's K best non-eos tokens; eos joins them
+    by its exact ζ_eos, so with ``top_k`` (<= K) the kept set is exact; top-p alone needs the
+    nucleus to fit in the K + 1 tokens (``flags[1]`` says when it may not).
+
+    Args:
+        z, head, eos_index, eps, steps, state: as :func:`select_from_scan`.
+        scan: :func:`kernels.row_scan.scan_partials` of ``z`` with candidates (K >= top_k).
+        top_k: keep the k most probable tokens (None: no top-k).
+        top_p_threshold: keep ranks while the mass before them is below this (top_p minus the
+            caller's rounding slack; None: no top-p).
+        seed: one-element int64 tensor for the draw.
+    """
+    B, _ = z.shape
+    n_parts, n_splits, K = scan.parts["keys"].shape
+    if top_k is not None and (top_k < 1 or (top_k > K and K + 1 < z.shape[1])):
+        raise ValueError(f"top_k must lie in [1, K={K}] for these candidates (or cover all V), got {top_k}")
+    out = _Outputs(z, head, eps, steps, state)
+    if B:
+        block_s = triton.next_power_of_2(n_splits)
+        block_b = _block_rows(z, block_s * K, max(1, 2048 // (block_s * K)))
+        parts = scan.parts
+        _select_candidates_kernel[(triton.cdiv(B, block_b),)](
+            z, z.stride(0), B, n_splits, 0 if n_parts == 1 and B > 1 else n_splits,
+            parts["max"], parts["sum"], parts["keys"],
+            eos_index, *out.head_args,
+            top_k or 0, *_split_f64(top_p_threshold if top_p_threshold is not None else 1.0),
+            seed, out.tokens, out.log_probs, out.state, out.flags,
+            HEAD=HEAD_CODES[head], STEPS_PER_ROW=out.steps_per_row, HAS_STATE=out.has_state,
+            HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p_threshold is not None, K=K,
+            BLOCK_B=block_b, BLOCK_S=block_s,
+        )
+    return out.selection(head)

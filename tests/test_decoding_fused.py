@@ -112,7 +112,7 @@ def test_fused_sampling_distribution(head, t):
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
     eos, eps = 2, 0.01
-    z = _row(gen, V=16)
+    z = _row(gen, V=19)  # not a multiple of 4: rows straddle the noise's four-column Philox counters
     state = _st_state_before(z, eos, eps, t) if head == "st" else None
     reference = torch.exp(_reference_log_probs(z, head, eos, eps, t))
     tokens, _ = sample(z.to(DEVICE).unsqueeze(0).expand(DRAWS, -1), head=head, eos_index=eos, eps=eps, steps=t,
@@ -161,6 +161,18 @@ def test_candidates_are_the_exact_top_k(V, K, eos, launch, temperature):
     assert torch.equal(scan["top_idx"], order[:, 0])
 
 
+def test_race_noise_does_not_depend_on_the_launch():
+    """The Gumbel noise of (seed, row, column) is the same whatever the tiles and splits."""
+    from kernels.row_scan import row_scan
+
+    z = torch.randn(7, 301, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    runs = [row_scan(z, eos_index=5, seed=99, launch=launch) for launch in [(16, 1), (64, 3), (128, 2), None]]
+    for other in runs[1:]:
+        assert torch.equal(other["race_idx"], runs[0]["race_idx"])
+        assert torch.equal(other["race_val"], runs[0]["race_val"])
+    assert not torch.equal(row_scan(z, eos_index=5, seed=100)["race_idx"], runs[0]["race_idx"])
+
+
 FUSED_TRUNCATIONS = [(3, None), (None, 0.6), (5, 0.7), (30, None)]
 
 
@@ -169,6 +181,24 @@ FUSED_TRUNCATIONS = [(3, None), (None, 0.6), (5, 0.7), (30, None)]
                                                 for k, p in FUSED_TRUNCATIONS])
 def test_fused_truncated_sampling_distribution(head, t, top_k, top_p):
     check_sampling_distribution(head, t, top_k, top_p, impl="triton", device=DEVICE)
+
+
+# Logits exact in fp32 whose probabilities are exact binary fractions or ties, so the cut is
+# decided by the math, not by fp32 rounding of the logits.
+@pytest.mark.parametrize("logits,top_k,top_p", [
+    ([0, 0, 0, 0], None, 0.5), ([0, 0, 0, 0], None, 0.5 + 1e-6), ([0, 0, 0, 0], None, 0.75),
+    ([0, 1, 1, 1], 2, None), ([0, 1, 1, 1], 3, 0.5), ([0, 1, 1, 1], 8, None), ([2, 0, 0, 0, 0], None, 0.9)])
+def test_fused_truncation_boundaries(logits, top_k, top_p):
+    """Mass hitting p exactly, ties at the cut (→ lower index), k >= V: the fused draw's kept set and
+    frequencies equal the float64 reference truncation."""
+    from nmst_fast.decoding.selection import truncated_candidates
+
+    z = torch.tensor([logits], dtype=torch.float64)
+    tokens, kept = truncated_candidates(effective_logits(z, head="va", eos_index=0), top_k, top_p)
+    expected = torch.zeros(len(logits), dtype=torch.float64).scatter_add(0, tokens[0], kept[0])
+    draws, _ = sample(z.float().to(DEVICE).expand(200_000, -1), head="va", eos_index=0, top_k=top_k,
+                      top_p=top_p, impl="triton", generator=torch.Generator().manual_seed(len(logits)))
+    assert _g_test(draws.cpu(), expected) > 1e-5
 
 
 def test_large_nucleus_falls_back_to_the_torch_path():
