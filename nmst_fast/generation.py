@@ -103,11 +103,11 @@ def generate(
             non-termination studies with L = 10^5).
         progress: show a progress bar over steps.
         impl: token selection backend, see :func:`nmst_fast.decoding.sample` ("auto" uses the
-            one-read Triton scan on CUDA).
+            one-read Triton scan on CUDA; beam search takes its ranked candidates).
     """
     _check(strategy, top_k, top_p, num_beams, max_length)
     if strategy == "beam":
-        return _beam_search(model, contexts, num_beams, max_length, length_penalty, keep_tokens, progress)
+        return _beam_search(model, contexts, num_beams, max_length, length_penalty, keep_tokens, progress, impl)
     head: NMSTHead = model.nmst_head
     B = contexts.shape[0]
     device = contexts.device
@@ -172,7 +172,7 @@ class _Hypothesis:
     log_prob: float
 
 
-def _beam_search(model, contexts, K, max_length, length_penalty, keep_tokens, progress) -> GenerationOutput:
+def _beam_search(model, contexts, K, max_length, length_penalty, keep_tokens, progress, impl) -> GenerationOutput:
     """Beam search: each step keeps the K best unfinished prefixes of every item; a candidate
     ending in eos that ranks among the K best becomes a finished hypothesis. An item is done
     once it holds K finished hypotheses (or at ``max_length``, where its live beams compete
@@ -194,7 +194,7 @@ def _beam_search(model, contexts, K, max_length, length_penalty, keep_tokens, pr
     bar = tqdm(total=max_length, disable=not progress, desc="generate[beam]")
     for t in range(1, max_length + 1):
         cand = beam_step(head(hidden), beam_scores, num_beams=K, head=head.head, eos_index=eos, eps=head.eps,
-                         steps=t, state=state, num_candidates=2 * K)
+                         steps=t, state=state, num_candidates=2 * K, impl=impl)
         is_eos = cand.tokens == eos
         to_finish = is_eos & (rank < K) & torch.isfinite(cand.scores)
         for i, j in to_finish.nonzero().tolist():

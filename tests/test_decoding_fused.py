@@ -233,3 +233,40 @@ def test_gpu_report_device_steps_run():
     logits = torch.randn(4, 300, device=DEVICE)
     for k, p in GPU_STRATEGIES.values():
         _device_step(k, p, device=DEVICE)(logits)
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_fused_beam_step_equals_torch(head):
+    """Beam candidates from the scan's ranked list (one read) == the torch path's, ties included."""
+    from nmst_fast.decoding import beam_step
+
+    gen = torch.Generator().manual_seed(12)
+    K, items, V = 3, 5, 40
+    z = torch.randn(items * K, V, generator=gen).round(decimals=1).to(DEVICE)  # ties within rows
+    scores = (-torch.rand(items * K, generator=gen, dtype=torch.float64) * 5).to(DEVICE)
+    scores[1::K] = float("-inf")  # beams that must not expand
+    steps = torch.randint(0, 40, (items * K,), generator=gen).to(DEVICE)
+    state = (-torch.rand(items * K, generator=gen, dtype=torch.float64)).to(DEVICE) if head == "st" else None
+    args = dict(num_beams=K, head=head, eos_index=6, eps=0.05, steps=steps, state=state, num_candidates=2 * K)
+    fused, reference = beam_step(z, scores, impl="triton", **args), beam_step(z, scores, impl="torch", **args)
+    assert torch.equal(fused.tokens, reference.tokens)
+    assert torch.equal(fused.beam_rows, reference.beam_rows)
+    torch.testing.assert_close(fused.scores, reference.scores, rtol=1e-6, atol=1e-6)
+    if head == "st":
+        torch.testing.assert_close(fused.state, reference.state, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_fused_beam_search_matches_reference(head):
+    from test_generation import TinyRNN, _contexts, _reference_beam
+
+    model = TinyRNN(V=11, head=head, eps=0.1, scale=2.0).double()
+    contexts = _contexts(B=3, V=11)
+    out = generate(model.to(DEVICE), contexts.to(DEVICE), strategy="beam", num_beams=3, max_length=12,
+                   impl="triton")
+    model = model.cpu()
+    for b in range(contexts.shape[0]):
+        score, seq, terminated = _reference_beam(model, contexts[b], 3, 12)
+        assert out.tokens[b, : len(seq)].tolist() == seq
+        assert int(out.lengths[b]) == len(seq) and bool(out.terminated[b]) == terminated
+        assert float(out.scores[b]) == pytest.approx(score, rel=1e-6)

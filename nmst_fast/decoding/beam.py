@@ -8,7 +8,8 @@ from typing import Optional
 import torch
 
 from .distribution import Steps, effective_logits
-from .selection import ranked_candidates
+from .fused import fused_ranked_candidates
+from .selection import ranked_candidates, use_fused
 
 
 @dataclass
@@ -41,6 +42,7 @@ def beam_step(
     state: Optional[torch.Tensor] = None,
     temperature: float = 1.0,
     num_candidates: Optional[int] = None,
+    impl: str = "auto",
 ) -> BeamCandidates:
     """The paper's beam step: each beam proposes its top tokens, the best prefixes survive.
 
@@ -53,6 +55,9 @@ def beam_step(
         num_candidates: C, how many extensions to return per item (default K: the k best
             of the k×k candidates). A generation loop that sets finished (eos) candidates
             aside asks for 2K so that K unfinished ones always remain.
+        impl: "auto" (on CUDA, the one-read Triton scan's ranked candidates when C is at
+            most ``kernels.row_scan.MAX_CANDIDATES``), "triton" or "torch"; see
+            :func:`nmst_fast.decoding.sample`.
     Returns:
         :class:`BeamCandidates`, ranked by score (ties → lower beam, then lower token rank).
     """
@@ -65,16 +70,20 @@ def beam_step(
         raise ValueError(f"beam_scores must have shape ({rows},), got {tuple(beam_scores.shape)}")
     C = num_beams if num_candidates is None else num_candidates
     B = rows // num_beams
-    dist = effective_logits(logits, head=head, eos_index=eos_index, eps=eps, steps=steps, state=state,
-                            temperature=temperature)
     # Any of an item's C best extensions is among its own beam's C best tokens: K·C candidates suffice.
     per_beam = min(C, V)
-    tokens, log_p = ranked_candidates(dist, per_beam)
+    args = dict(head=head, eos_index=eos_index, eps=eps, steps=steps, state=state, temperature=temperature)
+    if use_fused(impl, logits, per_beam, None, ranked=True):
+        tokens, log_p, new_state = fused_ranked_candidates(logits, k=per_beam, **args)
+    else:
+        dist = effective_logits(logits, **args)
+        tokens, log_p = ranked_candidates(dist, per_beam)
+        new_state = dist.state
     scores = (beam_scores.to(torch.float64).unsqueeze(1) + log_p).reshape(B, num_beams * per_beam)
     # Stable sort on the small candidate set: ties go to the lower beam, then the better-ranked token.
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :C]
     beam_in_item = torch.div(order, per_beam, rounding_mode="floor")
     beam_rows = beam_in_item + (torch.arange(B, device=logits.device) * num_beams).unsqueeze(1)
     cand_tokens = tokens.reshape(B, -1).gather(1, order)
-    cand_state = None if dist.state is None else dist.state[beam_rows]
+    cand_state = None if new_state is None else new_state[beam_rows]
     return BeamCandidates(cand_tokens, scores.gather(1, order), beam_rows, cand_state)

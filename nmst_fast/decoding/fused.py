@@ -28,8 +28,8 @@ from typing import Optional, Union
 import torch
 
 from ..backends import triton_available
-from .distribution import Steps, check_step_args, steps_tensor
-from .truncation import TOP_P_SLACK, untruncated
+from .distribution import Steps, check_rows, check_step_args, eos_terms, steps_tensor
+from .truncation import TOP_P_SLACK, insert_eos, untruncated
 
 
 @dataclass
@@ -165,6 +165,46 @@ def fused_truncated(
     if not _check_flags(picked.flags, B):
         return None
     return FusedSelection(picked.tokens, picked.log_probs, picked.state)
+
+
+def fused_ranked_candidates(
+    logits: torch.Tensor,
+    *,
+    head: str,
+    eos_index: int,
+    eps: float = 1e-5,
+    steps: Steps = 1,
+    state: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The k most probable tokens per row in rank order (ties → lower index), from one read.
+
+    What beam search needs: the scan's ranked non-eos candidates, eos merged in by its exact
+    ζ_eos, then O(B·k) float64 torch math — no (B, V) tensor.
+
+    Args:
+        logits: (B, V); head, eos_index, eps, steps, state, temperature: as :func:`fused_select`.
+        k: 1 <= k <= MAX_CANDIDATES.
+    Returns:
+        (tokens (B, k) int64, log_probs (B, k) float64, ST's new state (B,) or None); rows with
+        fewer than k tokens are padded with token -1 and log-prob -inf.
+    """
+    from kernels.row_scan import MAX_CANDIDATES, row_scan
+
+    if not 1 <= k <= MAX_CANDIDATES:
+        raise ValueError(f"k must lie in [1, {MAX_CANDIDATES}], got {k}")
+    logits, kernel_steps, kernel_state = _prepare(logits, head, eos_index, eps, steps, state, temperature)
+    scan = row_scan(logits, eos_index=None if head == "va" else eos_index, temperature=temperature,
+                    candidates=k)
+    lse, tokens, zeta = scan["lse"].to(torch.float64), scan["cand_idx"], scan["cand_val"].to(torch.float64)
+    if head == "va":
+        check_rows(lse)
+        return tokens[:, :k], zeta[:, :k] - lse.unsqueeze(1), None
+    log_norm, eos_zeta, log_surv = eos_terms(lse, logits[:, eos_index].to(torch.float64), head=head, eps=eps,
+                                             steps=kernel_steps, state=kernel_state)
+    tokens, zeta = insert_eos(tokens, zeta, eos_index, eos_zeta)
+    return tokens[:, :k], zeta[:, :k] - log_norm.unsqueeze(1), log_surv if head == "st" else None
 
 
 def fused_sample(

@@ -147,18 +147,20 @@ def select(
     return tokens.gather(1, draw(probs, generator)).squeeze(1)
 
 
-def use_fused(impl: str, logits: torch.Tensor, top_k: Optional[int], top_p: Optional[float]) -> bool:
+def use_fused(impl: str, logits: torch.Tensor, top_k: Optional[int], top_p: Optional[float], *,
+              ranked: bool = False) -> bool:
     """Whether the one-read Triton scan serves this call.
 
     It serves greedy, untruncated sampling and top-k / top-p with k up to
     ``kernels.row_scan.MAX_CANDIDATES`` (top-p alone keeps that many candidates, and a step
-    whose nucleus is larger falls back to the torch path).
+    whose nucleus is larger falls back to the torch path). ``ranked``: the caller wants the
+    ``top_k`` best tokens in rank order (beam search), which always takes the candidate list.
     """
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
     if impl == "torch" or (impl == "auto" and not logits.is_cuda):
         return False
-    servable = untruncated(top_k, top_p) or fused_truncation_available(top_k)
+    servable = (not ranked and untruncated(top_k, top_p)) or fused_truncation_available(top_k)
     if impl == "triton":
         if not servable:
             raise ValueError("impl='triton' serves top_k up to kernels.row_scan.MAX_CANDIDATES (and needs tl.topk "
