@@ -21,10 +21,38 @@ def make_logits(B: int, V: int, device: str = "cpu", seed: int = 0) -> torch.Ten
     return torch.randn(B, V, generator=gen, device=device) * 3  # a realistically peaked softmax
 
 
-def fast(top_k: Optional[int], top_p: Optional[float]) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
+def fast(top_k: Optional[int], top_p: Optional[float],
+         head: str = "nmst") -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
     def step(logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-        return sample(logits, head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, steps=100,
+        return sample(logits, head=head, eos_index=logits.shape[1] - 1, eps=1e-5, steps=100,
                       top_k=top_k, top_p=top_p, generator=gen)[0]
+
+    return step
+
+
+def flashinfer_sampler(top_k: Optional[int],
+                       top_p: Optional[float]) -> Optional[Callable[[torch.Tensor, torch.Generator], torch.Tensor]]:
+    """FlashInfer's sampler for the VA case (a plain softmax), or None without flashinfer.
+
+    Its top-k / top-p kernels take probabilities, so the softmax is part of the step, as it
+    would be for a user starting from logits.
+    """
+    try:
+        from flashinfer import sampling as fi
+    except ImportError:
+        return None
+
+    def step(logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        if top_k is None and top_p is None:
+            if hasattr(fi, "sampling_from_logits"):
+                return fi.sampling_from_logits(logits, generator=gen)
+            return fi.sampling_from_probs(torch.softmax(logits, dim=-1), generator=gen)
+        probs = torch.softmax(logits, dim=-1)
+        if top_p is None:
+            return fi.top_k_sampling_from_probs(probs, top_k, generator=gen)
+        if top_k is None:
+            return fi.top_p_sampling_from_probs(probs, top_p, generator=gen)
+        return fi.top_k_top_p_sampling_from_probs(probs, top_k, top_p, generator=gen)
 
     return step
 

@@ -8,7 +8,8 @@ Both paths are timed alternately in one process (median of ``--repeats``), and t
 table gives their ratio: ratios, not absolute CPU times, are the claim. On a GPU
 each path is timed by ``triton.testing.do_bench`` (median, L2 flushed between runs)
 and also compared with the floor: one read of the B×V fp32 logits at the copy
-bandwidth measured in the same run.
+bandwidth measured in the same run; with flashinfer installed, a second table compares
+the VA head with FlashInfer's samplers.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 
 from nmst_fast.decoding.truncation import untruncated
 
-from .decoding_cases import BATCHES, GPU_STRATEGIES, STRATEGIES, VOCABS, fast, make_logits, sort_based
+from .decoding_cases import (BATCHES, GPU_STRATEGIES, STRATEGIES, VOCABS, fast, flashinfer_sampler, make_logits,
+                             sort_based)
 
 
 def _time(fn, logits, gen) -> float:
@@ -89,6 +91,29 @@ def gpu_main() -> None:
                 mscan = triton.testing.do_bench_cudagraph(lambda: device_step(logits), return_mode="median")
                 print(f"| {B} | {V} | {name} | {mf:.4f} | {ms:.4f} | {ms / mf:.2f}x | {mscan:.4f} | {floor_ms:.4f} | "
                       f"{mscan / floor_ms:.2f} |", flush=True)
+    flashinfer_table(gen)
+
+
+def flashinfer_table(gen: torch.Generator) -> None:
+    """The VA head (plain softmax) against FlashInfer's samplers, when flashinfer is installed."""
+    import triton.testing
+
+    if flashinfer_sampler(None, None) is None:
+        print("\n(flashinfer is not installed: no VA comparison)")
+        return
+    print("\nVA head (plain softmax) vs FlashInfer, do_bench medians")
+    print("| B | V | strategy | fast VA (ms) | FlashInfer (ms) | FlashInfer / fast |")
+    print("|---:|---:|---|---:|---:|---:|")
+    for V in VOCABS:
+        for B in BATCHES:
+            logits = make_logits(B, V, device="cuda")
+            for name, (k, p) in GPU_STRATEGIES.items():
+                if k == 1:
+                    continue  # greedy is an argmax: nothing to compare
+                ours, theirs = fast(k, p, head="va"), flashinfer_sampler(k, p)
+                mo = triton.testing.do_bench(lambda: ours(logits, gen), return_mode="median")
+                mt = triton.testing.do_bench(lambda: theirs(logits, gen), return_mode="median")
+                print(f"| {B} | {V} | {name} | {mo:.4f} | {mt:.4f} | {mt / mo:.2f} |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

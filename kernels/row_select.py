@@ -1,26 +1,31 @@
-"""Greedy / sampled token per row from the row scan's partials, with the head math in-kernel.
+"""One token per row from the row scan's partials, with the head math in-kernel.
 
 ``kernels/row_scan.py`` leaves, per row and V-split, the running max/sum of the
-non-eos logits, the first argmax and (sampling) the Gumbel-race winner. One
-small program per block of rows then does everything that is O(1) per row:
+non-eos logits and either the first argmax, the Gumbel-race winner, or the K best
+non-eos candidates. One small program per block of rows then does everything that
+is O(1) (or O(K)) per row:
 
   * merge the splits: L = logsumexp over non-eos (fp64 from the fp32 partials), the
-    best non-eos value/index;
+    best non-eos value/index or the K best candidate keys;
   * the head's float64 scalars: a = log(1 − α_t) (NMST: logσ(−s) + t·log1p(−ε);
     ST: state + logσ(s) + log1p(−ε); context rows t <= 0: p(eos) = 0), then
     eos's effective logit ζ_eos = L + log(1 − e^a) − a and log_norm = L − a;
-  * eos against the non-eos winner: by value (greedy, ties → lower index) or with
-    its own Gumbel draw (sampling: the race then covers all V tokens exactly);
-  * the chosen token, its log-probability, ST's new state, and the first row whose
-    distribution is undefined (NaN/+inf logits, or no finite non-eos logit).
+  * ``_select_kernel``: eos against the non-eos winner, by value (greedy, ties →
+    lower index) or with its own Gumbel draw (sampling: the race then covers all V
+    tokens exactly);
+  * ``_select_candidates_kernel``: eos merged into the ranked candidates, top-k then
+    top-p, and an inverse-CDF draw;
+  * the chosen token, its log-probability, ST's new state, and flags: the first row
+    whose distribution is undefined (NaN/+inf logits, or no finite non-eos logit) and
+    the first row whose top-p nucleus may extend past the candidates.
 
-So a decoding step is two launches with no host sync in between; the caller
-checks the bad-row flag once at the end. The math matches
-``nmst_fast.decoding.distribution`` (the torch path) to float64 rounding.
+So a decoding step is two launches with no host sync in between; the caller reads
+the flags once at the end. The math is ``nmst_fast.decoding.distribution``'s (the
+torch path), to float64 rounding.
 
-Only exp and log are used in float64 (``expm1``/``log1p`` by Kahan's
-formulas): Triton lowers those for fp64 on GPUs, and its CPU interpreter has
-them too, so CI tests exactly what the GPU runs.
+Float64 math uses only exp and log (``expm1``/``log1p`` by Kahan's formulas): Triton
+maps fp64 exp/log to libdevice on NVIDIA GPUs, and its CPU interpreter — which has no
+libdevice — runs them too, so CI executes the same code a GPU compiles.
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ import triton.language as tl
 from .row_scan import ScanPartials
 
 HEAD_CODES = {"va": 0, "nmst": 1, "st": 2}
-_LN2 = 0.6931471805599453
 
 
 @triton.jit
@@ -92,6 +96,31 @@ def _merged_lse(max_ptr, sum_ptr, part, part_ok, row_ok):
     shift = tl.where(row_max == float("-inf"), 0.0, row_max)
     row_sum = tl.sum(total * tl.exp((m - shift[:, None]).to(tl.float64)), axis=1)
     return row_max.to(tl.float64) + tl.log(tl.where(row_ok, row_sum, 1.0))
+
+
+@triton.jit
+def _row_block(n_rows, n_splits, part_row_stride, max_ptr, sum_ptr, BLOCK_B: tl.constexpr,
+               BLOCK_S: tl.constexpr):
+    """This program's rows, their (row, split) partial offsets, and L per row."""
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    row_ok = rows < n_rows
+    split = tl.arange(0, BLOCK_S)
+    part = rows.to(tl.int64)[:, None] * part_row_stride + split[None, :]
+    part_ok = row_ok[:, None] & (split[None, :] < n_splits)
+    return rows, row_ok, part, part_ok, _merged_lse(max_ptr, sum_ptr, part, part_ok, row_ok)
+
+
+@triton.jit
+def _eos_terms(
+    lse, z_row, rows, row_ok, eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value,
+    state_ptr, state_stride, new_state_ptr, HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr,
+    HAS_STATE: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """(log_norm = L − a, ζ_eos, rows whose eos logit is NaN) for the NMST/ST heads."""
+    s = tl.load(z_row + eos_index, mask=row_ok, other=0.0).to(tl.float64)
+    a = _log_survival(s, rows, row_ok, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value,
+                      state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
+    return lse - a, lse + _log1mexp(a) - a, s != s
 
 
 @triton.jit
@@ -153,12 +182,8 @@ def _select_kernel(
     BLOCK_B: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    row_ok = rows < n_rows
-    split = tl.arange(0, BLOCK_S)
-    part = rows.to(tl.int64)[:, None] * part_row_stride + split[None, :]
-    part_ok = row_ok[:, None] & (split[None, :] < n_splits)
-    lse = _merged_lse(max_ptr, sum_ptr, part, part_ok, row_ok)
+    rows, row_ok, part, part_ok, lse = _row_block(n_rows, n_splits, part_row_stride, max_ptr, sum_ptr, BLOCK_B,
+                                                  BLOCK_S)
     # The best non-eos value over the splits, ties → first index.
     pick_vals = tl.load(pick_val_ptr + part, mask=part_ok, other=float("-inf"))
     pick_idxs = tl.load(pick_idx_ptr + part, mask=part_ok, other=V)
@@ -173,12 +198,10 @@ def _select_kernel(
         token = idx.to(tl.int64)
         log_prob = chosen - lse
     else:
-        s = tl.load(z_row + eos_index, mask=row_ok, other=0.0).to(tl.float64)
-        bad = bad | (s != s)
-        a = _log_survival(s, rows, row_ok, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value,
-                          state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
-        log_norm = lse - a
-        eos_zeta = lse + _log1mexp(a) - a
+        log_norm, eos_zeta, eos_nan = _eos_terms(
+            lse, z_row, rows, row_ok, eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value,
+            state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
+        bad = bad | eos_nan
         best = pick.to(tl.float64)
         if GREEDY:
             eos_wins = (eos_zeta > best) | ((eos_zeta == best) & (eos_index < idx))
@@ -229,12 +252,8 @@ def _select_candidates_kernel(
     BLOCK_S: tl.constexpr,
 ):
     """Top-k then top-p on the K best non-eos candidates plus eos, and one draw per row."""
-    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    row_ok = rows < n_rows
-    split = tl.arange(0, BLOCK_S)
-    part = rows.to(tl.int64)[:, None] * part_row_stride + split[None, :]
-    part_ok = row_ok[:, None] & (split[None, :] < n_splits)
-    lse = _merged_lse(max_ptr, sum_ptr, part, part_ok, row_ok)
+    rows, row_ok, part, part_ok, lse = _row_block(n_rows, n_splits, part_row_stride, max_ptr, sum_ptr, BLOCK_B,
+                                                  BLOCK_S)
 
     # The K best keys over all splits, in rank order (keys sort as (value desc, column asc)).
     rank = tl.arange(0, K)
@@ -259,12 +278,10 @@ def _select_candidates_kernel(
         eos_zeta = tl.full((BLOCK_B,), float("-inf"), tl.float64)
         eos_pos = tl.full((BLOCK_B,), K, tl.int32)  # VA's eos is an ordinary candidate
     else:
-        s = tl.load(z_row + eos_index, mask=row_ok, other=0.0).to(tl.float64)
-        bad = bad | (s != s)
-        a = _log_survival(s, rows, row_ok, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value,
-                          state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
-        log_norm = lse - a
-        eos_zeta = lse + _log1mexp(a) - a
+        log_norm, eos_zeta, eos_nan = _eos_terms(
+            lse, z_row, rows, row_ok, eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value,
+            state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
+        bad = bad | eos_nan
         # eos follows every candidate with a higher ζ, or an equal ζ and a lower column.
         outranks_eos = (zeta > eos_zeta[:, None]) | ((zeta == eos_zeta[:, None]) & (cols < eos_index))
         eos_pos = tl.sum(outranks_eos.to(tl.int32), axis=1)

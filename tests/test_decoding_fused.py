@@ -270,3 +270,34 @@ def test_fused_beam_search_matches_reference(head):
         assert out.tokens[b, : len(seq)].tolist() == seq
         assert int(out.lengths[b]) == len(seq) and bool(out.terminated[b]) == terminated
         assert float(out.scores[b]) == pytest.approx(score, rel=1e-6)
+
+
+def test_flashinfer_benchmark_wiring(monkeypatch):
+    """The decoding report's FlashInfer cases call the sampler each strategy needs (a stand-in
+    module records the calls; flashinfer itself needs a GPU)."""
+    import sys
+    import types
+
+    from benchmarks.decoding_cases import flashinfer_sampler
+
+    calls = []
+
+    def record(name):
+        def sampler(probs_or_logits, *args, generator=None):
+            calls.append((name, args))
+            return torch.zeros(probs_or_logits.shape[0], dtype=torch.int32)
+        return sampler
+
+    fake = types.ModuleType("flashinfer.sampling")
+    for name in ("sampling_from_logits", "top_k_sampling_from_probs", "top_p_sampling_from_probs",
+                 "top_k_top_p_sampling_from_probs"):
+        setattr(fake, name, record(name))
+    package = types.ModuleType("flashinfer")
+    package.sampling = fake
+    monkeypatch.setitem(sys.modules, "flashinfer", package)
+    monkeypatch.setitem(sys.modules, "flashinfer.sampling", fake)
+    logits = torch.randn(3, 10)
+    for k, p in [(None, None), (4, None), (None, 0.4), (4, 0.4)]:
+        assert flashinfer_sampler(k, p)(logits, None).shape == (3,)
+    assert calls == [("sampling_from_logits", ()), ("top_k_sampling_from_probs", (4,)),
+                     ("top_p_sampling_from_probs", (0.4,)), ("top_k_top_p_sampling_from_probs", (4, 0.4))]
