@@ -4,17 +4,20 @@
     python -m benchmarks.profile_loss --shape 1  # the second one
 
 Prints (1) the per-kernel CUDA time of one NMST training step next to the three
-GEMMs, from torch.profiler; (2) step time and peak memory for chunk sizes and for
+GEMMs, from torch.profiler; (2) the data checks' share of a step (wall time of
+back-to-back steps with and without ``validate``); (3) step time and peak memory for chunk sizes and for
 dW accumulated in fp32 vs the weight's dtype, each as a ratio to the three-GEMM
-floor timed in the same run; (3) achieved bandwidth of the two split-softmax row
-kernels over one chunk of logits for several tilings. All times are medians of
-``triton.testing.do_bench``.
+floor timed in the same run; (4) achieved bandwidth of the two split-softmax row
+kernels over one chunk of logits for several tilings. Times in (3) and (4) are
+medians of ``triton.testing.do_bench``.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import statistics
+import time
 
 import torch
 
@@ -25,10 +28,10 @@ from nmst_fast import fused as fused_driver
 from .cases import GPU_SHAPES, Inputs, make_inputs, three_gemms
 
 
-def _step(x: Inputs, chunk_size: int | None = None) -> None:
+def _step(x: Inputs, chunk_size: int | None = None, validate: bool = True) -> None:
     x.hidden.grad = x.weight.grad = None
     loss = nmst_fast.linear_nmst_loss(x.hidden, x.weight, x.targets, eos_index=x.eos_index, head="nmst",
-                                      steps=x.steps, impl="triton", chunk_size=chunk_size)
+                                      steps=x.steps, impl="auto", chunk_size=chunk_size, validate=validate)
     loss.backward()
 
 
@@ -74,6 +77,40 @@ def variants(x: Inputs) -> None:
         fused_driver.dw_accumulator_dtype = fp32_acc
 
 
+def _synchronize(x: Inputs) -> None:
+    if x.hidden.is_cuda:
+        torch.cuda.synchronize()
+
+
+def _wall_ms(x: Inputs, fn, steps: int = 5, rounds: int = 7) -> float:
+    """Median wall time per step of ``steps`` back-to-back steps (as in training and in
+    ``benchmarks.report --gpu``): unlike do_bench, host stalls between steps count."""
+    fn()
+    _synchronize(x)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        _synchronize(x)
+        times.append((time.perf_counter() - t0) / steps * 1e3)
+    return statistics.median(times)
+
+
+def validation_cost(x: Inputs, rounds: int = 7) -> dict[str, float]:
+    """What the data checks cost a training step: their reads plus the host sync, which lets
+    the GPU drain before the step's GEMMs are queued. Floor, default step, and the step with
+    ``validate=False``, timed back to back in one run."""
+    times = {"three GEMMs": _wall_ms(x, lambda: three_gemms(x), rounds=rounds),
+             "nmst, validate=True (default)": _wall_ms(x, lambda: _step(x), rounds=rounds),
+             "nmst, validate=False": _wall_ms(x, lambda: _step(x, validate=False), rounds=rounds)}
+    floor = times["three GEMMs"]
+    print("wall time per step, 5 steps back to back, median of rounds\n| case | ms | x floor |\n|---|---:|---:|")
+    for name, ms in times.items():
+        print(f"| {name} | {ms:.2f} | {ms / floor:.3f} |", flush=True)
+    return times
+
+
 def row_kernels(x: Inputs, rows: int) -> None:
     V = x.weight.shape[0]
     z = torch.randn(rows, V, device="cuda").to(x.hidden.dtype)
@@ -98,7 +135,8 @@ def row_kernels(x: Inputs, rows: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", type=int, default=0, help="index into benchmarks.cases.GPU_SHAPES")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: breakdown,variants,kernels")
+    parser.add_argument("--skip", default="",
+                        help="comma-separated parts to skip: breakdown,validation,variants,kernels")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
@@ -108,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     skip = set(args.skip.split(","))
     if "breakdown" not in skip:
         kernel_breakdown(x)
+    if "validation" not in skip:
+        validation_cost(x)
     if "variants" not in skip:
         variants(x)
     if "kernels" not in skip:

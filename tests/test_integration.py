@@ -124,3 +124,15 @@ def test_huge_finite_inputs_are_not_mistaken_for_inf():
     h, W, y = torch.randn(2, 4, 8), torch.randn(11, 8), torch.randint(0, 11, (2, 4))
     loss = nmst_fast.linear_nmst_loss(h, W, y, eos_index=10, bias=torch.full((11,), 3e38), impl="chunked")
     assert loss.shape == ()  # no ValueError (the loss itself may be inf or NaN: that is the data)
+
+
+def test_profile_validation_cost_runs():
+    """The GPU profile's validation-cost part (run on CPU here at a tiny shape, chunked backend)."""
+    import torch
+
+    from benchmarks.cases import Shape, make_inputs
+    from benchmarks.profile_loss import validation_cost
+
+    times = validation_cost(make_inputs(Shape(64, 32, 300, torch.float32, "cpu")), rounds=1)
+    assert set(times) == {"three GEMMs", "nmst, validate=True (default)", "nmst, validate=False"}
+    assert all(ms > 0 for ms in times.values())
