@@ -68,8 +68,8 @@ def _memory_in_subprocess(shape: Shape, case: str) -> float:
 
 
 def measure_times(shape: Shape, rounds: int) -> dict[str, list[float]]:
-    """Every round runs each case once (5 back-to-back steps on a GPU), in turn, in this process,
-    on the same inputs.
+    """Every round runs each case once (on a GPU: one untimed step, then 5 timed back-to-back
+    steps), in turn, in this process, on the same inputs.
 
     Cases of one round run back to back, so dividing by that round's floor cancels
     the slow drifts of a shared machine (identical GEMM runs vary by ±15% here).
@@ -85,10 +85,14 @@ def measure_times(shape: Shape, rounds: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {name: [] for name in cases}
     for r in range(rounds):
         for name, fn in cases.items():
-            if shape.device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
             try:
+                if shape.device == "cuda":
+                    # One untimed step first: the previous case (the naive ones hold 10-24 GB) leaves
+                    # the caching allocator shaped for itself; training repeats one step, so the
+                    # timed steps should find the allocator in this case's steady state.
+                    fn(x)
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
                 for _ in range(steps_per_round):
                     fn(x)
             except torch.OutOfMemoryError:  # the naive cases may not fit the card: report, go on

@@ -55,7 +55,7 @@ def _tile_uniforms(seed, rows, start, quads_per_row, BLOCK_B: tl.constexpr, BLOC
     counters = rows[:, None] * quads_per_row + quads[None, :]
     w0, w1, w2, w3 = tl.randint4x(seed, counters)
     words = tl.reshape(tl.join(tl.join(w0, w1), tl.join(w2, w3)), (BLOCK_B, BLOCK_V))
-    return tl.random.uint_to_uniform_float(words)
+    return tl.uint_to_uniform_float(words)
 
 
 @triton.jit
