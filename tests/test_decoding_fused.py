@@ -133,6 +133,29 @@ def test_fused_rejects_large_k_and_nan():
         sample(bad, head="nmst", eos_index=0, top_k=1, impl="triton")
 
 
+def test_fused_paths_reject_bad_steps_and_state():
+    z = torch.randn(4, 20, device=DEVICE)
+    for kw in (dict(top_k=1), dict(), dict(top_k=3)):
+        with pytest.raises(ValueError, match="state"):
+            sample(z, head="st", eos_index=0, state=torch.zeros(3, dtype=torch.float64, device=DEVICE),
+                   impl="triton", **kw)
+        with pytest.raises(TypeError, match="state"):
+            sample(z, head="st", eos_index=0, state=torch.zeros(4, dtype=torch.long, device=DEVICE), impl="triton",
+                   **kw)
+        with pytest.raises(ValueError, match="steps"):
+            sample(z, head="nmst", eos_index=0, steps=torch.ones(3, dtype=torch.long, device=DEVICE),
+                   impl="triton", **kw)
+        with pytest.raises(TypeError, match="steps"):
+            sample(z, head="nmst", eos_index=0, steps=torch.ones(4, device=DEVICE), impl="triton", **kw)
+    bad = z.clone()
+    bad[2, 0] = float("nan")  # the eos logit
+    with pytest.raises(ValueError, match="row 2"):
+        sample(bad, head="nmst", eos_index=0, top_k=3, impl="triton")
+    bad[2] = float("-inf")  # no finite logit at all
+    with pytest.raises(ValueError, match="row 2"):
+        sample(bad, head="va", eos_index=0, impl="triton", generator=torch.Generator().manual_seed(0))
+
+
 # (BLOCK_V, splits) launches make several splits to merge and several tiles per split (CPU
 # interpreter shapes: its tl.topk is slow, so the rows are short).
 @pytest.mark.parametrize("V,K,eos,launch,temperature", [(5, 4, 0, None, 1.0), (37, 1, 36, (16, 3), 0.6),
