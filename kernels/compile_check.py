@@ -1,0 +1,168 @@
+"""Compile every Triton kernel for an NVIDIA GPU without a GPU (Triton's wheel ships ptxas).
+
+CI machines have no GPU. The interpreter checks what the kernels compute; this checks that
+they *compile* for a real target — lowering (fp64 exp/log, tl.topk, atomics, join/reshape),
+register and shared-memory limits — for the launch variants the wrappers use on CUDA. The
+wrappers run on small CPU tensors with every kernel replaced by a recorder, so argument
+types come from the real call sites; block sizes are then set to the CUDA launch shapes
+(the wrappers pick bigger blocks for the interpreter on CPU).
+
+    python -m kernels.compile_check             # sm_90 (H100/H200); exit status 1 on failure
+    python -m kernels.compile_check --arch 80   # another compute capability
+
+Must run without TRITON_INTERPRET (the kernels have to be JIT functions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
+
+from . import row_scan, row_select, split_softmax
+
+
+@dataclass
+class Launch:
+    name: str
+    kernel: object
+    args: tuple
+    kwargs: dict
+    cuda_constexprs: dict = field(default_factory=dict)  # the CUDA launch shape's block sizes
+
+
+class _Recorder:
+    def __init__(self, sink: list):
+        self.sink = sink
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.sink.append((args, kwargs))
+
+
+@contextmanager
+def _recording(module, kernel_name: str, sink: list):
+    kernel = getattr(module, kernel_name)
+    setattr(module, kernel_name, _Recorder(sink))
+    try:
+        yield kernel
+    finally:
+        setattr(module, kernel_name, kernel)
+
+
+def _record(module, kernel_name: str, call, label: str, cuda_constexprs: dict) -> Launch:
+    sink: list = []
+    with _recording(module, kernel_name, sink) as kernel:
+        call()
+    if len(sink) != 1:
+        raise RuntimeError(f"{label}: expected one launch of {kernel_name}, saw {len(sink)}")
+    args, kwargs = sink[0]
+    return Launch(label, kernel, args, kwargs, cuda_constexprs)
+
+
+def launches() -> list[Launch]:
+    """The variants the CUDA paths launch (heads, greedy/sampling, candidates, dtypes)."""
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(4, 1000, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        for seed, K in ((None, 0), (7, 0), (None, 4), (None, 128)):
+            label = f"row_scan {str(dtype)[6:]} {'race' if seed else 'no race'} K={K}"
+            out.append(_record(row_scan, "_row_scan_kernel",
+                               lambda: row_scan.scan_partials(z.to(dtype), eos_index=5, seed=seed, candidates=K),
+                               label, dict(BLOCK_B=1, BLOCK_V=2048 if K else 4096)))
+    scan = _fake_scan(z, 0)
+    steps = torch.arange(4)
+    state = torch.zeros(4, dtype=torch.float64)
+    seed = torch.tensor([3])
+    variants = [(head, greedy, per_row, torch.float32) for head in ("va", "nmst", "st") for greedy in (True, False)
+                for per_row in (False, True)] + [("nmst", False, False, torch.bfloat16)]
+    for head, greedy, per_row, dtype in variants:
+        label = (f"select {head} {'greedy' if greedy else 'sampling'} steps {'tensor' if per_row else 'int'} "
+                 f"{str(dtype)[6:]}")
+        out.append(_record(row_select, "_select_kernel", lambda: row_select.select_from_scan(
+            z.to(dtype), scan, head=head, eos_index=5, eps=1e-5, temperature=0.7, steps=steps if per_row else 3,
+            state=state if head == "st" else None, seed=None if greedy else seed),
+            label, dict(BLOCK_B=128, BLOCK_S=4)))
+    # Every head x truncation at a small K; the large-K shapes (the most registers, the widest
+    # tl.topk: 64 splits x 128 candidates for one long row) once per head or once.
+    candidate_variants = (
+        [(4, 4, head, trunc) for head in ("va", "nmst", "st") for trunc in ((4, None), (None, 0.9), (3, 0.5))]
+        + [(128, 4, head, (3, 0.5)) for head in ("va", "nmst", "st")] + [(128, 64, "st", (None, 0.9))])
+    for K, block_s, head, (top_k, top_p) in candidate_variants:
+        cand_scan = _fake_scan(z, K)
+        label = f"select candidates {head} K={K} splits<={block_s} top_k={top_k} top_p={top_p}"
+        out.append(_record(row_select, "_select_candidates_kernel", lambda: row_select.select_candidates_from_scan(
+            z, cand_scan, head=head, eos_index=5, eps=1e-5, steps=3, state=state if head == "st" else None,
+            top_k=top_k, top_p_threshold=top_p, seed=seed),
+            label, dict(BLOCK_S=block_s, BLOCK_B=max(1, 2048 // (block_s * K)))))
+    zb = z.to(torch.bfloat16)
+    targets = torch.zeros(4, dtype=torch.long)
+    out.append(_record(split_softmax, "_split_lse_kernel", lambda: split_softmax.split_lse(zb, targets, 5),
+                       "split_lse bf16", {}))
+    stats = [torch.zeros(4) for _ in range(3)]
+    out.append(_record(split_softmax, "_split_softmax_grad_kernel",
+                       lambda: split_softmax.split_softmax_grad_(zb, targets, torch.zeros(4), *stats, 5),
+                       "split_softmax_grad bf16", {}))
+    return out
+
+
+def _fake_scan(z: torch.Tensor, K: int) -> row_scan.ScanPartials:
+    """Partials of a scan's shapes and dtypes (K candidates; 0: none), without running it."""
+    B = z.shape[0]
+    f32, i32 = dict(dtype=torch.float32), dict(dtype=torch.int32)
+    parts = {"max": torch.zeros(B, 2, **f32), "sum": torch.ones(B, 2, **f32), "top_val": torch.zeros(B, 2, **f32),
+             "top_idx": torch.zeros(B, 2, **i32), "race_val": torch.zeros(B, 2, **f32),
+             "race_idx": torch.zeros(B, 2, **i32), "keys": torch.zeros(B, 2, max(K, 1), dtype=torch.int64)}
+    return row_scan.ScanPartials(parts, z.shape[1], K, False)
+
+
+def compile_launch(launch: Launch, arch: int) -> float:
+    """Compile one launch for ``sm_<arch>``; returns seconds taken."""
+    kernel = launch.kernel
+    kwargs = dict(launch.kwargs)
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+    values = dict(zip(kernel.arg_names, launch.args)) | kwargs | launch.cuda_constexprs
+    signature, constexprs = {}, {}
+    for index, param in enumerate(kernel.params):
+        value = values[param.name]
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[(index,)] = value
+        else:
+            signature[param.name] = mangle_type(value)
+    t0 = time.perf_counter()
+    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                   target=GPUTarget("cuda", arch, 32), options=options)
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("unset TRITON_INTERPRET: compiling needs JIT kernels, not interpreted ones")
+    failures = 0
+    for launch in launches():
+        try:
+            seconds = compile_launch(launch, args.arch)
+            print(f"ok   {launch.name} ({seconds:.1f} s)", flush=True)
+        except Exception as err:  # report every failing variant, not only the first
+            failures += 1
+            print(f"FAIL {launch.name}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+                  flush=True)
+    print(f"{failures} of the variants failed to compile for sm_{args.arch}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
