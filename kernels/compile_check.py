@@ -9,6 +9,7 @@ types come from the real call sites; block sizes are then set to the CUDA launch
 
     python -m kernels.compile_check             # sm_90 (H100/H200); exit status 1 on failure
     python -m kernels.compile_check --arch 80   # another compute capability
+    python -m kernels.compile_check --resources # plus registers / spills per variant (ptxas -v)
 
 Must run without TRITON_INTERPRET (the kernels have to be JIT functions).
 """
@@ -17,10 +18,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import triton
@@ -38,6 +43,7 @@ class Launch:
     args: tuple
     kwargs: dict
     cuda_constexprs: dict = field(default_factory=dict)  # the CUDA launch shape's block sizes
+    cuda_options: dict = field(default_factory=dict)  # and its num_warps, where it depends on them
 
 
 class _Recorder:
@@ -58,14 +64,15 @@ def _recording(module, kernel_name: str, sink: list):
         setattr(module, kernel_name, kernel)
 
 
-def _record(module, kernel_name: str, call, label: str, cuda_constexprs: dict) -> Launch:
+def _record(module, kernel_name: str, call, label: str, cuda_constexprs: dict,
+            cuda_options: dict | None = None) -> Launch:
     sink: list = []
     with _recording(module, kernel_name, sink) as kernel:
         call()
     if len(sink) != 1:
         raise RuntimeError(f"{label}: expected one launch of {kernel_name}, saw {len(sink)}")
     args, kwargs = sink[0]
-    return Launch(label, kernel, args, kwargs, cuda_constexprs)
+    return Launch(label, kernel, args, kwargs, cuda_constexprs, cuda_options or {})
 
 
 def launches() -> list[Launch]:
@@ -91,7 +98,7 @@ def launches() -> list[Launch]:
         out.append(_record(row_select, "_select_kernel", lambda: row_select.select_from_scan(
             z.to(dtype), scan, head=head, eos_index=5, eps=1e-5, temperature=0.7, steps=steps if per_row else 3,
             state=state if head == "st" else None, seed=None if greedy else seed),
-            label, dict(BLOCK_B=128, BLOCK_S=4)))
+            label, dict(BLOCK_B=row_select.cuda_block_rows(4, select_candidates=False), BLOCK_S=4)))
     # Every head x truncation at a small K; the large-K shapes (the most registers, the widest
     # tl.topk: 64 splits x 128 candidates for one long row) once per head or once.
     candidate_variants = (
@@ -100,10 +107,12 @@ def launches() -> list[Launch]:
     for K, block_s, head, (top_k, top_p) in candidate_variants:
         cand_scan = _fake_scan(z, K)
         label = f"select candidates {head} K={K} splits<={block_s} top_k={top_k} top_p={top_p}"
+        block_b = row_select.cuda_block_rows(block_s * K, select_candidates=True)
         out.append(_record(row_select, "_select_candidates_kernel", lambda: row_select.select_candidates_from_scan(
             z, cand_scan, head=head, eos_index=5, eps=1e-5, steps=3, state=state if head == "st" else None,
             top_k=top_k, top_p_threshold=top_p, seed=seed),
-            label, dict(BLOCK_S=block_s, BLOCK_B=max(1, 2048 // (block_s * K)))))
+            label, dict(BLOCK_S=block_s, BLOCK_B=block_b),
+            dict(num_warps=row_select.candidate_num_warps(block_b, block_s, K))))
     zb = z.to(torch.bfloat16)
     targets = torch.zeros(4, dtype=torch.long)
     out.append(_record(split_softmax, "_split_lse_kernel", lambda: split_softmax.split_lse(zb, targets, 5),
@@ -125,11 +134,11 @@ def _fake_scan(z: torch.Tensor, K: int) -> row_scan.ScanPartials:
     return row_scan.ScanPartials(parts, z.shape[1], K, False)
 
 
-def compile_launch(launch: Launch, arch: int) -> float:
-    """Compile one launch for ``sm_<arch>``; returns seconds taken."""
+def compile_launch(launch: Launch, arch: int):
+    """Compile one launch for ``sm_<arch>``; returns (the compiled kernel, seconds taken)."""
     kernel = launch.kernel
     kwargs = dict(launch.kwargs)
-    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs} | launch.cuda_options
     values = dict(zip(kernel.arg_names, launch.args)) | kwargs | launch.cuda_constexprs
     signature, constexprs = {}, {}
     for index, param in enumerate(kernel.params):
@@ -140,22 +149,48 @@ def compile_launch(launch: Launch, arch: int) -> float:
         else:
             signature[param.name] = mangle_type(value)
     t0 = time.perf_counter()
-    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                   target=GPUTarget("cuda", arch, 32), options=options)
-    return time.perf_counter() - t0
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", arch, 32), options=options)
+    return compiled, time.perf_counter() - t0
+
+
+def resources(compiled, arch: int) -> str:
+    """Registers, spills and the register-limited resident warps per SM, from ``ptxas -v``.
+
+    A static signal, not a timing: it shows which kernels can keep enough warps in flight.
+    """
+    from triton.backends.nvidia.compiler import get_ptxas  # Triton's choice of its bundled ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        suffix = "a" if arch >= 90 else ""
+        report = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}{suffix}", str(ptx),
+                                 "-o", str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    if regs is None:
+        return f"ptxas said: {report.strip()[:200]}"
+    warps = compiled.metadata.num_warps
+    per_program = int(regs.group(1)) * 32 * warps
+    resident = min(65536 // per_program, 2048 // (32 * warps)) * warps if per_program else 0
+    return (f"{warps} warps, {regs.group(1)} registers, {spills.group(1) if spills else '?'} B spilled, "
+            f"{resident} warps/SM by registers")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
+    parser.add_argument("--resources", action="store_true", help="also print registers / spills (ptxas -v)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: compiling needs JIT kernels, not interpreted ones")
     failures = 0
     for launch in launches():
         try:
-            seconds = compile_launch(launch, args.arch)
-            print(f"ok   {launch.name} ({seconds:.1f} s)", flush=True)
+            compiled, seconds = compile_launch(launch, args.arch)
+            extra = f"; {resources(compiled, args.arch)}" if args.resources else ""
+            print(f"ok   {launch.name} ({seconds:.1f} s{extra})", flush=True)
         except Exception as err:  # report every failing variant, not only the first
             failures += 1
             print(f"FAIL {launch.name}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",

@@ -195,6 +195,16 @@ def _as_seed(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.tensor([seed], dtype=torch.int64, device=device)
 
 
+def _num_warps(race: bool, K: int) -> int:
+    """Warps per program. The race's Philox work needs 254 registers per thread at 4 warps
+    (ptxas -v, sm_90, 4096-wide tiles): 2 programs and 8 warps per SM. At 8 warps it needs 122,
+    which doubles the resident warps for the same tile — the noise is compute-bound, so that
+    should pay (to be confirmed by ``benchmarks.report_decoding --gpu``). The plain and candidate
+    scans keep 4 warps (the loss's LSE pass, the same streaming reduction, measured best there).
+    """
+    return 8 if race and not K else 4
+
+
 def scan_partials(
     z: torch.Tensor,
     *,
@@ -235,6 +245,7 @@ def scan_partials(
             parts["max"], parts["sum"], parts["top_val"], parts["top_idx"], parts["race_val"], parts["race_idx"],
             parts["keys"],
             HAS_EOS=eos_index is not None, RACE=seed is not None, K=K, BLOCK_B=block_b, BLOCK_V=block_v,
+            num_warps=_num_warps(seed is not None, K),
         )
     return ScanPartials(parts, V, K, seed is not None)
 

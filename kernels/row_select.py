@@ -371,10 +371,28 @@ class _Outputs:
         return Selection(self.tokens, self.log_probs, self.state if head == "st" else None, self.flags)
 
 
-def _block_rows(z: torch.Tensor, per_row: int, cuda_rows: int) -> int:
-    """Rows per program (a power of two): few on a GPU (registers), many in the CPU
-    interpreter, which pays per operation rather than per element."""
-    cap = cuda_rows if z.is_cuda else max(1, (1 << 20) // per_row)
+# Rows per program on a GPU. Greedy / sampling: one row per thread of a 4-warp program. Candidates:
+# ~512 (row, candidate) entries per program, so a step's few rows still spread over many SMs and
+# the float64 top-p math stays in registers (2048 entries needed ~250 registers, ptxas -v, sm_90).
+CUDA_SELECT_ROWS = 128
+CUDA_CANDIDATE_ENTRIES = 512
+
+
+def cuda_block_rows(per_row: int, select_candidates: bool) -> int:
+    """BLOCK_B of a select kernel on CUDA, for ``per_row`` (split, candidate) entries per row."""
+    return CUDA_SELECT_ROWS if not select_candidates else max(1, CUDA_CANDIDATE_ENTRIES // per_row)
+
+
+def candidate_num_warps(block_b: int, block_s: int, K: int) -> int:
+    """Warps of the candidate select kernel: 4, more for one long row merging many splits
+    (B = 1 at V = 128256: 64 splits x 128 keys spill at 4 warps, ptxas -v, sm_90)."""
+    return min(16, max(4, block_b * block_s * K // 512))
+
+
+def _block_rows(z: torch.Tensor, per_row: int, select_candidates: bool) -> int:
+    """Rows per program (a power of two): few on a GPU, many in the CPU interpreter, which
+    pays per operation rather than per element."""
+    cap = cuda_block_rows(per_row, select_candidates) if z.is_cuda else max(1, (1 << 20) // per_row)
     return min(triton.next_power_of_2(z.shape[0]), 1 << (cap.bit_length() - 1))
 
 
@@ -406,7 +424,7 @@ def select_from_scan(
     greedy = seed is None
     out = _Outputs(z, head, eps, steps, state)
     if B:
-        block_b = _block_rows(z, triton.next_power_of_2(n_splits), 128)
+        block_b = _block_rows(z, triton.next_power_of_2(n_splits), select_candidates=False)
         parts = scan.parts
         _select_kernel[(triton.cdiv(B, block_b),)](
             z, z.stride(0), B, V, n_splits, 0 if n_parts == 1 and B > 1 else n_splits,
@@ -455,7 +473,7 @@ def select_candidates_from_scan(
     out = _Outputs(z, head, eps, steps, state)
     if B:
         block_s = triton.next_power_of_2(n_splits)
-        block_b = _block_rows(z, block_s * K, max(1, 2048 // (block_s * K)))
+        block_b = _block_rows(z, block_s * K, select_candidates=True)
         parts = scan.parts
         _select_candidates_kernel[(triton.cdiv(B, block_b),)](
             z, z.stride(0), B, n_splits, 0 if n_parts == 1 and B > 1 else n_splits,
@@ -466,5 +484,6 @@ def select_candidates_from_scan(
             HEAD=HEAD_CODES[head], STEPS_PER_ROW=out.steps_per_row, HAS_STATE=out.has_state,
             HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p_threshold is not None, K=K,
             BLOCK_B=block_b, BLOCK_S=block_s,
+            num_warps=candidate_num_warps(block_b, block_s, K),
         )
     return out.selection(head)
