@@ -196,13 +196,14 @@ def _as_seed(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _num_warps(race: bool, K: int) -> int:
-    """Warps per program. The race's Philox work needs 254 registers per thread at 4 warps
-    (ptxas -v, sm_90, 4096-wide tiles): 2 programs and 8 warps per SM. At 8 warps it needs 122,
-    which doubles the resident warps for the same tile — the noise is compute-bound, so that
-    should pay (to be confirmed by ``benchmarks.report_decoding --gpu``). The plain and candidate
-    scans keep 4 warps (the loss's LSE pass, the same streaming reduction, measured best there).
+    """Warps per program, from ptxas register counts (sm_90, ``python -m kernels.compile_check
+    --resources``, Triton 3.6 and 3.9), not yet from timings. At 4 warps the race needs ~254
+    registers per thread (8 warps resident per SM) and candidate scans with K <= 32 need up to
+    159 (12 per SM); at 8 warps those fall to ~122 and <= 128 (16 per SM) with no spills. For
+    K >= 64 8 warps spill or lose occupancy under Triton 3.6, so they keep 4, as does the plain
+    scan (the loss's LSE pass, the same streaming reduction, measured best at 4).
     """
-    return 8 if race and not K else 4
+    return 8 if race or 0 < K <= 32 else 4
 
 
 def scan_partials(
