@@ -125,13 +125,8 @@ def launches() -> list[Launch]:
 
 
 def _fake_scan(z: torch.Tensor, K: int) -> row_scan.ScanPartials:
-    """Partials of a scan's shapes and dtypes (K candidates; 0: none), without running it."""
-    B = z.shape[0]
-    f32, i32 = dict(dtype=torch.float32), dict(dtype=torch.int32)
-    parts = {"max": torch.zeros(B, 2, **f32), "sum": torch.ones(B, 2, **f32), "top_val": torch.zeros(B, 2, **f32),
-             "top_idx": torch.zeros(B, 2, **i32), "race_val": torch.zeros(B, 2, **f32),
-             "race_idx": torch.zeros(B, 2, **i32), "keys": torch.zeros(B, 2, max(K, 1), dtype=torch.int64)}
-    return row_scan.ScanPartials(parts, z.shape[1], K, False)
+    """Partials of a scan's shapes and dtypes (two splits, K candidates; 0: none), without running it."""
+    return row_scan.ScanPartials(row_scan.empty_partials(z.shape[0], 2, K, z.device), z.shape[1], K, False)
 
 
 def compile_launch(launch: Launch, arch: int):

@@ -43,6 +43,17 @@ def _column_keys(x, cols):
 
 
 @triton.jit
+def decode_column_keys(keys):
+    """(x as float64, column) of keys made by ``_column_keys``; padding decodes to (-inf, -1).
+    The torch twin is :func:`decode_keys`."""
+    padding = keys == -9223372036854775808
+    ordered = (keys >> 32).to(tl.int32)
+    value_bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
+    values = tl.where(padding, float("-inf"), value_bits.to(tl.float32, bitcast=True).to(tl.float64))
+    return values, tl.where(padding, -1, 0x7FFFFFFF - (keys & 0xFFFFFFFF))
+
+
+@triton.jit
 def _tile_uniforms(seed, rows, start, quads_per_row, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
     """U(0, 1) noise for a (BLOCK_B, BLOCK_V) tile starting at column ``start`` (a multiple of 4).
 
@@ -186,6 +197,22 @@ class ScanPartials:
     K: int
     race: bool
 
+    def row_stride(self, batch: int) -> int:
+        """Stride between rows of the partials for a batch of ``batch`` rows: 0 when one row's
+        partials serve the whole (replicated) batch."""
+        n_parts, n_splits = self.parts["max"].shape
+        return 0 if n_parts == 1 and batch > 1 else n_splits
+
+
+def empty_partials(rows: int, splits: int, K: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Uninitialized per-split outputs of one scan: (rows, splits) each, keys (rows, splits, K)."""
+    value, index = dict(device=device, dtype=torch.float32), dict(device=device, dtype=torch.int32)
+    shape = (rows, splits)
+    return {"max": torch.empty(shape, **value), "sum": torch.empty(shape, **value),
+            "top_val": torch.empty(shape, **value), "top_idx": torch.empty(shape, **index),
+            "race_val": torch.empty(shape, **value), "race_idx": torch.empty(shape, **index),
+            "keys": torch.empty((rows, splits, max(K, 1)), device=device, dtype=torch.int64)}
+
 
 def _as_seed(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(seed, torch.Tensor):
@@ -231,13 +258,7 @@ def scan_partials(
     K = min(K, block_v)  # only when V < K: a row has fewer columns than candidates asked for
     split_width = triton.cdiv(triton.cdiv(V, splits), block_v) * block_v
     splits = triton.cdiv(V, split_width)
-    part = dict(device=z.device, dtype=torch.float32)
-    index = dict(device=z.device, dtype=torch.int32)
-    shape = (B, splits)
-    parts = {"max": torch.empty(shape, **part), "sum": torch.empty(shape, **part),
-             "top_val": torch.empty(shape, **part), "top_idx": torch.empty(shape, **index),
-             "race_val": torch.empty(shape, **part), "race_idx": torch.empty(shape, **index),
-             "keys": torch.empty((B, splits, max(K, 1)), device=z.device, dtype=torch.int64)}
+    parts = empty_partials(B, splits, K, z.device)
     seed_tensor = parts["top_idx"] if seed is None else _as_seed(seed, z.device)  # any pointer when unused
     if B:
         _row_scan_kernel[(triton.cdiv(B, block_b), splits)](

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .row_scan import ScanPartials
+from .row_scan import ScanPartials, decode_column_keys
 
 HEAD_CODES = {"va": 0, "nmst": 1, "st": 2}
 
@@ -265,11 +265,7 @@ def _select_candidates_kernel(
         keys = tl.topk(keys, K, dim=1)
     else:
         keys = tl.load(key_row + rank[None, :], mask=row_ok[:, None], other=-9223372036854775808)
-    padding = keys == -9223372036854775808
-    ordered = (keys >> 32).to(tl.int32)
-    value_bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
-    zeta = tl.where(padding, float("-inf"), value_bits.to(tl.float32, bitcast=True).to(tl.float64))
-    cols = tl.where(padding, -1, 0x7FFFFFFF - (keys & 0xFFFFFFFF))
+    zeta, cols = decode_column_keys(keys)
 
     bad = ~(tl.abs(lse) < float("inf"))
     z_row = z_ptr + rows.to(tl.int64) * z_row_stride
@@ -420,14 +416,14 @@ def select_from_scan(
         seed: one-element int64 tensor the scan raced with (None for greedy).
     """
     B, V = z.shape
-    n_parts, n_splits = scan.parts["max"].shape
+    n_splits = scan.parts["max"].shape[1]
     greedy = seed is None
     out = _Outputs(z, head, eps, steps, state)
     if B:
         block_b = _block_rows(z, triton.next_power_of_2(n_splits), select_candidates=False)
         parts = scan.parts
         _select_kernel[(triton.cdiv(B, block_b),)](
-            z, z.stride(0), B, V, n_splits, 0 if n_parts == 1 and B > 1 else n_splits,
+            z, z.stride(0), B, V, n_splits, scan.row_stride(B),
             parts["max"], parts["sum"],
             parts["top_val" if greedy else "race_val"], parts["top_idx" if greedy else "race_idx"],
             eos_index, *_split_f64(float(temperature)), *out.head_args,
@@ -467,7 +463,7 @@ def select_candidates_from_scan(
         seed: one-element int64 tensor for the draw.
     """
     B, _ = z.shape
-    n_parts, n_splits, K = scan.parts["keys"].shape
+    n_splits, K = scan.parts["keys"].shape[1:]
     if top_k is not None and (top_k < 1 or (top_k > K and K + 1 < z.shape[1])):
         raise ValueError(f"top_k must lie in [1, K={K}] for these candidates (or cover all V), got {top_k}")
     out = _Outputs(z, head, eps, steps, state)
@@ -476,7 +472,7 @@ def select_candidates_from_scan(
         block_b = _block_rows(z, block_s * K, select_candidates=True)
         parts = scan.parts
         _select_candidates_kernel[(triton.cdiv(B, block_b),)](
-            z, z.stride(0), B, n_splits, 0 if n_parts == 1 and B > 1 else n_splits,
+            z, z.stride(0), B, n_splits, scan.row_stride(B),
             parts["max"], parts["sum"], parts["keys"],
             eos_index, *out.head_args,
             top_k or 0, *_split_f64(top_p_threshold if top_p_threshold is not None else 1.0),

@@ -90,6 +90,17 @@ def _check_flags(flags: torch.Tensor, batch: int) -> bool:
     return first_uncovered >= batch
 
 
+def _scan(logits: torch.Tensor, head: str, eos_index: int, temperature: float,
+          seed: Optional[torch.Tensor] = None, candidates: int = 0):
+    """The one-read scan of (B, V) logits. Rows expanded from one (several continuations of one
+    prompt) are scanned once when the scan draws no noise; the head math stays per row."""
+    from kernels.row_scan import scan_partials  # lazy: Triton picks interpret mode at import
+
+    shared = seed is None and logits.shape[0] > 1 and logits.stride(0) == 0
+    return scan_partials(logits[:1] if shared else logits, eos_index=None if head == "va" else eos_index,
+                         temperature=temperature, seed=seed, candidates=candidates)
+
+
 def fused_select(
     logits: torch.Tensor,
     *,
@@ -103,20 +114,14 @@ def fused_select(
     generator: Optional[torch.Generator] = None,
 ) -> FusedSelection:
     """Greedy (``greedy=True``) or exact sampling of one token per row of (B, V) ``logits``."""
-    from kernels.row_scan import scan_partials  # lazy: Triton picks interpret mode at import
     from kernels.row_select import select_from_scan
 
     logits, kernel_steps, kernel_state = _prepare(logits, head, eos_index, eps, steps, state, temperature)
-    B = logits.shape[0]
     seed = None if greedy else _seed(generator, logits.device)
-    # Rows expanded from one (several greedy continuations of one prompt) share one scan;
-    # the head math stays per row (steps / state may differ).
-    replicated = greedy and B > 1 and logits.stride(0) == 0
-    scan = scan_partials(logits[:1] if replicated else logits, eos_index=None if head == "va" else eos_index,
-                         temperature=temperature, seed=seed)
+    scan = _scan(logits, head, eos_index, temperature, seed=seed)
     picked = select_from_scan(logits, scan, head=head, eos_index=eos_index, eps=eps, temperature=temperature,
                               steps=kernel_steps, state=kernel_state, seed=seed)
-    _check_flags(picked.flags, B)
+    _check_flags(picked.flags, logits.shape[0])
     return FusedSelection(picked.tokens, picked.log_probs, picked.state)
 
 
@@ -149,20 +154,17 @@ def fused_truncated(
     probable tokens overall. Returns None when some row's top-p nucleus may need more
     than those (the caller then takes the torch path).
     """
-    from kernels.row_scan import MAX_CANDIDATES, scan_partials
+    from kernels.row_scan import MAX_CANDIDATES
     from kernels.row_select import select_candidates_from_scan
 
     logits, kernel_steps, kernel_state = _prepare(logits, head, eos_index, eps, steps, state, temperature)
-    B = logits.shape[0]
-    seed = _seed(generator, logits.device)
-    # The candidate scan is deterministic: rows expanded from one share it (the draws stay per row).
-    replicated = B > 1 and logits.stride(0) == 0
-    scan = scan_partials(logits[:1] if replicated else logits, eos_index=None if head == "va" else eos_index,
-                         temperature=temperature, candidates=top_k if top_k is not None else MAX_CANDIDATES)
+    # The candidate scan draws no noise (the draw happens in the select kernel), so it can be shared.
+    scan = _scan(logits, head, eos_index, temperature, candidates=top_k if top_k is not None else MAX_CANDIDATES)
     threshold = top_p - TOP_P_SLACK if top_p is not None and top_p < 1.0 else None
     picked = select_candidates_from_scan(logits, scan, head=head, eos_index=eos_index, eps=eps, steps=kernel_steps,
-                                         state=kernel_state, top_k=top_k, top_p_threshold=threshold, seed=seed)
-    if not _check_flags(picked.flags, B):
+                                         state=kernel_state, top_k=top_k, top_p_threshold=threshold,
+                                         seed=_seed(generator, logits.device))
+    if not _check_flags(picked.flags, logits.shape[0]):
         return None
     return FusedSelection(picked.tokens, picked.log_probs, picked.state)
 
