@@ -2,13 +2,18 @@
 # The GPU session's checks in one call: the test suite on CUDA (Triton kernels compiled for
 # real, not interpreted), then the loss and decoding reports. Each step has its own time
 # limit so one slow step cannot take the others' results with it. Logs go to $OUT (or ./gpu_out).
-#   bash benchmarks/gpu_check.sh            # all three steps
-#   bash benchmarks/gpu_check.sh "tests profile"   # chosen steps: tests | loss | profile | decoding
+#   bash benchmarks/gpu_check.sh            # tests loss profile decoding
+#   bash benchmarks/gpu_check.sh "tests profile"   # chosen steps: tests | loss | profile | decoding | flashinfer
+# Wheels in .whl/ (benchmarks/fetch_gpu_wheels.sh; carry ".whl") are installed first, for flashinfer.
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 steps=${1:-"tests loss profile decoding"}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 for step in $steps; do
@@ -17,6 +22,8 @@ for step in $steps; do
     loss) timeout 180 python3 -m benchmarks.report --gpu --json "$OUT/loss.json" 2>"$OUT/loss.err" | tee "$OUT/loss.md"; tail -5 "$OUT/loss.err" ;;
     profile) timeout 150 python3 -m benchmarks.profile_loss 2>&1 | tee "$OUT/profile.md" | tail -60 ;;
     decoding) timeout 150 python3 -m benchmarks.report_decoding --gpu 2>&1 | tee "$OUT/decoding.md" ;;
+    # FlashInfer JIT-compiles its sampling kernels with nvcc on first use (minutes, hence its own limit).
+    flashinfer) timeout 420 python3 -m benchmarks.report_decoding --gpu --flashinfer 2>&1 | tee "$OUT/flashinfer.md" ;;
   esac
   echo "step $step exit ${PIPESTATUS[0]}"
 done

@@ -3,6 +3,7 @@
     python -m benchmarks.report_decoding            # B in {1, 32, 256} x V in {33278, 50257, 128256}
     python -m benchmarks.report_decoding --quick    # B = 256, V = 50257 only
     python -m benchmarks.report_decoding --gpu      # the grid on CUDA, with the one-read floor
+    python -m benchmarks.report_decoding --gpu --flashinfer   # only the VA table against FlashInfer
 
 Both paths are timed alternately in one process (median of ``--repeats``), and the
 table gives their ratio: ratios, not absolute CPU times, are the claim. On a GPU
@@ -101,6 +102,14 @@ def flashinfer_table(gen: torch.Generator) -> None:
     if flashinfer_sampler(None, None) is None:
         print("\n(flashinfer is not installed: no VA comparison)")
         return
+    # The first call of each FlashInfer sampler JIT-compiles it: keep that out of the timings.
+    t0 = time.perf_counter()
+    warm = make_logits(2, 1000, device="cuda")
+    for k, p in GPU_STRATEGIES.values():
+        if k != 1:
+            flashinfer_sampler(k, p)(warm, gen)
+    torch.cuda.synchronize()
+    print(f"\n(FlashInfer's samplers loaded/compiled in {time.perf_counter() - t0:.1f} s)")
     print("\nVA head (plain softmax) vs FlashInfer, do_bench medians")
     print("| B | V | strategy | fast VA (ms) | FlashInfer (ms) | FlashInfer / fast |")
     print("|---:|---:|---|---:|---:|---:|")
@@ -120,12 +129,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only B=256, V=50257")
     parser.add_argument("--gpu", action="store_true", help="the grid on CUDA, against the one-read floor")
+    parser.add_argument("--flashinfer", action="store_true", help="with --gpu: only the VA table against FlashInfer")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
+    if args.flashinfer and not args.gpu:
+        parser.error("--flashinfer needs --gpu (FlashInfer runs on CUDA only)")
     if args.gpu:
         if not torch.cuda.is_available():
             parser.error("--gpu needs a CUDA device")
-        gpu_main()
+        if args.flashinfer:
+            flashinfer_table(torch.Generator(device="cuda").manual_seed(0))
+        else:
+            gpu_main()
         return
     grid = [(256, 50257)] if args.quick else [(B, V) for V in VOCABS for B in BATCHES]
     print(f"per-step selection, NMST head, fp32 logits, torch {torch.__version__}, {torch.get_num_threads()} threads; "
