@@ -140,11 +140,11 @@ def generate(
         finished = tokens == head.eos_index
         lengths[live[finished]] = t
         terminated[live[finished]] = True
+        keep = (~finished).nonzero().squeeze(1)  # the step's one sync: its size drives the bar and compaction
         bar.update(1)
-        bar.set_postfix(live=int((~finished).sum()))
-        if bool(finished.all()) or t == max_length:
+        bar.set_postfix(live=keep.numel())
+        if keep.numel() == 0 or t == max_length:
             break
-        keep = (~finished).nonzero().squeeze(1)
         live, tokens = live[keep], tokens[keep]
         state = None if new_state is None else new_state[keep]
         if keep.numel() < finished.numel():
@@ -187,7 +187,7 @@ def _beam_search(model, contexts, K, max_length, length_penalty, keep_tokens, pr
     beam_scores[:, 0] = 0.0  # one beam expands at first, so the K beams start distinct
     beam_scores = beam_scores.view(-1)
     prefixes = torch.empty(B * K, 0, dtype=torch.long, device=device)
-    items = torch.arange(B, device=device)  # original index of each live item
+    items = list(range(B))  # original index of each live item, on the host: bookkeeping needs no sync
     finished: list[list[_Hypothesis]] = [[] for _ in range(B)]
     state = None
     rank = torch.arange(2 * K, device=device)
@@ -197,13 +197,17 @@ def _beam_search(model, contexts, K, max_length, length_penalty, keep_tokens, pr
                          steps=t, state=state, num_candidates=2 * K, impl=impl)
         is_eos = cand.tokens == eos
         to_finish = is_eos & (rank < K) & torch.isfinite(cand.scores)
-        for i, j in to_finish.nonzero().tolist():
-            hyp = finished[int(items[i])]
-            seq = prefixes[cand.beam_rows[i, j]].tolist() + [eos] if keep_tokens else []
-            log_prob = float(cand.scores[i, j])
-            hyp.append(_Hypothesis(log_prob / t**length_penalty, seq, t, True, log_prob))
-            hyp.sort(key=lambda h: -h.score)
-            del hyp[K:]
+        # Every finishing candidate comes to the host at once (a few syncs per step, not per hypothesis).
+        at = to_finish.nonzero()
+        if at.numel():
+            log_probs = cand.scores[at[:, 0], at[:, 1]].tolist()
+            seqs = prefixes[cand.beam_rows[at[:, 0], at[:, 1]]].tolist() if keep_tokens else [[]] * len(log_probs)
+            for i, log_prob, seq in zip(at[:, 0].tolist(), log_probs, seqs):
+                hyp = finished[items[i]]
+                hyp.append(_Hypothesis(log_prob / t**length_penalty, seq + [eos] if keep_tokens else [], t, True,
+                                       log_prob))
+                hyp.sort(key=lambda h: -h.score)
+                del hyp[K:]
         # The K best non-eos candidates continue (2K candidates always hold K of them).
         continuing = torch.sort((is_eos).to(torch.int8), dim=1, stable=True).indices[:, :K]
         next_rows = cand.beam_rows.gather(1, continuing).view(-1)
@@ -213,22 +217,23 @@ def _beam_search(model, contexts, K, max_length, length_penalty, keep_tokens, pr
         if keep_tokens:
             prefixes = torch.cat([prefixes[next_rows], next_tokens[:, None]], dim=1)
         bar.update(1)
-        done = torch.tensor([len(finished[int(b)]) >= K for b in items], device=device)
+        done = [len(finished[b]) >= K for b in items]
         if t == max_length:
-            for i, b in enumerate(items.tolist()):
+            live_scores = beam_scores.view(-1, K).tolist()
+            live_seqs = prefixes.view(len(items), K, -1).tolist() if keep_tokens else None
+            for i, b in enumerate(items):
                 if done[i]:
                     continue
-                for j in range(K):
-                    log_prob = float(beam_scores[i * K + j])
-                    seq = prefixes[i * K + j].tolist() if keep_tokens else []
+                for j, log_prob in enumerate(live_scores[i]):
+                    seq = live_seqs[i][j] if keep_tokens else []
                     finished[b].append(_Hypothesis(log_prob / t**length_penalty, seq, t, False, log_prob))
             break
-        if bool(done.all()):
+        if all(done):
             break
-        if bool(done.any()):  # finished items leave the batch
-            keep_items = (~done).nonzero().squeeze(1)
-            keep_rows = (keep_items[:, None] * K + torch.arange(K, device=device)).view(-1)
-            items = items[keep_items]
+        if any(done):  # finished items leave the batch
+            keep_items = [i for i, d in enumerate(done) if not d]
+            items = [items[i] for i in keep_items]
+            keep_rows = (torch.tensor(keep_items, device=device)[:, None] * K + torch.arange(K, device=device)).view(-1)
             next_rows, next_tokens = next_rows[keep_rows], next_tokens[keep_rows]
             beam_scores = beam_scores[keep_rows]
             if keep_tokens:
