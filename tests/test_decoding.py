@@ -92,11 +92,33 @@ def test_ranking_is_by_probability_ties_to_lower_index(head, dtype):
     if head != "va":  # make eos tie exactly with a token on one row, before and after it
         d.eos_zeta[0] = d.zeta[0, 3].double()
         d.eos_zeta[1] = d.zeta[1, 30].double()
-    tokens, log_p = ranked_candidates(d, 40)
     full = d.log_probs()
     expected = torch.sort(full, dim=1, descending=True, stable=True).indices
-    assert torch.equal(tokens, expected)
-    torch.testing.assert_close(log_p, full.gather(1, expected))
+    for k in (1, 7, 18, 19, 20, 33, 40):  # partial selection below V/2, one stable sort from there
+        tokens, log_p = ranked_candidates(d, k)
+        assert torch.equal(tokens, expected[:, :k]), k
+        torch.testing.assert_close(log_p, full.gather(1, expected[:, :k]))
+
+
+def test_flat_nucleus_takes_two_rounds(monkeypatch):
+    """A flat row's nucleus is most of V: the mass still missing after the first candidate
+    list proves how many more it needs, so the second list covers it (not log₄ V rounds)."""
+    import nmst_fast.decoding.selection as selection
+
+    rounds = []
+    real = selection.ranked_candidates
+    monkeypatch.setattr(selection, "ranked_candidates", lambda d, k: rounds.append(k) or real(d, k))
+    V = 10_000
+    for dtype in (torch.float32, torch.float64):
+        rounds.clear()
+        d = effective_logits(torch.zeros(3, V, dtype=dtype), head="va", eos_index=0)
+        tokens, q = truncated_candidates(d, None, 0.9)
+        assert len(rounds) == 2, dtype
+        kept = q > 0
+        n = int(kept.sum(dim=1)[0])
+        # Exactly 9000 in float64; float32's L (one rounding of log V) may tip the boundary by one.
+        assert n == 9000 if dtype == torch.float64 else n in (9000, 9001)
+        assert torch.equal(tokens[kept].view(3, -1), torch.arange(n).expand(3, -1))  # ties → lower index
 
 
 TRUNCATIONS = [(None, None), (3, None), (None, 0.6), (5, 0.7), (30, None), (None, 1.0)]

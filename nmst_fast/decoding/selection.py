@@ -8,12 +8,15 @@ probability with ties broken toward the lower index, exactly:
   ties are then resolved exactly (see :func:`top_tokens`);
 * eos is merged into that list by comparing its exact float64 ζ_eos.
 
-Top-p grows the candidate list geometrically until it covers mass p, so its
-cost follows the nucleus size, not V.
+Top-p grows the candidate list until it covers mass p, so its cost follows the
+nucleus size, not V; each round grows it at least 4×, and at least to the size the
+mass still missing proves necessary (a flat row's big nucleus takes two rounds, not
+log₄ V).
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Optional
 
@@ -44,12 +47,12 @@ def top_tokens(values: torch.Tensor, k: int, exclude: Optional[int] = None) -> t
     B, V = values.shape
     available = V - (exclude is not None)
     k = min(k, available)
-    if k >= available:  # everything is selected: a stable sort is the simplest exact answer
+    if 2 * k >= available:  # most is selected: one stable sort is the simplest exact answer, and no slower
         tokens, vals = _stable_top(values, V)
         if exclude is not None:
             order = torch.sort((tokens == exclude).to(torch.int8), dim=1, stable=True).indices[:, :k]
             tokens, vals = tokens.gather(1, order), vals.gather(1, order)
-        return tokens, vals
+        return tokens[:, :k], vals[:, :k]
     extra = 1 if exclude is not None else 0
     vals, tokens = torch.topk(values, k + extra, dim=1, sorted=True)
     if extra:  # drop eos if it was selected, else the (k+1)-th entry
@@ -124,10 +127,23 @@ def truncated_candidates(
     k = top_k if top_k is not None else min(V, _FIRST_CANDIDATES)
     while True:
         tokens, log_p = ranked_candidates(dist, k)
-        probs, covered = truncate(torch.exp(log_p), top_k, top_p)
+        ranked_probs = torch.exp(log_p)
+        probs, covered = truncate(ranked_probs, top_k, top_p)
         if covered or k >= V:
             return tokens, probs
-        k = min(V, 4 * k)
+        k = min(V, max(4 * k, k + _fewest_more(ranked_probs, top_p, V)))
+
+
+def _fewest_more(ranked_probs: torch.Tensor, top_p: float, V: int) -> int:
+    """How many more ranked tokens the neediest row must take at least to reach mass ``top_p``.
+
+    Every token past the list is at most as probable as the list's last one, so a row still
+    short of p by m needs at least m / p_last more (capped at V; p_last = 0 means all of V).
+    """
+    missing = (top_p - ranked_probs.sum(dim=1)).clamp(min=0.0)
+    last = ranked_probs[:, -1]
+    bound = float(torch.where(missing > 0, missing / last, 0.0).max())  # m / 0 = inf: every token
+    return V if not bound < V else math.ceil(bound)
 
 
 def select(
