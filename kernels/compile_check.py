@@ -33,7 +33,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import mangle_type
 
-from . import row_scan, row_select, split_softmax
+from . import row_scan, row_select, scale_cast, split_softmax
 
 
 @dataclass
@@ -121,6 +121,10 @@ def launches() -> list[Launch]:
     out.append(_record(split_softmax, "_split_softmax_grad_kernel",
                        lambda: split_softmax.split_softmax_grad_(zb, targets, torch.zeros(4), *stats, 5),
                        "split_softmax_grad bf16", {}))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        out.append(_record(scale_cast, "_scale_cast_kernel",
+                           lambda: scale_cast.scale_cast(torch.zeros(4, 3), torch.ones((), dtype=torch.bfloat16), dtype),
+                           f"scale_cast fp32 -> {str(dtype)[6:]}", {}))
     return out
 
 

@@ -130,6 +130,9 @@ def _chunk_loop(
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Run ``row_pass(start, stop, z)`` on each chunk's (rows, V) logits; fold the dz it leaves into grads.
 
+    Returns (dh in hidden's dtype, dW and db in at least fp32: their accumulators), each None
+    unless ``need`` asks for it.
+
     ``vocab_major`` stores a chunk's logits as (V, rows) and hands the row pass the
     transposed view: MKL forms W·hᵀ (a tall output) ~1.7x faster than h·Wᵀ (a wide
     one) for the same FLOPs, which outweighs the strided row reductions on CPU.
@@ -167,11 +170,7 @@ def _chunk_loop(
             _accumulate_dw_(dw, z, h, first=start == 0)
         if db is not None:
             db += z.sum(dim=0, dtype=acc_dtype)
-    return (
-        dh,
-        None if dw is None else dw.to(weight.dtype),
-        None if db is None else db.to(bias.dtype),
-    )
+    return dh, dw, db  # dW, db still in their accumulators' dtype: the callers cast once, at the end
 
 
 def _row_weights(rows: _RowTargets, reduction: str) -> torch.Tensor:
@@ -208,7 +207,9 @@ def fused_forward(
         targets: (N,) int; steps: (N,) int64 (None for "va").
         need: which of (dh, dW, db) to compute in this pass; must be all False for "none".
     Returns:
-        loss (() or (N,), hidden's dtype), L (N,) in at least float32, dh, dW, db (or None).
+        loss (() or (N,), hidden's dtype), L (N,) in at least float32, dh (hidden's dtype),
+        dW, db (or None). dW and db stay in at least fp32 (their accumulators): backward scales
+        them by the upstream gradient and casts to the parameters' dtype in one pass.
     """
     rows = _RowTargets.build(targets, cfg)
     s = eos_logits(hidden, weight, bias, cfg.eos_index)
@@ -278,4 +279,5 @@ def fused_backward_from_lse(
     def row_pass(start: int, stop: int, z: torch.Tensor) -> None:
         row_ops.grad_from_lse_(z, lse[start:stop], rows.safe[start:stop], cfg.eos_index, coefs.rows(start, stop))
 
-    return _chunk_loop(hidden, weight, bias, chunk_rows, row_pass, need, row_ops.vocab_major(hidden.device))
+    dh, dw, db = _chunk_loop(hidden, weight, bias, chunk_rows, row_pass, need, row_ops.vocab_major(hidden.device))
+    return dh, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype)

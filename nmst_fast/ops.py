@@ -46,7 +46,9 @@ def linear_loss(
     need_grad_weight: bool,
     need_grad_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns (loss, lse (N,) in at least fp32, dh, dW, db); grads are empty unless computed in this pass."""
+    """Returns (loss, lse (N,) in at least fp32, dh, dW, db); grads are empty unless computed in this pass.
+
+    dW and db come in at least fp32 (the accumulators): backward scales and casts them."""
     cfg = HeadConfig(head, eos_index, eps, ignore_index, seq_len)
     need = (need_grad_hidden, need_grad_weight, need_grad_bias)
     if reduction == "none":
@@ -64,9 +66,11 @@ def _(hidden, weight, bias, targets, steps, seq_len, head, eos_index, eps, ignor
     in_forward = reduction != "none"
     loss = hidden.new_empty((N,) if reduction == "none" else ())
     lse = hidden.new_empty(N, dtype=torch.promote_types(hidden.dtype, torch.float32))
+    acc = torch.promote_types(weight.dtype, torch.float32)
     dh = torch.empty_like(hidden) if (need_grad_hidden and in_forward) else hidden.new_empty(0)
-    dw = torch.empty_like(weight) if (need_grad_weight and in_forward) else weight.new_empty(0)
-    db = torch.empty_like(bias) if (need_grad_bias and in_forward and bias is not None) else weight.new_empty(0)
+    dw = torch.empty_like(weight, dtype=acc) if (need_grad_weight and in_forward) else weight.new_empty(0)
+    db = (torch.empty_like(bias, dtype=torch.promote_types(bias.dtype, torch.float32))
+          if (need_grad_bias and in_forward and bias is not None) else weight.new_empty(0))
     return loss, lse, dh, dw, db
 
 
@@ -111,6 +115,23 @@ _STATIC_ARGS = ("seq_len", "head", "eos_index", "eps", "ignore_index", "backend"
                 "need_grad_hidden", "need_grad_weight", "need_grad_bias")
 
 
+@torch.library.custom_op("nmst_fast::scale_cast", mutates_args=())
+def scale_cast(acc: Tensor, scale: Tensor, dtype: torch.dtype, backend: str) -> Tensor:
+    """acc · scale (a one-element tensor) in ``dtype``: one pass by the Triton kernel (fp32
+    accumulator to bf16 dW, the scale read on the device: no host sync); torch elsewhere (its
+    cast is a no-op when the dtypes already match). An op, so backward stays traceable."""
+    if backend == "triton" and acc.dtype == torch.float32 and dtype != torch.float64:
+        from kernels.scale_cast import scale_cast as kernel  # lazily: triton decides interpret mode at import
+
+        return kernel(acc, scale, dtype)
+    return (acc * scale.to(acc.dtype)).to(dtype)
+
+
+@scale_cast.register_fake
+def _(acc, scale, dtype, backend):
+    return torch.empty_like(acc, dtype=dtype)
+
+
 def _setup_context(ctx, inputs, output):
     (hidden, weight, bias, targets, steps, seq_len, head, eos_index, eps, ignore_index, reduction, backend,
      chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias) = inputs
@@ -123,6 +144,7 @@ def _setup_context(ctx, inputs, output):
     ctx.static = dict(zip(_STATIC_ARGS, (seq_len, head, eos_index, eps, ignore_index, backend, chunk_rows,
                                          need_grad_hidden, need_grad_weight, need_grad_bias)))
     ctx.has_bias = bias is not None
+    ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, bias, targets, steps, lse)
     else:
@@ -139,7 +161,12 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db):
         dh, dw, db = linear_loss_backward(grad_loss, hidden, weight, bias, targets, steps, lse, **st)
     else:
         dh, dw, db = ctx.saved_tensors
-        dh, dw, db = (g * grad_loss.to(g.dtype) for g in (dh, dw, db))
+        weight_dtype, bias_dtype = ctx.dtypes
+        dh = dh * grad_loss.to(dh.dtype)
+        if st["need_grad_weight"]:
+            dw = scale_cast(dw, grad_loss, weight_dtype, st["backend"])
+        if st["need_grad_bias"] and ctx.has_bias:
+            db = scale_cast(db, grad_loss, bias_dtype, st["backend"])
     grads = (
         dh if st["need_grad_hidden"] else None,
         dw if st["need_grad_weight"] else None,

@@ -87,6 +87,26 @@ def test_bf16(impl, head):
 
 
 @pytest.mark.parametrize("impl", FAST_IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_upstream_gradient_scales_every_grad(impl, dtype):
+    """A non-unit upstream gradient scales dh, dW and db formed in the forward (dW and db leave
+    their fp32 accumulators scaled and cast in one step); reductions "mean" and "sum"."""
+    seed = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
+    case = make_case(gen, head="nmst", shape=(3, 7), H=16, V=131, bias=True, logit_scale=2.0)
+    rounded = Case(*(t.to(dtype).double() if torch.is_tensor(t) and t.is_floating_point() else t
+                     for t in (case.hidden, case.weight, case.bias, case.targets, case.steps)),
+                   case.eos_index, case.eps, case.head)
+    for reduction in ("mean", "sum"):
+        grad_out = (torch.rand((), generator=gen) * 6 - 3).to(DEVICE)
+        fast = run(case, impl, dtype, reduction=reduction, chunk_size=5, grad_out=grad_out)
+        naive = run(case, "reference", dtype, reduction=reduction, grad_out=grad_out)
+        truth = run(rounded, "reference", torch.float64, reduction=reduction, grad_out=grad_out)
+        assert_matches_truth(fast, naive, truth, factor=2.0, rel_atol=1e-2 if dtype == torch.bfloat16 else 2e-5,
+                             what=f"seed={seed} {reduction} upstream={float(grad_out):.3f}")
+
+
+@pytest.mark.parametrize("impl", FAST_IMPLS)
 @pytest.mark.parametrize("head", HEADS)
 def test_extreme_logits(impl, head):
     """|z| up to ~1e4: confident, saturated predictions must stay finite and accurate."""

@@ -136,3 +136,24 @@ def test_profile_validation_cost_runs():
     times = validation_cost(make_inputs(Shape(64, 32, 300, torch.float32, "cpu")), rounds=1)
     assert set(times) == {"three GEMMs", "nmst, validate=True (default)", "nmst, validate=False"}
     assert all(ms > 0 for ms in times.values())
+
+
+def test_torch_compile_triton_backend_bf16():
+    """The Triton backend under torch.compile, bf16: backward's one-pass scale + cast of the fp32
+    dW accumulator is an op too, so the whole step traces without a break."""
+    gen = torch.Generator().manual_seed(1)
+    h = torch.randn(2, 5, 8, generator=gen).bfloat16().requires_grad_()
+    W = torch.randn(37, 8, generator=gen).bfloat16().requires_grad_()
+    b = torch.randn(37, generator=gen).bfloat16().requires_grad_()
+    y = torch.randint(0, 37, (2, 5), generator=gen)
+
+    def step(h, W, b, y):
+        return nmst_fast.linear_nmst_loss(h, W, y, bias=b, eos_index=3, head="nmst", impl="triton") * 3
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(h, W, b, y)
+    expected = step(h, W, b, y)
+    torch.testing.assert_close(got, expected)
+    for a, e in zip(torch.autograd.grad(got, (h, W, b)), torch.autograd.grad(expected, (h, W, b))):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a, e)

@@ -46,3 +46,36 @@ def test_rejects_strided_rows():
     z = torch.randn(8, 4, device=DEVICE).t()
     with pytest.raises(ValueError, match="unit stride"):
         split_lse(z, torch.zeros(4, dtype=torch.long, device=DEVICE), 0)
+
+
+@pytest.mark.parametrize("dst_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_scale_cast_matches_one_rounding(dst_dtype, scale_dtype):
+    """(src · scale) computed in fp32 and rounded once to the output dtype, for sizes around the block."""
+    from kernels.scale_cast import scale_cast
+
+    seed = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
+    for n in (1, 4095, 4096, 4097, 3 * 4096 + 5):
+        src = (torch.randn(n, generator=gen) * torch.logspace(-20, 3, n)).to(DEVICE)
+        scale = (torch.rand((), generator=gen) * 4 - 2).to(DEVICE, scale_dtype)
+        got = scale_cast(src, scale, dst_dtype)
+        expected = (src.float() * scale.float()).to(dst_dtype)
+        assert got.dtype == dst_dtype and got.shape == src.shape
+        assert torch.equal(got, expected), f"seed={seed} n={n}"
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 3.4e38, -3.39e38, -0.0, 0.0, 1e-45, 1e-39,
+                            1.0 + 2**-8, 1.0 + 3 * 2**-8], device=DEVICE)  # last two: ties to even
+    got = scale_cast(special, torch.tensor(1.0, device=DEVICE, dtype=scale_dtype), dst_dtype)
+    expected = special.float().to(dst_dtype)
+    assert torch.equal(got.isnan(), expected.isnan())
+    number = ~expected.isnan()
+    assert torch.equal(got[number], expected[number]) and torch.equal(got[number].signbit(), expected[number].signbit())
+    v = torch.ones(2, 3, device=DEVICE)
+    assert scale_cast(v, torch.tensor([2.0], device=DEVICE), torch.bfloat16).shape == (2, 3)
+    with pytest.raises(ValueError, match="contiguous"):
+        scale_cast(v.t(), torch.tensor(2.0, device=DEVICE), torch.bfloat16)
+    with pytest.raises(ValueError, match="scale"):
+        scale_cast(v, torch.ones(2, device=DEVICE), torch.bfloat16)
+    for src, dtype in [(v.double(), torch.float64), (v.bfloat16(), torch.bfloat16)]:
+        with pytest.raises(TypeError, match="fp32 accumulator"):
+            scale_cast(src, torch.tensor(2.0, device=DEVICE), dtype)
