@@ -8,10 +8,9 @@ probability with ties broken toward the lower index, exactly:
   ties are then resolved exactly (see :func:`top_tokens`);
 * eos is merged into that list by comparing its exact float64 ζ_eos.
 
-Top-p grows the candidate list until it covers mass p, so its cost follows the
-nucleus size, not V; each round grows it at least 4×, and at least to the size the
-mass still missing proves necessary (a flat row's big nucleus takes two rounds, not
-log₄ V).
+Top-p grows the candidate list 4× per round until it covers mass p, so its cost
+follows the nucleus size, not V; sizes that the mass still missing proves too small
+are skipped (a flat row's big nucleus takes two rounds, not log₄ V).
 """
 
 from __future__ import annotations
@@ -131,7 +130,11 @@ def truncated_candidates(
         probs, covered = truncate(ranked_probs, top_k, top_p)
         if covered or k >= V:
             return tokens, probs
-        k = min(V, max(4 * k, k + _fewest_more(ranked_probs, top_p, V)))
+        # Next size on the 4× grid, skipping sizes the missing mass proves too small.
+        needed, k = k + _fewest_more(ranked_probs, top_p, V), 4 * k
+        while k < min(needed, V):
+            k *= 4
+        k = min(V, k)
 
 
 def _fewest_more(ranked_probs: torch.Tensor, top_p: float, V: int) -> int:
