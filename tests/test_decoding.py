@@ -190,6 +190,23 @@ def test_greedy_matches_float64_argmax(head):
     assert torch.equal(tokens, torch.argmax(lp, dim=1))
 
 
+@pytest.mark.parametrize("eos", [0, 4, 9])
+def test_greedy_ties_with_eos_go_to_the_lower_index(eos):
+    """Greedy == the first entry of the exact ranking, with eos tied to the row maximum on either
+    side of it, ties among non-eos tokens across eos, and eos at either end of the vocabulary."""
+    from nmst_fast.decoding import greedy
+
+    gen = torch.Generator().manual_seed(eos)
+    z = torch.randn(64, 10, generator=gen).round()  # many exact ties
+    d = effective_logits(z, head="nmst", eos_index=eos, eps=0.3, steps=2)
+    non_eos = torch.cat([d.zeta[:, :eos], d.zeta[:, eos + 1:]], dim=1)
+    d.eos_zeta[:32] = non_eos[:32].amax(dim=1).double()  # eos ties the best token on half the rows
+    d.zeta[:, eos] = d.eos_zeta.float()
+    expected = torch.sort(d.log_probs(), dim=1, descending=True, stable=True).indices[:, 0]
+    assert torch.equal(greedy(d), expected)
+    assert torch.equal(greedy(d), ranked_candidates(d, 1)[0].squeeze(1))
+
+
 @pytest.mark.parametrize("eps", [1e-3, 0.05, 0.3])
 def test_greedy_nmst_emits_eos_by_the_bound(eps):
     gen = torch.Generator().manual_seed(7)

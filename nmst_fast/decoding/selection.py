@@ -100,10 +100,33 @@ def ranked_candidates(dist: StepDistribution, k: int) -> tuple[torch.Tensor, tor
 
 
 def greedy(dist: StepDistribution) -> torch.Tensor:
-    """Most probable token per row (B,), ties → lower index."""
+    """Most probable token per row (B,), ties → lower index.
+
+    One argmax over the columns on each side of eos (views, no copy; argmax returns the first
+    maximal index), then eos against the winner by its exact float64 ζ_eos: a handful of ops,
+    where a ranked list of one would cost dozens (they dominate at small batch).
+    """
     if dist.eos_zeta is None:
-        return torch.argmax(dist.zeta, dim=1)  # argmax returns the first maximal index
-    return ranked_candidates(dist, 1)[0].squeeze(1)
+        return torch.argmax(dist.zeta, dim=1)
+    zeta, eos = dist.zeta, dist.eos_index
+    sides = []  # (first column, values) of the non-empty sides of eos
+    if eos > 0:
+        sides.append((0, zeta[:, :eos]))
+    if eos < zeta.shape[1] - 1:
+        sides.append((eos + 1, zeta[:, eos + 1:]))
+    best_idx = best_val = None
+    for first, part in sides:
+        idx = torch.argmax(part, dim=1, keepdim=True)
+        val = part.gather(1, idx).squeeze(1)
+        idx = idx.squeeze(1) + first
+        if best_idx is None:
+            best_idx, best_val = idx, val
+        else:  # the right side wins only if strictly larger: ties keep the lower index
+            right = val > best_val
+            best_idx, best_val = torch.where(right, idx, best_idx), torch.where(right, val, best_val)
+    best64 = best_val.to(torch.float64)
+    eos_wins = (dist.eos_zeta > best64) | ((dist.eos_zeta == best64) & (eos < best_idx))
+    return torch.where(eos_wins, eos, best_idx)
 
 
 def _check_truncation(top_k: Optional[int], top_p: Optional[float]) -> None:
