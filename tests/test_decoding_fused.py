@@ -224,13 +224,25 @@ def test_fused_truncation_boundaries(logits, top_k, top_p):
     assert _g_test(draws.cpu(), expected) > 1e-5
 
 
-def test_large_nucleus_falls_back_to_the_torch_path():
+def test_large_nucleus_falls_back_to_the_torch_path(monkeypatch):
+    import nmst_fast.decoding.selection as selection
+    from kernels.row_scan import MAX_CANDIDATES
+
     z = torch.zeros(3, 200, device=DEVICE)  # flat: a 0.99 nucleus holds ~198 tokens > the candidates
     assert fused_truncated(z, head="nmst", eos_index=0, top_p=0.99) is None
     assert fused_truncated(z, head="nmst", eos_index=0, top_p=0.1) is not None
+    sizes = []
+    real = selection.ranked_candidates
+    monkeypatch.setattr(selection, "ranked_candidates", lambda d, k: sizes.append(k) or real(d, k))
     tokens, _ = sample(z, head="nmst", eos_index=0, top_p=0.99, impl="triton",
                        generator=torch.Generator().manual_seed(0))
     assert tokens.shape == (3,) and bool(((tokens >= 0) & (tokens < 200)).all())
+    # The torch rounds start where the kernel's candidates proved too few (the whole row on CUDA).
+    assert sizes[0] == (200 if z.is_cuda else min(200, 4 * MAX_CANDIDATES))
+    wide = torch.zeros(2, 5000, device=DEVICE)
+    sizes.clear()
+    sample(wide, head="va", eos_index=0, top_p=0.9, impl="triton", generator=torch.Generator().manual_seed(1))
+    assert sizes[0] == (5000 if wide.is_cuda else 4 * MAX_CANDIDATES)
 
 
 def test_fused_top_k_generation_scores_are_model_log_probs():
