@@ -3,7 +3,7 @@
 # real, not interpreted), then the loss and decoding reports. Each step has its own time
 # limit so one slow step cannot take the others' results with it. Logs go to $OUT (or ./gpu_out).
 #   bash benchmarks/gpu_check.sh            # tests loss profile decoding
-#   bash benchmarks/gpu_check.sh "tests profile"   # chosen steps: tests | loss | profile | decoding | flashinfer
+#   bash benchmarks/gpu_check.sh "tests profile"   # chosen steps: tests | loss | profile | decoding | generation | flashinfer
 # Wheels in .whl/ (benchmarks/fetch_gpu_wheels.sh; carry ".whl") are installed first, for flashinfer.
 set -u
 OUT=${OUT:-gpu_out}
@@ -22,6 +22,7 @@ for step in $steps; do
     loss) timeout 180 python3 -m benchmarks.report --gpu --json "$OUT/loss.json" 2>"$OUT/loss.err" | tee "$OUT/loss.md"; tail -5 "$OUT/loss.err" ;;
     profile) timeout 150 python3 -m benchmarks.profile_loss 2>&1 | tee "$OUT/profile.md" | tail -60 ;;
     decoding) timeout 150 python3 -m benchmarks.report_decoding --gpu 2>&1 | tee "$OUT/decoding.md" ;;
+    generation) timeout 150 python3 -m benchmarks.report_generation --device cuda 2>&1 | tee "$OUT/generation.md" ;;
     # FlashInfer JIT-compiles its sampling kernels with nvcc on first use (minutes, hence its own limit).
     flashinfer) timeout 420 python3 -m benchmarks.report_decoding --gpu --flashinfer 2>&1 | tee "$OUT/flashinfer.md" ;;
   esac

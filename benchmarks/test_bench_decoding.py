@@ -19,3 +19,15 @@ def test_select(benchmark, B, V, strategy, impl):
     benchmark.group = f"select B={B} V={V} {strategy}"
     tokens = benchmark.pedantic(step, args=(logits, gen), warmup_rounds=1, rounds=5, iterations=1)
     assert tokens.shape == (B,)
+
+
+def test_generation_report_runs(capsys):
+    """The generation throughput report end to end on a tiny model (its table is in RESULTS.md)."""
+    from benchmarks import report_generation
+
+    report_generation.main(["--vocab", "300", "--batches", "2", "--max-length", "5"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["greedy", "top_k", "nucleus", "beam"]
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):  # a clear usage error, not a crash deep in torch
+            report_generation.main(["--device", "cuda"])
