@@ -173,6 +173,17 @@ def _chunk_loop(
     return dh, dw, db  # dW, db still in their accumulators' dtype: the callers cast once, at the end
 
 
+@dataclass
+class _HeadPrep:
+    """The per-row scalars the row passes and the loss need, computed once per forward."""
+
+    rows: _RowTargets
+    s: torch.Tensor  # eos logit per row, at least fp32
+    log_surv: Optional[torch.Tensor]  # log(1 − α_t) per row (None for "va")
+    row_weight: torch.Tensor  # float64 weight of each row in the reduction
+    eos_grads: Optional[torch.Tensor]  # d loss / d s per row (None for "va" or without grads)
+
+
 def _row_weights(rows: _RowTargets, reduction: str) -> torch.Tensor:
     w = rows.active.to(torch.float64)
     if reduction == "mean":
@@ -211,14 +222,21 @@ def fused_forward(
         dW, db (or None). dW and db stay in at least fp32 (their accumulators): backward scales
         them by the upstream gradient and casts to the parameters' dtype in one pass.
     """
-    rows = _RowTargets.build(targets, cfg)
-    s = eos_logits(hidden, weight, bias, cfg.eos_index)
-    log_surv = None if cfg.head == "va" else head_math.log_survival(cfg.head, s, steps, cfg.eps, cfg.seq_len)
     want_grad = any(need)
-    row_weight = _row_weights(rows, reduction)
-    eos_grads = None
-    if want_grad and cfg.head != "va":
-        eos_grads = head_math.eos_logit_grads(cfg.head, s, log_surv, rows.is_eos, row_weight, steps, cfg.seq_len)
+
+    @functools.cache
+    def prep() -> _HeadPrep:
+        # The head's O(N) scalar math (a few dozen small kernels) is first asked for by the first
+        # row pass, i.e. after the first chunk's GEMM is queued: on a GPU those kernels are
+        # launched while that GEMM runs instead of holding it back.
+        rows = _RowTargets.build(targets, cfg)
+        s = eos_logits(hidden, weight, bias, cfg.eos_index)
+        log_surv = None if cfg.head == "va" else head_math.log_survival(cfg.head, s, steps, cfg.eps, cfg.seq_len)
+        row_weight = _row_weights(rows, reduction)
+        eos_grads = None
+        if want_grad and cfg.head != "va":
+            eos_grads = head_math.eos_logit_grads(cfg.head, s, log_surv, rows.is_eos, row_weight, steps, cfg.seq_len)
+        return _HeadPrep(rows, s, log_surv, row_weight, eos_grads)
 
     N = hidden.shape[0]
     stats_dtype = torch.promote_types(hidden.dtype, torch.float32)
@@ -227,27 +245,30 @@ def fused_forward(
     row_ops = row_ops_for(backend)
 
     def row_pass(start: int, stop: int, z: torch.Tensor) -> None:
+        p = prep()
+
         def coefficients(chunk_lse: torch.Tensor) -> head_math.GradCoefficients:
             return head_math.grad_coefficients(
                 cfg.head,
                 chunk_lse,
-                s[start:stop],
-                rows.is_eos[start:stop],
-                row_weight[start:stop],
-                None if eos_grads is None else eos_grads[start:stop],
+                p.s[start:stop],
+                p.rows.is_eos[start:stop],
+                p.row_weight[start:stop],
+                None if p.eos_grads is None else p.eos_grads[start:stop],
             )
 
         chunk_lse, chunk_target = row_ops.lse_and_grad_(
-            z, rows.safe[start:stop], cfg.eos_index, coefficients if want_grad else None
+            z, p.rows.safe[start:stop], cfg.eos_index, coefficients if want_grad else None
         )
         lse[start:stop] = chunk_lse
         z_target[start:stop] = chunk_target
 
     dh, dw, db = _chunk_loop(hidden, weight, bias, chunk_rows, row_pass, need, row_ops.vocab_major(hidden.device))
-    z_target_exact = torch.where(rows.is_eos, s.to(stats_dtype), z_target)
-    losses = head_math.row_losses(cfg.head, lse, s, z_target_exact, rows.is_eos, log_surv)
-    losses = torch.where(rows.active, losses, 0.0)
-    loss = _reduce(losses, rows, reduction).to(hidden.dtype)
+    p = prep()
+    z_target_exact = torch.where(p.rows.is_eos, p.s.to(stats_dtype), z_target)
+    losses = head_math.row_losses(cfg.head, lse, p.s, z_target_exact, p.rows.is_eos, p.log_surv)
+    losses = torch.where(p.rows.active, losses, 0.0)
+    loss = _reduce(losses, p.rows, reduction).to(hidden.dtype)
     return loss, lse, dh, dw, db
 
 

@@ -157,3 +157,32 @@ def test_torch_compile_triton_backend_bf16():
     for a, e in zip(torch.autograd.grad(got, (h, W, b)), torch.autograd.grad(expected, (h, W, b))):
         assert a.dtype == torch.bfloat16
         torch.testing.assert_close(a, e)
+
+
+class _OpLog(TorchDispatchMode):
+    """Records the name of every aten op, in issue order."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_first_chunk_gemm_is_issued_before_the_head_math():
+    """The forward issues the first chunk's logits GEMM before the O(N) head math (the eos GEMV
+    and the scalar kernels), so on a GPU those small kernels queue behind the big one instead of
+    delaying it after the validation sync."""
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(18, 8, generator=gen)
+    W = torch.randn(50, 8, generator=gen)
+    y = torch.randint(0, 50, (18,), generator=gen)
+    steps = torch.arange(1, 10).repeat(2)
+    log = _OpLog()  # the public op is opaque to dispatch modes: log the driver it runs
+    with log:
+        fused_forward(h, W, None, y, steps, HeadConfig("st", 7, 1e-3, -100, 9), reduction="mean", backend="chunked",
+                      chunk_rows=5, need=(True, True, False))
+    first_gemm = next(i for i, op in enumerate(log.ops) if op.startswith(("mm", "addmm")))
+    assert "mv.default" in log.ops and first_gemm < log.ops.index("mv.default"), log.ops[:first_gemm + 3]
