@@ -9,8 +9,8 @@ Both paths are timed alternately in one process (median of ``--repeats``), and t
 table gives their ratio: ratios, not absolute CPU times, are the claim. On a GPU
 each path is timed by ``triton.testing.do_bench`` (median, L2 flushed between runs)
 and also compared with the floor: one read of the B×V fp32 logits at the copy
-bandwidth measured in the same run; with flashinfer installed, a second table compares
-the VA head with FlashInfer's samplers.
+bandwidth measured in the same run. ``--gpu --flashinfer`` compares the VA head with
+FlashInfer's samplers instead (a run of its own: FlashInfer compiles its kernels on first use).
 """
 
 from __future__ import annotations
@@ -92,7 +92,6 @@ def gpu_main() -> None:
                 mscan = triton.testing.do_bench_cudagraph(lambda: device_step(logits), return_mode="median")
                 print(f"| {B} | {V} | {name} | {mf:.4f} | {ms:.4f} | {ms / mf:.2f}x | {mscan:.4f} | {floor_ms:.4f} | "
                       f"{mscan / floor_ms:.2f} |", flush=True)
-    flashinfer_table(gen)
 
 
 def flashinfer_table(gen: torch.Generator) -> None:
