@@ -136,12 +136,13 @@ def test_fused_rejects_large_k_and_nan():
 def test_fused_paths_reject_bad_steps_and_state():
     z = torch.randn(4, 20, device=DEVICE)
     for kw in (dict(top_k=1), dict(), dict(top_k=3)):
-        with pytest.raises(ValueError, match="state"):
-            sample(z, head="st", eos_index=0, state=torch.zeros(3, dtype=torch.float64, device=DEVICE),
-                   impl="triton", **kw)
-        with pytest.raises(TypeError, match="state"):
-            sample(z, head="st", eos_index=0, state=torch.zeros(4, dtype=torch.long, device=DEVICE), impl="triton",
-                   **kw)
+        for impl in ("triton", "torch"):  # both paths take ST's state by one rule
+            with pytest.raises(ValueError, match="state"):
+                sample(z, head="st", eos_index=0, state=torch.zeros(3, dtype=torch.float64, device=DEVICE),
+                       impl=impl, **kw)
+            for not_a_log_prob in (torch.zeros(4, dtype=torch.long, device=DEVICE), [0.0] * 4):
+                with pytest.raises(TypeError, match="state"):
+                    sample(z, head="st", eos_index=0, state=not_a_log_prob, impl=impl, **kw)
         with pytest.raises(ValueError, match="steps"):
             sample(z, head="nmst", eos_index=0, steps=torch.ones(3, dtype=torch.long, device=DEVICE),
                    impl="triton", **kw)

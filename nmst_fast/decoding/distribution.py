@@ -102,10 +102,20 @@ def step_log_survival(
     t = steps_tensor(steps, B, eos_logit.device)
     if head == "nmst":
         return nmst_log_survival(eos_logit, t, eps)
-    prev = torch.zeros(B, dtype=torch.float64, device=eos_logit.device) if state is None else state.to(torch.float64)
-    if prev.shape != (B,):
-        raise ValueError(f"state must have shape ({B},), got {tuple(prev.shape)}")
+    if state is None:
+        prev = torch.zeros(B, dtype=torch.float64, device=eos_logit.device)
+    else:
+        prev = check_state(state, B, eos_logit.device).to(torch.float64)
     return torch.where(t >= 1, prev + st_step_term(eos_logit, eps), prev)
+
+
+def check_state(state: object, batch: int, device: torch.device) -> torch.Tensor:
+    """ST's state, as every decoding path accepts it: a floating (B,) tensor (moved to ``device``)."""
+    if not isinstance(state, torch.Tensor) or not state.dtype.is_floating_point:
+        raise TypeError("state must be a floating tensor (ST's running log(1 − α) from the previous step)")
+    if state.shape != (batch,):
+        raise ValueError(f"state must have shape ({batch},), got {tuple(state.shape)}")
+    return state.to(device)
 
 
 def eos_effective_logit(lse: torch.Tensor, log_surv: torch.Tensor) -> torch.Tensor:

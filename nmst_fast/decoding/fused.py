@@ -28,7 +28,7 @@ from typing import Optional, Union
 import torch
 
 from ..backends import triton_available
-from .distribution import Steps, check_rows, check_step_args, eos_terms, steps_tensor
+from .distribution import Steps, check_rows, check_state, check_step_args, eos_terms, steps_tensor
 from .truncation import TOP_P_SLACK, insert_eos, untruncated
 
 
@@ -57,16 +57,6 @@ def _kernel_steps(steps: Steps, batch: int, device: torch.device) -> Union[int, 
     return steps_tensor(steps, batch, device)
 
 
-def _check_state(state: Optional[torch.Tensor], batch: int, device: torch.device) -> Optional[torch.Tensor]:
-    if state is None:
-        return None
-    if not isinstance(state, torch.Tensor) or not state.dtype.is_floating_point:
-        raise TypeError("state must be a floating tensor (ST's running log(1 − α) from the previous step)")
-    if state.shape != (batch,):
-        raise ValueError(f"state must have shape ({batch},), got {tuple(state.shape)}")
-    return state.to(device)
-
-
 def _prepare(logits: torch.Tensor, head: str, eos_index: int, eps: float, steps: Steps,
              state: Optional[torch.Tensor], temperature: float):
     """Checks shared by both paths; returns (logits with unit stride along V, kernel steps, state)."""
@@ -75,7 +65,7 @@ def _prepare(logits: torch.Tensor, head: str, eos_index: int, eps: float, steps:
         logits = logits.contiguous()
     B = logits.shape[0]
     kernel_steps = _kernel_steps(steps, B, logits.device) if head != "va" else 1
-    kernel_state = _check_state(state, B, logits.device) if head == "st" else None
+    kernel_state = check_state(state, B, logits.device) if head == "st" and state is not None else None
     return logits, kernel_steps, kernel_state
 
 
