@@ -47,8 +47,10 @@ def main(argv: list[str] | None = None) -> None:
     for B in args.batches:
         contexts = torch.randint(0, args.vocab - 1, (B, 10), device=device)
         for name, kw in STRATEGIES.items():
-            run = lambda: nmst_fast.generate(model, contexts, strategy=name, max_length=args.max_length,  # noqa: E731
-                                             generator=torch.Generator(device).manual_seed(0), **kw)
+            def run(name=name, kw=kw):
+                return nmst_fast.generate(model, contexts, strategy=name, max_length=args.max_length,
+                                          generator=torch.Generator(device).manual_seed(0), **kw)
+
             if device.type == "cuda":
                 run()  # compiles the Triton kernels for these shapes: not part of the throughput
                 torch.cuda.synchronize()

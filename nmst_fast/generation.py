@@ -17,8 +17,7 @@ from tqdm.auto import tqdm
 
 from .decoding.beam import beam_step
 from .decoding.distribution import effective_logits
-from .decoding.fused import fused_sample
-from .decoding.selection import fallback_first_size, select, use_fused
+from .decoding.selection import select, try_fused_sample
 from .head import NMSTHead
 
 STRATEGIES = ("greedy", "top_k", "nucleus", "beam")
@@ -123,11 +122,9 @@ def generate(
     bar = tqdm(total=max_length, disable=not progress, desc=f"generate[{strategy}]")
     for t in range(1, max_length + 1):
         logits = head(hidden)
-        picked, first_size = None, None
-        if use_fused(impl, logits, k, p):  # None back: a nucleus beyond the kernel's candidates
-            picked = fused_sample(logits, head=head.head, eos_index=head.eos_index, eps=head.eps, steps=t,
-                                  state=state, temperature=temperature, top_k=k, top_p=p, generator=generator)
-            first_size = None if picked is not None else fallback_first_size(logits)
+        picked, first_size = try_fused_sample(logits, head=head.head, eos_index=head.eos_index, eps=head.eps,
+                                              steps=t, state=state, top_k=k, top_p=p, temperature=temperature,
+                                              generator=generator, impl=impl)
         if picked is not None:
             tokens, new_state, step_log_p = picked.tokens, picked.state, picked.log_probs
         else:

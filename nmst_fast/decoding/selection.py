@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from .distribution import StepDistribution, Steps, effective_logits
-from .fused import fused_available, fused_sample, fused_truncation_available
+from .fused import FusedSelection, fused_available, fused_sample, fused_truncation_available
 from .truncation import draw, insert_eos, truncate, untruncated
 
 _FIRST_CANDIDATES = 64
@@ -249,26 +249,36 @@ def sample(
         (tokens (B,) int64, new state).
     """
     _check_truncation(top_k, top_p)
-    first_size = None
-    if use_fused(impl, logits, top_k, top_p):
-        picked = fused_sample(logits, head=head, eos_index=eos_index, eps=eps, steps=steps, state=state,
-                              temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-        if picked is not None:
-            return picked.tokens, picked.state
-        first_size = fallback_first_size(logits)  # the nucleus outgrew the kernel's candidates
+    picked, first_size = try_fused_sample(logits, head=head, eos_index=eos_index, eps=eps, steps=steps, state=state,
+                                          top_k=top_k, top_p=top_p, temperature=temperature, generator=generator,
+                                          impl=impl)
+    if picked is not None:
+        return picked.tokens, picked.state
     dist = effective_logits(logits, head=head, eos_index=eos_index, eps=eps, steps=steps, state=state,
                             temperature=temperature)
     return select(dist, top_k=top_k, top_p=top_p, generator=generator, first_size=first_size), dist.state
 
 
-def fallback_first_size(logits: torch.Tensor) -> int:
-    """Top-p's first list size after the fused scan found the nucleus larger than its candidates.
+def try_fused_sample(
+    logits: torch.Tensor, *, head: str, eos_index: int, eps: float, steps: Steps, state: Optional[torch.Tensor],
+    top_k: Optional[int], top_p: Optional[float], temperature: float, generator: Optional[torch.Generator], impl: str,
+) -> tuple[Optional[FusedSelection], Optional[int]]:
+    """The fused pick when :func:`use_fused` serves the call (arguments as :func:`sample`).
 
-    On CUDA the whole row is ranked at once: one segmented sort costs about what a single
-    large ``torch.topk`` does there, and the growing rounds would repeat it (the last GPU run
-    measured 6.9 ms for the rounds vs 3.9 ms for the sort-based path at 256×50257). Elsewhere
-    the rounds start at the first size the candidates proved too small.
+    Returns (selection, None), or (None, first_size) for the torch path: ``first_size`` is
+    top-p's first candidate-list size for :func:`select` (None: its default). After the scan
+    found the nucleus larger than its candidates, CUDA ranks the whole row at once (one
+    segmented sort costs about one large ``torch.topk`` there, and the growing rounds would
+    repeat it: the last GPU run measured 6.9 ms for the rounds vs 3.9 ms for the sort-based
+    path at 256×50257); elsewhere the rounds start at the first size the candidates proved
+    too small.
     """
+    if not use_fused(impl, logits, top_k, top_p):
+        return None, None
+    picked = fused_sample(logits, head=head, eos_index=eos_index, eps=eps, steps=steps, state=state,
+                          temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+    if picked is not None:
+        return picked, None
     from kernels.row_scan import MAX_CANDIDATES
 
-    return logits.shape[1] if logits.is_cuda else 4 * MAX_CANDIDATES
+    return None, logits.shape[1] if logits.is_cuda else 4 * MAX_CANDIDATES
