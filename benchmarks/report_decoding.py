@@ -45,27 +45,30 @@ def copy_bandwidth() -> float:
 
 
 def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
-    """A strategy's kernels without Python or host syncs (timed as a CUDA graph).
+    """A strategy's whole device step — kernels only, no Python or host sync (timed as a CUDA graph).
 
-    Greedy and sampling: the whole step (scan + the select kernel with the head math and
-    the draw). Top-k / top-p: the scan with candidates and its split merge (their head math
-    and draw are O(B) torch ops, not included).
+    Greedy and sampling: the scan + the select kernel (head math and draw). Top-k (then top-p):
+    the candidate scan + the candidate select kernel. Top-p alone: the nucleus cut + draw kernels.
     """
-    from kernels.row_scan import MAX_CANDIDATES, row_scan, scan_partials
-    from kernels.row_select import select_from_scan
+    from kernels.nucleus import nucleus_select
+    from kernels.row_scan import scan_partials
+    from kernels.row_select import select_candidates_from_scan, select_from_scan
 
     plain = untruncated(k, p)
-    candidates = 0 if plain else (k or MAX_CANDIDATES)
-    seed = torch.tensor([1234], device=device) if plain and k != 1 else None  # sampling races; greedy does not
+    seed = torch.tensor([1234], device=device)
+    head = dict(head="nmst", eps=1e-5, steps=100, state=None)
 
     def step(logits: torch.Tensor) -> None:
         eos = logits.shape[1] - 1
         if plain:
-            scan = scan_partials(logits, eos_index=eos, seed=seed)
-            select_from_scan(logits, scan, head="nmst", eos_index=eos, eps=1e-5, temperature=1.0, steps=100,
-                             state=None, seed=seed)
+            race = None if k == 1 else seed  # sampling races; greedy does not
+            scan = scan_partials(logits, eos_index=eos, seed=race)
+            select_from_scan(logits, scan, eos_index=eos, temperature=1.0, seed=race, **head)
+        elif k is None:
+            nucleus_select(logits, eos_index=eos, temperature=1.0, top_p_threshold=p, seed=seed, **head)
         else:
-            row_scan(logits, eos_index=eos, candidates=candidates)
+            scan = scan_partials(logits, eos_index=eos, candidates=k)
+            select_candidates_from_scan(logits, scan, eos_index=eos, top_k=k, top_p_threshold=p, seed=seed, **head)
 
     return step
 
@@ -76,8 +79,8 @@ def gpu_main() -> None:
     bandwidth = copy_bandwidth()
     print(f"per-step selection, NMST head, fp32 logits, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"do_bench medians; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write); "
-          "floor = B*V*4 bytes / that bandwidth; kernels = the strategy's device work as a CUDA graph "
-          "(greedy/sampling: the whole step, scan + select; top-k/top-p: scan + split merge)")
+          "floor = B*V*4 bytes / that bandwidth; kernels = the strategy's whole device step as a CUDA graph "
+          "(greedy/sampling/top-k: scan + select; top-p: nucleus cut + draw)")
     print("| B | V | strategy | fast (ms) | sort-based (ms) | speed-up | kernels (ms) | floor (ms) | kernels / floor |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     gen = torch.Generator(device="cuda").manual_seed(0)

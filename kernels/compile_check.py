@@ -33,7 +33,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import mangle_type
 
-from . import row_scan, row_select, scale_cast, split_softmax
+from . import nucleus, row_scan, row_select, scale_cast, split_softmax
 
 
 @dataclass
@@ -102,8 +102,8 @@ def launches() -> list[Launch]:
     # Every head x truncation at a small K; the large-K shapes (the most registers, the widest
     # tl.topk: 64 splits x 128 candidates for one long row) once per head or once.
     candidate_variants = (
-        [(4, 4, head, trunc) for head in ("va", "nmst", "st") for trunc in ((4, None), (None, 0.9), (3, 0.5))]
-        + [(128, 4, head, (3, 0.5)) for head in ("va", "nmst", "st")] + [(128, 64, "st", (None, 0.9))])
+        [(4, 4, head, trunc) for head in ("va", "nmst", "st") for trunc in ((4, None), (3, 0.5))]
+        + [(128, 4, head, (3, 0.5)) for head in ("va", "nmst", "st")] + [(128, 64, "st", (100, 0.9))])
     for K, block_s, head, (top_k, top_p) in candidate_variants:
         cand_scan = _fake_scan(z, K)
         label = f"select candidates {head} K={K} splits<={block_s} top_k={top_k} top_p={top_p}"
@@ -113,6 +113,7 @@ def launches() -> list[Launch]:
             top_k=top_k, top_p_threshold=top_p, seed=seed),
             label, dict(BLOCK_S=block_s, BLOCK_B=block_b),
             dict(num_warps=row_select.candidate_num_warps(block_b, block_s, K))))
+    out += _nucleus_launches(state, seed)
     zb = z.to(torch.bfloat16)
     targets = torch.zeros(4, dtype=torch.long)
     out.append(_record(split_softmax, "_split_lse_kernel", lambda: split_softmax.split_lse(zb, targets, 5),
@@ -125,6 +126,32 @@ def launches() -> list[Launch]:
         out.append(_record(scale_cast, "_scale_cast_kernel",
                            lambda: scale_cast.scale_cast(torch.zeros(4, 3), torch.ones((), dtype=torch.bfloat16), dtype),
                            f"scale_cast fp32 -> {str(dtype)[6:]}", {}))
+    return out
+
+
+def _nucleus_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launch]:
+    """Top-p's cut and draw kernels for every head (fp32, and bf16 once), at the CUDA launch shape
+    of a 128256-token vocabulary (the widest per-tile table)."""
+    V = 128256
+    z = torch.randn(4, V, generator=torch.Generator().manual_seed(1))
+    cut_shape = nucleus.cuda_launch(V)
+    draw_shape = nucleus.draw_launch(4, V, cut_shape["BLOCK_V"], cuda=True)
+    out = []
+    for head, dtype in [("va", torch.float32), ("nmst", torch.float32), ("st", torch.float32),
+                        ("nmst", torch.bfloat16)]:
+        cut_sink: list = []
+        draw_sink: list = []
+        with _recording(nucleus, "_nucleus_cut_kernel", cut_sink) as cut_kernel, \
+                _recording(nucleus, "_nucleus_draw_kernel", draw_sink) as draw_kernel:
+            nucleus.nucleus_select(z.to(dtype), head=head, eos_index=5, eps=1e-5, temperature=0.7, steps=3,
+                                   state=state if head == "st" else None, top_p_threshold=0.9, seed=seed)
+        label = f"{head} {str(dtype)[6:]}"
+        options = {"num_warps": cut_shape["num_warps"]}
+        blocks = {key: value for key, value in cut_shape.items() if key != "num_warps"}
+        out.append(Launch(f"nucleus cut {label}", cut_kernel, *cut_sink[0], blocks, options))
+        draw_blocks = {key: value for key, value in draw_shape.items() if key != "num_warps"}
+        out.append(Launch(f"nucleus draw {label}", draw_kernel, *draw_sink[0],
+                          draw_blocks | {"BLOCK_V": blocks["BLOCK_V"]}, {"num_warps": draw_shape["num_warps"]}))
     return out
 
 

@@ -35,7 +35,8 @@ _NO_KEY = -(2**63)  # below every real key: padding, eos and out-of-range column
 
 
 @triton.jit
-def _column_keys(x, cols):
+def column_keys(x, cols):
+    """One int64 key per (fp32 value, column): keys sorted descending are (value desc, column asc)."""
     x = tl.where(x == 0.0, 0.0, x)  # -0.0 == +0.0 as floats: give them one key so they tie
     bits = x.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order == float order
@@ -44,7 +45,7 @@ def _column_keys(x, cols):
 
 @triton.jit
 def decode_column_keys(keys):
-    """(x as float64, column) of keys made by ``_column_keys``; padding decodes to (-inf, -1).
+    """(x as float64, column) of keys made by ``column_keys``; padding decodes to (-inf, -1).
     The torch twin is :func:`decode_keys`."""
     padding = keys == -9223372036854775808
     ordered = (keys >> 32).to(tl.int32)
@@ -139,7 +140,7 @@ def _row_scan_kernel(
             race_idx = tl.where(won, key_idx, race_idx)
             race_val = tl.where(won, key_max, race_val)
         if K > 0:
-            keys = tl.where(keep, _column_keys(x, cols[None, :]), -9223372036854775808)
+            keys = tl.where(keep, column_keys(x, cols[None, :]), -9223372036854775808)
             # Most tiles after the first few hold nothing above the running K-th key: skip the merge.
             if tl.max((tl.max(keys, axis=1) > tl.min(best, axis=1)).to(tl.int32)) > 0:
                 both = tl.reshape(tl.join(best, tl.topk(keys, K, dim=1)), (BLOCK_B, 2 * K))

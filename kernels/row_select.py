@@ -15,9 +15,8 @@ is O(1) (or O(K)) per row:
     tokens exactly);
   * ``_select_candidates_kernel``: eos merged into the ranked candidates, top-k then
     top-p, and an inverse-CDF draw;
-  * the chosen token, its log-probability, ST's new state, and flags: the first row
-    whose distribution is undefined (NaN/+inf logits, or no finite non-eos logit) and
-    the first row whose top-p nucleus may extend past the candidates.
+  * the chosen token, its log-probability, ST's new state, and a flag: the first row
+    whose distribution is undefined (NaN/+inf logits, or no finite non-eos logit).
 
 So a decoding step is two launches with no host sync in between; the caller reads
 the flags once at the end. The math is ``nmst_fast.decoding.distribution``'s (the
@@ -120,7 +119,10 @@ def _eos_terms(
     s = tl.load(z_row + eos_index, mask=row_ok, other=0.0).to(tl.float64)
     a = _log_survival(s, rows, row_ok, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value,
                       state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
-    return lse - a, lse + _log1mexp(a) - a, s != s
+    # a = −inf (eos certain) would make both inf − inf: any a below −1e300 is 1 − α = 0 in fp64
+    # (LOG_SURVIVAL_FLOOR of the torch path).
+    a_floor = tl.maximum(a, -1e300)
+    return lse - a_floor, lse + _log1mexp(a) - a_floor, s != s
 
 
 @triton.jit
@@ -245,7 +247,6 @@ def _select_candidates_kernel(
     HEAD: tl.constexpr,
     STEPS_PER_ROW: tl.constexpr,
     HAS_STATE: tl.constexpr,
-    HAS_TOP_K: tl.constexpr,
     HAS_TOP_P: tl.constexpr,
     K: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -288,22 +289,18 @@ def _select_candidates_kernel(
         prob_eos = tl.zeros((BLOCK_B,), tl.float64)
     else:
         prob_eos = tl.exp(eos_zeta - log_norm)
-    if HAS_TOP_K:
-        prob = tl.where(merged_rank < top_k, prob, 0.0)
-        prob_eos = tl.where(eos_pos < top_k, prob_eos, 0.0)
-        mass = tl.sum(prob, axis=1) + prob_eos
-        mass = tl.where(mass > 0.0, mass, 1.0)  # padding rows of the block
-        prob = prob / mass[:, None]
-        prob_eos = prob_eos / mass
-    uncovered = tl.zeros((BLOCK_B,), tl.int1)
+    prob = tl.where(merged_rank < top_k, prob, 0.0)
+    prob_eos = tl.where(eos_pos < top_k, prob_eos, 0.0)
+    mass = tl.sum(prob, axis=1) + prob_eos
+    mass = tl.where(mass > 0.0, mass, 1.0)  # padding rows of the block
+    prob = prob / mass[:, None]
+    prob_eos = prob_eos / mass
     if HAS_TOP_P:
         threshold = tl.cast(top_p_hi, tl.float64) + tl.cast(top_p_lo, tl.float64)
         # Keep a rank while the mass strictly before it (in merged order) is short of p;
         # rank 0 always stays.
         before = tl.cumsum(prob, axis=1) - prob + tl.where(rank[None, :] >= eos_pos[:, None], prob_eos[:, None], 0.0)
         before_eos = tl.sum(tl.where(rank[None, :] < eos_pos[:, None], prob, 0.0), axis=1)
-        if not HAS_TOP_K:  # the list must reach p, or the nucleus may go on past the candidates
-            uncovered = row_ok & ~bad & (tl.sum(prob, axis=1) + prob_eos < threshold)
         prob = tl.where((before < threshold) | (merged_rank == 0), prob, 0.0)
         prob_eos = tl.where((before_eos < threshold) | (eos_pos == 0), prob_eos, 0.0)
 
@@ -322,7 +319,6 @@ def _select_candidates_kernel(
     tl.store(token_ptr + rows, token, mask=row_ok)
     tl.store(log_prob_ptr + rows, log_prob, mask=row_ok)
     tl.atomic_min(flags_ptr, tl.min(tl.where(bad & row_ok, rows, n_rows), axis=0))
-    tl.atomic_min(flags_ptr + 1, tl.min(tl.where(uncovered, rows, n_rows), axis=0))
 
 
 @dataclass
@@ -332,8 +328,8 @@ class Selection:
     tokens: torch.Tensor  # (B,) int64
     log_probs: torch.Tensor  # (B,) float64 log p of each chosen token (untruncated distribution)
     state: Optional[torch.Tensor]  # (B,) float64 ST's log(1 − α_t) after this step; None for other heads
-    # (2,) int32: [first row without a distribution, first row whose top-p nucleus may extend past
-    # the candidates (its draw is then invalid: the caller takes another path)]; B means none
+    # (2,) int32: [first row without a distribution, first row whose top-p nucleus the nucleus
+    # kernels could not resolve (its draw is then invalid: the caller takes another path)]; B means none
     flags: torch.Tensor
 
 
@@ -444,27 +440,27 @@ def select_candidates_from_scan(
     eps: float,
     steps: int | torch.Tensor,
     state: Optional[torch.Tensor],
-    top_k: Optional[int],
+    top_k: int,
     top_p_threshold: Optional[float],
     seed: torch.Tensor,
 ) -> Selection:
-    """Draw from the top-k / top-p truncation of each row's step distribution.
+    """Draw from the top-k (then top-p) truncation of each row's step distribution.
 
     The scan (with ``candidates``) holds each row's K best non-eos tokens; eos joins them
-    by its exact ζ_eos, so with ``top_k`` (<= K) the kept set is exact; top-p alone needs the
-    nucleus to fit in the K + 1 tokens (``flags[1]`` says when it may not).
+    by its exact ζ_eos, so with ``top_k`` (<= K) the kept set is exact. (Top-p alone takes
+    ``kernels/nucleus.py``: a nucleus may hold any number of tokens.)
 
     Args:
         z, head, eos_index, eps, steps, state: as :func:`select_from_scan`.
         scan: :func:`kernels.row_scan.scan_partials` of ``z`` with candidates (K >= top_k).
-        top_k: keep the k most probable tokens (None: no top-k).
+        top_k: keep the k most probable tokens.
         top_p_threshold: keep ranks while the mass before them is below this (top_p minus the
             caller's rounding slack; None: no top-p).
         seed: one-element int64 tensor for the draw.
     """
     B, _ = z.shape
     n_splits, K = scan.parts["keys"].shape[1:]
-    if top_k is not None and (top_k < 1 or (top_k > K and K + 1 < z.shape[1])):
+    if top_k < 1 or (top_k > K and K + 1 < z.shape[1]):
         raise ValueError(f"top_k must lie in [1, K={K}] for these candidates (or cover all V), got {top_k}")
     out = _Outputs(z, head, eps, steps, state)
     if B:
@@ -475,10 +471,10 @@ def select_candidates_from_scan(
             z, z.stride(0), B, n_splits, scan.row_stride(B),
             parts["max"], parts["sum"], parts["keys"],
             eos_index, *out.head_args,
-            top_k or 0, *_split_f64(top_p_threshold if top_p_threshold is not None else 1.0),
+            top_k, *_split_f64(top_p_threshold if top_p_threshold is not None else 1.0),
             seed, out.tokens, out.log_probs, out.state, out.flags,
             HEAD=HEAD_CODES[head], STEPS_PER_ROW=out.steps_per_row, HAS_STATE=out.has_state,
-            HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p_threshold is not None, K=K,
+            HAS_TOP_P=top_p_threshold is not None, K=K,
             BLOCK_B=block_b, BLOCK_S=block_s,
             num_warps=candidate_num_warps(block_b, block_s, K),
         )

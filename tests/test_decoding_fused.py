@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import nmst_fast.decoding
 from nmst_fast.decoding import effective_logits, sample
 from kernels.row_scan import MAX_CANDIDATES
 from nmst_fast.decoding.fused import fused_select, fused_truncated
@@ -225,27 +226,6 @@ def test_fused_truncation_boundaries(logits, top_k, top_p):
     assert _g_test(draws.cpu(), expected) > 1e-5
 
 
-def test_large_nucleus_falls_back_to_the_torch_path(monkeypatch):
-    import nmst_fast.decoding.selection as selection
-    from kernels.row_scan import MAX_CANDIDATES
-
-    z = torch.zeros(3, 200, device=DEVICE)  # flat: a 0.99 nucleus holds ~198 tokens > the candidates
-    assert fused_truncated(z, head="nmst", eos_index=0, top_p=0.99) is None
-    assert fused_truncated(z, head="nmst", eos_index=0, top_p=0.1) is not None
-    sizes = []
-    real = selection.ranked_candidates
-    monkeypatch.setattr(selection, "ranked_candidates", lambda d, k: sizes.append(k) or real(d, k))
-    tokens, _ = sample(z, head="nmst", eos_index=0, top_p=0.99, impl="triton",
-                       generator=torch.Generator().manual_seed(0))
-    assert tokens.shape == (3,) and bool(((tokens >= 0) & (tokens < 200)).all())
-    # The torch rounds start where the kernel's candidates proved too few (the whole row on CUDA).
-    assert sizes[0] == (200 if z.is_cuda else min(200, 4 * MAX_CANDIDATES))
-    wide = torch.zeros(2, 5000, device=DEVICE)
-    sizes.clear()
-    sample(wide, head="va", eos_index=0, top_p=0.9, impl="triton", generator=torch.Generator().manual_seed(1))
-    assert sizes[0] == (5000 if wide.is_cuda else 4 * MAX_CANDIDATES)
-
-
 def test_fused_top_k_generation_scores_are_model_log_probs():
     """The log-probs the fused path reports are the untruncated step log-probs of the drawn tokens."""
     from test_generation import TinyRNN, _contexts
@@ -337,3 +317,25 @@ def test_flashinfer_benchmark_wiring(monkeypatch):
         assert flashinfer_sampler(k, p)(logits, None).shape == (3,)
     assert calls == [("sampling_from_logits", ()), ("top_k_sampling_from_probs", (4,)),
                      ("top_p_sampling_from_probs", (0.4,)), ("top_k_top_p_sampling_from_probs", (4, 0.4))]
+
+
+@pytest.mark.parametrize("head,eos_logit", [("st", float("-inf")), ("nmst", float("inf"))])
+def test_certain_eos_is_drawn_without_nan(head, eos_logit):
+    """An eos logit that makes α_t = 1 (a = log(1 − α) = −inf): every path draws eos with log-prob 0,
+    where ζ_eos = L + log(1 − e^a) − a and L − a used to give inf − inf."""
+    z = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
+    z[:, 4] = eos_logit
+    log_p, _ = nmst_fast.decoding.step_log_probs(z, head=head, eos_index=4, eps=0.01, steps=3)
+    assert not bool(log_p.isnan().any())
+    assert log_p[:, 4].tolist() == [0.0] * 3 and bool((log_p[:, :4].exp() == 0).all())  # −1e300 or −inf
+    args = dict(head=head, eos_index=4, eps=0.01, steps=3)
+    for impl in ("torch", "triton"):
+        for truncation in (dict(top_k=1), dict(), dict(top_k=3), dict(top_p=0.5)):
+            tokens, _ = sample(z.to(DEVICE), impl=impl, generator=torch.Generator().manual_seed(0), **truncation,
+                               **args)
+            assert tokens.tolist() == [4] * 3, (impl, truncation)
+    for greedy in (True, False):
+        picked = fused_select(z.to(DEVICE), greedy=greedy, generator=torch.Generator().manual_seed(0), **args)
+        assert picked.log_probs.tolist() == [0.0] * 3
+    picked = fused_truncated(z.to(DEVICE), top_p=0.5, generator=torch.Generator().manual_seed(0), **args)
+    assert picked.log_probs.tolist() == [0.0] * 3

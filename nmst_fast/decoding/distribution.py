@@ -118,9 +118,14 @@ def check_state(state: object, batch: int, device: torch.device) -> torch.Tensor
     return state.to(device)
 
 
+# a = log(1 − α) is −inf when eos is certain (ST's eos logit −inf, NMST's +inf); L − a and
+# ζ_eos would then be inf − inf. Any a below this floor is the same 1 − α = 0 in float64.
+LOG_SURVIVAL_FLOOR = -1e300
+
+
 def eos_effective_logit(lse: torch.Tensor, log_surv: torch.Tensor) -> torch.Tensor:
     """ζ_eos = L + log(1 − e^a) − a (B,) float64: eos's logit on the scale of the raw non-eos logits."""
-    return lse + log1mexp(log_surv) - log_surv
+    return lse + log1mexp(log_surv) - log_surv.clamp(min=LOG_SURVIVAL_FLOOR)
 
 
 def eos_terms(
@@ -133,7 +138,8 @@ def eos_terms(
     """
     check_rows(non_eos_lse, eos_logit)
     log_surv = step_log_survival(eos_logit, head=head, eps=eps, steps=steps, state=state)
-    return non_eos_lse - log_surv, eos_effective_logit(non_eos_lse, log_surv), log_surv
+    return (non_eos_lse - log_surv.clamp(min=LOG_SURVIVAL_FLOOR), eos_effective_logit(non_eos_lse, log_surv),
+            log_surv)
 
 
 def check_rows(non_eos_lse: torch.Tensor, eos_logit: Optional[torch.Tensor] = None) -> None:

@@ -1,4 +1,4 @@
-"""Token selection from one read of the logits (Triton): two launches, one host sync.
+"""Token selection on the logits in Triton: two launches, one host sync, no (B, V) tensor.
 
 The scan (``kernels/row_scan.py``) reads the logits once and leaves per row and
 V-split: the running max/sum of the non-eos logits, the first argmax, the winner
@@ -10,12 +10,14 @@ float64: L, the head's log(1 − α_t), eos's effective logit
 * greedy: eos against the top non-eos logit (ties → lower index);
 * sampling: eos with its own Gumbel draw against the race winner (exact: a race
   over all V effective logits);
-* top-k / top-p: eos merged into the ranked candidates by its exact ζ_eos, the
-  truncation, and an inverse-CDF draw.
+* top-k (then top-p): eos merged into the ranked candidates by its exact ζ_eos,
+  the truncation, and an inverse-CDF draw;
+* top-p alone: ``kernels/nucleus.py`` narrows the nucleus cut down by value (a few
+  passes over the row, which a GPU serves from L2) and draws by inverse CDF.
 
 So no (B, V) probability tensor, no sort, and no host sync until the end, where
-one read of two flags reports undefined rows (NaN logits) and top-p nuclei that
-outgrow the candidates (the caller then takes the torch path).
+one read of two flags reports undefined rows (NaN logits) and nuclei the kernel
+could not resolve (the caller then takes the torch path).
 """
 
 from __future__ import annotations
@@ -116,12 +118,15 @@ def fused_select(
 
 
 def fused_truncation_available(top_k: Optional[int]) -> bool:
-    """Whether the kernel's candidate list can serve top-k (top_k=None: top-p alone)."""
+    """Whether a fused kernel serves this truncation: top-p alone always (the nucleus kernels),
+    top-k when its candidate list can hold k (needs tl.topk)."""
     if not triton_available():
         return False
+    if top_k is None:
+        return True
     from kernels.row_scan import HAS_TOPK, MAX_CANDIDATES
 
-    return HAS_TOPK and (top_k is None or top_k <= MAX_CANDIDATES)
+    return HAS_TOPK and top_k <= MAX_CANDIDATES
 
 
 def fused_truncated(
@@ -137,23 +142,33 @@ def fused_truncated(
     top_p: Optional[float] = None,
     generator: Optional[torch.Generator] = None,
 ) -> Optional[FusedSelection]:
-    """Top-k / top-p sampling from the scan's ranked candidates (one read of the logits).
+    """Top-k / top-p sampling without a (B, V) probability tensor or a sort of the vocabulary.
 
-    The scan keeps the K most probable non-eos tokens (K >= top_k, or MAX_CANDIDATES for
-    top-p alone); eos joins them by its exact ζ_eos, which makes them the K + 1 most
-    probable tokens overall. Returns None when some row's top-p nucleus may need more
-    than those (the caller then takes the torch path).
+    Top-p alone: the nucleus kernels (``kernels/nucleus.py``) find the cut by value, whatever
+    the nucleus size. With top-k: the scan keeps the K >= top_k most probable non-eos tokens;
+    eos joins them by its exact ζ_eos, which makes them the K + 1 most probable tokens overall.
+    Returns None when some row could not be served (a nucleus bracket that did not converge);
+    the caller then takes the torch path.
     """
-    from kernels.row_scan import MAX_CANDIDATES
     from kernels.row_select import select_candidates_from_scan
 
     logits, kernel_steps, kernel_state = _prepare(logits, head, eos_index, eps, steps, state, temperature)
-    # The candidate scan draws no noise (the draw happens in the select kernel), so it can be shared.
-    scan = _scan(logits, head, eos_index, temperature, candidates=top_k if top_k is not None else MAX_CANDIDATES)
     threshold = top_p - TOP_P_SLACK if top_p is not None and top_p < 1.0 else None
-    picked = select_candidates_from_scan(logits, scan, head=head, eos_index=eos_index, eps=eps, steps=kernel_steps,
-                                         state=kernel_state, top_k=top_k, top_p_threshold=threshold,
-                                         seed=_seed(generator, logits.device))
+    if top_k is None and threshold is None:  # nothing to truncate
+        return fused_select(logits, head=head, eos_index=eos_index, eps=eps, steps=steps, state=state,
+                            temperature=temperature, greedy=False, generator=generator)
+    seed = _seed(generator, logits.device)
+    if top_k is None:
+        from kernels.nucleus import nucleus_select
+
+        picked = nucleus_select(logits, head=head, eos_index=eos_index, eps=eps, temperature=temperature,
+                                steps=kernel_steps, state=kernel_state, top_p_threshold=threshold, seed=seed)
+    else:
+        # The candidate scan draws no noise (the draw happens in the select kernel), so it can be shared.
+        scan = _scan(logits, head, eos_index, temperature, candidates=top_k)
+        picked = select_candidates_from_scan(logits, scan, head=head, eos_index=eos_index, eps=eps,
+                                             steps=kernel_steps, state=kernel_state, top_k=top_k,
+                                             top_p_threshold=threshold, seed=seed)
     if not _check_flags(picked.flags, logits.shape[0]):
         return None
     return FusedSelection(picked.tokens, picked.log_probs, picked.state)

@@ -195,12 +195,12 @@ def select(
 
 def use_fused(impl: str, logits: torch.Tensor, top_k: Optional[int], top_p: Optional[float], *,
               ranked: bool = False) -> bool:
-    """Whether the one-read Triton scan serves this call.
+    """Whether the Triton kernels serve this call.
 
-    It serves greedy, untruncated sampling and top-k / top-p with k up to
-    ``kernels.row_scan.MAX_CANDIDATES`` (top-p alone keeps that many candidates, and a step
-    whose nucleus is larger falls back to the torch path). ``ranked``: the caller wants the
-    ``top_k`` best tokens in rank order (beam search), which always takes the candidate list.
+    They serve greedy, untruncated sampling, top-p alone (any nucleus size: ``kernels/nucleus.py``)
+    and top-k (then top-p) with k up to ``kernels.row_scan.MAX_CANDIDATES``. ``ranked``: the
+    caller wants the ``top_k`` best tokens in rank order (beam search), which always takes the
+    candidate list.
     """
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
@@ -266,12 +266,11 @@ def try_fused_sample(
     """The fused pick when :func:`use_fused` serves the call (arguments as :func:`sample`).
 
     Returns (selection, None), or (None, first_size) for the torch path: ``first_size`` is
-    top-p's first candidate-list size for :func:`select` (None: its default). After the scan
-    found the nucleus larger than its candidates, CUDA ranks the whole row at once (one
-    segmented sort costs about one large ``torch.topk`` there, and the growing rounds would
-    repeat it: the last GPU run measured 6.9 ms for the rounds vs 3.9 ms for the sort-based
-    path at 256×50257); elsewhere the rounds start at the first size the candidates proved
-    too small.
+    top-p's first candidate-list size for :func:`select` (None: its default). The kernels give
+    up only on a nucleus cut they could not isolate (many distinct values packed at the cut);
+    CUDA then ranks the whole row at once (one segmented sort costs about one large
+    ``torch.topk`` there, and growing rounds would repeat it: the GPU run measured 6.9 ms for
+    the rounds vs 3.9 ms sort-based at 256×50257).
     """
     if not use_fused(impl, logits, top_k, top_p):
         return None, None
@@ -279,6 +278,4 @@ def try_fused_sample(
                           temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
     if picked is not None:
         return picked, None
-    from kernels.row_scan import MAX_CANDIDATES
-
-    return None, logits.shape[1] if logits.is_cuda else 4 * MAX_CANDIDATES
+    return None, logits.shape[1] if logits.is_cuda else None
