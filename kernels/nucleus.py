@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .row_scan import column_keys, decode_column_keys
+from .row_scan import column_keys, decode_column_keys, online_logsumexp
 from .row_select import HEAD_CODES, Selection, _eos_terms, _Outputs, _split_f64, _uniform_f64
 
 BRACKET_SPLITS = 16  # NT: sub-intervals per bracket pass
@@ -90,10 +90,7 @@ def _nucleus_cut_kernel(
     n_valid = tl.zeros((BLOCK_B,), tl.int32)
     for start in range(0, V, BLOCK_V):
         x = _load_x(base, start + tl.arange(0, BLOCK_V)[None, :], row_ok, V, eos_index, inv_temp, HAS_EOS)
-        new_m = tl.maximum(m, tl.max(x, axis=1))
-        shift = tl.where(new_m == float("-inf"), 0.0, new_m)
-        s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
-        m = new_m
+        m, s = online_logsumexp(m, s, x, tl.max(x, axis=1))
         valid = x > float("-inf")  # NaN is not: its row is flagged through s
         x_min = tl.minimum(x_min, tl.min(tl.where(valid, x, float("inf")), axis=1))
         n_valid += tl.sum(valid.to(tl.int32), axis=1)

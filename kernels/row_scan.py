@@ -44,6 +44,14 @@ def column_keys(x, cols):
 
 
 @triton.jit
+def online_logsumexp(running_max, running_sum, x, tile_max):
+    """Fold a (rows, tile) block ``x`` with row maxima ``tile_max`` into the running (max, Σe^(x − max))."""
+    new_max = tl.maximum(running_max, tile_max)
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # all-masked so far: avoid -inf - -inf
+    return new_max, running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
+
+
+@triton.jit
 def decode_column_keys(keys):
     """(x as float64, column) of keys made by ``column_keys``; padding decodes to (-inf, -1).
     The torch twin is :func:`decode_keys`."""
@@ -119,10 +127,7 @@ def _row_scan_kernel(
         x = tl.load(row_base + cols[None, :], mask=keep, other=float("-inf")).to(tl.float32) * inv_temp
         x = tl.where(keep, x, float("-inf"))
         tile_max = tl.max(x, axis=1)
-        new_max = tl.maximum(running_max, tile_max)
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # all-masked tile: avoid -inf - -inf
-        running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
-        running_max = new_max
+        running_max, running_sum = online_logsumexp(running_max, running_sum, x, tile_max)
         # First index of the tile maximum; a strictly larger tile max replaces the running one,
         # so ties keep the earlier (lower) index.
         tile_idx = tl.min(tl.where(x == tile_max[:, None], cols[None, :], V), axis=1)
