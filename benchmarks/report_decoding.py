@@ -73,6 +73,17 @@ def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
     return step
 
 
+def _bracket_passes(logits: torch.Tensor, k: Optional[int], p: Optional[float]) -> str:
+    """How many bracket passes the nucleus cut ran (the most over rows), for top-p alone; else "—"."""
+    if k is not None or p is None or p >= 1.0:
+        return "—"
+    from kernels.nucleus import nucleus_cut
+
+    cut = nucleus_cut(logits, head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100,
+                      state=None, top_p_threshold=p)
+    return str(int(cut.parts["passes"].max()))
+
+
 def gpu_main() -> None:
     import triton.testing
 
@@ -81,8 +92,9 @@ def gpu_main() -> None:
           f"do_bench medians; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write); "
           "floor = B*V*4 bytes / that bandwidth; kernels = the strategy's whole device step as a CUDA graph "
           "(greedy/sampling/top-k: scan + select; top-p: nucleus cut + draw)")
-    print("| B | V | strategy | fast (ms) | sort-based (ms) | speed-up | kernels (ms) | floor (ms) | kernels / floor |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("| B | V | strategy | fast (ms) | sort-based (ms) | speed-up | kernels (ms) | floor (ms) | kernels / floor "
+          "| top-p bracket passes (max) |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     gen = torch.Generator(device="cuda").manual_seed(0)
     for V in VOCABS:
         for B in BATCHES:
@@ -94,7 +106,7 @@ def gpu_main() -> None:
                 ms = triton.testing.do_bench(lambda: s(logits, gen), return_mode="median")
                 mscan = triton.testing.do_bench_cudagraph(lambda: device_step(logits), return_mode="median")
                 print(f"| {B} | {V} | {name} | {mf:.4f} | {ms:.4f} | {ms / mf:.2f}x | {mscan:.4f} | {floor_ms:.4f} | "
-                      f"{mscan / floor_ms:.2f} |", flush=True)
+                      f"{mscan / floor_ms:.2f} | {_bracket_passes(logits, k, p)} |", flush=True)
 
 
 def flashinfer_table(gen: torch.Generator) -> None:

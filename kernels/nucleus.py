@@ -73,6 +73,7 @@ def _nucleus_cut_kernel(
     w_ptr, log_norm_ptr, eos_zeta_ptr, eos_mass_ptr, above_ptr,  # (rows,) fp64
     tie_kept_ptr,  # (rows,) int32: kept tokens of a C-plus tie (0: the kept list applies)
     kept_col_ptr, kept_mass_ptr,  # (rows, C): kept bracket tokens in rank order and their masses
+    passes_ptr,  # (rows,) int32: bracket passes this row's program ran (for tuning and tests)
     new_state_ptr, flags_ptr, no_row,  # flags: first bad / unresolved row; no_row (the batch size): none
     HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr,
     NT: tl.constexpr, C: tl.constexpr, MAX_PASSES: tl.constexpr,
@@ -242,6 +243,7 @@ def _nucleus_cut_kernel(
     tl.store(eos_mass_ptr + rows, eos_mass, mask=row_ok)
     tl.store(above_ptr + rows, above_e, mask=row_ok)
     tl.store(tie_kept_ptr + rows, tie_kept, mask=row_ok)
+    tl.store(passes_ptr + rows, tl.full((BLOCK_B,), 0, tl.int32) + passes, mask=row_ok)
     tl.atomic_min(flags_ptr, tl.min(tl.where(bad & row_ok, rows, no_row), axis=0))
     tl.atomic_min(flags_ptr + 1, tl.min(tl.where(uncovered, rows, no_row), axis=0))
 
@@ -403,6 +405,7 @@ def nucleus_cut(
         "eos_zeta": torch.empty(cut_rows, **f64), "eos_mass": torch.empty(cut_rows, **f64),
         "above": torch.empty(cut_rows, **f64), "tie_kept": torch.empty(cut_rows, **i32),
         "kept_col": torch.empty((cut_rows, C), **i64), "kept_mass": torch.empty((cut_rows, C), **f64),
+        "passes": torch.empty(cut_rows, **i32),
     }
     if cut_rows:
         _nucleus_cut_kernel[(triton.cdiv(cut_rows, launch["BLOCK_B"]),)](
