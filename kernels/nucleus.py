@@ -9,12 +9,13 @@ index first). Only θ* and the mass above it are needed, so instead of ranking c
      (x = z / temperature); then the head's float64 scalars as ``row_select`` computes them:
      log_norm, eos's ζ_eos and mass p_eos, and w = e^(M − log_norm), so token v has mass w·e_v
      with e_v = e^(x_v − M).
-  2. bracket passes: the value interval [lo, hi) holding θ* is split at NT − 1 thresholds
-     spread over its members' range; one pass counts tokens, sums their mass and finds the
-     smallest and largest value per sub-interval. The sub-interval where the mass from the top
-     reaches p becomes the bracket (narrowed to its members' range), until it holds at most C
-     tokens or a single value. Value thresholds never split ties, and eos (a float64 ζ_eos)
-     is placed by exact comparisons with the same fp32 thresholds, so the partition is exact.
+  2. bracket passes: the value interval [lo, hi) holding θ* is split into NT parts at
+     thresholds θ_j spread over its members' range; one pass gives, per threshold, the count,
+     mass and smallest value of the members ≥ θ_j and the largest one < θ_j (per-thread
+     accumulators, reduced once per pass). The part where the mass from the top reaches p
+     becomes the bracket (narrowed to its members' range), until it holds at most C tokens or a
+     single value. Value thresholds never split ties, and eos (a float64 ζ_eos) is placed by
+     exact comparisons with the same fp32 thresholds, so the partition is exact.
   3. one pass: the mass above the bracket per tile (for the draw) and the bracket's tokens,
      compacted in column order (≤ C); then they are sorted by (value desc, column asc), eos is
      merged by its exact ζ_eos, and the keep rule of ``truncation.truncate`` (keep a token while
@@ -44,7 +45,7 @@ import triton.language as tl
 from .row_scan import column_keys, decode_column_keys, online_logsumexp
 from .row_select import HEAD_CODES, Selection, _eos_terms, _Outputs, _split_f64, _uniform_f64
 
-BRACKET_SPLITS = 16  # NT: sub-intervals per bracket pass
+BRACKET_SPLITS = 8  # NT: parts per bracket pass (compute per pass ∝ NT, passes ∝ 1/log NT; RESULTS.md)
 BRACKET_CAPACITY = 64  # C: tokens the final bracket may hold (sorted in registers)
 MAX_PASSES = 8
 _NO_KEY = -(2**63)
@@ -132,41 +133,58 @@ def _nucleus_cut_kernel(
         span_hi = tl.minimum(highest, 3.4028234663852886e38)
         theta = (span_lo[:, None] + (span_hi - span_lo)[:, None] * (sub[None, :].to(tl.float64) / NT)).to(tl.float32)
         theta = tl.where(sub[None, :] == 0, float("-inf"), theta)
-        cnt = tl.zeros((BLOCK_B, NT), tl.int32)
-        mass = tl.zeros((BLOCK_B, NT), tl.float64)
-        sub_min = tl.full((BLOCK_B, NT), float("inf"), tl.float32)
-        sub_max = tl.full((BLOCK_B, NT), float("-inf"), tl.float32)
+        # Per-thread statistics of each threshold, summed over the tiles and reduced once per
+        # pass (a cross-warp reduction per tile would cost more than the elementwise work):
+        # count, mass and min of the members x >= θ_j, and the max of those x < θ_j.
+        ge_cnt = tl.zeros((BLOCK_B, PASS_BLOCK_V, NT), tl.int32)
+        ge_mass = tl.zeros((BLOCK_B, PASS_BLOCK_V, NT), tl.float32)
+        ge_min = tl.full((BLOCK_B, PASS_BLOCK_V, NT), float("inf"), tl.float32)
+        lt_max = tl.full((BLOCK_B, PASS_BLOCK_V, NT), float("-inf"), tl.float32)
+        top = tl.full((BLOCK_B, PASS_BLOCK_V), float("-inf"), tl.float32)
         for start in range(0, V, PASS_BLOCK_V):
             x = _load_x(base, start + tl.arange(0, PASS_BLOCK_V)[None, :], active, V, eos_index, inv_temp, HAS_EOS)
             member = (x > float("-inf")) & (x >= lo[:, None]) & (x < hi[:, None])
-            which = tl.sum((x[:, :, None] >= theta[:, None, :]).to(tl.int32), axis=2) - 1
-            hit = (which[:, :, None] == sub[None, None, :]) & member[:, :, None]
-            e = tl.exp(x - m[:, None])
-            cnt += tl.sum(hit.to(tl.int32), axis=1)
-            mass += tl.sum(tl.where(hit, e[:, :, None], 0.0), axis=1).to(tl.float64)
-            sub_min = tl.minimum(sub_min, tl.min(tl.where(hit, x[:, :, None], float("inf")), axis=1))
-            sub_max = tl.maximum(sub_max, tl.max(tl.where(hit, x[:, :, None], float("-inf")), axis=1))
-        eos_sub = tl.sum((eos_zeta[:, None] >= theta.to(tl.float64)).to(tl.int32), axis=1) - 1
-        eos_here = eos_in[:, None] & (eos_sub[:, None] == sub[None, :])
-        sub_mass = w[:, None] * mass + tl.where(eos_here, p_eos[:, None], 0.0)
-        sub_cnt = cnt + eos_here.to(tl.int32)
-        # Mass from the top down to each sub-interval's start; the cut is in the last one reaching p.
-        from_top = above[:, None] + tl.sum(sub_mass, axis=1)[:, None] - tl.cumsum(sub_mass, axis=1) + sub_mass
-        pick = tl.max(tl.where((from_top >= threshold) & (sub_cnt > 0), sub[None, :], -1), axis=1)
+            above_theta = x[:, :, None] >= theta[:, None, :]
+            ge = above_theta & member[:, :, None]
+            x3 = x[:, :, None] + tl.zeros((1, 1, NT), tl.float32)
+            ge_cnt += ge.to(tl.int32)
+            ge_mass += tl.where(ge, tl.exp(x - m[:, None])[:, :, None], 0.0)
+            ge_min = tl.minimum(ge_min, tl.where(ge, x3, float("inf")))
+            lt_max = tl.maximum(lt_max, tl.where(~above_theta & member[:, :, None], x3, float("-inf")))
+            top = tl.maximum(top, tl.where(member, x, float("-inf")))
+        # Part j = [θ_j, θ_j+1) ∩ [lo, hi); eos joins the counts and masses by its exact ζ_eos.
+        eos_ge = eos_in[:, None] & (eos_zeta[:, None] >= theta.to(tl.float64))
+        n_ge = tl.sum(ge_cnt, axis=1)
+        from_top = above[:, None] + w[:, None] * tl.sum(ge_mass, axis=1).to(tl.float64) + \
+            tl.where(eos_ge, p_eos[:, None], 0.0)  # F_j: the mass of every token ranked from θ_j up
+        tokens_ge = n_ge + eos_ge.to(tl.int32)
+        nxt = sub[None, :] + 1
+        tokens_next = tl.sum(tl.where(sub[None, None, :] == nxt[:, :, None], tokens_ge[:, None, :], 0), axis=2)
+        n_next = tl.sum(tl.where(sub[None, None, :] == nxt[:, :, None], n_ge[:, None, :], 0), axis=2)
+        # The cut lies in the last non-empty part whose F reaches p.
+        pick = tl.max(tl.where((from_top >= threshold) & (tokens_ge > tokens_next), sub[None, :], -1), axis=1)
         found = pick >= 0
         at = sub[None, :] == pick[:, None]
-        higher = sub[None, :] > pick[:, None]
-        next_theta = tl.min(tl.where(higher, theta, float("inf")), axis=1)
-        stays = eos_in & (eos_sub == pick)
-        new_low = tl.min(tl.where(at, sub_min, float("inf")), axis=1).to(tl.float64)
-        new_high = tl.max(tl.where(at, sub_max, float("-inf")), axis=1).to(tl.float64)
+        at_next = sub[None, :] == (pick + 1)[:, None]
+        has_next = found & (pick < NT - 1)
+        next_theta = tl.sum(tl.where(at_next, theta, 0.0), axis=1)
+        elements = tl.sum(tl.where(at, n_ge - n_next, 0), axis=1)  # the part's non-eos tokens
+        new_low = tl.where(elements > 0, tl.min(tl.where(at, tl.min(ge_min, axis=1), float("inf")), axis=1),
+                           float("inf")).to(tl.float64)
+        below_next = tl.max(tl.where(at_next, tl.max(lt_max, axis=1), float("-inf")), axis=1)
+        new_high = tl.where(elements > 0, tl.where(has_next, below_next, tl.max(top, axis=1)),
+                            float("-inf")).to(tl.float64)
+        eos_at = tl.sum(tl.where(at, eos_ge.to(tl.int32), 0), axis=1) > 0
+        eos_next = tl.sum(tl.where(at_next, eos_ge.to(tl.int32), 0), axis=1) > 0
+        stays = eos_at & ~(has_next & eos_next)
         # Not found: the whole bracket is short of p (rounding when p is ~1): keep all of it.
-        go_up = eos_in & tl.where(found, eos_sub > pick, True)
-        lift = tl.where(found[:, None], higher, True)
-        new_above = above + tl.sum(tl.where(lift, sub_mass, 0.0), axis=1)
-        new_lo = tl.where(found & (pick > 0), tl.max(tl.where(at, theta, float("-inf")), axis=1), lo)
-        new_hi = tl.where(found, tl.where(pick < NT - 1, next_theta, hi), lo)
-        new_count = tl.where(found, tl.sum(tl.where(at, sub_cnt, 0), axis=1), 0)
+        go_up = eos_in & tl.where(found, has_next & eos_next, True)
+        total = tl.sum(tl.where(sub[None, :] == 0, from_top, 0.0), axis=1)
+        new_above = tl.where(found, tl.where(has_next, tl.sum(tl.where(at_next, from_top, 0.0), axis=1), above), total)
+        new_lo = tl.where(found & (pick > 0), tl.sum(tl.where(at, theta, 0.0), axis=1), lo)
+        new_hi = tl.where(found, tl.where(has_next, next_theta, hi), lo)
+        new_count = tl.where(found, tl.sum(tl.where(at, tokens_ge, 0), axis=1) -
+                             tl.where(has_next, tl.sum(tl.where(at_next, tokens_ge, 0), axis=1), 0), 0)
         lowest = tl.where(active, tl.where(stays, tl.minimum(new_low, eos_zeta), new_low), lowest)
         highest = tl.where(active, tl.where(stays, tl.maximum(new_high, eos_zeta), new_high), highest)
         lo = tl.where(active, new_lo, lo)

@@ -176,13 +176,13 @@ def test_nan_rows_are_reported():
 
 
 def test_bracket_passes_stay_few():
-    """Convergence, not time: peaked N(0, 9) logits need ≤ 3 bracket passes for p = 0.9 at V = 20000
-    (each pass splits the bracket 16 ways, then narrows it to its members); a flat VA row (one tie)
-    and a row of at most C tokens need none."""
+    """Convergence, not time: peaked N(0, 9) logits need ≤ 4 bracket passes for p = 0.9 at V = 20000
+    (each pass splits the bracket BRACKET_SPLITS = 8 ways, then narrows it to its members); a flat VA
+    row (one tie) and a row of at most C tokens need none."""
     z = torch.randn(4, 20000, generator=torch.Generator().manual_seed(3)).to(DEVICE) * 3
     args = dict(head="nmst", eos_index=0, eps=1e-5, temperature=1.0, steps=100, state=None)
     cut = nucleus.nucleus_cut(z, top_p_threshold=0.9, **args)
-    assert cut.out.flags.tolist() == [4, 4] and 1 <= int(cut.parts["passes"].max()) <= 3
+    assert cut.out.flags.tolist() == [4, 4] and 1 <= int(cut.parts["passes"].max()) <= 4
     flat = nucleus.nucleus_cut(torch.zeros(2, 3000, device=DEVICE), top_p_threshold=0.9, **{**args, "head": "va"})
     short = nucleus.nucleus_cut(z[:, : nucleus.BRACKET_CAPACITY], top_p_threshold=0.9, **args)  # 63 + eos
     assert int(flat.parts["passes"].max()) == 0 and int(short.parts["passes"].max()) == 0
