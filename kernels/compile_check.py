@@ -146,13 +146,15 @@ def _nucleus_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launch]:
             nucleus.nucleus_select(z.to(dtype), head=head, eos_index=5, eps=1e-5, temperature=0.7, steps=3,
                                    state=state if head == "st" else None, top_p_threshold=0.9, seed=seed)
         label = f"{head} {str(dtype)[6:]}"
-        options = {"num_warps": cut_shape["num_warps"]}
-        blocks = {key: value for key, value in cut_shape.items() if key != "num_warps"}
-        out.append(Launch(f"nucleus cut {label}", cut_kernel, *cut_sink[0], blocks, options))
-        draw_blocks = {key: value for key, value in draw_shape.items() if key != "num_warps"}
-        out.append(Launch(f"nucleus draw {label}", draw_kernel, *draw_sink[0],
-                          draw_blocks | {"BLOCK_V": blocks["BLOCK_V"]}, {"num_warps": draw_shape["num_warps"]}))
+        out.append(Launch(f"nucleus cut {label}", cut_kernel, *cut_sink[0], *_blocks_and_options(cut_shape)))
+        draw_blocks, draw_options = _blocks_and_options(draw_shape | {"BLOCK_V": cut_shape["BLOCK_V"]})
+        out.append(Launch(f"nucleus draw {label}", draw_kernel, *draw_sink[0], draw_blocks, draw_options))
     return out
+
+
+def _blocks_and_options(shape: dict) -> tuple[dict, dict]:
+    """A launch dict split into its constexpr block sizes and its compile options (num_warps)."""
+    return {key: value for key, value in shape.items() if key != "num_warps"}, {"num_warps": shape["num_warps"]}
 
 
 def _fake_scan(z: torch.Tensor, K: int) -> row_scan.ScanPartials:

@@ -348,8 +348,8 @@ def _nucleus_draw_kernel(
 
 def cuda_launch(V: int) -> dict:
     """Block sizes on a GPU: one row per program (its passes then re-read it from L2)."""
-    return dict(BLOCK_B=1, BLOCK_V=min(2048, triton.next_power_of_2(V)), PASS_BLOCK_V=min(256, triton.next_power_of_2(V)),
-                num_warps=8)
+    width = triton.next_power_of_2(V)
+    return dict(BLOCK_B=1, BLOCK_V=min(2048, width), PASS_BLOCK_V=min(256, width), num_warps=8)
 
 
 def _interpreter_launch(rows: int, V: int) -> dict:
@@ -408,8 +408,11 @@ def nucleus_cut(
     cut_rows = 1 if shared else B
     cut_z = z[:cut_rows]
     out = _Outputs(z, head, eps, steps, state)
-    cut_out = _Outputs(cut_z, head, eps, steps[:cut_rows] if isinstance(steps, torch.Tensor) else steps,
-                       None if state is None else state[:cut_rows])
+    # A shared cut runs the head math on row 0 alone: its own (one-row) head arguments and state.
+    cut_out = out
+    if shared:
+        cut_out = _Outputs(cut_z, head, eps, steps[:1] if isinstance(steps, torch.Tensor) else steps,
+                           None if state is None else state[:1])
     launch = cuda_launch(V) if z.is_cuda else _interpreter_launch(max(cut_rows, 1), V)
     n_tiles = triton.cdiv(V, launch["BLOCK_V"])
     C = BRACKET_CAPACITY

@@ -123,23 +123,19 @@ def check_state(state: object, batch: int, device: torch.device) -> torch.Tensor
 LOG_SURVIVAL_FLOOR = -1e300
 
 
-def eos_effective_logit(lse: torch.Tensor, log_surv: torch.Tensor) -> torch.Tensor:
-    """ζ_eos = L + log(1 − e^a) − a (B,) float64: eos's logit on the scale of the raw non-eos logits."""
-    return lse + log1mexp(log_surv) - log_surv.clamp(min=LOG_SURVIVAL_FLOOR)
-
-
 def eos_terms(
     non_eos_lse: torch.Tensor, eos_logit: torch.Tensor, *, head: str, eps: float, steps: Steps,
     state: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The NMST/ST head's per-row scalars from L and s (both (B,) float64), rows checked first.
 
-    Returns (log_norm = L − a, ζ_eos, a = log(1 − α_t)): log p(v) = ζ_v − log_norm.
+    Returns (log_norm = L − a, ζ_eos = L + log(1 − e^a) − a, a = log(1 − α_t)): log p(v) = ζ_v − log_norm,
+    ζ_eos being eos's logit on the scale of the raw non-eos logits.
     """
     check_rows(non_eos_lse, eos_logit)
     log_surv = step_log_survival(eos_logit, head=head, eps=eps, steps=steps, state=state)
-    return (non_eos_lse - log_surv.clamp(min=LOG_SURVIVAL_FLOOR), eos_effective_logit(non_eos_lse, log_surv),
-            log_surv)
+    floored = log_surv.clamp(min=LOG_SURVIVAL_FLOOR)
+    return non_eos_lse - floored, non_eos_lse + log1mexp(log_surv) - floored, log_surv
 
 
 def check_rows(non_eos_lse: torch.Tensor, eos_logit: Optional[torch.Tensor] = None) -> None:
