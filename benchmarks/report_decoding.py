@@ -48,9 +48,10 @@ def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
     """A strategy's whole device step — kernels only, no Python or host sync (timed as a CUDA graph).
 
     Greedy and sampling: the scan + the select kernel (head math and draw). Top-k (then top-p):
-    the candidate scan + the candidate select kernel. Top-p alone: the nucleus cut + draw kernels.
+    the candidate scan + the candidate select kernel. Top-p alone: the rejection kernel (what
+    distinct rows take; repeated rows and the rare unresolved row take the cut + draw kernels).
     """
-    from kernels.nucleus import nucleus_select
+    from kernels.nucleus_rejection import nucleus_sample
     from kernels.row_scan import scan_partials
     from kernels.row_select import select_candidates_from_scan, select_from_scan
 
@@ -65,7 +66,7 @@ def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
             scan = scan_partials(logits, eos_index=eos, seed=race)
             select_from_scan(logits, scan, eos_index=eos, temperature=1.0, seed=race, **head)
         elif k is None:
-            nucleus_select(logits, eos_index=eos, temperature=1.0, top_p_threshold=p, seed=seed, **head)
+            nucleus_sample(logits, eos_index=eos, temperature=1.0, top_p_threshold=p, seed=seed, **head)
         else:
             scan = scan_partials(logits, eos_index=eos, candidates=k)
             select_candidates_from_scan(logits, scan, eos_index=eos, top_k=k, top_p_threshold=p, seed=seed, **head)
@@ -73,15 +74,17 @@ def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
     return step
 
 
-def _bracket_passes(logits: torch.Tensor, k: Optional[int], p: Optional[float]) -> str:
-    """How many bracket passes the nucleus cut ran (the most over rows), for top-p alone; else "—"."""
+def _top_p_rounds(logits: torch.Tensor, k: Optional[int], p: Optional[float]) -> str:
+    """Rejection rounds of top-p alone ("mean / max" over rows; ≈ 2 reads of the row per round
+    after the first pass, the second read onwards from L2); "—" for other strategies."""
     if k is not None or p is None or p >= 1.0:
         return "—"
-    from kernels.nucleus import nucleus_cut
+    from kernels.nucleus_rejection import nucleus_sample
 
-    cut = nucleus_cut(logits, head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100,
-                      state=None, top_p_threshold=p)
-    return str(int(cut.parts["passes"].max()))
+    _, rounds = nucleus_sample(logits, head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0,
+                               steps=100, state=None, top_p_threshold=p,
+                               seed=torch.tensor([1234], device=logits.device))
+    return f"{float(rounds.double().mean()):.2f} / {int(rounds.max())}"
 
 
 def gpu_main() -> None:
@@ -91,9 +94,9 @@ def gpu_main() -> None:
     print(f"per-step selection, NMST head, fp32 logits, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"do_bench medians; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write); "
           "floor = B*V*4 bytes / that bandwidth; kernels = the strategy's whole device step as a CUDA graph "
-          "(greedy/sampling/top-k: scan + select; top-p: nucleus cut + draw)")
+          "(greedy/sampling/top-k: scan + select; top-p: the rejection kernel)")
     print("| B | V | strategy | fast (ms) | sort-based (ms) | speed-up | kernels (ms) | floor (ms) | kernels / floor "
-          "| top-p bracket passes (max) |")
+          "| top-p rounds (mean / max) |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     gen = torch.Generator(device="cuda").manual_seed(0)
     for V in VOCABS:
@@ -106,7 +109,7 @@ def gpu_main() -> None:
                 ms = triton.testing.do_bench(lambda: s(logits, gen), return_mode="median")
                 mscan = triton.testing.do_bench_cudagraph(lambda: device_step(logits), return_mode="median")
                 print(f"| {B} | {V} | {name} | {mf:.4f} | {ms:.4f} | {ms / mf:.2f}x | {mscan:.4f} | {floor_ms:.4f} | "
-                      f"{mscan / floor_ms:.2f} | {_bracket_passes(logits, k, p)} |", flush=True)
+                      f"{mscan / floor_ms:.2f} | {_top_p_rounds(logits, k, p)} |", flush=True)
 
 
 def flashinfer_table(gen: torch.Generator) -> None:

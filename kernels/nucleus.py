@@ -63,6 +63,32 @@ def _load_x(base, cols, rows_on, V, eos_index, inv_temp, HAS_EOS: tl.constexpr):
 
 
 @triton.jit
+def _row_head(
+    m, s, z_ptr, z_row_stride, rows, row_ok, eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride,
+    steps_value, state_ptr, state_stride, new_state_ptr, HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr,
+    HAS_STATE: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """The head's float64 scalars per row from the non-eos (max M, Σ e^(x−M)), as ``row_select``
+    computes them: (log_norm, eos's ζ_eos, eos's mass p_eos, w = e^(M − log_norm), bad), so token v
+    has mass w·e^(x_v − M); bad rows (NaN, +inf, no finite non-eos logit) get w = p_eos = 0."""
+    lse = m.to(tl.float64) + tl.log(tl.where(row_ok, s, 1.0).to(tl.float64))
+    bad = ~(tl.abs(lse) < float("inf"))
+    if HEAD != 0:
+        log_norm, eos_zeta, eos_nan = _eos_terms(
+            lse, z_ptr + rows.to(tl.int64) * z_row_stride, rows, row_ok, eos_index, log1m_eps_hi, log1m_eps_lo,
+            steps_ptr, steps_stride, steps_value, state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW,
+            HAS_STATE, BLOCK_B)
+        bad = bad | eos_nan
+        p_eos = tl.where(bad, 0.0, tl.exp(eos_zeta - log_norm))
+    else:
+        log_norm = lse
+        eos_zeta = tl.full((BLOCK_B,), float("-inf"), tl.float64)
+        p_eos = tl.zeros((BLOCK_B,), tl.float64)
+    w = tl.where(row_ok & ~bad, tl.exp(m.to(tl.float64) - log_norm), 0.0)
+    return log_norm, eos_zeta, p_eos, w, bad
+
+
+@triton.jit
 def _nucleus_cut_kernel(
     z_ptr, z_row_stride, n_rows, V, eos_index, inv_temp,
     log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr, state_stride,
@@ -96,21 +122,10 @@ def _nucleus_cut_kernel(
         valid = x > float("-inf")  # NaN is not: its row is flagged through s
         x_min = tl.minimum(x_min, tl.min(tl.where(valid, x, float("inf")), axis=1))
         n_valid += tl.sum(valid.to(tl.int32), axis=1)
-    lse = m.to(tl.float64) + tl.log(tl.where(row_ok, s, 1.0).to(tl.float64))
-    bad = ~(tl.abs(lse) < float("inf"))  # NaN, +inf, or no finite non-eos logit
-    if HAS_EOS:
-        log_norm, eos_zeta, eos_nan = _eos_terms(
-            lse, z_ptr + rows.to(tl.int64) * z_row_stride, rows, row_ok, eos_index, log1m_eps_hi, log1m_eps_lo,
-            steps_ptr, steps_stride, steps_value, state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW,
-            HAS_STATE, BLOCK_B)
-        bad = bad | eos_nan
-        p_eos = tl.where(bad, 0.0, tl.exp(eos_zeta - log_norm))
-    else:
-        log_norm = lse
-        eos_zeta = tl.full((BLOCK_B,), float("-inf"), tl.float64)
-        p_eos = tl.zeros((BLOCK_B,), tl.float64)
+    log_norm, eos_zeta, p_eos, w, bad = _row_head(
+        m, s, z_ptr, z_row_stride, rows, row_ok, eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride,
+        steps_value, state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
     live = row_ok & ~bad
-    w = tl.where(live, tl.exp(m.to(tl.float64) - log_norm), 0.0)
     threshold = tl.cast(top_p_hi, tl.float64) + tl.cast(top_p_lo, tl.float64)
 
     # 2. Bracket passes. Invariant: every token above [lo, hi) is kept, none below it; `above`

@@ -79,8 +79,15 @@ def _log1mexp(a):
 @triton.jit
 def _uniform_f64(seed, rows):
     """U(0, 1) per row with 53 random bits, never 0 or 1 (eos's Gumbel needs its far tail when α_t is
-    tiny). The Philox key's high word is 1, so these never reuse the scan's noise (high word 0)."""
-    r0, r1, _, _ = tl.randint4x(seed.to(tl.int64) | 4294967296, rows)
+    tiny). Philox stream 1, so these never reuse the scan's noise (stream 0)."""
+    return _uniform_f64_stream(seed, rows, 1)
+
+
+@triton.jit
+def _uniform_f64_stream(seed, offsets, STREAM: tl.constexpr):
+    """U(0, 1) with 53 random bits per offset, from Philox keyed by (seed, STREAM): kernels that draw
+    for the same step use different streams, so their uniforms are independent."""
+    r0, r1, _, _ = tl.randint4x(seed.to(tl.int64) | (STREAM * 4294967296), offsets)
     hi = (r0.to(tl.uint32, bitcast=True) >> 5).to(tl.float64)
     lo = (r1.to(tl.uint32, bitcast=True) >> 6).to(tl.float64)
     return (hi * 67108864.0 + lo + 0.5) / 9007199254740992.0

@@ -1,5 +1,6 @@
-"""Top-p alone through kernels/nucleus.py: the kept set against the float64 truncation, the draw as a
-distribution, one shared cut for repeated rows, and the torch fallback."""
+"""The nucleus cut (kernels/nucleus.py: top-p alone for repeated rows and for rows the rejection
+kernel leaves): the kept set against the float64 truncation, the draw as a distribution, one shared
+cut for repeated rows, and the torch fallback."""
 
 import pytest
 import torch
@@ -123,18 +124,20 @@ def test_nucleus_draw_from_a_wide_tie(monkeypatch):
 
 @pytest.mark.parametrize("head", HEADS)
 def test_one_cut_serves_repeated_rows(head):
-    """Rows repeated with stride 0 are cut once; the draws and log-probs equal those of the copied rows."""
+    """Rows repeated with stride 0 are cut once; the draws, log-probs and ST state equal those of the
+    copied rows, each cut on its own."""
     gen = torch.Generator().manual_seed(4)
     z = (torch.randn(1, 300, generator=gen) * 2).to(DEVICE).expand(64, -1)
     state = torch.full((1,), -0.5, dtype=torch.float64, device=DEVICE).expand(64) if head == "st" else None
-    args = dict(head=head, eos_index=7, eps=0.01, steps=9, top_p=0.9, impl="triton")
-    shared = sample(z, state=state, generator=torch.Generator().manual_seed(1), **args)
-    copied = sample(z.contiguous(), state=None if state is None else state.contiguous(),
-                    generator=torch.Generator().manual_seed(1), **args)
-    assert torch.equal(shared[0], copied[0])
-    assert len(set(shared[0].tolist())) > 3
+    args = dict(head=head, eos_index=7, eps=0.01, temperature=1.0, steps=9, top_p_threshold=0.9,
+                seed=torch.tensor([1], device=DEVICE))
+    assert nucleus._shared_cut(z, 9, state)
+    shared = nucleus.nucleus_select(z, state=state, **args)
+    copied = nucleus.nucleus_select(z.contiguous(), state=None if state is None else state.contiguous(), **args)
+    assert torch.equal(shared.tokens, copied.tokens) and torch.equal(shared.log_probs, copied.log_probs)
+    assert len(set(shared.tokens.tolist())) > 3
     if head == "st":
-        assert torch.equal(shared[1], copied[1])
+        assert torch.equal(shared.state, copied.state)
 
 
 def test_log_probs_are_the_untruncated_step_log_probs():
@@ -148,11 +151,14 @@ def test_log_probs_are_the_untruncated_step_log_probs():
 
 
 def test_unresolved_cut_falls_back_to_the_torch_path(monkeypatch):
-    """With no bracket pass allowed, a nucleus cut among more than C distinct values is unresolved: the
-    step takes the torch path, starting from the whole row on CUDA."""
+    """No rejection round allowed sends the rows to the cut; with no bracket pass allowed either, a
+    nucleus cut among more than C distinct values is unresolved: the step takes the torch path,
+    starting from the whole row on CUDA."""
+    import kernels.nucleus_rejection as rejection
     import nmst_fast.decoding.selection as selection
 
     z = torch.randn(3, 500, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    monkeypatch.setattr(rejection, "MAX_ROUNDS", 0)  # every row goes to the cut
     assert fused_truncated(z, head="nmst", eos_index=0, top_p=0.9) is not None  # ~400 tokens: served
     monkeypatch.setattr(nucleus, "MAX_PASSES", 0)
     assert fused_truncated(z, head="nmst", eos_index=0, top_p=0.9) is None

@@ -12,8 +12,10 @@ float64: L, the head's log(1 − α_t), eos's effective logit
   over all V effective logits);
 * top-k (then top-p): eos merged into the ranked candidates by its exact ζ_eos,
   the truncation, and an inverse-CDF draw;
-* top-p alone: ``kernels/nucleus.py`` narrows the nucleus cut down by value (a few
-  passes over the row, which a GPU serves from L2) and draws by inverse CDF.
+* top-p alone: ``kernels/nucleus_rejection.py`` draws from the row and accepts the draw
+  when the mass ranked before it is below p, else redraws from the tokens ranked before it
+  (about two reads of the row; a GPU serves the second from L2); ``kernels/nucleus.py``
+  narrows the nucleus cut down by value for repeated rows and as the fallback.
 
 So no (B, V) probability tensor, no sort, and no host sync until the end, where
 one read of two flags reports undefined rows (NaN logits) and nuclei the kernel
@@ -129,6 +131,25 @@ def fused_truncation_available(top_k: Optional[int]) -> bool:
     return HAS_TOPK and top_k <= MAX_CANDIDATES
 
 
+def _nucleus(logits: torch.Tensor, **args) -> Optional[FusedSelection]:
+    """Top-p alone. Rows repeated with stride 0 (one prompt, several continuations): one cut serves
+    them all. Otherwise rejection rounds (about two reads per row); a batch with a row still
+    rejected after MAX_ROUNDS is drawn from the cut instead (a second host sync, only then).
+    None: the cut did not converge either."""
+    from kernels.nucleus import _shared_cut, nucleus_select
+    from kernels.nucleus_rejection import nucleus_sample
+
+    B = logits.shape[0]
+    if not _shared_cut(logits, args["steps"], args["state"]):
+        picked, _ = nucleus_sample(logits, **args)
+        if _check_flags(picked.flags, B):
+            return FusedSelection(picked.tokens, picked.log_probs, picked.state)
+    picked = nucleus_select(logits, **args)
+    if not _check_flags(picked.flags, B):
+        return None
+    return FusedSelection(picked.tokens, picked.log_probs, picked.state)
+
+
 def fused_truncated(
     logits: torch.Tensor,
     *,
@@ -144,8 +165,9 @@ def fused_truncated(
 ) -> Optional[FusedSelection]:
     """Top-k / top-p sampling without a (B, V) probability tensor or a sort of the vocabulary.
 
-    Top-p alone: the nucleus kernels (``kernels/nucleus.py``) find the cut by value, whatever
-    the nucleus size. With top-k: the scan keeps the K >= top_k most probable non-eos tokens;
+    Top-p alone: rejection rounds (``kernels/nucleus_rejection.py``), or the nucleus cut
+    (``kernels/nucleus.py``) for repeated rows and rows rejection leaves unresolved; any nucleus
+    size. With top-k: the scan keeps the K >= top_k most probable non-eos tokens;
     eos joins them by its exact ζ_eos, which makes them the K + 1 most probable tokens overall.
     Returns None when some row could not be served (a nucleus bracket that did not converge);
     the caller then takes the torch path.
@@ -159,16 +181,13 @@ def fused_truncated(
                             temperature=temperature, greedy=False, generator=generator)
     seed = _seed(generator, logits.device)
     if top_k is None:
-        from kernels.nucleus import nucleus_select
-
-        picked = nucleus_select(logits, head=head, eos_index=eos_index, eps=eps, temperature=temperature,
-                                steps=kernel_steps, state=kernel_state, top_p_threshold=threshold, seed=seed)
-    else:
-        # The candidate scan draws no noise (the draw happens in the select kernel), so it can be shared.
-        scan = _scan(logits, head, eos_index, temperature, candidates=top_k)
-        picked = select_candidates_from_scan(logits, scan, head=head, eos_index=eos_index, eps=eps,
-                                             steps=kernel_steps, state=kernel_state, top_k=top_k,
-                                             top_p_threshold=threshold, seed=seed)
+        return _nucleus(logits, head=head, eos_index=eos_index, eps=eps, temperature=temperature,
+                        steps=kernel_steps, state=kernel_state, top_p_threshold=threshold, seed=seed)
+    # The candidate scan draws no noise (the draw happens in the select kernel), so it can be shared.
+    scan = _scan(logits, head, eos_index, temperature, candidates=top_k)
+    picked = select_candidates_from_scan(logits, scan, head=head, eos_index=eos_index, eps=eps,
+                                         steps=kernel_steps, state=kernel_state, top_k=top_k,
+                                         top_p_threshold=threshold, seed=seed)
     if not _check_flags(picked.flags, logits.shape[0]):
         return None
     return FusedSelection(picked.tokens, picked.log_probs, picked.state)

@@ -1,0 +1,142 @@
+"""Top-p by rejection (kernels/nucleus_rejection.py): draws as a distribution, every draw inside the
+float64 nucleus, reproducibility, the round count, and the fallback to the cut."""
+
+import pytest
+import torch
+
+import kernels.nucleus as nucleus
+import kernels.nucleus_rejection as rejection
+from nmst_fast.decoding import effective_logits, truncated_candidates
+from nmst_fast.decoding.fused import fused_truncated
+from nmst_fast.decoding.reference import truncated_distribution
+from nmst_fast.decoding.truncation import TOP_P_SLACK
+
+from helpers import DEVICE
+from test_decoding import DRAWS, _g_test, _reference_log_probs, _row, _st_state_before
+from test_nucleus import BOUNDARY, _random_case
+
+
+def _draw(z: torch.Tensor, *, head: str, eos: int, eps: float = 1e-3, t=5, state=None, top_p: float,
+          temperature: float = 1.0, seed: int = 0):
+    return rejection.nucleus_sample(z, head=head, eos_index=eos, eps=eps, temperature=temperature, steps=t,
+                                    state=state, top_p_threshold=top_p - TOP_P_SLACK,
+                                    seed=torch.tensor([seed], device=z.device))
+
+
+@pytest.mark.parametrize("head,top_p", [("nmst", 0.3), ("nmst", 0.9), ("st", 0.9), ("va", 0.5)])
+def test_rejection_draw_distribution(head, top_p):
+    """10⁶ draws from one random row with ties (fresh seed), G-tested against the float64 truncated
+    reference; p = 0.3 takes several rounds on many rows."""
+    seed = torch.seed() % 2**31
+    z = _row(torch.Generator().manual_seed(seed))
+    eos, eps, t = 2, 0.002, 40
+    state = _st_state_before(z, eos, eps, t) if head == "st" else None
+    reference = truncated_distribution(_reference_log_probs(z, head, eos, eps, t).unsqueeze(0), None, top_p)[0]
+    picked, rounds = _draw(z.to(DEVICE).unsqueeze(0).expand(DRAWS, -1), head=head, eos=eos, eps=eps, t=t,
+                           state=None if state is None else state.to(DEVICE).expand(DRAWS), top_p=top_p,
+                           seed=seed + 1)
+    assert picked.flags.tolist() == [DRAWS, DRAWS]
+    assert _g_test(picked.tokens.cpu(), reference) > 1e-5, f"seed={seed}"
+
+
+def test_draws_lie_in_the_float64_nucleus():
+    """Random rows (fresh seeds; ties, bf16, flat halves, −inf, every head, ε, t, temperature, ST
+    states), each drawn 64 times: every draw is a token of the float64 torch nucleus (a cut within
+    BOUNDARY of p may differ), log-probs are the untruncated ones, ST's state is torch's."""
+    seed = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
+    copies = 64
+    for _ in range(10):
+        case = _random_case(gen)
+        z, head, eos = case["z"], case["head"], case["eos"]
+        B = z.shape[0]
+        args = dict(head=head, eos_index=eos, eps=case["eps"], temperature=case["temperature"], steps=case["t"])
+        state = None if case["state"] is None else case["state"].repeat_interleave(copies).to(DEVICE)
+        picked, rounds = _draw(z.repeat_interleave(copies, dim=0).to(DEVICE), head=head, eos=eos, eps=case["eps"],
+                               t=case["t"], state=state, top_p=case["top_p"], temperature=case["temperature"],
+                               seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+        assert picked.flags.tolist() == [B * copies] * 2, (seed, case)
+        dist = effective_logits(z.float(), **args, state=case["state"])
+        tokens, probs = truncated_candidates(dist, None, case["top_p"])
+        expected = torch.zeros(B, z.shape[1], dtype=torch.float64).scatter_add(1, tokens, probs)
+        drawn = picked.tokens.cpu().view(B, copies)
+        log_p = dist.log_probs()
+        for b in range(B):
+            outside = expected[b, drawn[b]] == 0
+            if bool(outside.any()):
+                ranked = torch.exp(torch.sort(log_p[b], descending=True, stable=True).values)
+                margin = float((torch.cumsum(ranked, 0) - ranked - case["top_p"]).abs().min())
+                assert margin < BOUNDARY, (seed, b, case)
+        # log_norm comes from fp32 exponentials summed per 2048-column tile: ~1e-6 of L.
+        torch.testing.assert_close(picked.log_probs.cpu().view(B, copies), log_p.gather(1, drawn), rtol=1e-6,
+                                   atol=1e-5)
+        if head == "st":
+            torch.testing.assert_close(picked.state.cpu().view(B, copies)[:, 0], dist.state)
+
+
+def test_a_seed_reproduces_the_draws():
+    z = (torch.randn(200, 700, generator=torch.Generator().manual_seed(1)) * 2).to(DEVICE)
+    first, _ = _draw(z, head="nmst", eos=4, top_p=0.5, seed=11)
+    again, _ = _draw(z, head="nmst", eos=4, top_p=0.5, seed=11)
+    other, _ = _draw(z, head="nmst", eos=4, top_p=0.5, seed=12)
+    assert torch.equal(first.tokens, again.tokens)
+    assert not torch.equal(first.tokens, other.tokens)
+
+
+def test_rounds_stay_few():
+    """Each round accepts with probability >= p (the nucleus's share of the set drawn from), so the
+    mean round count is at most 1 / p; on peaked N(0, 9) logits at V = 20000 it is close to 1."""
+    z = (torch.randn(64, 20000, generator=torch.Generator().manual_seed(3)) * 3).to(DEVICE)
+    for top_p in (0.9, 0.4):
+        picked, rounds = _draw(z, head="nmst", eos=0, t=100, top_p=top_p, seed=5)
+        assert picked.flags.tolist() == [64, 64]
+        assert 1.0 <= float(rounds.double().mean()) <= 1.0 / top_p + 0.25, top_p
+        assert int(rounds.max()) < rejection.MAX_ROUNDS
+
+
+def test_rows_left_rejected_are_drawn_from_the_cut(monkeypatch):
+    """With one round allowed, a flat row and p = 0.05 leave rows rejected: the step draws the batch
+    from the nucleus cut; with the cut also unable to converge, the torch path (None here)."""
+    z = torch.randn(16, 400, generator=torch.Generator().manual_seed(0)).to(DEVICE) * 0.1
+    monkeypatch.setattr(rejection, "MAX_ROUNDS", 1)
+    picked, rounds = _draw(z, head="va", eos=0, top_p=0.05, seed=3)
+    assert picked.flags[1] < 16 and int(rounds.max()) == 1
+    cuts = []
+    real = nucleus.nucleus_select
+    monkeypatch.setattr(nucleus, "nucleus_select", lambda *a, **k: cuts.append(1) or real(*a, **k))
+    served = fused_truncated(z, head="va", eos_index=0, top_p=0.05, generator=torch.Generator().manual_seed(0))
+    assert served is not None and cuts == [1]
+    dist = effective_logits(z.cpu(), head="va", eos_index=0)
+    tokens, probs = truncated_candidates(dist, None, 0.05)
+    expected = torch.zeros(16, 400, dtype=torch.float64).scatter_add(1, tokens, probs)
+    assert bool((expected.gather(1, served.tokens.cpu()[:, None]) > 0).all())
+    monkeypatch.setattr(nucleus, "MAX_PASSES", 0)
+    assert fused_truncated(z, head="va", eos_index=0, top_p=0.05) is None
+
+
+def test_fp32_floor_of_eos_values():
+    """The pivot of a rejected eos: the largest fp32 <= ζ_eos, exact flag when ζ_eos is an fp32."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def floor_kernel(v_ptr, out_ptr, exact_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        f, exact = rejection._fp32_floor(tl.load(v_ptr + i))
+        tl.store(out_ptr + i, f)
+        tl.store(exact_ptr + i, exact.to(tl.int32))
+
+    values = torch.tensor([0.1, -0.1, 1.5, -2.0, 1e-50, -1e-50, 0.0, 1e300, -1e300, float("inf"), float("-inf"),
+                           3.0000001, -7.25, 1e-40, 0.3], dtype=torch.float64, device=DEVICE)
+    n = 16
+    padded = torch.cat([values, values.new_zeros(n - values.numel())])
+    out = torch.empty(n, dtype=torch.float32, device=DEVICE)
+    exact = torch.empty(n, dtype=torch.int32, device=DEVICE)
+    floor_kernel[(1,)](padded, out, exact, N=n)
+    for v, f, e in zip(values.tolist(), out.tolist(), exact.tolist()):
+        f32 = torch.tensor(v, dtype=torch.float32).item()
+        assert f <= v and bool(e) == (f == v), (v, f, e)
+        up = torch.nextafter(torch.tensor(f, dtype=torch.float32), torch.tensor(float("inf"))).item()
+        assert f == v or up > v, (v, f)  # no fp32 lies in (f, v]
+        if f32 == v:
+            assert f == v
