@@ -47,12 +47,14 @@ def copy_bandwidth() -> float:
 def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
     """A strategy's whole device step — kernels only, no Python or host sync (timed as a CUDA graph).
 
-    Greedy and sampling: the scan + the select kernel (head math and draw). Top-k (then top-p):
+    Greedy and sampling: the scan + the select kernel (head math and draw); sampling from
+    ROW_DRAW_MIN_ROWS rows: the one-program-per-row inverse CDF kernel. Top-k (then top-p):
     the candidate scan + the candidate select kernel. Top-p alone: the rejection kernel (what
     distinct rows take; repeated rows and the rare unresolved row take the cut + draw kernels).
     """
-    from kernels.nucleus_rejection import nucleus_sample
+    from kernels.row_draw import draw_rows
     from kernels.row_scan import scan_partials
+    from nmst_fast.decoding.fused import ROW_DRAW_MIN_ROWS
     from kernels.row_select import select_candidates_from_scan, select_from_scan
 
     plain = untruncated(k, p)
@@ -61,12 +63,14 @@ def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
 
     def step(logits: torch.Tensor) -> None:
         eos = logits.shape[1] - 1
-        if plain:
+        if plain and k != 1 and logits.shape[0] >= ROW_DRAW_MIN_ROWS:  # sampling, as fused_select dispatches
+            draw_rows(logits, eos_index=eos, temperature=1.0, seed=seed, **head)
+        elif plain:
             race = None if k == 1 else seed  # sampling races; greedy does not
             scan = scan_partials(logits, eos_index=eos, seed=race)
             select_from_scan(logits, scan, eos_index=eos, temperature=1.0, seed=race, **head)
         elif k is None:
-            nucleus_sample(logits, eos_index=eos, temperature=1.0, top_p_threshold=p, seed=seed, **head)
+            draw_rows(logits, eos_index=eos, temperature=1.0, top_p_threshold=p, seed=seed, **head)
         else:
             scan = scan_partials(logits, eos_index=eos, candidates=k)
             select_candidates_from_scan(logits, scan, eos_index=eos, top_k=k, top_p_threshold=p, seed=seed, **head)
@@ -79,9 +83,9 @@ def _top_p_rounds(logits: torch.Tensor, k: Optional[int], p: Optional[float]) ->
     after the first pass, the second read onwards from L2); "—" for other strategies."""
     if k is not None or p is None or p >= 1.0:
         return "—"
-    from kernels.nucleus_rejection import nucleus_sample
+    from kernels.row_draw import draw_rows
 
-    _, rounds = nucleus_sample(logits, head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0,
+    _, rounds = draw_rows(logits, head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0,
                                steps=100, state=None, top_p_threshold=p,
                                seed=torch.tensor([1234], device=logits.device))
     return f"{float(rounds.double().mean()):.2f} / {int(rounds.max())}"
@@ -90,11 +94,14 @@ def _top_p_rounds(logits: torch.Tensor, k: Optional[int], p: Optional[float]) ->
 def gpu_main() -> None:
     import triton.testing
 
+    from nmst_fast.decoding.fused import ROW_DRAW_MIN_ROWS
+
     bandwidth = copy_bandwidth()
     print(f"per-step selection, NMST head, fp32 logits, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"do_bench medians; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write); "
           "floor = B*V*4 bytes / that bandwidth; kernels = the strategy's whole device step as a CUDA graph "
-          "(greedy/sampling/top-k: scan + select; top-p: the rejection kernel)")
+          f"(greedy, top-k, sampling of < {ROW_DRAW_MIN_ROWS} rows: scan + select; top-p, and sampling of more "
+          "rows: the row-draw kernel)")
     print("| B | V | strategy | fast (ms) | sort-based (ms) | speed-up | kernels (ms) | floor (ms) | kernels / floor "
           "| top-p rounds (mean / max) |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")

@@ -33,7 +33,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import mangle_type
 
-from . import nucleus, nucleus_rejection, row_scan, row_select, scale_cast, split_softmax
+from . import nucleus, row_draw, row_scan, row_select, scale_cast, split_softmax
 
 
 @dataclass
@@ -130,8 +130,9 @@ def launches() -> list[Launch]:
 
 
 def _nucleus_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launch]:
-    """Top-p's rejection, cut and draw kernels for every head (fp32, and bf16 once), at the CUDA launch shape
-    of a 128256-token vocabulary (the widest per-tile table)."""
+    """The row-draw kernel (top-p by rejection; plain sampling), the nucleus cut and its draw kernel,
+    for every head (fp32, and bf16 once), at the CUDA launch shape of a 128256-token vocabulary
+    (the widest per-tile table)."""
     V = 128256
     z = torch.randn(4, V, generator=torch.Generator().manual_seed(1))
     cut_shape = nucleus.cuda_launch(V)
@@ -149,10 +150,14 @@ def _nucleus_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launch]:
         out.append(Launch(f"nucleus cut {label}", cut_kernel, *cut_sink[0], *_blocks_and_options(cut_shape)))
         draw_blocks, draw_options = _blocks_and_options(draw_shape | {"BLOCK_V": cut_shape["BLOCK_V"]})
         out.append(Launch(f"nucleus draw {label}", draw_kernel, *draw_sink[0], draw_blocks, draw_options))
-        out.append(_record(nucleus_rejection, "_nucleus_rejection_kernel", lambda: nucleus_rejection.nucleus_sample(
+        out.append(_record(row_draw, "_row_draw_kernel", lambda: row_draw.draw_rows(
             z.to(dtype), head=head, eos_index=5, eps=1e-5, temperature=0.7, steps=3,
             state=state if head == "st" else None, top_p_threshold=0.9, seed=seed),
-            f"nucleus rejection {label}", *_blocks_and_options(nucleus_rejection.cuda_launch(V))))
+            f"row draw top-p {label}", *_blocks_and_options(row_draw.cuda_launch(V))))
+        out.append(_record(row_draw, "_row_draw_kernel", lambda: row_draw.draw_rows(
+            z.to(dtype), head=head, eos_index=5, eps=1e-5, temperature=0.7, steps=3,
+            state=state if head == "st" else None, seed=seed),
+            f"row draw sampling {label}", *_blocks_and_options(row_draw.cuda_launch(V))))
     return out
 
 

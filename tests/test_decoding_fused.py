@@ -6,6 +6,7 @@ import torch
 import nmst_fast.decoding
 from nmst_fast.decoding import effective_logits, sample
 from kernels.row_scan import MAX_CANDIDATES
+import nmst_fast.decoding.fused as fused
 from nmst_fast.decoding.fused import fused_select, fused_truncated
 from nmst_fast.generation import generate
 
@@ -34,8 +35,10 @@ def test_fused_greedy_equals_torch_path(head, temperature):
         torch.testing.assert_close(fused_state, torch_state)
 
 
+@pytest.mark.parametrize("sampling_path", ["race", "row draw"])
 @pytest.mark.parametrize("head", HEADS)
-def test_fused_log_probs_of_chosen_tokens(head):
+def test_fused_log_probs_of_chosen_tokens(head, sampling_path, monkeypatch):
+    monkeypatch.setattr(fused, "ROW_DRAW_MIN_ROWS", 0 if sampling_path == "row draw" else 10**9)
     z = (torch.randn(50, 33, generator=torch.Generator().manual_seed(1)) * 2).to(DEVICE)
     picked = fused_select(z, head=head, eos_index=4, eps=0.1, steps=7, greedy=False,
                           generator=torch.Generator().manual_seed(2))
@@ -108,8 +111,12 @@ def test_replicated_rows_share_one_scan_but_not_the_head_math():
             torch.testing.assert_close(fused_state, expected_state, rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("path", ["race", "row draw"])
 @pytest.mark.parametrize("head,t", [("nmst", 1), ("nmst", 300), ("st", 20), ("va", 1)])
-def test_fused_sampling_distribution(head, t):
+def test_fused_sampling_distribution(head, t, path, monkeypatch):
+    """10⁶ draws G-tested, through the split-V Gumbel race and through the one-program-per-row
+    inverse CDF (the batch size picks one; forced here)."""
+    monkeypatch.setattr(fused, "ROW_DRAW_MIN_ROWS", 0 if path == "row draw" else DRAWS + 1)
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
     eos, eps = 2, 0.01
@@ -321,10 +328,12 @@ def test_flashinfer_benchmark_wiring(monkeypatch):
                      ("top_p_sampling_from_probs", (0.4,)), ("top_k_top_p_sampling_from_probs", (4, 0.4))]
 
 
+@pytest.mark.parametrize("sampling_path", ["race", "row draw"])
 @pytest.mark.parametrize("head,eos_logit", [("st", float("-inf")), ("nmst", float("inf"))])
-def test_certain_eos_is_drawn_without_nan(head, eos_logit):
+def test_certain_eos_is_drawn_without_nan(head, eos_logit, sampling_path, monkeypatch):
     """An eos logit that makes α_t = 1 (a = log(1 − α) = −inf): every path draws eos with log-prob 0,
     where ζ_eos = L + log(1 − e^a) − a and L − a used to give inf − inf."""
+    monkeypatch.setattr(fused, "ROW_DRAW_MIN_ROWS", 0 if sampling_path == "row draw" else 10**9)
     z = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
     z[:, 4] = eos_logit
     log_p, _ = nmst_fast.decoding.step_log_probs(z, head=head, eos_index=4, eps=0.01, steps=3)

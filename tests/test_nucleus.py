@@ -154,11 +154,11 @@ def test_unresolved_cut_falls_back_to_the_torch_path(monkeypatch):
     """No rejection round allowed sends the rows to the cut; with no bracket pass allowed either, a
     nucleus cut among more than C distinct values is unresolved: the step takes the torch path,
     starting from the whole row on CUDA."""
-    import kernels.nucleus_rejection as rejection
+    import kernels.row_draw as row_draw
     import nmst_fast.decoding.selection as selection
 
     z = torch.randn(3, 500, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    monkeypatch.setattr(rejection, "MAX_ROUNDS", 0)  # every row goes to the cut
+    monkeypatch.setattr(row_draw, "MAX_ROUNDS", 0)  # every row goes to the cut
     assert fused_truncated(z, head="nmst", eos_index=0, top_p=0.9) is not None  # ~400 tokens: served
     monkeypatch.setattr(nucleus, "MAX_PASSES", 0)
     assert fused_truncated(z, head="nmst", eos_index=0, top_p=0.9) is None

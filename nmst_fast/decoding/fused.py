@@ -9,10 +9,11 @@ float64: L, the head's log(1 − α_t), eos's effective logit
 
 * greedy: eos against the top non-eos logit (ties → lower index);
 * sampling: eos with its own Gumbel draw against the race winner (exact: a race
-  over all V effective logits);
+  over all V effective logits); from ROW_DRAW_MIN_ROWS rows, ``kernels/row_draw.py``
+  draws by inverse CDF instead, one program per row;
 * top-k (then top-p): eos merged into the ranked candidates by its exact ζ_eos,
   the truncation, and an inverse-CDF draw;
-* top-p alone: ``kernels/nucleus_rejection.py`` draws from the row and accepts the draw
+* top-p alone: ``kernels/row_draw.py`` draws from the row and accepts the draw
   when the mass ranked before it is below p, else redraws from the tokens ranked before it
   (about two reads of the row; a GPU serves the second from L2); ``kernels/nucleus.py``
   narrows the nucleus cut down by value for repeated rows and as the fallback.
@@ -41,6 +42,13 @@ class FusedSelection:
     tokens: torch.Tensor  # (B,) int64
     log_probs: torch.Tensor  # (B,) float64 log p of the chosen tokens (untruncated distribution)
     state: Optional[torch.Tensor]  # ST's running log(1−α) after this step
+
+
+# Plain sampling of at least this many rows: one program per row drawing by inverse CDF
+# (``kernels/row_draw.py``: one read, one exponential per element) instead of the split-V Gumbel
+# race (Philox bits and two logarithms per element), which needs the split over V to fill a GPU
+# when there are few rows. 128: about one row per SM of an H100 (132 SMs).
+ROW_DRAW_MIN_ROWS = 128
 
 
 def fused_available(logits: torch.Tensor) -> bool:
@@ -112,6 +120,14 @@ def fused_select(
 
     logits, kernel_steps, kernel_state = _prepare(logits, head, eos_index, eps, steps, state, temperature)
     seed = None if greedy else _seed(generator, logits.device)
+    if not greedy and logits.shape[0] >= ROW_DRAW_MIN_ROWS:
+        from kernels.row_draw import draw_rows
+
+        picked, _ = draw_rows(logits, head=head, eos_index=eos_index, eps=eps, temperature=temperature,
+                              steps=kernel_steps, state=kernel_state, seed=seed)
+        if _check_flags(picked.flags, logits.shape[0]):
+            return FusedSelection(picked.tokens, picked.log_probs, picked.state)
+        # fp32 rounding left some row without a token 32 times: draw the batch by the race.
     scan = _scan(logits, head, eos_index, temperature, seed=seed)
     picked = select_from_scan(logits, scan, head=head, eos_index=eos_index, eps=eps, temperature=temperature,
                               steps=kernel_steps, state=kernel_state, seed=seed)
@@ -137,11 +153,11 @@ def _nucleus(logits: torch.Tensor, **args) -> Optional[FusedSelection]:
     rejected after MAX_ROUNDS is drawn from the cut instead (a second host sync, only then).
     None: the cut did not converge either."""
     from kernels.nucleus import _shared_cut, nucleus_select
-    from kernels.nucleus_rejection import nucleus_sample
+    from kernels.row_draw import draw_rows
 
     B = logits.shape[0]
     if not _shared_cut(logits, args["steps"], args["state"]):
-        picked, _ = nucleus_sample(logits, **args)
+        picked, _ = draw_rows(logits, **args)
         if _check_flags(picked.flags, B):
             return FusedSelection(picked.tokens, picked.log_probs, picked.state)
     picked = nucleus_select(logits, **args)
@@ -165,7 +181,7 @@ def fused_truncated(
 ) -> Optional[FusedSelection]:
     """Top-k / top-p sampling without a (B, V) probability tensor or a sort of the vocabulary.
 
-    Top-p alone: rejection rounds (``kernels/nucleus_rejection.py``), or the nucleus cut
+    Top-p alone: rejection rounds (``kernels/row_draw.py``), or the nucleus cut
     (``kernels/nucleus.py``) for repeated rows and rows rejection leaves unresolved; any nucleus
     size. With top-k: the scan keeps the K >= top_k most probable non-eos tokens;
     eos joins them by its exact ζ_eos, which makes them the K + 1 most probable tokens overall.
@@ -247,8 +263,8 @@ def fused_sample(
     generator: Optional[torch.Generator] = None,
 ) -> Optional[FusedSelection]:
     """Dispatch as :func:`nmst_fast.decoding.selection.select`: top_k=1 is greedy, no truncation
-    samples by the Gumbel race, anything else goes through the candidates (None: see
-    :func:`fused_truncated`)."""
+    samples (:func:`fused_select`), anything else truncates (:func:`fused_truncated`; None: a row
+    no kernel could serve)."""
     args = dict(head=head, eos_index=eos_index, eps=eps, steps=steps, state=state, temperature=temperature)
     if untruncated(top_k, top_p):
         return fused_select(logits, greedy=top_k == 1, generator=generator, **args)

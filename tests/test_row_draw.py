@@ -1,11 +1,12 @@
-"""Top-p by rejection (kernels/nucleus_rejection.py): draws as a distribution, every draw inside the
-float64 nucleus, reproducibility, the round count, and the fallback to the cut."""
+"""Per-row inverse-CDF draws (kernels/row_draw.py). Top-p by rejection: draws as a distribution,
+every draw inside the float64 nucleus, reproducibility, the round count, the fallback to the cut.
+Plain sampling: its G-tests are test_decoding_fused's (path "row draw"); here the rest."""
 
 import pytest
 import torch
 
 import kernels.nucleus as nucleus
-import kernels.nucleus_rejection as rejection
+import kernels.row_draw as row_draw
 from nmst_fast.decoding import effective_logits, truncated_candidates
 from nmst_fast.decoding.fused import fused_truncated
 from nmst_fast.decoding.reference import truncated_distribution
@@ -18,7 +19,7 @@ from test_nucleus import BOUNDARY, _random_case
 
 def _draw(z: torch.Tensor, *, head: str, eos: int, eps: float = 1e-3, t=5, state=None, top_p: float,
           temperature: float = 1.0, seed: int = 0):
-    return rejection.nucleus_sample(z, head=head, eos_index=eos, eps=eps, temperature=temperature, steps=t,
+    return row_draw.draw_rows(z, head=head, eos_index=eos, eps=eps, temperature=temperature, steps=t,
                                     state=state, top_p_threshold=top_p - TOP_P_SLACK,
                                     seed=torch.tensor([seed], device=z.device))
 
@@ -91,14 +92,14 @@ def test_rounds_stay_few():
         picked, rounds = _draw(z, head="nmst", eos=0, t=100, top_p=top_p, seed=5)
         assert picked.flags.tolist() == [64, 64]
         assert 1.0 <= float(rounds.double().mean()) <= 1.0 / top_p + 0.25, top_p
-        assert int(rounds.max()) < rejection.MAX_ROUNDS
+        assert int(rounds.max()) < row_draw.MAX_ROUNDS
 
 
 def test_rows_left_rejected_are_drawn_from_the_cut(monkeypatch):
     """With one round allowed, a flat row and p = 0.05 leave rows rejected: the step draws the batch
     from the nucleus cut; with the cut also unable to converge, the torch path (None here)."""
     z = torch.randn(16, 400, generator=torch.Generator().manual_seed(0)).to(DEVICE) * 0.1
-    monkeypatch.setattr(rejection, "MAX_ROUNDS", 1)
+    monkeypatch.setattr(row_draw, "MAX_ROUNDS", 1)
     picked, rounds = _draw(z, head="va", eos=0, top_p=0.05, seed=3)
     assert picked.flags[1] < 16 and int(rounds.max()) == 1
     cuts = []
@@ -122,7 +123,7 @@ def test_fp32_floor_of_eos_values():
     @triton.jit
     def floor_kernel(v_ptr, out_ptr, exact_ptr, N: tl.constexpr):
         i = tl.arange(0, N)
-        f, exact = rejection._fp32_floor(tl.load(v_ptr + i))
+        f, exact = row_draw._fp32_floor(tl.load(v_ptr + i))
         tl.store(out_ptr + i, f)
         tl.store(exact_ptr + i, exact.to(tl.int32))
 
@@ -140,3 +141,22 @@ def test_fp32_floor_of_eos_values():
         assert f == v or up > v, (v, f)  # no fp32 lies in (f, v]
         if f32 == v:
             assert f == v
+
+
+def test_plain_draws_reproduce_and_report_nan_rows():
+    """Plain sampling: one round per row, a seed reproduces the draws, log-probs are the step's,
+    ST's state is torch's, and a NaN row is flagged, not drawn."""
+    z = (torch.randn(300, 700, generator=torch.Generator().manual_seed(2)) * 2).to(DEVICE)
+    state = torch.rand(300, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(DEVICE) * -2
+    args = dict(head="st", eos_index=9, eps=0.01, temperature=0.8, steps=6, state=state)
+    first, rounds = row_draw.draw_rows(z, seed=torch.tensor([5], device=DEVICE), **args)
+    again, _ = row_draw.draw_rows(z, seed=torch.tensor([5], device=DEVICE), **args)
+    other, _ = row_draw.draw_rows(z, seed=torch.tensor([6], device=DEVICE), **args)
+    assert first.flags.tolist() == [300, 300] and torch.equal(first.tokens, again.tokens)
+    assert bool((rounds == 1).all())
+    assert not torch.equal(first.tokens, other.tokens)
+    dist = effective_logits(z.cpu(), head="st", eos_index=9, eps=0.01, temperature=0.8, steps=6, state=state.cpu())
+    torch.testing.assert_close(first.log_probs.cpu(), dist.token_log_probs(first.tokens.cpu()), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(first.state.cpu(), dist.state)
+    z[17, 3] = float("nan")
+    assert row_draw.draw_rows(z, seed=torch.tensor([5], device=DEVICE), **args)[0].flags.tolist() == [17, 300]

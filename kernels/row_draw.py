@@ -1,4 +1,11 @@
-"""Top-p (nucleus) sampling by rejection: about two reads of each row, no cut, no sort.
+"""One program per row draws by inverse CDF: plain sampling in one read, top-p by rejection in ~two.
+
+Plain sampling (``draw_rows`` without a threshold): step 1 below, then one draw by inverse CDF from the whole
+distribution (eos by its float64 mass, the tile from the per-tile masses, the column inside that
+one tile): one exponential per element and no per-element noise, where the split-V Gumbel race
+(``row_scan``) needs Philox bits and two logarithms per element.
+
+Top-p (``draw_rows(top_p_threshold=...)``), by rejection, no cut, no sort:
 
 Rank tokens by (probability desc, column asc); the nucleus is the prefix of that ranking that
 stops at the first token whose ranked-before mass reaches p. So one token j is in the nucleus iff
@@ -62,7 +69,7 @@ def _ranked_before(x, cols, pivot_value, pivot_col):
 
 
 @triton.jit
-def _nucleus_rejection_kernel(
+def _row_draw_kernel(
     z_ptr, z_row_stride, n_rows, V, eos_index, inv_temp,
     log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr, state_stride,
     top_p_hi, top_p_lo, seed_ptr,
@@ -70,7 +77,8 @@ def _nucleus_rejection_kernel(
     rounds_ptr,  # (rows,) int32: rounds this row took (for tuning and tests)
     new_state_ptr, flags_ptr, no_row,  # flags: first bad / unresolved row; no_row (the batch size): none
     HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr, MAX_ROUNDS: tl.constexpr,
-    STREAM: tl.constexpr, NTILES: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+    STREAM: tl.constexpr, TRUNCATE: tl.constexpr, NTILES: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     HAS_EOS: tl.constexpr = HEAD != 0
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -133,17 +141,22 @@ def _nucleus_rejection_kernel(
         x64 = col_x.to(tl.float64)
         eos_before = eos_in & ~is_eos & ((eos_zeta > x64) | ((eos_zeta == x64) & (eos_index < col)))
 
-        # One pass: the mass ranked before the candidate, per tile (S's tables if it is rejected).
-        before_e = tl.zeros((BLOCK_B,), tl.float64)
-        next_e = tl.zeros((BLOCK_B, NTILES), tl.float32)
-        for start in range(0, V, BLOCK_V):
-            cols = start + lanes
-            x = _load_x(base, cols, drawn, V, eos_index, inv_temp, HAS_EOS)
-            part = tl.sum(tl.where(_ranked_before(x, cols, cand_value, cand_col), tl.exp(x - m[:, None]), 0.0), axis=1)
-            next_e = tl.where(tiles == start // BLOCK_V, part[:, None], next_e)
-            before_e += part.to(tl.float64)
-        mass_before = w * before_e + tl.where(eos_before, p_eos, 0.0)
-        accept = drawn & ((mass_before < threshold) | (mass_before == 0.0))  # the first token is always kept
+        accept = drawn  # plain sampling: the first draw is the answer
+        mass_before = total
+        next_e = tile_e
+        if TRUNCATE:
+            # One pass: the mass ranked before the candidate, per tile (S's tables if it is rejected).
+            before_e = tl.zeros((BLOCK_B,), tl.float64)
+            next_e = tl.zeros((BLOCK_B, NTILES), tl.float32)
+            for start in range(0, V, BLOCK_V):
+                cols = start + lanes
+                x = _load_x(base, cols, drawn, V, eos_index, inv_temp, HAS_EOS)
+                ranked = _ranked_before(x, cols, cand_value, cand_col)
+                part = tl.sum(tl.where(ranked, tl.exp(x - m[:, None]), 0.0), axis=1)
+                next_e = tl.where(tiles == start // BLOCK_V, part[:, None], next_e)
+                before_e += part.to(tl.float64)
+            mass_before = w * before_e + tl.where(eos_before, p_eos, 0.0)
+            accept = drawn & ((mass_before < threshold) | (mass_before == 0.0))  # the first token is always kept
         reject = drawn & ~accept
         token = tl.where(accept, tl.where(is_eos, eos_index, col).to(tl.int64), token)
         zeta = tl.where(accept, tl.where(is_eos, eos_zeta, x64), zeta)
@@ -164,7 +177,9 @@ def _nucleus_rejection_kernel(
 
 
 def cuda_launch(V: int) -> dict:
-    """One row per program on a GPU: its later passes re-read the row from L2."""
+    """One row per program on a GPU: its later passes re-read the row from L2. 2048-column tiles
+    at 8 warps: 112–128 registers, two programs per SM; 4096 columns spilled (top-p) or took 167
+    registers, one program per SM (sampling), so no more loads in flight per SM (ptxas -v, sm_90)."""
     block_v = min(2048, triton.next_power_of_2(V))
     return dict(BLOCK_B=1, BLOCK_V=block_v, NTILES=triton.next_power_of_2(triton.cdiv(V, block_v)), num_warps=8)
 
@@ -178,7 +193,7 @@ def _interpreter_launch(rows: int, V: int) -> dict:
                 BLOCK_V=block_v, NTILES=n_tiles)
 
 
-def nucleus_sample(
+def draw_rows(
     z: torch.Tensor,
     *,
     head: str,
@@ -187,23 +202,24 @@ def nucleus_sample(
     temperature: float,
     steps: int | torch.Tensor,
     state: Optional[torch.Tensor],
-    top_p_threshold: float,
     seed: torch.Tensor,
+    top_p_threshold: Optional[float] = None,
 ) -> tuple[Selection, torch.Tensor]:
-    """Draw one token per row from the top-p truncation of each row's step distribution, by rejection.
+    """Draw one token per row from each row's step distribution, or from its top-p truncation.
 
     Args:
         z: (B, V) fp32/bf16/fp16 logits with unit stride along V (any row stride).
         head: "va" | "nmst" | "st"; eos_index, eps: the head's; temperature divides non-eos logits.
         steps: t of this step: an int, or a (B,) int64 tensor (stride 0 allowed).
         state: "st" only: (B,) float64 running log(1 − α) before this step (None: 0).
-        top_p_threshold: keep tokens while the mass ranked before them is below this (top_p minus
-            the caller's rounding slack).
         seed: one-element int64 tensor for the draw.
+        top_p_threshold: None: plain sampling (one read). Else top-p by rejection: keep tokens
+            while the mass ranked before them is below this (top_p minus the caller's rounding slack).
     Returns:
-        (:class:`kernels.row_select.Selection`, rounds: (B,) int32 rounds per row). ``flags[1]`` < B
-        names a row still rejected after ``MAX_ROUNDS`` rounds (its token is invalid: the caller
-        draws it another way); ``flags[0]`` < B a row with no distribution (NaN).
+        (:class:`kernels.row_select.Selection`, rounds: (B,) int32 rounds per row). ``flags[0]`` < B
+        names a row with no distribution (NaN); ``flags[1]`` < B a row still without a token after
+        ``MAX_ROUNDS`` rounds (top-p: still rejected; plain: only fp32 rounding can make a round
+        miss) — its token is invalid, the caller draws it another way.
     """
     B, V = z.shape
     if z.stride(1) != 1:
@@ -212,10 +228,12 @@ def nucleus_sample(
     rounds = torch.empty(B, dtype=torch.int32, device=z.device)
     if B:
         launch = cuda_launch(V) if z.is_cuda else _interpreter_launch(B, V)
-        _nucleus_rejection_kernel[(triton.cdiv(B, launch["BLOCK_B"]),)](
-            z, z.stride(0), B, V, eos_index, 1.0 / temperature, *out.head_args, *_split_f64(top_p_threshold), seed,
+        truncate = top_p_threshold is not None
+        _row_draw_kernel[(triton.cdiv(B, launch["BLOCK_B"]),)](
+            z, z.stride(0), B, V, eos_index, 1.0 / temperature, *out.head_args,
+            *_split_f64(top_p_threshold if truncate else 2.0), seed,
             out.tokens, out.log_probs, rounds, out.state, out.flags, B,
             HEAD=HEAD_CODES[head], STEPS_PER_ROW=out.steps_per_row, HAS_STATE=out.has_state,
-            MAX_ROUNDS=MAX_ROUNDS, STREAM=UNIFORM_STREAM, **launch,
+            MAX_ROUNDS=MAX_ROUNDS, STREAM=UNIFORM_STREAM, TRUNCATE=truncate, **launch,
         )
     return out.selection(head), rounds
