@@ -160,3 +160,21 @@ def test_plain_draws_reproduce_and_report_nan_rows():
     torch.testing.assert_close(first.state.cpu(), dist.state)
     z[17, 3] = float("nan")
     assert row_draw.draw_rows(z, seed=torch.tensor([5], device=DEVICE), **args)[0].flags.tolist() == [17, 300]
+
+
+def test_a_rejected_eos_becomes_the_pivot():
+    """Eos holds ~0.28 of the mass but lies outside the nucleus (two tokens of ~0.33 each reach
+    p = 0.5 first): a round that draws eos is rejected and the next draws only among the tokens
+    ranked before eos. 10⁶ draws G-tested; eos is never drawn."""
+    V, eos = 12, 7
+    z = torch.full((V,), -2.0)
+    z[3], z[9] = 2.0, 2.0 - 1e-3  # the nucleus: {3, 9}
+    z[eos] = -2.0  # α_20 = 1 − σ(2)·0.99^20 ≈ 0.28
+    reference_log_p = _reference_log_probs(z, "nmst", eos, 0.01, 20)
+    assert 0.1 < float(reference_log_p[eos].exp()) < 0.35
+    reference = truncated_distribution(reference_log_p.unsqueeze(0), None, 0.5)[0]
+    assert torch.nonzero(reference).flatten().tolist() == [3, 9]
+    picked, rounds = _draw(z.to(DEVICE).unsqueeze(0).expand(DRAWS, -1), head="nmst", eos=eos, eps=0.01, t=20,
+                           top_p=0.5, seed=int(torch.seed() % 2**31))
+    assert picked.flags.tolist() == [DRAWS, DRAWS] and int(rounds.max()) >= 2
+    assert _g_test(picked.tokens.cpu(), reference) > 1e-5
