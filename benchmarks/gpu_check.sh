@@ -18,7 +18,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 for step in $steps; do
   case $step in
-    tests) timeout 240 python3 -m pytest tests -q -p no:cacheprovider -n 8 -rf 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+    # test_gpu_compile is the CPU machines' stand-in for a real compile: here every kernel compiles for real.
+    tests) timeout 240 python3 -m pytest tests -q -p no:cacheprovider -n 8 -rf --deselect tests/test_gpu_compile.py \
+             2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     loss) timeout 180 python3 -m benchmarks.report --gpu --json "$OUT/loss.json" 2>"$OUT/loss.err" | tee "$OUT/loss.md"; tail -5 "$OUT/loss.err" ;;
     profile) timeout 150 python3 -m benchmarks.profile_loss 2>&1 | tee "$OUT/profile.md" | tail -60 ;;
     decoding) timeout 150 python3 -m benchmarks.report_decoding --gpu 2>&1 | tee "$OUT/decoding.md" ;;
