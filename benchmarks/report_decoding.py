@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -92,8 +94,6 @@ def _top_p_rounds(logits: torch.Tensor, k: Optional[int], p: Optional[float]) ->
 
 
 def gpu_main() -> None:
-    import triton.testing
-
     from nmst_fast.decoding.fused import ROW_DRAW_MIN_ROWS
 
     bandwidth = copy_bandwidth()
@@ -111,12 +111,37 @@ def gpu_main() -> None:
             logits = make_logits(B, V, device="cuda")
             floor_ms = B * V * 4 / bandwidth * 1e3
             for name, (k, p) in GPU_STRATEGIES.items():
-                f, s, device_step = fast(k, p), sort_based(k, p), _device_step(k, p)
-                mf = triton.testing.do_bench(lambda: f(logits, gen), return_mode="median")
-                ms = triton.testing.do_bench(lambda: s(logits, gen), return_mode="median")
-                mscan = triton.testing.do_bench_cudagraph(lambda: device_step(logits), return_mode="median")
-                print(f"| {B} | {V} | {name} | {mf:.4f} | {ms:.4f} | {ms / mf:.2f}x | {mscan:.4f} | {floor_ms:.4f} | "
-                      f"{mscan / floor_ms:.2f} | {_top_p_rounds(logits, k, p)} |", flush=True)
+                _gpu_row(name, k, p, logits, gen, floor_ms)
+            if B >= ROW_DRAW_MIN_ROWS:  # the race these batches no longer take, to check the switch
+                with race_sampling():
+                    _gpu_row("sampling, Gumbel race", None, None, logits, gen, floor_ms)
+
+
+def _gpu_row(name: str, k: Optional[int], p: Optional[float], logits: torch.Tensor, gen: torch.Generator,
+             floor_ms: float) -> None:
+    import triton.testing
+
+    f, s, device_step = fast(k, p), sort_based(k, p), _device_step(k, p)
+    mf = triton.testing.do_bench(lambda: f(logits, gen), return_mode="median")
+    ms = triton.testing.do_bench(lambda: s(logits, gen), return_mode="median")
+    mscan = triton.testing.do_bench_cudagraph(lambda: device_step(logits), return_mode="median")
+    B, V = logits.shape
+    print(f"| {B} | {V} | {name} | {mf:.4f} | {ms:.4f} | {ms / mf:.2f}x | {mscan:.4f} | {floor_ms:.4f} | "
+          f"{mscan / floor_ms:.2f} | {_top_p_rounds(logits, k, p)} |", flush=True)
+
+
+@contextmanager
+def race_sampling():
+    """Plain sampling through the split-V Gumbel race whatever the batch size (fused_select and
+    _device_step read the threshold when called)."""
+    from nmst_fast.decoding import fused
+
+    saved = fused.ROW_DRAW_MIN_ROWS
+    fused.ROW_DRAW_MIN_ROWS = sys.maxsize
+    try:
+        yield
+    finally:
+        fused.ROW_DRAW_MIN_ROWS = saved
 
 
 def flashinfer_table(gen: torch.Generator) -> None:

@@ -248,7 +248,7 @@ def test_fused_top_k_generation_scores_are_model_log_probs():
         assert float(out.scores[b]) == pytest.approx(expected, rel=1e-5, abs=1e-5)
 
 
-def test_gpu_report_device_steps_run():
+def test_gpu_report_device_steps_run(monkeypatch):
     """The decoding report's CUDA-graph step for every strategy (run here in the interpreter)."""
     from benchmarks.decoding_cases import GPU_STRATEGIES
     from benchmarks.report_decoding import _device_step, _top_p_rounds
@@ -258,6 +258,21 @@ def test_gpu_report_device_steps_run():
         _device_step(k, p, device=DEVICE)(logits)
     mean, most = _top_p_rounds(logits, None, 0.9).split(" / ")
     assert 1.0 <= float(mean) <= int(most) and _top_p_rounds(logits, 4, None) == "—"
+    # The comparison row: plain sampling of a large batch through the race, then the switch restored.
+    from benchmarks.report_decoding import race_sampling
+
+    rows = torch.randn(fused.ROW_DRAW_MIN_ROWS, 300, device=DEVICE)
+    threshold = fused.ROW_DRAW_MIN_ROWS
+    calls = []
+    with monkeypatch.context() as patch:
+        import kernels.row_draw as row_draw
+
+        patch.setattr(row_draw, "draw_rows", lambda *a, **k: calls.append(1))
+        with race_sampling():
+            _device_step(None, None, device=DEVICE)(rows)
+            fused_select(rows, head="nmst", eos_index=0, greedy=False)
+        assert calls == []
+    assert fused.ROW_DRAW_MIN_ROWS == threshold
 
 
 @pytest.mark.parametrize("head", HEADS)
