@@ -56,8 +56,8 @@ def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
     """
     from kernels.row_draw import draw_rows
     from kernels.row_scan import scan_partials
-    from nmst_fast.decoding.fused import ROW_DRAW_MIN_ROWS
     from kernels.row_select import select_candidates_from_scan, select_from_scan
+    from nmst_fast.decoding.fused import samples_by_row_draw
 
     plain = untruncated(k, p)
     seed = torch.tensor([1234], device=device)
@@ -65,7 +65,7 @@ def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
 
     def step(logits: torch.Tensor) -> None:
         eos = logits.shape[1] - 1
-        if plain and k != 1 and logits.shape[0] >= ROW_DRAW_MIN_ROWS:  # sampling, as fused_select dispatches
+        if plain and k != 1 and samples_by_row_draw(logits.shape[0]):  # sampling, as fused_select dispatches
             draw_rows(logits, eos_index=eos, temperature=1.0, seed=seed, **head)
         elif plain:
             race = None if k == 1 else seed  # sampling races; greedy does not
@@ -94,7 +94,7 @@ def _top_p_rounds(logits: torch.Tensor, k: Optional[int], p: Optional[float]) ->
 
 
 def gpu_main() -> None:
-    from nmst_fast.decoding.fused import ROW_DRAW_MIN_ROWS
+    from nmst_fast.decoding.fused import ROW_DRAW_MIN_ROWS, samples_by_row_draw
 
     bandwidth = copy_bandwidth()
     print(f"per-step selection, NMST head, fp32 logits, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
@@ -112,7 +112,7 @@ def gpu_main() -> None:
             floor_ms = B * V * 4 / bandwidth * 1e3
             for name, (k, p) in GPU_STRATEGIES.items():
                 _gpu_row(name, k, p, logits, gen, floor_ms)
-            if B >= ROW_DRAW_MIN_ROWS:  # the race these batches no longer take, to check the switch
+            if samples_by_row_draw(B):  # the race these batches no longer take, to check the switch
                 with race_sampling():
                     _gpu_row("sampling, Gumbel race", None, None, logits, gen, floor_ms)
 
@@ -132,8 +132,8 @@ def _gpu_row(name: str, k: Optional[int], p: Optional[float], logits: torch.Tens
 
 @contextmanager
 def race_sampling():
-    """Plain sampling through the split-V Gumbel race whatever the batch size (fused_select and
-    _device_step read the threshold when called)."""
+    """Plain sampling through the split-V Gumbel race whatever the batch size (``samples_by_row_draw``
+    reads the threshold when called)."""
     from nmst_fast.decoding import fused
 
     saved = fused.ROW_DRAW_MIN_ROWS

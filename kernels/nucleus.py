@@ -386,7 +386,7 @@ def draw_launch(B: int, V: int, block_v: int, cuda: bool) -> dict:
     return dict(BLOCK_B=max(1, min(triton.next_power_of_2(B), (1 << 18) // widest)), NTILES=n_tiles)
 
 
-def _shared_cut(z: torch.Tensor, steps: int | torch.Tensor, state: Optional[torch.Tensor]) -> bool:
+def shares_one_cut(z: torch.Tensor, steps: int | torch.Tensor, state: Optional[torch.Tensor]) -> bool:
     """Every row is the same logits row at the same step and state: one cut serves them all."""
     B = z.shape[0]
     same_steps = not isinstance(steps, torch.Tensor) or steps.stride(0) == 0
@@ -419,7 +419,7 @@ def nucleus_cut(
     B, V = z.shape
     if z.stride(1) != 1:
         raise ValueError("z must have unit stride along V")
-    shared = _shared_cut(z, steps, state)
+    shared = shares_one_cut(z, steps, state)
     cut_rows = 1 if shared else B
     cut_z = z[:cut_rows]
     out = _Outputs(z, head, eps, steps, state)

@@ -115,6 +115,7 @@ def _row_draw_kernel(
     eos_in = pending & (p_eos > 0.0)
     tile_e = tl.where(pending[:, None], tile_e, 0.0)
     total = tl.where(eos_in, p_eos, 0.0) + w * tl.sum(tile_e.to(tl.float64), axis=1)
+    eos_floor, eos_exact = _fp32_floor(eos_zeta)  # eos as a pivot (fp32 compares along the row)
     token = tl.zeros((BLOCK_B,), tl.int64)
     zeta = tl.zeros((BLOCK_B,), tl.float64)
     rounds = tl.zeros((BLOCK_B,), tl.int32)
@@ -135,7 +136,6 @@ def _row_draw_kernel(
         drawn = pending & (is_eos | (col >= 0))  # col < 0: rounding left no token; draw again
 
         # The candidate as a pivot, and eos's place against it (float64, by the exact ζ_eos).
-        eos_floor, eos_exact = _fp32_floor(eos_zeta)
         cand_value = tl.where(is_eos, eos_floor, col_x)
         cand_col = tl.where(is_eos, tl.where(eos_exact, eos_index, 0), col)
         x64 = col_x.to(tl.float64)

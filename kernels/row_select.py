@@ -335,8 +335,9 @@ class Selection:
     tokens: torch.Tensor  # (B,) int64
     log_probs: torch.Tensor  # (B,) float64 log p of each chosen token (untruncated distribution)
     state: Optional[torch.Tensor]  # (B,) float64 ST's log(1 − α_t) after this step; None for other heads
-    # (2,) int32: [first row without a distribution, first row whose top-p nucleus the nucleus
-    # kernels could not resolve (its draw is then invalid: the caller takes another path)]; B means none
+    # (2,) int32: [first row without a distribution, first row the kernel could not serve (an
+    # unresolved nucleus cut, a row draw without a token after MAX_ROUNDS): its draw is invalid and
+    # the caller takes another path]; B means none
     flags: torch.Tensor
 
 

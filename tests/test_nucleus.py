@@ -131,7 +131,7 @@ def test_one_cut_serves_repeated_rows(head):
     state = torch.full((1,), -0.5, dtype=torch.float64, device=DEVICE).expand(64) if head == "st" else None
     args = dict(head=head, eos_index=7, eps=0.01, temperature=1.0, steps=9, top_p_threshold=0.9,
                 seed=torch.tensor([1], device=DEVICE))
-    assert nucleus._shared_cut(z, 9, state)
+    assert nucleus.shares_one_cut(z, 9, state)
     shared = nucleus.nucleus_select(z, state=state, **args)
     copied = nucleus.nucleus_select(z.contiguous(), state=None if state is None else state.contiguous(), **args)
     assert torch.equal(shared.tokens, copied.tokens) and torch.equal(shared.log_probs, copied.log_probs)

@@ -51,6 +51,11 @@ class FusedSelection:
 ROW_DRAW_MIN_ROWS = 128
 
 
+def samples_by_row_draw(rows: int) -> bool:
+    """Whether plain sampling of ``rows`` rows takes the row-draw kernel (else the Gumbel race)."""
+    return rows >= ROW_DRAW_MIN_ROWS
+
+
 def fused_available(logits: torch.Tensor) -> bool:
     """The Triton path runs on CUDA tensors, or on CPU tensors in Triton's interpreter."""
     return triton_available() and (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
@@ -120,7 +125,7 @@ def fused_select(
 
     logits, kernel_steps, kernel_state = _prepare(logits, head, eos_index, eps, steps, state, temperature)
     seed = None if greedy else _seed(generator, logits.device)
-    if not greedy and logits.shape[0] >= ROW_DRAW_MIN_ROWS:
+    if not greedy and samples_by_row_draw(logits.shape[0]):
         from kernels.row_draw import draw_rows
 
         picked, _ = draw_rows(logits, head=head, eos_index=eos_index, eps=eps, temperature=temperature,
@@ -152,11 +157,11 @@ def _nucleus(logits: torch.Tensor, **args) -> Optional[FusedSelection]:
     them all. Otherwise rejection rounds (about two reads per row); a batch with a row still
     rejected after MAX_ROUNDS is drawn from the cut instead (a second host sync, only then).
     None: the cut did not converge either."""
-    from kernels.nucleus import _shared_cut, nucleus_select
+    from kernels.nucleus import nucleus_select, shares_one_cut
     from kernels.row_draw import draw_rows
 
     B = logits.shape[0]
-    if not _shared_cut(logits, args["steps"], args["state"]):
+    if not shares_one_cut(logits, args["steps"], args["state"]):
         picked, _ = draw_rows(logits, **args)
         if _check_flags(picked.flags, B):
             return FusedSelection(picked.tokens, picked.log_probs, picked.state)

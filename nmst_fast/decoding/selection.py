@@ -197,8 +197,8 @@ def use_fused(impl: str, logits: torch.Tensor, top_k: Optional[int], top_p: Opti
               ranked: bool = False) -> bool:
     """Whether the Triton kernels serve this call.
 
-    They serve greedy, untruncated sampling, top-p alone (any nucleus size: ``kernels/nucleus.py``)
-    and top-k (then top-p) with k up to ``kernels.row_scan.MAX_CANDIDATES``. ``ranked``: the
+    They serve greedy, untruncated sampling, top-p alone (any nucleus size: ``kernels/row_draw.py``,
+    ``kernels/nucleus.py``) and top-k (then top-p) with k up to ``kernels.row_scan.MAX_CANDIDATES``. ``ranked``: the
     caller wants the ``top_k`` best tokens in rank order (beam search), which always takes the
     candidate list.
     """
