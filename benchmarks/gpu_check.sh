@@ -3,7 +3,7 @@
 # real, not interpreted), then the loss and decoding reports. Each step has its own time
 # limit so one slow step cannot take the others' results with it. Logs go to $OUT (or ./gpu_out).
 #   bash benchmarks/gpu_check.sh            # tests loss profile decoding
-#   bash benchmarks/gpu_check.sh "tests profile"   # chosen steps: tests | loss | profile | decoding | generation | flashinfer
+#   bash benchmarks/gpu_check.sh "tests profile"   # chosen steps: tests | loss | profile | decoding | draw-sweep | generation | flashinfer
 # Wheels in .whl/ (benchmarks/fetch_gpu_wheels.sh; carry ".whl") are installed first, for flashinfer.
 set -u
 OUT=${OUT:-gpu_out}
@@ -19,11 +19,14 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 for step in $steps; do
   case $step in
     # test_gpu_compile is the CPU machines' stand-in for a real compile: here every kernel compiles for real.
-    tests) timeout 240 python3 -m pytest tests -q -p no:cacheprovider -n 8 -rf --deselect tests/test_gpu_compile.py \
+    # One torch thread per core share: 8 workers each starting 16 threads starved the CPU-bound
+    # training tests past their limit on the first H100 run.
+    tests) OMP_NUM_THREADS=2 timeout 240 python3 -m pytest tests -q -p no:cacheprovider -n 8 -rf --deselect tests/test_gpu_compile.py \
              2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     loss) timeout 180 python3 -m benchmarks.report --gpu --json "$OUT/loss.json" 2>"$OUT/loss.err" | tee "$OUT/loss.md"; tail -5 "$OUT/loss.err" ;;
     profile) timeout 150 python3 -m benchmarks.profile_loss 2>&1 | tee "$OUT/profile.md" | tail -60 ;;
     decoding) timeout 150 python3 -m benchmarks.report_decoding --gpu 2>&1 | tee "$OUT/decoding.md" ;;
+    draw-sweep) timeout 200 python3 -m benchmarks.profile_decoding 2>&1 | tee "$OUT/draw_sweep.md" ;;
     generation) timeout 150 python3 -m benchmarks.report_generation --device cuda 2>&1 | tee "$OUT/generation.md" ;;
     # FlashInfer JIT-compiles its sampling kernels with nvcc on first use (minutes, hence its own limit).
     flashinfer) timeout 420 python3 -m benchmarks.report_decoding --gpu --flashinfer 2>&1 | tee "$OUT/flashinfer.md" ;;

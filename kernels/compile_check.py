@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.runtime.jit import mangle_type
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
 from . import nucleus, row_draw, row_scan, row_select, scale_cast, split_softmax
 
@@ -114,6 +114,7 @@ def launches() -> list[Launch]:
             label, dict(BLOCK_S=block_s, BLOCK_B=block_b),
             dict(num_warps=row_select.candidate_num_warps(block_b, block_s, K))))
     out += _nucleus_launches(state, seed)
+    out += _small_vocab_launches(seed)
     zb = z.to(torch.bfloat16)
     targets = torch.zeros(4, dtype=torch.long)
     out.append(_record(split_softmax, "_split_lse_kernel", lambda: split_softmax.split_lse(zb, targets, 5),
@@ -161,6 +162,28 @@ def _nucleus_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launch]:
     return out
 
 
+def _small_vocab_launches(seed: torch.Tensor) -> list[Launch]:
+    """The row draw and the nucleus draw at vocabularies of one to two tiles (V divisible by 16, so
+    the loads are vectorized): Triton 3.6's scan lowering failed there on an H100 until the per-tile
+    table was padded (``nucleus.tile_table_width``)."""
+    out = []
+    for V in (512, 1024, 4096):
+        z = torch.randn(64, V, generator=torch.Generator().manual_seed(2))
+        for dtype, top_p in ((torch.float32, 0.9), (torch.bfloat16, None)):
+            out.append(_record(row_draw, "_row_draw_kernel", lambda: row_draw.draw_rows(
+                z.to(dtype), head="nmst", eos_index=5, eps=1e-5, temperature=1.0, steps=3, state=None,
+                top_p_threshold=top_p, seed=seed),
+                f"row draw V={V} {str(dtype)[6:]} top_p={top_p}", *_blocks_and_options(row_draw.cuda_launch(V))))
+        cut_shape = nucleus.cuda_launch(V)
+        sink: list = []
+        with _recording(nucleus, "_nucleus_cut_kernel", []), _recording(nucleus, "_nucleus_draw_kernel", sink) as kernel:
+            nucleus.nucleus_select(z, head="va", eos_index=5, eps=1e-5, temperature=1.0, steps=3, state=None,
+                                   top_p_threshold=0.9, seed=seed)
+        shape = nucleus.draw_launch(64, V, cut_shape["BLOCK_V"], cuda=True) | {"BLOCK_V": cut_shape["BLOCK_V"]}
+        out.append(Launch(f"nucleus draw V={V} B=64", kernel, *sink[0], *_blocks_and_options(shape)))
+    return out
+
+
 def _blocks_and_options(shape: dict) -> tuple[dict, dict]:
     """A launch dict split into its constexpr block sizes and its compile options (num_warps)."""
     return {key: value for key, value in shape.items() if key != "num_warps"}, {"num_warps": shape["num_warps"]}
@@ -172,22 +195,23 @@ def _fake_scan(z: torch.Tensor, K: int) -> row_scan.ScanPartials:
 
 
 def compile_launch(launch: Launch, arch: int):
-    """Compile one launch for ``sm_<arch>``; returns (the compiled kernel, seconds taken)."""
+    """Compile one launch for ``sm_<arch>``; returns (the compiled kernel, seconds taken).
+
+    Arguments are specialized by the JIT's own binder, as a launch on the GPU would: integers
+    divisible by 16 and 16-byte-aligned pointers get ``tt.divisibility``, integers equal to 1
+    become constants. Those hints change layouts and lowering (a first GPU run failed in
+    TritonGPUCoalesce and the scan lowering only under them), so a check without them passes
+    kernels the GPU cannot compile.
+    """
     kernel = launch.kernel
-    kwargs = dict(launch.kwargs)
-    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs} | launch.cuda_options
-    values = dict(zip(kernel.arg_names, launch.args)) | kwargs | launch.cuda_constexprs
-    signature, constexprs = {}, {}
-    for index, param in enumerate(kernel.params):
-        value = values[param.name]
-        if param.is_constexpr:
-            signature[param.name] = "constexpr"
-            constexprs[(index,)] = value
-        else:
-            signature[param.name] = mangle_type(value)
+    kwargs = dict(launch.kwargs) | launch.cuda_constexprs | launch.cuda_options
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
     t0 = time.perf_counter()
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", arch, 32), options=options)
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
+                              target=GPUTarget("cuda", arch, 32), options=options.__dict__)
     return compiled, time.perf_counter() - t0
 
 

@@ -49,6 +49,15 @@ BRACKET_SPLITS = 8  # NT: parts per bracket pass (compute per pass ∝ NT, passe
 BRACKET_CAPACITY = 64  # C: tokens the final bracket may hold (sorted in registers)
 MAX_PASSES = 8
 _NO_KEY = -(2**63)
+# Triton 3.6's scan lowering (tl.cumsum) asserts when the per-tile table is narrower than the
+# per-thread vector its layout inherits from the 16-byte-aligned row loads (tables of 1–2 tiles
+# at V = 512–4096 failed on an H100; Triton 3.9 compiles them). Padded tiles hold no mass.
+MIN_TILE_TABLE = 8
+
+
+def tile_table_width(V: int, block_v: int) -> int:
+    """Columns of a row's per-tile table: the tile count, padded to a power of two ≥ MIN_TILE_TABLE."""
+    return max(MIN_TILE_TABLE, triton.next_power_of_2(triton.cdiv(V, block_v)))
 
 
 @triton.jit
@@ -102,8 +111,9 @@ def _nucleus_cut_kernel(
     kept_col_ptr, kept_mass_ptr,  # (rows, C): kept bracket tokens in rank order and their masses
     passes_ptr,  # (rows,) int32: bracket passes this row's program ran (for tuning and tests)
     new_state_ptr, flags_ptr, no_row,  # flags: first bad / unresolved row; no_row (the batch size): none
+    max_passes,  # runtime, not constexpr: Triton 3.6 failed to compile the loop a bound of 0 folds away
     HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr,
-    NT: tl.constexpr, C: tl.constexpr, MAX_PASSES: tl.constexpr,
+    NT: tl.constexpr, C: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, PASS_BLOCK_V: tl.constexpr,
 ):
     HAS_EOS: tl.constexpr = HEAD != 0
@@ -141,7 +151,7 @@ def _nucleus_cut_kernel(
     active = live & (count > C) & (lowest < highest)
     sub = tl.arange(0, NT)
     passes = 0
-    while (tl.max(active.to(tl.int32), axis=0) > 0) & (passes < MAX_PASSES):
+    while (tl.max(active.to(tl.int32), axis=0) > 0) & (passes < max_passes):
         # Thresholds over the members' range (fp32, non-decreasing); sub-interval 0 starts at lo.
         # Clamped to fp32's range: only eos (a certain one has ζ_eos ~ 1e300) lies beyond it.
         span_lo = tl.maximum(lowest, -3.4028234663852886e38)
@@ -251,7 +261,10 @@ def _nucleus_cut_kernel(
     eos_behind = eos_in[:, None] & (rank[None, :] >= eos_pos[:, None])
     mass_before = before_bracket[:, None] + tl.cumsum(q, axis=1) - q + tl.where(eos_behind, p_eos[:, None], 0.0)
     first = first_is_top[:, None] & (rank[None, :] == 0) & ~(eos_in & (eos_pos == 0))[:, None]
-    kept = real & ((mass_before < threshold) | first)
+    # Kept: the ranks before the first one whose mass_before reaches p (a prefix even where the
+    # scan's rounding is not monotone).
+    cut_rank = tl.min(tl.where(real & (mass_before >= threshold) & ~first, rank[None, :], C), axis=1)
+    kept = real & (rank[None, :] < cut_rank[:, None])
     eos_before = before_bracket + tl.sum(tl.where(rank[None, :] < eos_pos[:, None], q, 0.0), axis=1)
     eos_kept = eos_in & ((eos_before < threshold) | (first_is_top & (eos_pos == 0)))
     eos_mass += tl.where(eos_kept, p_eos, 0.0)
@@ -283,10 +296,15 @@ def _nucleus_cut_kernel(
 
 @triton.jit
 def _first_crossing(weights, target, index, SIZE):
-    """Per row, the first index whose cumulative weight exceeds ``target`` (the last positive
-    one when rounding leaves none), and the weight before it."""
+    """Per row, the first index of positive weight whose cumulative weight exceeds ``target`` (the
+    last positive one when rounding leaves none), and the weight before it.
+
+    Only positive weights may be picked: a GPU's parallel scan rounds each prefix through its own
+    partial-sum tree, so ``cum`` is not monotone to the last ulp, and a zero weight right after a
+    block boundary can read an ulp above its predecessor (an H200 drew a token outside the nucleus
+    about once in 10^6 draws that way)."""
     cum = tl.cumsum(weights, axis=1)
-    pick = tl.min(tl.where(cum > target[:, None], index, SIZE), axis=1)
+    pick = tl.min(tl.where((cum > target[:, None]) & (weights > 0), index, SIZE), axis=1)
     last = tl.max(tl.where(weights > 0, index, -1), axis=1)
     pick = tl.where(pick < SIZE, pick, last)
     return pick, tl.sum(tl.where(index < pick[:, None], weights, 0), axis=1)
@@ -379,7 +397,7 @@ def _interpreter_launch(rows: int, V: int) -> dict:
 def draw_launch(B: int, V: int, block_v: int, cuda: bool) -> dict:
     """Rows per draw program (each loads one tile, the per-tile table and C kept tokens) and the
     per-tile table's padded width."""
-    n_tiles = triton.next_power_of_2(triton.cdiv(V, block_v))
+    n_tiles = tile_table_width(V, block_v)
     widest = max(block_v, BRACKET_CAPACITY, n_tiles)
     if cuda:  # one row of 2048 float64 cumulative sums per 8 warps: no spills (ptxas -v, sm_90)
         return dict(BLOCK_B=max(1, min(triton.next_power_of_2(B), 2048 // widest)), NTILES=n_tiles, num_warps=8)
@@ -446,9 +464,9 @@ def nucleus_cut(
     if cut_rows:
         _nucleus_cut_kernel[(triton.cdiv(cut_rows, launch["BLOCK_B"]),)](
             cut_z, cut_z.stride(0), cut_rows, V, eos_index, 1.0 / temperature, *cut_out.head_args,
-            *_split_f64(top_p_threshold), *parts.values(), cut_out.state, out.flags, B,
+            *_split_f64(top_p_threshold), *parts.values(), cut_out.state, out.flags, B, MAX_PASSES,
             HEAD=HEAD_CODES[head], STEPS_PER_ROW=cut_out.steps_per_row, HAS_STATE=cut_out.has_state,
-            NT=BRACKET_SPLITS, C=C, MAX_PASSES=MAX_PASSES, **launch,
+            NT=BRACKET_SPLITS, C=C, **launch,
         )
     new_state = None
     if head == "st":

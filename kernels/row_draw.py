@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .nucleus import _first_crossing, _load_x, _row_head
+from .nucleus import _first_crossing, _load_x, _row_head, tile_table_width
 from .row_select import HEAD_CODES, Selection, _Outputs, _split_f64, _uniform_f64_stream
 
 MAX_ROUNDS = 32  # P(all rejected) ≤ (1 − p)^32 per row; in practice rounds ≈ 1 + log₂(1/p)
@@ -76,9 +76,12 @@ def _row_draw_kernel(
     token_ptr, log_prob_ptr,  # (rows,) int64 / fp64: the draw and its untruncated log-prob
     rounds_ptr,  # (rows,) int32: rounds this row took (for tuning and tests)
     new_state_ptr, flags_ptr, no_row,  # flags: first bad / unresolved row; no_row (the batch size): none
-    HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr, MAX_ROUNDS: tl.constexpr,
+    # A runtime bound, not a constexpr: Triton 3.6's TritonGPUCoalesce pass crashed on the loop a
+    # bound of 0 (tests: every row to the fallback) constant-folds away.
+    max_rounds,
+    HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr,
     STREAM: tl.constexpr, TRUNCATE: tl.constexpr, NTILES: tl.constexpr, BLOCK_B: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     HAS_EOS: tl.constexpr = HEAD != 0
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -90,8 +93,17 @@ def _row_draw_kernel(
     # 1. Per tile: max and Σ e^(x − max); their merge gives M and Σ e^(x − M) (one exp per element).
     tile_max = tl.full((BLOCK_B, NTILES), float("-inf"), tl.float32)
     tile_sum = tl.zeros((BLOCK_B, NTILES), tl.float32)
+    # PREFETCH: issue the next tile's load before this tile's reductions. Triton does not pipeline
+    # these loads, and one program per row (two per SM) otherwise has a load in flight only
+    # between reductions: the H100 run streamed 0.87 TB/s of its 3 TB/s.
+    if PREFETCH:
+        x_next = _load_x(base, lanes, row_ok, V, eos_index, inv_temp, HAS_EOS)
     for start in range(0, V, BLOCK_V):
-        x = _load_x(base, start + lanes, row_ok, V, eos_index, inv_temp, HAS_EOS)
+        if PREFETCH:
+            x = x_next
+            x_next = _load_x(base, start + BLOCK_V + lanes, row_ok, V, eos_index, inv_temp, HAS_EOS)
+        else:
+            x = _load_x(base, start + lanes, row_ok, V, eos_index, inv_temp, HAS_EOS)
         peak = tl.max(x, axis=1)
         shift = tl.where(peak == float("-inf"), 0.0, peak)  # an all −inf tile: Σ = 0, not NaN
         here = tiles == start // BLOCK_V
@@ -120,9 +132,9 @@ def _row_draw_kernel(
     zeta = tl.zeros((BLOCK_B,), tl.float64)
     rounds = tl.zeros((BLOCK_B,), tl.int32)
     r = 0
-    while (tl.max(pending.to(tl.int32), axis=0) > 0) & (r < MAX_ROUNDS):
+    while (tl.max(pending.to(tl.int32), axis=0) > 0) & (r < max_rounds):
         # Draw from S: eos first, then tokens in column order (the tile, then the column inside it).
-        goal = _uniform_f64_stream(seed, rows * MAX_ROUNDS + r, STREAM) * total
+        goal = _uniform_f64_stream(seed, rows * max_rounds + r, STREAM) * total
         eos_part = tl.where(eos_in, p_eos, 0.0)
         goal_e = (goal - eos_part) / tl.where(w > 0.0, w, 1.0)  # in units of e^(x − M)
         tile_weights = tile_e.to(tl.float64)
@@ -148,9 +160,15 @@ def _row_draw_kernel(
             # One pass: the mass ranked before the candidate, per tile (S's tables if it is rejected).
             before_e = tl.zeros((BLOCK_B,), tl.float64)
             next_e = tl.zeros((BLOCK_B, NTILES), tl.float32)
+            if PREFETCH:
+                x_next = _load_x(base, lanes, drawn, V, eos_index, inv_temp, HAS_EOS)
             for start in range(0, V, BLOCK_V):
                 cols = start + lanes
-                x = _load_x(base, cols, drawn, V, eos_index, inv_temp, HAS_EOS)
+                if PREFETCH:
+                    x = x_next
+                    x_next = _load_x(base, cols + BLOCK_V, drawn, V, eos_index, inv_temp, HAS_EOS)
+                else:
+                    x = _load_x(base, cols, drawn, V, eos_index, inv_temp, HAS_EOS)
                 ranked = _ranked_before(x, cols, cand_value, cand_col)
                 part = tl.sum(tl.where(ranked, tl.exp(x - m[:, None]), 0.0), axis=1)
                 next_e = tl.where(tiles == start // BLOCK_V, part[:, None], next_e)
@@ -178,19 +196,21 @@ def _row_draw_kernel(
 
 def cuda_launch(V: int) -> dict:
     """One row per program on a GPU: its later passes re-read the row from L2. 2048-column tiles
-    at 8 warps: 112–128 registers, two programs per SM; 4096 columns spilled (top-p) or took 167
-    registers, one program per SM (sampling), so no more loads in flight per SM (ptxas -v, sm_90)."""
+    at 8 warps: 104–128 registers, two programs per SM; 4096 columns spilled (top-p) or took 167
+    registers, one program per SM (sampling), so no more loads in flight per SM (ptxas -v, sm_90).
+    PREFETCH on: the H100 run without it streamed 0.87 TB/s of 3; its effect is still to be timed
+    (``python -m benchmarks.profile_decoding`` sweeps it with the tile width and warps)."""
     block_v = min(2048, triton.next_power_of_2(V))
-    return dict(BLOCK_B=1, BLOCK_V=block_v, NTILES=triton.next_power_of_2(triton.cdiv(V, block_v)), num_warps=8)
+    return dict(BLOCK_B=1, BLOCK_V=block_v, NTILES=tile_table_width(V, block_v), PREFETCH=True, num_warps=8)
 
 
 def _interpreter_launch(rows: int, V: int) -> dict:
     """The CPU interpreter pays mostly per operation: many rows per program (2^18 elements per
     tensor: a 10^5-row G-test batch ran ~3× faster than with 2^16, as fast as with 2^20)."""
     block_v = min(2048, triton.next_power_of_2(V))
-    n_tiles = triton.next_power_of_2(triton.cdiv(V, block_v))
+    n_tiles = tile_table_width(V, block_v)
     return dict(BLOCK_B=min(triton.next_power_of_2(max(rows, 1)), max(1, (1 << 18) // max(block_v, n_tiles))),
-                BLOCK_V=block_v, NTILES=n_tiles)
+                BLOCK_V=block_v, NTILES=n_tiles, PREFETCH=True)  # the GPU's code path
 
 
 def draw_rows(
@@ -204,6 +224,7 @@ def draw_rows(
     state: Optional[torch.Tensor],
     seed: torch.Tensor,
     top_p_threshold: Optional[float] = None,
+    launch: Optional[dict] = None,
 ) -> tuple[Selection, torch.Tensor]:
     """Draw one token per row from each row's step distribution, or from its top-p truncation.
 
@@ -215,6 +236,8 @@ def draw_rows(
         seed: one-element int64 tensor for the draw.
         top_p_threshold: None: plain sampling (one read). Else top-p by rejection: keep tokens
             while the mass ranked before them is below this (top_p minus the caller's rounding slack).
+        launch: block sizes, PREFETCH and num_warps, for tuning sweeps (``benchmarks.profile_decoding``);
+            None: :func:`cuda_launch` on a GPU, the interpreter's shape on CPU.
     Returns:
         (:class:`kernels.row_select.Selection`, rounds: (B,) int32 rounds per row). ``flags[0]`` < B
         names a row with no distribution (NaN); ``flags[1]`` < B a row still without a token after
@@ -227,13 +250,14 @@ def draw_rows(
     out = _Outputs(z, head, eps, steps, state)
     rounds = torch.empty(B, dtype=torch.int32, device=z.device)
     if B:
-        launch = cuda_launch(V) if z.is_cuda else _interpreter_launch(B, V)
+        if launch is None:
+            launch = cuda_launch(V) if z.is_cuda else _interpreter_launch(B, V)
         truncate = top_p_threshold is not None
         _row_draw_kernel[(triton.cdiv(B, launch["BLOCK_B"]),)](
             z, z.stride(0), B, V, eos_index, 1.0 / temperature, *out.head_args,
             *_split_f64(top_p_threshold if truncate else 2.0), seed,
-            out.tokens, out.log_probs, rounds, out.state, out.flags, B,
+            out.tokens, out.log_probs, rounds, out.state, out.flags, B, MAX_ROUNDS,
             HEAD=HEAD_CODES[head], STEPS_PER_ROW=out.steps_per_row, HAS_STATE=out.has_state,
-            MAX_ROUNDS=MAX_ROUNDS, STREAM=UNIFORM_STREAM, TRUNCATE=truncate, **launch,
+            STREAM=UNIFORM_STREAM, TRUNCATE=truncate, **launch,
         )
     return out.selection(head), rounds

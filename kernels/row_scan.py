@@ -176,7 +176,7 @@ def _first_index_of_max(values: torch.Tensor, index: torch.Tensor, sentinel: int
     return best, torch.where(values == best[:, None], index, sentinel).amin(dim=1)
 
 
-def _launch_shape(z: torch.Tensor, candidates: int) -> tuple[int, int, int]:
+def launch_shape(z: torch.Tensor, candidates: int) -> tuple[int, int, int]:
     """(BLOCK_B, BLOCK_V, splits): enough programs to fill a GPU even for one row."""
     B, V = z.shape
     if not z.is_cuda:
@@ -256,7 +256,7 @@ def scan_partials(
     B, V = z.shape
     # At least 2: Triton 3.6's tl.topk fails to compile for k = 1.
     K = max(2, triton.next_power_of_2(candidates)) if candidates else 0
-    block_b, block_v, splits = _launch_shape(z, K)
+    block_b, block_v, splits = launch_shape(z, K)
     if launch is not None:
         block_v, splits = launch
         if K > block_v:

@@ -308,14 +308,17 @@ def _select_candidates_kernel(
         # rank 0 always stays.
         before = tl.cumsum(prob, axis=1) - prob + tl.where(rank[None, :] >= eos_pos[:, None], prob_eos[:, None], 0.0)
         before_eos = tl.sum(tl.where(rank[None, :] < eos_pos[:, None], prob, 0.0), axis=1)
-        prob = tl.where((before < threshold) | (merged_rank == 0), prob, 0.0)
+        # The kept ranks are those before the first that reaches p: a prefix even where the
+        # scan's rounding is not monotone (a GPU's parallel scan rounds each prefix differently).
+        cut_rank = tl.min(tl.where((before >= threshold) & (merged_rank != 0), rank[None, :], K), axis=1)
+        prob = tl.where(rank[None, :] < cut_rank[:, None], prob, 0.0)
         prob_eos = tl.where((before_eos < threshold) | (eos_pos == 0), prob_eos, 0.0)
 
     # Inverse-CDF draw over the kept mass: eos first, then the candidates in rank order.
     u = _uniform_f64(tl.load(seed_ptr), rows) * (tl.sum(prob, axis=1) + prob_eos)
     last_kept = tl.max(tl.where(prob > 0.0, rank[None, :], -1), axis=1)
     eos_drawn = (u < prob_eos) | (last_kept < 0)
-    crossed = tl.cumsum(prob, axis=1) > (u - prob_eos)[:, None]
+    crossed = (tl.cumsum(prob, axis=1) > (u - prob_eos)[:, None]) & (prob > 0.0)  # see nucleus._first_crossing
     pick = tl.min(tl.where(crossed, rank[None, :], K), axis=1)
     pick = tl.where(pick < K, pick, last_kept)  # rounding at the top of the CDF
     at_pick = rank[None, :] == pick[:, None]

@@ -12,6 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import nmst_fast
 from nmst_fast.fused import HeadConfig, fused_backward_from_lse, fused_forward
 
+from helpers import DEVICE
+
 
 def test_torch_compile_traces_without_graph_breaks():
     gen = torch.Generator().manual_seed(0)
@@ -142,10 +144,11 @@ def test_torch_compile_triton_backend_bf16():
     """The Triton backend under torch.compile, bf16: backward's one-pass scale + cast of the fp32
     dW accumulator is an op too, so the whole step traces without a break."""
     gen = torch.Generator().manual_seed(1)
-    h = torch.randn(2, 5, 8, generator=gen).bfloat16().requires_grad_()
-    W = torch.randn(37, 8, generator=gen).bfloat16().requires_grad_()
-    b = torch.randn(37, generator=gen).bfloat16().requires_grad_()
-    y = torch.randint(0, 37, (2, 5), generator=gen)
+    # On a GPU machine the kernels are compiled, not interpreted: they need CUDA tensors.
+    h = torch.randn(2, 5, 8, generator=gen).bfloat16().to(DEVICE).requires_grad_()
+    W = torch.randn(37, 8, generator=gen).bfloat16().to(DEVICE).requires_grad_()
+    b = torch.randn(37, generator=gen).bfloat16().to(DEVICE).requires_grad_()
+    y = torch.randint(0, 37, (2, 5), generator=gen).to(DEVICE)
 
     def step(h, W, b, y):
         return nmst_fast.linear_nmst_loss(h, W, y, bias=b, eos_index=3, head="nmst", impl="triton") * 3

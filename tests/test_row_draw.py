@@ -178,3 +178,76 @@ def test_a_rejected_eos_becomes_the_pivot():
                            top_p=0.5, seed=int(torch.seed() % 2**31))
     assert picked.flags.tolist() == [DRAWS, DRAWS] and int(rounds.max()) >= 2
     assert _g_test(picked.tokens.cpu(), reference) > 1e-5
+
+
+def test_first_crossing_picks_only_positive_weights():
+    """The inverse-CDF step shared by the row draw and the nucleus draw picks a positive weight:
+    a GPU's parallel scan is not monotone to the last ulp, so a zero weight after the crossing can
+    read above the target (an H200 drew a token outside the nucleus that way). A negative target
+    (rounding below the start of the CDF) makes the first zero weights cross here too."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def crossing_kernel(w_ptr, target_ptr, pick_ptr, before_ptr, N: tl.constexpr):
+        index = tl.arange(0, N)[None, :]
+        one = tl.arange(0, 1)
+        pick, before = nucleus._first_crossing(tl.load(w_ptr + index), tl.load(target_ptr + one), index, N)
+        tl.store(pick_ptr + one, pick)
+        tl.store(before_ptr + one, before)
+
+    def first_crossing(weights, target):
+        w = torch.tensor([weights], dtype=torch.float64, device=DEVICE)
+        pick = torch.empty(1, dtype=torch.int32, device=DEVICE)
+        before = torch.empty(1, dtype=torch.float64, device=DEVICE)
+        crossing_kernel[(1,)](w, torch.tensor([target], dtype=torch.float64, device=DEVICE), pick, before,
+                              N=len(weights))
+        return int(pick.item()), float(before.item())
+
+    weights = [0.0, 0.0, 1.0, 2.0, 0.0, 0.0, 0.5, 0.0]
+    assert first_crossing(weights, -1e-30) == (2, 0.0)  # not column 0 (zero weight, cum 0 > target)
+    assert first_crossing(weights, 0.5) == (2, 0.0)
+    assert first_crossing(weights, 1.0) == (3, 1.0)
+    assert first_crossing(weights, 3.2) == (6, 3.0)
+    assert first_crossing(weights, 3.5) == (6, 3.0)  # rounding past the total: the last positive weight
+    assert first_crossing([0.0] * 8, 0.0)[0] == -1  # nothing to draw: the callers treat it as no token
+
+
+@pytest.mark.parametrize("top_p", [None, 0.5])
+def test_prefetch_changes_no_draw(top_p):
+    """PREFETCH (the next tile's load issued before this tile's reductions) only reorders loads:
+    the same seed gives the same tokens, log-probs, rounds and ST state with it off (a tuning
+    variant of benchmarks.profile_decoding) as with it on (the default)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    z = (torch.randn(6, 700, generator=gen) * 2).to(DEVICE)
+    state = -torch.rand(6, dtype=torch.float64, generator=gen).to(DEVICE)
+    default = row_draw.cuda_launch(700) if z.is_cuda else row_draw._interpreter_launch(6, 700)
+    assert default["PREFETCH"]
+    runs = []
+    for prefetch in (True, False):
+        picked, rounds = row_draw.draw_rows(z, head="st", eos_index=3, eps=1e-3, temperature=0.8, steps=4,
+                                            state=state, seed=torch.tensor([11], device=DEVICE),
+                                            top_p_threshold=top_p, launch=default | {"PREFETCH": prefetch})
+        runs.append((picked.tokens.cpu(), picked.log_probs.cpu(), rounds.cpu(), picked.state.cpu()))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_launch_sweep_runs_every_variant():
+    """benchmarks.profile_decoding's sweeps (GPU tuning) pass each launch variant through draw_rows
+    and the greedy scan + select; here in the interpreter, with a counting timer, on a vocabulary of
+    one to two tiles per width."""
+    from benchmarks.profile_decoding import sweep, variants
+
+    logits = torch.randn(3, 2100, device=DEVICE) * 3
+    timed = []
+    for top_p in (None, 0.9):
+        rows = sweep(logits, top_p, variants(), lambda fn: timed.append(fn()) or 1.0)
+        assert [variant for variant, _ in rows] == variants()
+    assert len(timed) == 2 * len(variants())
+    assert {v.launch(2100)["NTILES"] for v in variants()} == {8}  # 2 tiles of 2048, 1 of 4096: padded
+    from benchmarks.profile_decoding import scan_sweep
+
+    launches = [(1024, 1), (1024, 3), (2048, 2)]
+    rows = scan_sweep(logits, launches, lambda fn: timed.append(fn()) or 1.0)
+    assert [launch for launch, _ in rows] == launches and len(timed) == 2 * len(variants()) + 3

@@ -1,0 +1,124 @@
+"""Launch-shape sweeps of the decoding kernels on a GPU: the row draw and the greedy scan.
+
+    python -m benchmarks.profile_decoding            # B = 256, V in {50257, 128256}
+    python -m benchmarks.profile_decoding --quick    # V = 50257 only
+
+The H100 run of 2026-11-26 measured the row draw at 2.5–3.5× one read of the logits for plain
+sampling and 8.5–12.6× for top-p 0.9 (predicted 1.2–2× and 2–4×): one program per row keeps
+few loads in flight. The first table sweeps what that kernel exposes — tile width, warps, and
+PREFETCH (the next tile's load issued before this tile's reductions). The greedy step (split-V
+scan + select) measured 2.0–2.4×; its default of ~4 programs per SM makes 768 programs at
+B = 256, about 1.2 waves of the ~5 resident per SM, so the second table sweeps the splits per
+row and the tile width. Each row gives the device time (``triton.testing.do_bench_cudagraph``
+median), the achieved read rate and the ratio to the one-read floor at the copy bandwidth
+measured in the same run; * marks the current default. Pick the next defaults from the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from kernels.nucleus import tile_table_width
+from kernels.row_draw import cuda_launch, draw_rows
+from kernels.row_scan import launch_shape, scan_partials
+from kernels.row_select import select_from_scan
+
+from .decoding_cases import make_logits
+
+BLOCK_VS = (2048, 4096)
+WARPS = (4, 8, 16)
+SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)  # per row, for the greedy scan at B = 256
+
+
+@dataclass
+class Variant:
+    block_v: int
+    num_warps: int
+    prefetch: bool
+
+    def launch(self, V: int) -> dict:
+        block_v = min(self.block_v, 1 << (V - 1).bit_length())
+        return dict(BLOCK_B=1, BLOCK_V=block_v, NTILES=tile_table_width(V, block_v), PREFETCH=self.prefetch,
+                    num_warps=self.num_warps)
+
+
+def variants() -> list[Variant]:
+    return [Variant(b, w, p) for b, w, p in itertools.product(BLOCK_VS, WARPS, (False, True))]
+
+
+def sweep(logits: torch.Tensor, top_p: Optional[float], candidates: Iterable[Variant],
+          timer: Callable[[Callable[[], None]], float]) -> list[tuple[Variant, float]]:
+    """(variant, ms) for one draw_rows call per variant on ``logits`` (NMST head, t = 100)."""
+    seed = torch.tensor([1234], device=logits.device)
+    rows = []
+    for variant in candidates:
+        def step(variant=variant) -> None:
+            draw_rows(logits, head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100,
+                      state=None, seed=seed, top_p_threshold=top_p, launch=variant.launch(logits.shape[1]))
+
+        step()  # compile outside the timing
+        rows.append((variant, timer(step)))
+    return rows
+
+
+def scan_sweep(logits: torch.Tensor, launches: Iterable[tuple[int, int]],
+               timer: Callable[[Callable[[], None]], float]) -> list[tuple[tuple[int, int], float]]:
+    """((BLOCK_V, splits), ms) of the greedy device step (the scan, then the select kernel's merge
+    and head math) per launch, NMST head, t = 100."""
+    rows = []
+    for launch in launches:
+        def step(launch=launch) -> None:
+            scan = scan_partials(logits, eos_index=logits.shape[1] - 1, launch=launch)
+            select_from_scan(logits, scan, head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0,
+                             steps=100, state=None, seed=None)
+
+        step()
+        rows.append((launch, timer(step)))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="V = 50257 only")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device (the interpreter's times say nothing about a GPU)")
+    import triton.testing
+
+    from .report_decoding import copy_bandwidth
+
+    bandwidth = copy_bandwidth()
+    timer = lambda fn: triton.testing.do_bench_cudagraph(fn, return_mode="median")  # noqa: E731
+    print(f"row draw launch sweep, NMST head, fp32 logits, B = 256, {torch.cuda.get_device_name()}; "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write); floor = one read at that rate; * = default")
+    print("| V | mode | BLOCK_V | warps | prefetch | ms | read TB/s | x floor |\n|---:|---|---:|---:|---|---:|---:|---:|")
+    for V in (50257,) if args.quick else (50257, 128256):
+        logits = make_logits(256, V, device="cuda")
+        floor_ms = logits.numel() * 4 / bandwidth * 1e3
+        default = cuda_launch(V)
+        for mode, top_p in (("sampling", None), ("top-p 0.9", 0.9)):
+            for variant, ms in sweep(logits, top_p, variants(), timer):
+                launch = variant.launch(V)
+                mark = "*" if all(launch[key] == default[key] for key in default) else ""
+                print(f"| {V} | {mode} | {launch['BLOCK_V']}{mark} | {variant.num_warps} | {variant.prefetch} | "
+                      f"{ms:.4f} | {logits.numel() * 4 / (ms * 1e-3) / 1e12:.2f} | {ms / floor_ms:.2f} |", flush=True)
+    print("\ngreedy step (split-V scan + select), NMST head, fp32 logits, B = 256; * = default")
+    print("| V | BLOCK_V | splits | programs | ms | read TB/s | x floor |\n|---:|---:|---:|---:|---:|---:|---:|")
+    for V in (50257,) if args.quick else (50257, 128256):
+        logits = make_logits(256, V, device="cuda")
+        floor_ms = logits.numel() * 4 / bandwidth * 1e3
+        _, default_block_v, default_splits = launch_shape(logits, 0)
+        launches = [(block_v, splits) for block_v in (2048, 4096) for splits in SPLITS if splits * block_v < 2 * V]
+        for (block_v, splits), ms in scan_sweep(logits, launches, timer):
+            mark = "*" if (block_v, splits) == (default_block_v, default_splits) else ""
+            print(f"| {V} | {block_v} | {splits}{mark} | {256 * splits} | {ms:.4f} | "
+                  f"{logits.numel() * 4 / (ms * 1e-3) / 1e12:.2f} | {ms / floor_ms:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
