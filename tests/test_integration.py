@@ -189,3 +189,18 @@ def test_first_chunk_gemm_is_issued_before_the_head_math():
                       chunk_rows=5, need=(True, True, False))
     first_gemm = next(i for i, op in enumerate(log.ops) if op.startswith(("mm", "addmm")))
     assert "mv.default" in log.ops and first_gemm < log.ops.index("mv.default"), log.ops[:first_gemm + 3]
+
+
+def test_loss_report_rotates_its_cases():
+    """benchmarks.report times each case once per round, in an order rotated by the round (so no
+    case always follows the same one), and keeps every case's times in round order."""
+    from benchmarks.cases import Shape
+    from benchmarks.report import measure_times, round_order
+
+    names = ["floor", "a", "b", "c"]
+    orders = [round_order(names, r) for r in range(5)]
+    assert orders[0] == names and orders[1] == ["a", "b", "c", "floor"] and orders[4] == names
+    assert all(sorted(order) == sorted(names) for order in orders)
+    assert {order[0] for order in orders[:4]} == set(names)  # each case leads one round in four
+    times = measure_times(Shape(64, 32, 300, torch.float32, "cpu"), rounds=2)
+    assert all(len(ts) == 2 and all(t > 0 for t in ts) for ts in times.values())
