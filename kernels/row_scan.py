@@ -146,9 +146,9 @@ def _row_scan_kernel(
             race_val = tl.where(won, key_max, race_val)
         if K > 0:
             # Most tiles after the first few hold nothing above the running K-th candidate: skip
-            # them on the fp32 tile max, before building any int64 key (64-bit integer work per
-            # element made the candidate scan 3-4x the greedy one on an H100). The program walks
-            # its columns upwards, so a tile value equal to the K-th ranks below it (higher column).
+            # them on the fp32 tile max, before building any int64 key (the candidate scan took
+            # 3-4x the greedy one on an H100; 64-bit integer work per element is the suspect). The
+            # program walks its columns upwards, so a tile value equal to the K-th ranks below it.
             kth_key = tl.min(best, axis=1)
             kth_value, _ = decode_column_keys(kth_key)
             enters = (kth_key == -9223372036854775808) | (tile_max.to(tl.float64) > kth_value)
