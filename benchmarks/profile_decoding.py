@@ -23,7 +23,6 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from kernels.nucleus import tile_table_width
 from kernels.row_draw import cuda_launch, draw_rows
 from kernels.row_scan import launch_shape, scan_partials
 from kernels.row_select import select_from_scan
@@ -42,9 +41,7 @@ class Variant:
     prefetch: bool
 
     def launch(self, V: int) -> dict:
-        block_v = min(self.block_v, 1 << (V - 1).bit_length())
-        return dict(BLOCK_B=1, BLOCK_V=block_v, NTILES=tile_table_width(V, block_v), PREFETCH=self.prefetch,
-                    num_warps=self.num_warps)
+        return cuda_launch(V, block_v=self.block_v, num_warps=self.num_warps, prefetch=self.prefetch)
 
 
 def variants() -> list[Variant]:

@@ -151,14 +151,9 @@ def _nucleus_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launch]:
         out.append(Launch(f"nucleus cut {label}", cut_kernel, *cut_sink[0], *_blocks_and_options(cut_shape)))
         draw_blocks, draw_options = _blocks_and_options(draw_shape | {"BLOCK_V": cut_shape["BLOCK_V"]})
         out.append(Launch(f"nucleus draw {label}", draw_kernel, *draw_sink[0], draw_blocks, draw_options))
-        out.append(_record(row_draw, "_row_draw_kernel", lambda: row_draw.draw_rows(
-            z.to(dtype), head=head, eos_index=5, eps=1e-5, temperature=0.7, steps=3,
-            state=state if head == "st" else None, top_p_threshold=0.9, seed=seed),
-            f"row draw top-p {label}", *_blocks_and_options(row_draw.cuda_launch(V))))
-        out.append(_record(row_draw, "_row_draw_kernel", lambda: row_draw.draw_rows(
-            z.to(dtype), head=head, eos_index=5, eps=1e-5, temperature=0.7, steps=3,
-            state=state if head == "st" else None, seed=seed),
-            f"row draw sampling {label}", *_blocks_and_options(row_draw.cuda_launch(V))))
+        for mode, top_p in (("top-p", 0.9), ("sampling", None)):
+            out.append(_record_row_draw(z.to(dtype), head=head, state=state if head == "st" else None,
+                                        temperature=0.7, top_p=top_p, seed=seed, label=f"row draw {mode} {label}"))
     return out
 
 
@@ -170,10 +165,8 @@ def _small_vocab_launches(seed: torch.Tensor) -> list[Launch]:
     for V in (512, 1024, 4096):
         z = torch.randn(64, V, generator=torch.Generator().manual_seed(2))
         for dtype, top_p in ((torch.float32, 0.9), (torch.bfloat16, None)):
-            out.append(_record(row_draw, "_row_draw_kernel", lambda: row_draw.draw_rows(
-                z.to(dtype), head="nmst", eos_index=5, eps=1e-5, temperature=1.0, steps=3, state=None,
-                top_p_threshold=top_p, seed=seed),
-                f"row draw V={V} {str(dtype)[6:]} top_p={top_p}", *_blocks_and_options(row_draw.cuda_launch(V))))
+            out.append(_record_row_draw(z.to(dtype), head="nmst", state=None, temperature=1.0, top_p=top_p, seed=seed,
+                                        label=f"row draw V={V} {str(dtype)[6:]} top_p={top_p}"))
         cut_shape = nucleus.cuda_launch(V)
         sink: list = []
         with _recording(nucleus, "_nucleus_cut_kernel", []), _recording(nucleus, "_nucleus_draw_kernel", sink) as kernel:
@@ -182,6 +175,14 @@ def _small_vocab_launches(seed: torch.Tensor) -> list[Launch]:
         shape = nucleus.draw_launch(64, V, cut_shape["BLOCK_V"], cuda=True) | {"BLOCK_V": cut_shape["BLOCK_V"]}
         out.append(Launch(f"nucleus draw V={V} B=64", kernel, *sink[0], *_blocks_and_options(shape)))
     return out
+
+
+def _record_row_draw(z: torch.Tensor, *, head: str, state, temperature: float, top_p, seed: torch.Tensor,
+                     label: str) -> Launch:
+    """One row-draw launch on ``z`` at the CUDA launch shape of its vocabulary (eos at column 5, t = 3)."""
+    return _record(row_draw, "_row_draw_kernel", lambda: row_draw.draw_rows(
+        z, head=head, eos_index=5, eps=1e-5, temperature=temperature, steps=3, state=state,
+        top_p_threshold=top_p, seed=seed), label, *_blocks_and_options(row_draw.cuda_launch(z.shape[1])))
 
 
 def _blocks_and_options(shape: dict) -> tuple[dict, dict]:

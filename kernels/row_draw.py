@@ -194,14 +194,15 @@ def _row_draw_kernel(
     tl.atomic_min(flags_ptr + 1, tl.min(tl.where(pending, rows, no_row), axis=0))
 
 
-def cuda_launch(V: int) -> dict:
-    """One row per program on a GPU: its later passes re-read the row from L2. 2048-column tiles
-    at 8 warps: 104–128 registers, two programs per SM; 4096 columns spilled (top-p) or took 167
-    registers, one program per SM (sampling), so no more loads in flight per SM (ptxas -v, sm_90).
-    PREFETCH on: the H100 run without it streamed 0.87 TB/s of 3; its effect is still to be timed
-    (``python -m benchmarks.profile_decoding`` sweeps it with the tile width and warps)."""
-    block_v = min(2048, triton.next_power_of_2(V))
-    return dict(BLOCK_B=1, BLOCK_V=block_v, NTILES=tile_table_width(V, block_v), PREFETCH=True, num_warps=8)
+def cuda_launch(V: int, *, block_v: int = 2048, num_warps: int = 8, prefetch: bool = True) -> dict:
+    """One row per program on a GPU: its later passes re-read the row from L2. The defaults:
+    2048-column tiles at 8 warps: 104–128 registers, two programs per SM; 4096 columns spilled
+    (top-p) or took 167 registers, one program per SM (sampling), so no more loads in flight per SM
+    (ptxas -v, sm_90). PREFETCH on: the H100 run without it streamed 0.87 TB/s of 3; its effect is
+    still to be timed (``python -m benchmarks.profile_decoding`` sweeps the keywords)."""
+    block_v = min(block_v, triton.next_power_of_2(V))
+    return dict(BLOCK_B=1, BLOCK_V=block_v, NTILES=tile_table_width(V, block_v), PREFETCH=prefetch,
+                num_warps=num_warps)
 
 
 def _interpreter_launch(rows: int, V: int) -> dict:
@@ -211,6 +212,12 @@ def _interpreter_launch(rows: int, V: int) -> dict:
     n_tiles = tile_table_width(V, block_v)
     return dict(BLOCK_B=min(triton.next_power_of_2(max(rows, 1)), max(1, (1 << 18) // max(block_v, n_tiles))),
                 BLOCK_V=block_v, NTILES=n_tiles, PREFETCH=True)  # the GPU's code path
+
+
+def default_launch(z: torch.Tensor) -> dict:
+    """The launch :func:`draw_rows` takes for ``z`` when given none."""
+    B, V = z.shape
+    return cuda_launch(V) if z.is_cuda else _interpreter_launch(B, V)
 
 
 def draw_rows(
@@ -237,7 +244,7 @@ def draw_rows(
         top_p_threshold: None: plain sampling (one read). Else top-p by rejection: keep tokens
             while the mass ranked before them is below this (top_p minus the caller's rounding slack).
         launch: block sizes, PREFETCH and num_warps, for tuning sweeps (``benchmarks.profile_decoding``);
-            None: :func:`cuda_launch` on a GPU, the interpreter's shape on CPU.
+            None: :func:`default_launch`.
     Returns:
         (:class:`kernels.row_select.Selection`, rounds: (B,) int32 rounds per row). ``flags[0]`` < B
         names a row with no distribution (NaN); ``flags[1]`` < B a row still without a token after
@@ -250,8 +257,7 @@ def draw_rows(
     out = _Outputs(z, head, eps, steps, state)
     rounds = torch.empty(B, dtype=torch.int32, device=z.device)
     if B:
-        if launch is None:
-            launch = cuda_launch(V) if z.is_cuda else _interpreter_launch(B, V)
+        launch = default_launch(z) if launch is None else launch
         truncate = top_p_threshold is not None
         _row_draw_kernel[(triton.cdiv(B, launch["BLOCK_B"]),)](
             z, z.stride(0), B, V, eos_index, 1.0 / temperature, *out.head_args,

@@ -221,7 +221,7 @@ def test_prefetch_changes_no_draw(top_p):
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
     z = (torch.randn(6, 700, generator=gen) * 2).to(DEVICE)
     state = -torch.rand(6, dtype=torch.float64, generator=gen).to(DEVICE)
-    default = row_draw.cuda_launch(700) if z.is_cuda else row_draw._interpreter_launch(6, 700)
+    default = row_draw.default_launch(z)
     assert default["PREFETCH"]
     runs = []
     for prefetch in (True, False):
