@@ -1,4 +1,4 @@
-"""Launch-shape sweeps of the decoding kernels on a GPU: the row draw and the greedy scan.
+"""Launch-shape sweeps of the decoding kernels on a GPU: the row draw and the split-V scan.
 
     python -m benchmarks.profile_decoding            # B = 256, V in {50257, 128256}
     python -m benchmarks.profile_decoding --quick    # V = 50257 only
@@ -9,7 +9,8 @@ few loads in flight. The first table sweeps what that kernel exposes — tile wi
 PREFETCH (the next tile's load issued before this tile's reductions). The greedy step (split-V
 scan + select) measured 2.0–2.4×; its default of ~4 programs per SM makes 768 programs at
 B = 256, about 1.2 waves of the ~5 resident per SM, so the second table sweeps the splits per
-row and the tile width. Each row gives the device time (``triton.testing.do_bench_cudagraph``
+row and the tile width, for greedy and (V = 50257) for plain sampling by the scan's per-split
+draw, which shares the scan's launch shape. Each row gives the device time (``triton.testing.do_bench_cudagraph``
 median), the achieved read rate and the ratio to the one-read floor at the copy bandwidth
 measured in the same run; * marks the current default. Pick the next defaults from the tables.
 """
@@ -66,15 +67,17 @@ def sweep(logits: torch.Tensor, top_p: Optional[float], candidates: Iterable[Var
 
 
 def scan_sweep(logits: torch.Tensor, launches: Iterable[tuple[int, int]],
-               timer: Callable[[Callable[[], None]], float]) -> list[tuple[tuple[int, int], float]]:
-    """((BLOCK_V, splits), ms) of the greedy device step (the scan, then the select kernel's merge
-    and head math) per launch, NMST head, t = 100."""
+               timer: Callable[[Callable[[], None]], float], *, draw: bool = False,
+               ) -> list[tuple[tuple[int, int], float]]:
+    """((BLOCK_V, splits), ms) of the greedy (``draw`` False) or sampling device step (the scan,
+    then the select kernel's merge and head math) per launch, NMST head, t = 100."""
+    seed = torch.tensor([1234], device=logits.device) if draw else None
     rows = []
     for launch in launches:
         def step(launch=launch) -> None:
-            scan = scan_partials(logits, eos_index=logits.shape[1] - 1, launch=launch)
+            scan = scan_partials(logits, eos_index=logits.shape[1] - 1, seed=seed, launch=launch)
             select_from_scan(logits, scan, head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0,
-                             steps=100, state=None, seed=None)
+                             steps=100, state=None, seed=seed)
 
         step()
         rows.append((launch, timer(step)))
@@ -106,17 +109,18 @@ def main(argv: list[str] | None = None) -> None:
                 mark = "*" if all(launch[key] == default[key] for key in default) else ""
                 print(f"| {V} | {mode} | {launch['BLOCK_V']}{mark} | {variant.num_warps} | {variant.prefetch} | "
                       f"{ms:.4f} | {logits.numel() * 4 / (ms * 1e-3) / 1e12:.2f} | {ms / floor_ms:.2f} |", flush=True)
-    print("\ngreedy step (split-V scan + select), NMST head, fp32 logits, B = 256; * = default")
-    print("| V | BLOCK_V | splits | programs | ms | read TB/s | x floor |\n|---:|---:|---:|---:|---:|---:|---:|")
-    for V in (50257,) if args.quick else (50257, 128256):
+    print("\nsplit-V scan + select, NMST head, fp32 logits, B = 256; * = default")
+    print("| V | mode | BLOCK_V | splits | programs | ms | read TB/s | x floor |\n"
+          "|---:|---|---:|---:|---:|---:|---:|---:|")
+    for V, draw in [(V, False) for V in ((50257,) if args.quick else (50257, 128256))] + [(50257, True)]:
         logits = make_logits(256, V, device="cuda")
         floor_ms = logits.numel() * 4 / bandwidth * 1e3
         _, default_block_v, default_splits = launch_shape(logits, 0)
         launches = [(block_v, splits) for block_v in (2048, 4096) for splits in SPLITS if splits * block_v < 2 * V]
-        for (block_v, splits), ms in scan_sweep(logits, launches, timer):
+        for (block_v, splits), ms in scan_sweep(logits, launches, timer, draw=draw):
             mark = "*" if (block_v, splits) == (default_block_v, default_splits) else ""
-            print(f"| {V} | {block_v} | {splits}{mark} | {256 * splits} | {ms:.4f} | "
-                  f"{logits.numel() * 4 / (ms * 1e-3) / 1e12:.2f} | {ms / floor_ms:.2f} |", flush=True)
+            print(f"| {V} | {'sampling' if draw else 'greedy'} | {block_v} | {splits}{mark} | {256 * splits} | "
+                  f"{ms:.4f} | {logits.numel() * 4 / (ms * 1e-3) / 1e12:.2f} | {ms / floor_ms:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

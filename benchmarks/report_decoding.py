@@ -68,9 +68,9 @@ def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
         if plain and k != 1 and samples_by_row_draw(logits.shape[0]):  # sampling, as fused_select dispatches
             draw_rows(logits, eos_index=eos, temperature=1.0, seed=seed, **head)
         elif plain:
-            race = None if k == 1 else seed  # sampling races; greedy does not
-            scan = scan_partials(logits, eos_index=eos, seed=race)
-            select_from_scan(logits, scan, eos_index=eos, temperature=1.0, seed=race, **head)
+            draw = None if k == 1 else seed  # sampling draws in the scan; greedy does not
+            scan = scan_partials(logits, eos_index=eos, seed=draw)
+            select_from_scan(logits, scan, eos_index=eos, temperature=1.0, seed=draw, **head)
         elif k is None:
             draw_rows(logits, eos_index=eos, temperature=1.0, top_p_threshold=p, seed=seed, **head)
         else:
@@ -112,9 +112,9 @@ def gpu_main() -> None:
             floor_ms = B * V * 4 / bandwidth * 1e3
             for name, (k, p) in GPU_STRATEGIES.items():
                 _gpu_row(name, k, p, logits, gen, floor_ms)
-            if samples_by_row_draw(B):  # the race these batches no longer take, to check the switch
-                with race_sampling():
-                    _gpu_row("sampling, Gumbel race", None, None, logits, gen, floor_ms)
+            if samples_by_row_draw(B):  # the split scan these batches do not take, to check the switch
+                with split_scan_sampling():
+                    _gpu_row("sampling, split scan", None, None, logits, gen, floor_ms)
 
 
 def _gpu_row(name: str, k: Optional[int], p: Optional[float], logits: torch.Tensor, gen: torch.Generator,
@@ -131,8 +131,8 @@ def _gpu_row(name: str, k: Optional[int], p: Optional[float], logits: torch.Tens
 
 
 @contextmanager
-def race_sampling():
-    """Plain sampling through the split-V Gumbel race whatever the batch size (``samples_by_row_draw``
+def split_scan_sampling():
+    """Plain sampling through the split-V scan's draw whatever the batch size (``samples_by_row_draw``
     reads the threshold when called)."""
     from nmst_fast.decoding import fused
 

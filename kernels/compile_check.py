@@ -82,7 +82,7 @@ def launches() -> list[Launch]:
     z = torch.randn(4, 1000, generator=gen)
     for dtype in (torch.float32, torch.bfloat16):
         for seed, K in ((None, 0), (7, 0), (None, 4), (None, 128)):
-            label = f"row_scan {str(dtype)[6:]} {'race' if seed else 'no race'} K={K}"
+            label = f"row_scan {str(dtype)[6:]} {'draw' if seed else 'no draw'} K={K}"
             out.append(_record(row_scan, "_row_scan_kernel",
                                lambda: row_scan.scan_partials(z.to(dtype), eos_index=5, seed=seed, candidates=K),
                                label, dict(BLOCK_B=1, BLOCK_V=2048 if K else 4096)))
@@ -191,8 +191,10 @@ def _blocks_and_options(shape: dict) -> tuple[dict, dict]:
 
 
 def _fake_scan(z: torch.Tensor, K: int) -> row_scan.ScanPartials:
-    """Partials of a scan's shapes and dtypes (two splits, K candidates; 0: none), without running it."""
-    return row_scan.ScanPartials(row_scan.empty_partials(z.shape[0], 2, K, z.device), z.shape[1], K, False)
+    """Partials of a scan's shapes and dtypes (two splits, K candidates (0: none), a draw per split), without
+    running it."""
+    return row_scan.ScanPartials(row_scan.empty_partials(z.shape[0], 2, K, z.device, draws=True), z.shape[1], K,
+                                 True)
 
 
 def compile_launch(launch: Launch, arch: int):

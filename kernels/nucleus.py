@@ -42,7 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .row_scan import column_keys, decode_column_keys, online_logsumexp
+from .host_math import cdiv, next_power_of_2
+from .row_scan import column_keys, decode_column_keys, first_crossing, online_logsumexp
 from .row_select import HEAD_CODES, Selection, _eos_terms, _Outputs, _split_f64, _uniform_f64
 
 BRACKET_SPLITS = 8  # NT: parts per bracket pass (compute per pass ∝ NT, passes ∝ 1/log NT; RESULTS.md)
@@ -57,7 +58,7 @@ MIN_TILE_TABLE = 8
 
 def tile_table_width(V: int, block_v: int) -> int:
     """Columns of a row's per-tile table: the tile count, padded to a power of two ≥ MIN_TILE_TABLE."""
-    return max(MIN_TILE_TABLE, triton.next_power_of_2(triton.cdiv(V, block_v)))
+    return max(MIN_TILE_TABLE, next_power_of_2(cdiv(V, block_v)))
 
 
 @triton.jit
@@ -295,22 +296,6 @@ def _nucleus_cut_kernel(
 
 
 @triton.jit
-def _first_crossing(weights, target, index, SIZE):
-    """Per row, the first index of positive weight whose cumulative weight exceeds ``target`` (the
-    last positive one when rounding leaves none), and the weight before it.
-
-    Only positive weights may be picked: a GPU's parallel scan rounds each prefix through its own
-    partial-sum tree, so ``cum`` is not monotone to the last ulp, and a zero weight right after a
-    block boundary can read an ulp above its predecessor (an H200 drew a token outside the nucleus
-    about once in 10^6 draws that way)."""
-    cum = tl.cumsum(weights, axis=1)
-    pick = tl.min(tl.where((cum > target[:, None]) & (weights > 0), index, SIZE), axis=1)
-    last = tl.max(tl.where(weights > 0, index, -1), axis=1)
-    pick = tl.where(pick < SIZE, pick, last)
-    return pick, tl.sum(tl.where(index < pick[:, None], weights, 0), axis=1)
-
-
-@triton.jit
 def _nucleus_draw_kernel(
     z_ptr, z_row_stride, n_rows, V, eos_index, inv_temp, cut_stride,
     tile_mass_ptr, tile_ties_ptr, row_max_ptr, lo_ptr, hi_ptr, w_ptr, log_norm_ptr, eos_zeta_ptr,
@@ -348,12 +333,12 @@ def _nucleus_draw_kernel(
     on_tile = row_ok[:, None] & (tiles[None, :] < n_tiles)
     tile_mass = tl.load(tile_mass_ptr + tile_at, mask=on_tile, other=0.0).to(tl.float64)
     goal_e = past_eos / tl.where(w > 0.0, w, 1.0)  # in units of e, as the tile masses
-    tile_a, skipped_e = _first_crossing(tile_mass, goal_e, tiles[None, :], NTILES)
+    tile_a, skipped_e = first_crossing(tile_mass, goal_e, tiles[None, :], NTILES)
     # A C-plus tie: the r-th tied token (column order) from the per-tile counts.
     r = tl.minimum(tl.maximum(into_tail / tl.where(q_tie > 0.0, q_tie, 1.0), 0.0), tie_kept.to(tl.float64) - 1.0)
     r = tl.maximum(r, 0.0).to(tl.int32)
     tile_ties = tl.load(tile_ties_ptr + tile_at, mask=on_tile, other=0)
-    tile_t, skipped_t = _first_crossing(tile_ties, r, tiles[None, :], NTILES)
+    tile_t, skipped_t = first_crossing(tile_ties, r, tiles[None, :], NTILES)
     in_ties = ~in_eos & ~in_above & (tie_kept > 0)
 
     tile = tl.where(in_above, tile_a, tile_t)
@@ -363,10 +348,10 @@ def _nucleus_draw_kernel(
     valid = x > float("-inf")
     # fp32 inside the tile (fp64 spills at 2048 columns per row): ~1e-7 of the tile's mass.
     e_up = tl.where(valid & (x >= hi[:, None]), tl.exp(x - m[:, None]), 0.0)
-    col_a, _ = _first_crossing(e_up, (goal_e - skipped_e).to(tl.float32), cols, V)
+    col_a, _ = first_crossing(e_up, (goal_e - skipped_e).to(tl.float32), cols, V)
     member = (valid & (x >= lo[:, None]) & (x < hi[:, None])).to(tl.int32)
-    col_t, _ = _first_crossing(member, r - skipped_t, cols, V)
-    pick, _ = _first_crossing(kept_mass, into_tail, rank[None, :], C)
+    col_t, _ = first_crossing(member, r - skipped_t, cols, V)
+    pick, _ = first_crossing(kept_mass, into_tail, rank[None, :], C)
     col_l = tl.sum(tl.where(rank[None, :] == pick[:, None],
                             tl.load(kept_col_ptr + cut[:, None] * C + rank[None, :], mask=row_ok[:, None], other=0),
                             0), axis=1)
@@ -381,16 +366,16 @@ def _nucleus_draw_kernel(
 
 def cuda_launch(V: int) -> dict:
     """Block sizes on a GPU: one row per program (its passes then re-read it from L2)."""
-    width = triton.next_power_of_2(V)
+    width = next_power_of_2(V)
     return dict(BLOCK_B=1, BLOCK_V=min(2048, width), PASS_BLOCK_V=min(256, width), num_warps=8)
 
 
 def _interpreter_launch(rows: int, V: int) -> dict:
     """The CPU interpreter pays per operation, not per element: many rows per program."""
-    block_v = min(2048, triton.next_power_of_2(V))
+    block_v = min(2048, next_power_of_2(V))
     pass_v = min(1024, block_v)
     widest = max(block_v, BRACKET_CAPACITY, pass_v * BRACKET_SPLITS // 4)  # Triton allows 2^20 elements per tensor
-    return dict(BLOCK_B=min(triton.next_power_of_2(rows), max(1, (1 << 18) // widest)), BLOCK_V=block_v,
+    return dict(BLOCK_B=min(next_power_of_2(rows), max(1, (1 << 18) // widest)), BLOCK_V=block_v,
                 PASS_BLOCK_V=pass_v)
 
 
@@ -400,8 +385,8 @@ def draw_launch(B: int, V: int, block_v: int, cuda: bool) -> dict:
     n_tiles = tile_table_width(V, block_v)
     widest = max(block_v, BRACKET_CAPACITY, n_tiles)
     if cuda:  # one row of 2048 float64 cumulative sums per 8 warps: no spills (ptxas -v, sm_90)
-        return dict(BLOCK_B=max(1, min(triton.next_power_of_2(B), 2048 // widest)), NTILES=n_tiles, num_warps=8)
-    return dict(BLOCK_B=max(1, min(triton.next_power_of_2(B), (1 << 18) // widest)), NTILES=n_tiles)
+        return dict(BLOCK_B=max(1, min(next_power_of_2(B), 2048 // widest)), NTILES=n_tiles, num_warps=8)
+    return dict(BLOCK_B=max(1, min(next_power_of_2(B), (1 << 18) // widest)), NTILES=n_tiles)
 
 
 def shares_one_cut(z: torch.Tensor, steps: int | torch.Tensor, state: Optional[torch.Tensor]) -> bool:
@@ -447,7 +432,7 @@ def nucleus_cut(
         cut_out = _Outputs(cut_z, head, eps, steps[:1] if isinstance(steps, torch.Tensor) else steps,
                            None if state is None else state[:1])
     launch = cuda_launch(V) if z.is_cuda else _interpreter_launch(max(cut_rows, 1), V)
-    n_tiles = triton.cdiv(V, launch["BLOCK_V"])
+    n_tiles = cdiv(V, launch["BLOCK_V"])
     C = BRACKET_CAPACITY
     f32, f64, i32, i64 = (dict(device=z.device, dtype=d) for d in (torch.float32, torch.float64, torch.int32,
                                                                     torch.int64))
@@ -462,7 +447,7 @@ def nucleus_cut(
         "passes": torch.empty(cut_rows, **i32),
     }
     if cut_rows:
-        _nucleus_cut_kernel[(triton.cdiv(cut_rows, launch["BLOCK_B"]),)](
+        _nucleus_cut_kernel[(cdiv(cut_rows, launch["BLOCK_B"]),)](
             cut_z, cut_z.stride(0), cut_rows, V, eos_index, 1.0 / temperature, *cut_out.head_args,
             *_split_f64(top_p_threshold), *parts.values(), cut_out.state, out.flags, B, MAX_PASSES,
             HEAD=HEAD_CODES[head], STEPS_PER_ROW=cut_out.steps_per_row, HAS_STATE=cut_out.has_state,
@@ -529,7 +514,7 @@ def nucleus_select(
     out = cut.out
     if B:
         launch = draw_launch(B, V, cut.block_v, z.is_cuda)
-        _nucleus_draw_kernel[(triton.cdiv(B, launch["BLOCK_B"]),)](
+        _nucleus_draw_kernel[(cdiv(B, launch["BLOCK_B"]),)](
             z, z.stride(0), B, V, eos_index, 1.0 / temperature, 0 if cut.shared else 1,
             *(cut.parts[name] for name in ("tile_mass", "tile_ties", "row_max", "lo", "hi", "w", "log_norm",
                                            "eos_zeta", "eos_mass", "above", "tie_kept", "kept_col", "kept_mass")),

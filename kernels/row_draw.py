@@ -2,8 +2,8 @@
 
 Plain sampling (``draw_rows`` without a threshold): step 1 below, then one draw by inverse CDF from the whole
 distribution (eos by its float64 mass, the tile from the per-tile masses, the column inside that
-one tile): one exponential per element and no per-element noise, where the split-V Gumbel race
-(``row_scan``) needs Philox bits and two logarithms per element.
+one tile): one exponential per element, as the split-V scan's draw (``row_scan``), but one program
+per row instead of a split of V per program, so no second launch merges the splits.
 
 Top-p (``draw_rows(top_p_threshold=...)``), by rejection, no cut, no sort:
 
@@ -43,7 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .nucleus import _first_crossing, _load_x, _row_head, tile_table_width
+from .host_math import cdiv, next_power_of_2
+from .nucleus import _load_x, _row_head, tile_table_width
+from .row_scan import first_crossing
 from .row_select import HEAD_CODES, Selection, _Outputs, _split_f64, _uniform_f64_stream
 
 MAX_ROUNDS = 32  # P(all rejected) ≤ (1 − p)^32 per row; in practice rounds ≈ 1 + log₂(1/p)
@@ -139,11 +141,11 @@ def _row_draw_kernel(
         goal_e = (goal - eos_part) / tl.where(w > 0.0, w, 1.0)  # in units of e^(x − M)
         tile_weights = tile_e.to(tl.float64)
         is_eos = eos_in & ((goal < eos_part) | (tl.sum(tile_weights, axis=1) <= 0.0))
-        tile, skipped = _first_crossing(tile_weights, goal_e, tiles, NTILES)
+        tile, skipped = first_crossing(tile_weights, goal_e, tiles, NTILES)
         cols = tile[:, None] * BLOCK_V + lanes
         x = _load_x(base, cols, pending & ~is_eos, V, eos_index, inv_temp, HAS_EOS)
         e = tl.where(_ranked_before(x, cols, pivot_value, pivot_col), tl.exp(x - m[:, None]), 0.0)
-        col, _ = _first_crossing(e, (goal_e - skipped).to(tl.float32), cols, V)
+        col, _ = first_crossing(e, (goal_e - skipped).to(tl.float32), cols, V)
         col_x = tl.max(tl.where(cols == col[:, None], x, float("-inf")), axis=1)
         drawn = pending & (is_eos | (col >= 0))  # col < 0: rounding left no token; draw again
 
@@ -200,7 +202,7 @@ def cuda_launch(V: int, *, block_v: int = 2048, num_warps: int = 8, prefetch: bo
     (top-p) or took 167 registers, one program per SM (sampling), so no more loads in flight per SM
     (ptxas -v, sm_90). PREFETCH on: the H100 run without it streamed 0.87 TB/s of 3; its effect is
     still to be timed (``python -m benchmarks.profile_decoding`` sweeps the keywords)."""
-    block_v = min(block_v, triton.next_power_of_2(V))
+    block_v = min(block_v, next_power_of_2(V))
     return dict(BLOCK_B=1, BLOCK_V=block_v, NTILES=tile_table_width(V, block_v), PREFETCH=prefetch,
                 num_warps=num_warps)
 
@@ -208,9 +210,9 @@ def cuda_launch(V: int, *, block_v: int = 2048, num_warps: int = 8, prefetch: bo
 def _interpreter_launch(rows: int, V: int) -> dict:
     """The CPU interpreter pays mostly per operation: many rows per program (2^18 elements per
     tensor: a 10^5-row G-test batch ran ~3× faster than with 2^16, as fast as with 2^20)."""
-    block_v = min(2048, triton.next_power_of_2(V))
+    block_v = min(2048, next_power_of_2(V))
     n_tiles = tile_table_width(V, block_v)
-    return dict(BLOCK_B=min(triton.next_power_of_2(max(rows, 1)), max(1, (1 << 18) // max(block_v, n_tiles))),
+    return dict(BLOCK_B=min(next_power_of_2(max(rows, 1)), max(1, (1 << 18) // max(block_v, n_tiles))),
                 BLOCK_V=block_v, NTILES=n_tiles, PREFETCH=True)  # the GPU's code path
 
 
@@ -259,7 +261,7 @@ def draw_rows(
     if B:
         launch = default_launch(z) if launch is None else launch
         truncate = top_p_threshold is not None
-        _row_draw_kernel[(triton.cdiv(B, launch["BLOCK_B"]),)](
+        _row_draw_kernel[(cdiv(B, launch["BLOCK_B"]),)](
             z, z.stride(0), B, V, eos_index, 1.0 / temperature, *out.head_args,
             *_split_f64(top_p_threshold if truncate else 2.0), seed,
             out.tokens, out.log_probs, rounds, out.state, out.flags, B, MAX_ROUNDS,

@@ -1,4 +1,4 @@
-"""One-read row scan for decoding: split logsumexp, first argmax, Gumbel-max race, top-K candidates.
+"""One-read row scan for decoding: split logsumexp, first argmax, a draw per split, top-K candidates.
 
 Programs tile the (B, V) logits as BLOCK_B rows × one slice of V (split-V, so a
 small batch still spreads over every SM); each walks its slice in BLOCK_V tiles,
@@ -9,11 +9,17 @@ For every row, over the columns other than ``eos_index`` (all columns when HAS_E
 is off), with x = z · inv_temp:
   * lse  = logsumexp(x)                                   (L of the NMST head)
   * top  = max(x) and its first (lowest) index            (greedy)
-  * race = max(x + G) and its index, G ~ Gumbel(0, 1)     (an exact softmax sample)
+  * draw = one column of the split drawn ∝ e^x            (sampling; the select kernel
+           picks a split by its mass, so the pick is an exact softmax sample)
   * candidates = the K largest x, ties → lower index      (top-k / top-p)
-G comes from counter-based Philox noise keyed on (seed, row, column) — four columns per
-Philox call — so a draw does not depend on the tiling; the seed is read from a device tensor, so drawing it
-from a CUDA generator needs no host sync. Candidates are ranked by one int64 key per column,
+The draw is a weighted reservoir over the split's tiles: tile k replaces the split's pick
+with probability (its mass) / (the split's mass up to and including it), which leaves each
+tile holding the final pick in proportion to its mass; inside the tile the column is drawn
+by inverse CDF over the e^(x − max) the logsumexp computes anyway. So sampling adds to the
+greedy scan one Philox call per tile and a cumulative sum on the tiles that take the pick
+(about 1 + ln(tiles) of them) — no per-element noise or logarithms. The seed is read from a
+device tensor, so drawing it from a CUDA generator needs no host sync; the draw depends on
+(seed, row, tiling). Candidates are ranked by one int64 key per column,
 (orderable float bits of x) << 32 | (2³¹ − 1 − column): key order is exactly
 (value desc, column asc), so a plain top-k of keys breaks ties the required way.
 The caller adds eos with O(B) float64 math (``kernels/row_select.py`` does it for greedy
@@ -28,10 +34,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_math import cdiv, next_power_of_2
+
 # The largest candidate list the kernel keeps per row (a power of two; tl.topk needs one).
 MAX_CANDIDATES = 128
 HAS_TOPK = hasattr(tl, "topk")  # tl.topk arrived in Triton 3.3; older ones serve greedy/sampling only
 _NO_KEY = -(2**63)  # below every real key: padding, eos and out-of-range columns
+DRAWING_SCAN_WARPS = 4  # see _num_warps
 
 
 @triton.jit
@@ -44,11 +53,39 @@ def column_keys(x, cols):
 
 
 @triton.jit
-def online_logsumexp(running_max, running_sum, x, tile_max):
-    """Fold a (rows, tile) block ``x`` with row maxima ``tile_max`` into the running (max, Σe^(x − max))."""
+def fold_tile(running_max, running_sum, x, tile_max):
+    """Fold a (rows, tile) block ``x`` with row maxima ``tile_max`` into the running (max, Σe^(x − max)).
+
+    Returns the new (max, sum), the tile's e^(x − new max) and their row sums (the tile's share
+    of the new sum)."""
     new_max = tl.maximum(running_max, tile_max)
     shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # all-masked so far: avoid -inf - -inf
-    return new_max, running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
+    e = tl.exp(x - shift[:, None])
+    part = tl.sum(e, axis=1)
+    return new_max, running_sum * tl.exp(running_max - shift) + part, e, part
+
+
+@triton.jit
+def online_logsumexp(running_max, running_sum, x, tile_max):
+    """:func:`fold_tile`'s running (max, sum) alone."""
+    new_max, new_sum, _, _ = fold_tile(running_max, running_sum, x, tile_max)
+    return new_max, new_sum
+
+
+@triton.jit
+def first_crossing(weights, target, index, SIZE):
+    """Per row, the first index of positive weight whose cumulative weight exceeds ``target`` (the
+    last positive one when rounding leaves none, -1 when there is none), and the weight before it.
+
+    Only positive weights may be picked: a GPU's parallel scan rounds each prefix through its own
+    partial-sum tree, so ``cum`` is not monotone to the last ulp, and a zero weight right after a
+    block boundary can read an ulp above its predecessor (an H200 drew a token outside the nucleus
+    about once in 10^6 draws that way)."""
+    cum = tl.cumsum(weights, axis=1)
+    pick = tl.min(tl.where((cum > target[:, None]) & (weights > 0), index, SIZE), axis=1)
+    last = tl.max(tl.where(weights > 0, index, -1), axis=1)
+    pick = tl.where(pick < SIZE, pick, last)
+    return pick, tl.sum(tl.where(index < pick[:, None], weights, 0), axis=1)
 
 
 @triton.jit
@@ -63,19 +100,13 @@ def decode_column_keys(keys):
 
 
 @triton.jit
-def _tile_uniforms(seed, rows, start, quads_per_row, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
-    """U(0, 1) noise for a (BLOCK_B, BLOCK_V) tile starting at column ``start`` (a multiple of 4).
-
-    One Philox call yields four 32-bit words, so each call serves four adjacent columns:
-    counter row·⌈V/4⌉ + column // 4, word column % 4 (in a fixed order). The value of a
-    (row, column) therefore depends only on the seed, never on the tiling, and costs a
-    quarter of a Philox call instead of a whole one.
-    """
-    quads = start // 4 + tl.arange(0, BLOCK_V // 4)
-    counters = rows[:, None] * quads_per_row + quads[None, :]
-    w0, w1, w2, w3 = tl.randint4x(seed, counters)
-    words = tl.reshape(tl.join(tl.join(w0, w1), tl.join(w2, w3)), (BLOCK_B, BLOCK_V))
-    return tl.uint_to_uniform_float(words)
+def _tile_uniforms(seed, rows, tile, tiles_per_row):
+    """Two U[0, 1) per row for one tile (Philox counter row · tiles_per_row + tile): the reservoir's
+    test and the column's inverse CDF. Capped below 1, so a tile holding all the mass so far
+    (ratio exactly 1) always takes the pick."""
+    w0, w1, _, _ = tl.randint4x(seed, rows * tiles_per_row + tile)
+    return (tl.minimum(tl.uint_to_uniform_float(w0), 0.99999994),
+            tl.minimum(tl.uint_to_uniform_float(w1), 0.99999994))
 
 
 @triton.jit
@@ -92,11 +123,10 @@ def _row_scan_kernel(
     sum_ptr,
     top_val_ptr,
     top_idx_ptr,
-    race_val_ptr,
-    race_idx_ptr,
+    draw_idx_ptr,
     key_ptr,
     HAS_EOS: tl.constexpr,
-    RACE: tl.constexpr,
+    DRAW: tl.constexpr,
     K: tl.constexpr,  # candidates per row and split; 0: none
     BLOCK_B: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -112,11 +142,10 @@ def _row_scan_kernel(
     running_sum = tl.zeros((BLOCK_B,), tl.float32)
     top_val = tl.full((BLOCK_B,), float("-inf"), tl.float32)
     top_idx = tl.zeros((BLOCK_B,), tl.int32)
-    race_val = tl.full((BLOCK_B,), float("-inf"), tl.float32)
-    race_idx = tl.zeros((BLOCK_B,), tl.int32)
-    if RACE:
+    draw_idx = tl.zeros((BLOCK_B,), tl.int32)
+    if DRAW:
         seed = tl.load(seed_ptr)
-        quads_per_row = tl.cdiv(V, 4)
+        tiles_per_row = tl.cdiv(V, BLOCK_V)  # splits start on tile boundaries: tile numbers are global
     if K > 0:
         best = tl.full((BLOCK_B, K), -9223372036854775808, tl.int64)
     for start in range(lo, hi, BLOCK_V):
@@ -127,23 +156,23 @@ def _row_scan_kernel(
         x = tl.load(row_base + cols[None, :], mask=keep, other=float("-inf")).to(tl.float32) * inv_temp
         x = tl.where(keep, x, float("-inf"))
         tile_max = tl.max(x, axis=1)
-        running_max, running_sum = online_logsumexp(running_max, running_sum, x, tile_max)
-        # First index of the tile maximum; a strictly larger tile max replaces the running one,
-        # so ties keep the earlier (lower) index.
-        tile_idx = tl.min(tl.where(x == tile_max[:, None], cols[None, :], V), axis=1)
-        better = tile_max > top_val
-        top_idx = tl.where(better, tile_idx, top_idx)
-        top_val = tl.where(better, tile_max, top_val)
-        if RACE:
-            # u = 0 has probability 2^-32; clamping it gives a Gumbel draw that never wins,
-            # as -inf would, without taking log(0).
-            u = tl.maximum(_tile_uniforms(seed, rows, start, quads_per_row, BLOCK_B, BLOCK_V), 1e-30)
-            key = tl.where(keep, x - tl.log(-tl.log(u)), float("-inf"))
-            key_max = tl.max(key, axis=1)
-            key_idx = tl.min(tl.where(key == key_max[:, None], cols[None, :], V), axis=1)
-            won = key_max > race_val
-            race_idx = tl.where(won, key_idx, race_idx)
-            race_val = tl.where(won, key_max, race_val)
+        running_max, running_sum, e, tile_part = fold_tile(running_max, running_sum, x, tile_max)
+        if DRAW:
+            # The reservoir: this tile takes the pick with probability (its mass) / (the mass so
+            # far, itself included), both in units of the new running max. Only the tiles that
+            # take it (~1 + ln(tiles) per split) run the cumulative sum.
+            u_take, u_col = _tile_uniforms(seed, rows, start // BLOCK_V, tiles_per_row)
+            take = u_take < tile_part / tl.where(running_sum > 0.0, running_sum, 1.0)
+            if tl.max(take.to(tl.int32)) > 0:
+                col, _ = first_crossing(e, u_col * tile_part, cols[None, :], V)
+                draw_idx = tl.where(take, col, draw_idx)
+        else:  # the argmax (sampling does not read it: one reduction per tile saved)
+            # First index of the tile maximum; a strictly larger tile max replaces the running
+            # one, so ties keep the earlier (lower) index.
+            tile_idx = tl.min(tl.where(x == tile_max[:, None], cols[None, :], V), axis=1)
+            better = tile_max > top_val
+            top_idx = tl.where(better, tile_idx, top_idx)
+            top_val = tl.where(better, tile_max, top_val)
         if K > 0:
             # Most tiles after the first few hold nothing above the running K-th candidate: skip
             # them on the fp32 tile max, before building any int64 key (the candidate scan took
@@ -161,9 +190,8 @@ def _row_scan_kernel(
     tl.store(sum_ptr + out, running_sum, mask=row_ok)
     tl.store(top_val_ptr + out, top_val, mask=row_ok)
     tl.store(top_idx_ptr + out, top_idx, mask=row_ok)
-    if RACE:
-        tl.store(race_val_ptr + out, race_val, mask=row_ok)
-        tl.store(race_idx_ptr + out, race_idx, mask=row_ok)
+    if DRAW:
+        tl.store(draw_idx_ptr + out, draw_idx, mask=row_ok)
     if K > 0:
         tl.store(key_ptr + out[:, None] * K + tl.arange(0, K)[None, :], best, mask=row_ok[:, None])
 
@@ -188,11 +216,11 @@ def launch_shape(z: torch.Tensor, candidates: int) -> tuple[int, int, int]:
     if not z.is_cuda:
         # The CPU interpreter pays per operation, not per element: one split, big tiles
         # (CI's million-draw tests depend on it).
-        block_v = min(2048, triton.next_power_of_2(V))
-        return max(1, min((1 << 18) // block_v, triton.next_power_of_2(B))), block_v, 1
-    block_v = min(2048 if candidates else 4096, triton.next_power_of_2(V))
+        block_v = min(2048, next_power_of_2(V))
+        return max(1, min((1 << 18) // block_v, next_power_of_2(B))), block_v, 1
+    block_v = min(2048 if candidates else 4096, next_power_of_2(V))
     target_programs = 4 * torch.cuda.get_device_properties(z.device).multi_processor_count
-    splits = max(1, min(triton.cdiv(target_programs, B), triton.cdiv(V, block_v)))
+    splits = max(1, min(cdiv(target_programs, B), cdiv(V, block_v)))
     return 1, block_v, splits
 
 
@@ -207,7 +235,7 @@ class ScanPartials:
     parts: dict[str, torch.Tensor]
     V: int
     K: int
-    race: bool
+    draws: bool  # "draw_idx" holds one drawn column per split (the scan had a seed)
 
     def row_stride(self, batch: int) -> int:
         """Stride between rows of the partials for a batch of ``batch`` rows: 0 when one row's
@@ -216,14 +244,20 @@ class ScanPartials:
         return 0 if n_parts == 1 and batch > 1 else n_splits
 
 
-def empty_partials(rows: int, splits: int, K: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Uninitialized per-split outputs of one scan: (rows, splits) each, keys (rows, splits, K)."""
+def empty_partials(rows: int, splits: int, K: int, device: torch.device, draws: bool = False,
+                   ) -> dict[str, torch.Tensor]:
+    """Uninitialized per-split outputs of one scan: (rows, splits) each; "draw_idx" only when
+    ``draws``, "keys" (rows, splits, K) only when K > 0 (an allocation costs the decoding step's
+    host a few µs)."""
     value, index = dict(device=device, dtype=torch.float32), dict(device=device, dtype=torch.int32)
     shape = (rows, splits)
-    return {"max": torch.empty(shape, **value), "sum": torch.empty(shape, **value),
-            "top_val": torch.empty(shape, **value), "top_idx": torch.empty(shape, **index),
-            "race_val": torch.empty(shape, **value), "race_idx": torch.empty(shape, **index),
-            "keys": torch.empty((rows, splits, max(K, 1)), device=device, dtype=torch.int64)}
+    parts = {"max": torch.empty(shape, **value), "sum": torch.empty(shape, **value),
+             "top_val": torch.empty(shape, **value), "top_idx": torch.empty(shape, **index)}
+    if draws:
+        parts["draw_idx"] = torch.empty(shape, **index)
+    if K:
+        parts["keys"] = torch.empty((rows, splits, K), device=device, dtype=torch.int64)
+    return parts
 
 
 def _as_seed(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -234,15 +268,16 @@ def _as_seed(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.tensor([seed], dtype=torch.int64, device=device)
 
 
-def _num_warps(race: bool, K: int) -> int:
+def _num_warps(draws: bool, K: int) -> int:
     """Warps per program, from ptxas register counts (sm_90, ``python -m kernels.compile_check
-    --resources``, Triton 3.6 and 3.9), not yet from timings. At 4 warps the race needs ~254
-    registers per thread (8 warps resident per SM) and candidate scans with K <= 32 need up to
-    159 (12 per SM); at 8 warps those fall to ~122 and <= 128 (16 per SM) with no spills. For
-    K >= 64 8 warps spill or lose occupancy under Triton 3.6, so they keep 4, as does the plain
-    scan (the loss's LSE pass, the same streaming reduction, measured best at 4).
+    --resources``, Triton 3.6 and 3.9), not yet from timings. Candidate scans with K <= 32 need
+    up to 159 registers per thread at 4 warps (12 warps resident per SM), <= 128 at 8 (16 per
+    SM) with no spills. For K >= 64 8 warps spill or lose occupancy under Triton 3.6, so they
+    keep 4, as does the plain scan (the loss's LSE pass, the same streaming reduction, measured
+    best at 4) and the drawing scan (DRAWING_SCAN_WARPS: 168 registers with 4096-column tiles, no
+    spills, 3 programs = 48 KB of tile loads per SM, more than the ~23 KB an H100 needs in flight).
     """
-    return 8 if race or 0 < K <= 32 else 4
+    return DRAWING_SCAN_WARPS if draws else 8 if 0 < K <= 32 else 4
 
 
 def scan_partials(
@@ -254,34 +289,41 @@ def scan_partials(
     candidates: int = 0,
     launch: tuple[int, int] | None = None,
 ) -> ScanPartials:
-    """Launch the scan (arguments as :func:`row_scan`) and return the unmerged per-split results."""
+    """Launch the scan and return the unmerged per-split results.
+
+    Arguments as :func:`row_scan`, plus ``seed``: draw one column per split with this Philox seed
+    (an int or a one-element integer tensor on any device; None: no draw), which
+    ``kernels.row_select.select_from_scan`` turns into one exact sample per row; a drawing scan
+    leaves "top_val"/"top_idx" at their initial (−inf, 0).
+    """
     if z.dim() != 2 or z.stride(1) != 1:
         raise ValueError("z must be a 2-D tensor with unit stride along V")
     if not 0 <= candidates <= MAX_CANDIDATES or (candidates and not HAS_TOPK):
         raise ValueError(f"candidates must lie in [0, {MAX_CANDIDATES}] (and needs tl.topk), got {candidates}")
     B, V = z.shape
     # At least 2: Triton 3.6's tl.topk fails to compile for k = 1.
-    K = max(2, triton.next_power_of_2(candidates)) if candidates else 0
+    K = max(2, next_power_of_2(candidates)) if candidates else 0
     block_b, block_v, splits = launch_shape(z, K)
     if launch is not None:
         block_v, splits = launch
         if K > block_v:
             raise ValueError(f"launch's BLOCK_V ({block_v}) must hold the {K} candidates")
     K = min(K, block_v)  # only when V < K: a row has fewer columns than candidates asked for
-    split_width = triton.cdiv(triton.cdiv(V, splits), block_v) * block_v
-    splits = triton.cdiv(V, split_width)
-    parts = empty_partials(B, splits, K, z.device)
-    seed_tensor = parts["top_idx"] if seed is None else _as_seed(seed, z.device)  # any pointer when unused
+    split_width = cdiv(cdiv(V, splits), block_v) * block_v
+    splits = cdiv(V, split_width)
+    parts = empty_partials(B, splits, K, z.device, draws=seed is not None)
+    unused = parts["top_idx"]  # the pointer the kernel gets for outputs it does not write
+    seed_tensor = unused if seed is None else _as_seed(seed, z.device)
     if B:
-        _row_scan_kernel[(triton.cdiv(B, block_b), splits)](
+        _row_scan_kernel[(cdiv(B, block_b), splits)](
             z, z.stride(0), B, V, split_width, -1 if eos_index is None else eos_index, 1.0 / temperature,
             seed_tensor,
-            parts["max"], parts["sum"], parts["top_val"], parts["top_idx"], parts["race_val"], parts["race_idx"],
-            parts["keys"],
-            HAS_EOS=eos_index is not None, RACE=seed is not None, K=K, BLOCK_B=block_b, BLOCK_V=block_v,
+            parts["max"], parts["sum"], parts["top_val"], parts["top_idx"], parts.get("draw_idx", unused),
+            parts.get("keys", unused),
+            HAS_EOS=eos_index is not None, DRAW=seed is not None, K=K, BLOCK_B=block_b, BLOCK_V=block_v,
             num_warps=_num_warps(seed is not None, K),
         )
-    return ScanPartials(parts, V, K, seed is not None)
+    return ScanPartials(parts, V, K, draws=seed is not None)
 
 
 def row_scan(
@@ -289,7 +331,6 @@ def row_scan(
     *,
     eos_index: int | None,
     temperature: float = 1.0,
-    seed: int | torch.Tensor | None = None,
     candidates: int = 0,
     launch: tuple[int, int] | None = None,
 ) -> dict[str, torch.Tensor]:
@@ -299,37 +340,29 @@ def row_scan(
         z: (B, V) fp16/bf16/fp32 logits with unit stride along V.
         eos_index: column left out of every reduction, or None to scan all columns.
         temperature: x = z / temperature.
-        seed: run the Gumbel race with this Philox seed (an int or a one-element integer
-            tensor on any device; None: no race).
         candidates: also return the K = next power of two >= ``candidates`` largest x
             (at most MAX_CANDIDATES; 0: none).
         launch: (BLOCK_V, splits) instead of the automatic launch shape (tests use it to
             cover split merging and tile skipping on CPU).
     Returns:
-        dict of (B,) tensors: "lse", "top_val" (fp32), "top_idx" (int64); with a seed
-        "race_val" (fp32), "race_idx" (int64); with candidates "cand_val" (B, K) fp32 and
+        dict of (B,) tensors: "lse", "top_val" (fp32), "top_idx" (int64); with candidates "cand_val" (B, K) fp32 and
         "cand_idx" (B, K) int64 in rank order (padding: -inf and -1 when fewer than K columns).
     """
-    scan = scan_partials(z, eos_index=eos_index, temperature=temperature, seed=seed, candidates=candidates,
-                         launch=launch)
-    return _merge_splits(scan.parts, scan.V, race=scan.race, K=scan.K)
+    scan = scan_partials(z, eos_index=eos_index, temperature=temperature, candidates=candidates, launch=launch)
+    return _merge_splits(scan.parts, scan.V, K=scan.K)
 
 
-def _merge_splits(parts: dict[str, torch.Tensor], V: int, *, race: bool, K: int) -> dict[str, torch.Tensor]:
+def _merge_splits(parts: dict[str, torch.Tensor], V: int, *, K: int) -> dict[str, torch.Tensor]:
     """Combine per-split partials into per-row results (splits cover V in column order)."""
     m, s = parts["max"], parts["sum"]
     if m.shape[1] == 1:  # one split (large batches, the CPU interpreter): skip the merge's extra launches
         out = {"lse": (m + torch.log(s)).squeeze(1), "top_val": parts["top_val"].squeeze(1),
                "top_idx": parts["top_idx"].squeeze(1).long()}
-        if race:
-            out |= {"race_val": parts["race_val"].squeeze(1), "race_idx": parts["race_idx"].squeeze(1).long()}
     else:
         row_max = m.amax(dim=1)
         shift = torch.where(row_max == float("-inf"), 0.0, row_max)
         out = {"lse": row_max + torch.log((s * torch.exp(m - shift[:, None])).sum(dim=1))}
         out["top_val"], out["top_idx"] = _first_index_of_max(parts["top_val"], parts["top_idx"].long(), V)
-        if race:
-            out["race_val"], out["race_idx"] = _first_index_of_max(parts["race_val"], parts["race_idx"].long(), V)
     if K:
         keys = parts["keys"].flatten(1)
         if parts["keys"].shape[1] > 1:

@@ -1,8 +1,8 @@
 """One token per row from the row scan's partials, with the head math in-kernel.
 
 ``kernels/row_scan.py`` leaves, per row and V-split, the running max/sum of the
-non-eos logits and either the first argmax, the Gumbel-race winner, or the K best
-non-eos candidates. One small program per block of rows then does everything that
+non-eos logits and either the first argmax, one column drawn from the split, or the
+K best non-eos candidates. One small program per block of rows then does everything that
 is O(1) (or O(K)) per row:
 
   * merge the splits: L = logsumexp over non-eos (fp64 from the fp32 partials), the
@@ -10,9 +10,9 @@ is O(1) (or O(K)) per row:
   * the head's float64 scalars: a = log(1 − α_t) (NMST: logσ(−s) + t·log1p(−ε);
     ST: state + logσ(s) + log1p(−ε); context rows t <= 0: p(eos) = 0), then
     eos's effective logit ζ_eos = L + log(1 − e^a) − a and log_norm = L − a;
-  * ``_select_kernel``: eos against the non-eos winner, by value (greedy, ties →
-    lower index) or with its own Gumbel draw (sampling: the race then covers all V
-    tokens exactly);
+  * ``_select_kernel``: eos against the non-eos winner by value (greedy, ties →
+    lower index), or one inverse-CDF draw over eos's mass and the splits' masses
+    whose split's own draw is the token (sampling: exact over all V tokens);
   * ``_select_candidates_kernel``: eos merged into the ranked candidates, top-k then
     top-p, and an inverse-CDF draw;
   * the chosen token, its log-probability, ST's new state, and a flag: the first row
@@ -30,15 +30,16 @@ libdevice — runs them too, so CI executes the same code a GPU compiles.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from .row_scan import ScanPartials, decode_column_keys
+from .host_math import cdiv, next_power_of_2
+from .row_scan import ScanPartials, decode_column_keys, first_crossing
 
 HEAD_CODES = {"va": 0, "nmst": 1, "st": 2}
 
@@ -78,8 +79,8 @@ def _log1mexp(a):
 
 @triton.jit
 def _uniform_f64(seed, rows):
-    """U(0, 1) per row with 53 random bits, never 0 or 1 (eos's Gumbel needs its far tail when α_t is
-    tiny). Philox stream 1, so these never reuse the scan's noise (stream 0)."""
+    """U(0, 1) per row with 53 random bits, never 0 or 1. Philox stream 1, so these never reuse the
+    scan's uniforms (stream 0)."""
     return _uniform_f64_stream(seed, rows, 1)
 
 
@@ -193,31 +194,44 @@ def _select_kernel(
 ):
     rows, row_ok, part, part_ok, lse = _row_block(n_rows, n_splits, part_row_stride, max_ptr, sum_ptr, BLOCK_B,
                                                   BLOCK_S)
-    # The best non-eos value over the splits, ties → first index.
-    pick_vals = tl.load(pick_val_ptr + part, mask=part_ok, other=float("-inf"))
-    pick_idxs = tl.load(pick_idx_ptr + part, mask=part_ok, other=V)
-    pick = tl.max(pick_vals, axis=1)
-    idx = tl.min(tl.where(pick_vals == pick[:, None], pick_idxs, V), axis=1)
-
-    temperature = tl.cast(temp_hi, tl.float64) + tl.cast(temp_lo, tl.float64)
     z_row = z_ptr + rows.to(tl.int64) * z_row_stride
-    chosen = tl.load(z_row + idx, mask=row_ok & (idx < V), other=0.0).to(tl.float64) / temperature
     bad = ~(tl.abs(lse) < float("inf"))  # NaN, +inf, or no finite non-eos logit
     if HEAD == 0:
-        token = idx.to(tl.int64)
-        log_prob = chosen - lse
+        log_norm = lse
+        eos_zeta = tl.full((BLOCK_B,), float("-inf"), tl.float64)
     else:
         log_norm, eos_zeta, eos_nan = _eos_terms(
             lse, z_row, rows, row_ok, eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value,
             state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
         bad = bad | eos_nan
-        best = pick.to(tl.float64)
-        if GREEDY:
-            eos_wins = (eos_zeta > best) | ((eos_zeta == best) & (eos_index < idx))
-        else:
-            # eos's own Gumbel draw (eos is left out of the scan's race).
-            u = _uniform_f64(tl.load(seed_ptr), rows)
-            eos_wins = eos_zeta - tl.log(-tl.log(u)) > best
+    if GREEDY:
+        # The best non-eos value over the splits, ties → first index; eos wins a tie when its index is lower.
+        pick_vals = tl.load(pick_val_ptr + part, mask=part_ok, other=float("-inf"))
+        pick_idxs = tl.load(pick_idx_ptr + part, mask=part_ok, other=V)
+        best = tl.max(pick_vals, axis=1)
+        idx = tl.min(tl.where(pick_vals == best[:, None], pick_idxs, V), axis=1)
+        best64 = best.to(tl.float64)
+        eos_wins = (eos_zeta > best64) | ((eos_zeta == best64) & (eos_index < idx))
+    else:
+        # Inverse CDF over eos (its exact mass) and the splits (each by its mass); a split's own
+        # draw is then a draw from the whole row: P(split) · P(column | split) = P(column).
+        split_max = tl.load(max_ptr + part, mask=part_ok, other=float("-inf")).to(tl.float64)
+        split_sum = tl.load(sum_ptr + part, mask=part_ok, other=0.0).to(tl.float64)
+        split_mass = tl.where(split_sum > 0.0, split_sum * tl.exp(split_max - log_norm[:, None]), 0.0)
+        p_eos = tl.exp(eos_zeta - log_norm)  # 0 for VA (ζ_eos = −inf)
+        goal = _uniform_f64(tl.load(seed_ptr), rows) * (p_eos + tl.sum(split_mass, axis=1))
+        eos_wins = goal < p_eos
+        split_no = tl.arange(0, BLOCK_S)[None, :]
+        split, _ = first_crossing(split_mass, goal - p_eos, split_no, BLOCK_S)
+        eos_wins = eos_wins | (split < 0)  # no non-eos mass (a certain eos)
+        draws = tl.load(pick_idx_ptr + part, mask=part_ok, other=0)
+        idx = tl.sum(tl.where(split_no == split[:, None], draws, 0), axis=1)
+    temperature = tl.cast(temp_hi, tl.float64) + tl.cast(temp_lo, tl.float64)
+    chosen = tl.load(z_row + idx, mask=row_ok & (idx < V), other=0.0).to(tl.float64) / temperature
+    if HEAD == 0:
+        token = idx.to(tl.int64)
+        log_prob = chosen - lse
+    else:
         token = tl.where(eos_wins, eos_index, idx).to(tl.int64)
         log_prob = tl.where(eos_wins, eos_zeta, chosen) - log_norm
     tl.store(token_ptr + rows, token, mask=row_ok)
@@ -318,7 +332,7 @@ def _select_candidates_kernel(
     u = _uniform_f64(tl.load(seed_ptr), rows) * (tl.sum(prob, axis=1) + prob_eos)
     last_kept = tl.max(tl.where(prob > 0.0, rank[None, :], -1), axis=1)
     eos_drawn = (u < prob_eos) | (last_kept < 0)
-    crossed = (tl.cumsum(prob, axis=1) > (u - prob_eos)[:, None]) & (prob > 0.0)  # see nucleus._first_crossing
+    crossed = (tl.cumsum(prob, axis=1) > (u - prob_eos)[:, None]) & (prob > 0.0)  # see row_scan.first_crossing
     pick = tl.min(tl.where(crossed, rank[None, :], K), axis=1)
     pick = tl.where(pick < K, pick, last_kept)  # rounding at the top of the CDF
     at_pick = rank[None, :] == pick[:, None]
@@ -346,8 +360,14 @@ class Selection:
 
 def _split_f64(value: float) -> tuple[float, float]:
     """(hi, lo) fp32-representable parts of a float64 (hi + lo == value to ~1e-16 relative)."""
-    hi = float(np.float32(value))
+    try:
+        hi = _FP32.unpack(_FP32.pack(value))[0]  # round to fp32 (struct: ~10x faster than a numpy scalar)
+    except OverflowError:  # beyond fp32's range, as a numpy fp32 scalar would round it
+        hi = math.copysign(math.inf, value)
     return hi, value - hi
+
+
+_FP32 = struct.Struct("f")
 
 
 class _Outputs:
@@ -358,7 +378,8 @@ class _Outputs:
         B, device = z.shape[0], z.device
         self.tokens = torch.empty(B, dtype=torch.int64, device=device)
         self.log_probs = torch.empty(B, dtype=torch.float64, device=device)
-        self.state = torch.empty(B if head == "st" else 1, dtype=torch.float64, device=device)
+        # Other heads never store a state: any fp64 pointer will do (one allocation less per step).
+        self.state = torch.empty(B, dtype=torch.float64, device=device) if head == "st" else self.log_probs
         self.flags = torch.full((2,), B, dtype=torch.int32, device=device)  # a fill: no copy from the host
         self.steps_per_row = isinstance(steps, torch.Tensor)
         self.has_state = head == "st" and state is not None
@@ -396,7 +417,7 @@ def _block_rows(z: torch.Tensor, per_row: int, select_candidates: bool) -> int:
     """Rows per program (a power of two): few on a GPU, many in the CPU interpreter, which
     pays per operation rather than per element."""
     cap = cuda_block_rows(per_row, select_candidates) if z.is_cuda else max(1, (1 << 20) // per_row)
-    return min(triton.next_power_of_2(z.shape[0]), 1 << (cap.bit_length() - 1))
+    return min(next_power_of_2(z.shape[0]), 1 << (cap.bit_length() - 1))
 
 
 def select_from_scan(
@@ -420,24 +441,24 @@ def select_from_scan(
         head: "va" | "nmst" | "st"; eos_index, eps, temperature as in the scan.
         steps: t of this step: an int, or a (B,) int64 tensor (stride 0 allowed).
         state: "st" only: (B,) running log(1 − α) before this step (None: 0).
-        seed: one-element int64 tensor the scan raced with (None for greedy).
+        seed: one-element int64 tensor the scan drew with (None for greedy).
     """
     B, V = z.shape
     n_splits = scan.parts["max"].shape[1]
     greedy = seed is None
     out = _Outputs(z, head, eps, steps, state)
     if B:
-        block_b = _block_rows(z, triton.next_power_of_2(n_splits), select_candidates=False)
+        block_b = _block_rows(z, next_power_of_2(n_splits), select_candidates=False)
         parts = scan.parts
-        _select_kernel[(triton.cdiv(B, block_b),)](
+        _select_kernel[(cdiv(B, block_b),)](
             z, z.stride(0), B, V, n_splits, scan.row_stride(B),
             parts["max"], parts["sum"],
-            parts["top_val" if greedy else "race_val"], parts["top_idx" if greedy else "race_idx"],
+            parts["top_val"], parts["top_idx" if greedy else "draw_idx"],
             eos_index, *_split_f64(float(temperature)), *out.head_args,
             out.flags if greedy else seed,  # any pointer when greedy
             out.tokens, out.log_probs, out.state, out.flags,
             HEAD=HEAD_CODES[head], GREEDY=greedy, STEPS_PER_ROW=out.steps_per_row, HAS_STATE=out.has_state,
-            BLOCK_B=block_b, BLOCK_S=triton.next_power_of_2(n_splits),
+            BLOCK_B=block_b, BLOCK_S=next_power_of_2(n_splits),
         )
     return out.selection(head)
 
@@ -475,10 +496,10 @@ def select_candidates_from_scan(
         raise ValueError(f"top_k must lie in [1, K={K}] for these candidates (or cover all V), got {top_k}")
     out = _Outputs(z, head, eps, steps, state)
     if B:
-        block_s = triton.next_power_of_2(n_splits)
+        block_s = next_power_of_2(n_splits)
         block_b = _block_rows(z, block_s * K, select_candidates=True)
         parts = scan.parts
-        _select_candidates_kernel[(triton.cdiv(B, block_b),)](
+        _select_candidates_kernel[(cdiv(B, block_b),)](
             z, z.stride(0), B, n_splits, scan.row_stride(B),
             parts["max"], parts["sum"], parts["keys"],
             eos_index, *out.head_args,

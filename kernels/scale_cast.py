@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_math import cdiv
+
 _BLOCK = 4096  # elements per program: 16 per thread at 8 warps, wide enough to stream at bandwidth
 
 
@@ -53,6 +55,6 @@ def scale_cast(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
     out = torch.empty(src.shape, dtype=dtype, device=src.device)
     n = src.numel()
     if n:
-        _scale_cast_kernel[(triton.cdiv(n, _BLOCK),)](src, scale, out, n, TO_BF16=dtype == torch.bfloat16,
+        _scale_cast_kernel[(cdiv(n, _BLOCK),)](src, scale, out, n, TO_BF16=dtype == torch.bfloat16,
                                                         BLOCK=_BLOCK, num_warps=8)
     return out

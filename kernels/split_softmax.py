@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_math import next_power_of_2
+
 
 @triton.jit
 def _split_lse_kernel(
@@ -84,7 +86,7 @@ LAUNCH = {"lse": (4096, 4), "grad": (4096, 16)}
 
 def _launch_args(kernel: str, V: int) -> dict:
     block_v, num_warps = LAUNCH[kernel]
-    return {"BLOCK_V": min(block_v, triton.next_power_of_2(V)), "num_warps": num_warps}
+    return {"BLOCK_V": min(block_v, next_power_of_2(V)), "num_warps": num_warps}
 
 
 def _check_rows(z: torch.Tensor, targets: torch.Tensor) -> None:

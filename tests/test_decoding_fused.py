@@ -35,7 +35,7 @@ def test_fused_greedy_equals_torch_path(head, temperature):
         torch.testing.assert_close(fused_state, torch_state)
 
 
-@pytest.mark.parametrize("sampling_path", ["race", "row draw"])
+@pytest.mark.parametrize("sampling_path", ["split scan", "row draw"])
 @pytest.mark.parametrize("head", HEADS)
 def test_fused_log_probs_of_chosen_tokens(head, sampling_path, monkeypatch):
     monkeypatch.setattr(fused, "ROW_DRAW_MIN_ROWS", 0 if sampling_path == "row draw" else 10**9)
@@ -111,16 +111,16 @@ def test_replicated_rows_share_one_scan_but_not_the_head_math():
             torch.testing.assert_close(fused_state, expected_state, rtol=1e-12, atol=0)
 
 
-@pytest.mark.parametrize("path", ["race", "row draw"])
+@pytest.mark.parametrize("path", ["split scan", "row draw"])
 @pytest.mark.parametrize("head,t", [("nmst", 1), ("nmst", 300), ("st", 20), ("va", 1)])
 def test_fused_sampling_distribution(head, t, path, monkeypatch):
-    """10⁶ draws G-tested, through the split-V Gumbel race and through the one-program-per-row
+    """10⁶ draws G-tested, through the split-V scan's draw and through the one-program-per-row
     inverse CDF (the batch size picks one; forced here)."""
     monkeypatch.setattr(fused, "ROW_DRAW_MIN_ROWS", 0 if path == "row draw" else DRAWS + 1)
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
     eos, eps = 2, 0.01
-    z = _row(gen, V=19)  # not a multiple of 4: rows straddle the noise's four-column Philox counters
+    z = _row(gen, V=19)
     state = _st_state_before(z, eos, eps, t) if head == "st" else None
     reference = torch.exp(_reference_log_probs(z, head, eos, eps, t))
     tokens, _ = sample(z.to(DEVICE).unsqueeze(0).expand(DRAWS, -1), head=head, eos_index=eos, eps=eps, steps=t,
@@ -193,16 +193,60 @@ def test_candidates_are_the_exact_top_k(V, K, eos, launch, temperature):
     assert torch.equal(scan["top_idx"], order[:, 0])
 
 
-def test_race_noise_does_not_depend_on_the_launch():
-    """The Gumbel noise of (seed, row, column) is the same whatever the tiles and splits."""
-    from kernels.row_scan import row_scan
+def _split_scan_draw(z, head, eos, eps, t, state, seed, launch):
+    from kernels.row_scan import scan_partials
+    from kernels.row_select import select_from_scan
 
-    z = torch.randn(7, 301, generator=torch.Generator().manual_seed(9)).to(DEVICE)
-    runs = [row_scan(z, eos_index=5, seed=99, launch=launch) for launch in [(16, 1), (64, 3), (128, 2), None]]
-    for other in runs[1:]:
-        assert torch.equal(other["race_idx"], runs[0]["race_idx"])
-        assert torch.equal(other["race_val"], runs[0]["race_val"])
-    assert not torch.equal(row_scan(z, eos_index=5, seed=100)["race_idx"], runs[0]["race_idx"])
+    seed = torch.tensor([seed], device=DEVICE)
+    scan = scan_partials(z, eos_index=None if head == "va" else eos, seed=seed, launch=launch)
+    return scan, select_from_scan(z, scan, head=head, eos_index=eos, eps=eps, temperature=1.0, steps=t,
+                                  state=state, seed=seed)
+
+
+@pytest.mark.parametrize("head,t,launch", [("nmst", 3, (8, 3)), ("st", 20, (16, 2)), ("va", 1, (8, 3))])
+def test_split_scan_draw_distribution_across_tiles_and_splits(head, t, launch):
+    """The scan's weighted reservoir over several tiles per split, and the select kernel's choice of
+    a split: 10⁶ draws G-tested against the float64 reference. The row's tiles differ in scale (one
+    tile ~12 below the rest, the last one raising the running max), and V = 61 leaves a partial
+    tile; (8, 3): 3 splits of 3 tiles, (16, 2): 2 splits of 2 tiles."""
+    seed = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
+    eos, eps = 2, 0.01
+    z = _row(gen, V=61)
+    z[8:16] -= 12.0
+    z[48:56] += 3.0
+    state = _st_state_before(z, eos, eps, t) if head == "st" else None
+    reference = torch.exp(_reference_log_probs(z, head, eos, eps, t))
+    rows = z.to(DEVICE).unsqueeze(0).expand(DRAWS, -1)
+    scan, picked = _split_scan_draw(rows, head, eos, eps, t, None if state is None else state.to(DEVICE).expand(DRAWS),
+                                    seed + 1, launch)
+    assert scan.parts["max"].shape[1] == {(8, 3): 3, (16, 2): 2}[launch]
+    assert picked.flags.tolist() == [DRAWS, DRAWS]
+    assert _g_test(picked.tokens.cpu(), reference) > 1e-5, f"seed={seed}"
+
+
+def test_split_scan_draw_is_reproducible_and_never_picks_masked_columns():
+    """A seed and launch fix the draws; another seed changes them. Columns of no mass (−inf, and
+    whole −inf tiles and splits) and eos (left out of the scan) are never a split's draw, and a
+    row whose mass sits in one late tile draws from that tile only."""
+    gen = torch.Generator().manual_seed(9)
+    z = torch.randn(64, 301, generator=gen).to(DEVICE)
+    z[2, :] = -1e4
+    z[2, 295] = 1e4  # all the mass in one column of the last tile
+    z[:, 128:256] = float("-inf")  # whole tiles and, at (64, 3), the whole second split
+    z[1, :290] = float("-inf")
+    runs = [_split_scan_draw(z, "nmst", 5, 0.01, 3, None, 77, launch) for launch in [(64, 3), (64, 3), (16, 4)]]
+    assert torch.equal(runs[0][1].tokens, runs[1][1].tokens)
+    assert not torch.equal(_split_scan_draw(z, "nmst", 5, 0.01, 3, None, 78, (64, 3))[1].tokens, runs[0][1].tokens)
+    for scan, picked in runs:
+        draws = scan.parts["draw_idx"].long()
+        has_mass = scan.parts["sum"] > 0
+        drawn = z.gather(1, torch.where(has_mass, draws, 0))
+        assert bool(torch.isfinite(drawn[has_mass]).all()) and not bool((draws[has_mass] == 5).any())
+        if scan.parts["max"].shape[1] == 3:
+            assert not bool(has_mass[:, 1].any())
+        assert int(picked.tokens[2]) in (5, 295)
+        assert 290 <= int(picked.tokens[1]) or int(picked.tokens[1]) == 5
 
 
 FUSED_TRUNCATIONS = [(3, None), (None, 0.6), (5, 0.7), (30, None)]
@@ -258,8 +302,8 @@ def test_gpu_report_device_steps_run(monkeypatch):
         _device_step(k, p, device=DEVICE)(logits)
     mean, most = _top_p_rounds(logits, None, 0.9).split(" / ")
     assert 1.0 <= float(mean) <= int(most) and _top_p_rounds(logits, 4, None) == "—"
-    # The comparison row: plain sampling of a large batch through the race, then the switch restored.
-    from benchmarks.report_decoding import race_sampling
+    # The comparison row: plain sampling of a large batch through the split scan, then the switch restored.
+    from benchmarks.report_decoding import split_scan_sampling
 
     rows = torch.randn(fused.ROW_DRAW_MIN_ROWS, 300, device=DEVICE)
     threshold = fused.ROW_DRAW_MIN_ROWS
@@ -268,7 +312,7 @@ def test_gpu_report_device_steps_run(monkeypatch):
         import kernels.row_draw as row_draw
 
         patch.setattr(row_draw, "draw_rows", lambda *a, **k: calls.append(1))
-        with race_sampling():
+        with split_scan_sampling():
             _device_step(None, None, device=DEVICE)(rows)
             fused_select(rows, head="nmst", eos_index=0, greedy=False)
         assert calls == []
@@ -343,7 +387,7 @@ def test_flashinfer_benchmark_wiring(monkeypatch):
                      ("top_p_sampling_from_probs", (0.4,)), ("top_k_top_p_sampling_from_probs", (4, 0.4))]
 
 
-@pytest.mark.parametrize("sampling_path", ["race", "row draw"])
+@pytest.mark.parametrize("sampling_path", ["split scan", "row draw"])
 @pytest.mark.parametrize("head,eos_logit", [("st", float("-inf")), ("nmst", float("inf"))])
 def test_certain_eos_is_drawn_without_nan(head, eos_logit, sampling_path, monkeypatch):
     """An eos logit that makes α_t = 1 (a = log(1 − α) = −inf): every path draws eos with log-prob 0,

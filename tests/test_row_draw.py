@@ -7,6 +7,7 @@ import torch
 
 import kernels.nucleus as nucleus
 import kernels.row_draw as row_draw
+import kernels.row_scan as row_scan
 from nmst_fast.decoding import effective_logits, truncated_candidates
 from nmst_fast.decoding.fused import fused_truncated
 from nmst_fast.decoding.reference import truncated_distribution
@@ -181,7 +182,7 @@ def test_a_rejected_eos_becomes_the_pivot():
 
 
 def test_first_crossing_picks_only_positive_weights():
-    """The inverse-CDF step shared by the row draw and the nucleus draw picks a positive weight:
+    """The inverse-CDF step shared by the row draw, the nucleus draw and the split draw picks a positive weight:
     a GPU's parallel scan is not monotone to the last ulp, so a zero weight after the crossing can
     read above the target (an H200 drew a token outside the nucleus that way). A negative target
     (rounding below the start of the CDF) makes the first zero weights cross here too."""
@@ -192,7 +193,7 @@ def test_first_crossing_picks_only_positive_weights():
     def crossing_kernel(w_ptr, target_ptr, pick_ptr, before_ptr, N: tl.constexpr):
         index = tl.arange(0, N)[None, :]
         one = tl.arange(0, 1)
-        pick, before = nucleus._first_crossing(tl.load(w_ptr + index), tl.load(target_ptr + one), index, N)
+        pick, before = row_scan.first_crossing(tl.load(w_ptr + index), tl.load(target_ptr + one), index, N)
         tl.store(pick_ptr + one, pick)
         tl.store(before_ptr + one, before)
 
@@ -235,7 +236,7 @@ def test_prefetch_changes_no_draw(top_p):
 
 def test_launch_sweep_runs_every_variant():
     """benchmarks.profile_decoding's sweeps (GPU tuning) pass each launch variant through draw_rows
-    and the greedy scan + select; here in the interpreter, with a counting timer, on a vocabulary of
+    and the scan + select (greedy and sampling); here in the interpreter, with a counting timer, on a vocabulary of
     one to two tiles per width."""
     from benchmarks.profile_decoding import sweep, variants
 
@@ -249,5 +250,7 @@ def test_launch_sweep_runs_every_variant():
     from benchmarks.profile_decoding import scan_sweep
 
     launches = [(1024, 1), (1024, 3), (2048, 2)]
-    rows = scan_sweep(logits, launches, lambda fn: timed.append(fn()) or 1.0)
-    assert [launch for launch, _ in rows] == launches and len(timed) == 2 * len(variants()) + 3
+    for draw in (False, True):
+        rows = scan_sweep(logits, launches, lambda fn: timed.append(fn()) or 1.0, draw=draw)
+        assert [launch for launch, _ in rows] == launches
+    assert len(timed) == 2 * len(variants()) + 6
