@@ -6,7 +6,7 @@ Small batches on a GPU pay the wrapper's Python per step — argument checks, la
 output allocations, the launch calls and the one read of the flags — and the H100 run measured
 that share at ~0.05–0.1 ms of 0.1–0.5 ms steps. This times ``sample(impl="triton")`` with every
 decoding kernel replaced by a no-op, so what remains is the wrapper alone (on CPU tensors the fused
-path is taken as in Triton's interpreter mode; on a CUDA machine with CUDA tensors). Times are
+path is enabled as in Triton's interpreter mode; on a CUDA machine, CUDA tensors). Times are
 the minimum over repeats of short batches of calls: the wrapper's cost, not the machine's noise.
 """
 
@@ -35,13 +35,22 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
+def device() -> str:
+    """Where the timed step's logits live: the GPU when there is one."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @contextmanager
 def kernels_stubbed() -> Iterator[None]:
-    """Every decoding kernel a no-op (restored on exit); on CPU, the fused path enabled."""
+    """Every decoding kernel a no-op (restored on exit). On a machine without CUDA, the fused
+    path is enabled as in interpreter mode (``fused_available`` reads the variable per call); with
+    CUDA the variable is left alone, since Triton reads it when a kernel module is first imported
+    and later GPU work in the same process must get compiled kernels."""
     import importlib
 
     saved_env = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # read per call by fused_available; no kernel runs anyway
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
     modules = {name: importlib.import_module(f"kernels.{name}") for name, _ in _KERNELS}
     saved = [(modules[name], kernel, getattr(modules[name], kernel)) for name, kernel in _KERNELS]
     try:
@@ -85,13 +94,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 256])
     args = parser.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device=device).manual_seed(0)
-    print(f"host time per fused decoding step, kernels stubbed, {device}, V = {args.vocab}, torch {torch.__version__}")
+    gen = torch.Generator(device=device()).manual_seed(0)
+    print(f"host time per fused decoding step, kernels stubbed, {device()}, V = {args.vocab}, "
+          f"torch {torch.__version__}")
     print("| B | strategy | host µs |\n|---:|---|---:|")
     with kernels_stubbed():
         for B in args.batches:
-            logits = make_logits(B, args.vocab, device=device)
+            logits = make_logits(B, args.vocab, device=device())
             for name, (k, p) in GPU_STRATEGIES.items():
                 print(f"| {B} | {name} | {host_us(dispatch_step(k, p, logits, gen)):.1f} |", flush=True)
 

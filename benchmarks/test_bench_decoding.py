@@ -37,13 +37,14 @@ def test_generation_report_runs(capsys):
 def test_host_overhead(benchmark, strategy):
     """The fused step's host time with its kernels stubbed (``python -m benchmarks.host_overhead``)."""
     import kernels.row_scan as row_scan
-    from benchmarks.host_overhead import dispatch_step, kernels_stubbed
+    from benchmarks.host_overhead import device, dispatch_step, kernels_stubbed
 
     real_kernel = row_scan._row_scan_kernel
-    logits = make_logits(1, 50257)
+    logits = make_logits(1, 50257, device=device())
+    gen = torch.Generator(device=device()).manual_seed(0)
     with kernels_stubbed():
         benchmark.group = "host time per fused step, kernels stubbed, B=1 V=50257"
-        tokens = benchmark(dispatch_step(*GPU_STRATEGIES[strategy], logits, torch.Generator().manual_seed(0)))
+        tokens = benchmark(dispatch_step(*GPU_STRATEGIES[strategy], logits, gen))
     assert tokens.shape == (1,) and row_scan._row_scan_kernel is real_kernel
 
 
