@@ -3,7 +3,7 @@
 # real, not interpreted), then the loss and decoding reports. Each step has its own time
 # limit so one slow step cannot take the others' results with it. Logs go to $OUT (or ./gpu_out).
 #   bash benchmarks/gpu_check.sh            # tests loss profile decoding
-#   bash benchmarks/gpu_check.sh "tests profile"   # chosen steps: tests | loss | profile | decoding | draw-sweep | generation | flashinfer
+#   bash benchmarks/gpu_check.sh "tests profile"   # chosen steps: tests | loss | profile | decoding | draw-sweep | host | generation | flashinfer
 # Wheels in .whl/ (benchmarks/fetch_gpu_wheels.sh; carry ".whl") are installed first, for flashinfer.
 set -u
 OUT=${OUT:-gpu_out}
@@ -30,6 +30,8 @@ for step in $steps; do
     profile) timeout 150 python3 -m benchmarks.profile_loss 2>&1 | tee "$OUT/profile.md" | tail -60 ;;
     decoding) timeout 150 python3 -m benchmarks.report_decoding --gpu 2>&1 | tee "$OUT/decoding.md" ;;
     draw-sweep) timeout 200 python3 -m benchmarks.profile_decoding 2>&1 | tee "$OUT/draw_sweep.md" ;;
+    # The decoding step's host time alone (kernels stubbed, CUDA tensors): the wrapper's share of small-batch steps.
+    host) timeout 60 python3 -m benchmarks.host_overhead 2>&1 | tee "$OUT/host.md" ;;
     generation) timeout 150 python3 -m benchmarks.report_generation --device cuda 2>&1 | tee "$OUT/generation.md" ;;
     # FlashInfer JIT-compiles its sampling kernels with nvcc on first use (minutes, hence its own limit).
     flashinfer) timeout 420 python3 -m benchmarks.report_decoding --gpu --flashinfer 2>&1 | tee "$OUT/flashinfer.md" ;;
