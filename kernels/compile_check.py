@@ -193,8 +193,7 @@ def _blocks_and_options(shape: dict) -> tuple[dict, dict]:
 def _fake_scan(z: torch.Tensor, K: int) -> row_scan.ScanPartials:
     """Partials of a scan's shapes and dtypes (two splits, K candidates (0: none), a draw per split), without
     running it."""
-    return row_scan.ScanPartials(row_scan.empty_partials(z.shape[0], 2, K, z.device, draws=True), z.shape[1], K,
-                                 True)
+    return row_scan.ScanPartials(row_scan.empty_partials(z.shape[0], 2, K, z.device, draws=True), z.shape[1], K)
 
 
 def compile_launch(launch: Launch, arch: int):

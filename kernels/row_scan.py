@@ -40,7 +40,6 @@ from .host_math import cdiv, next_power_of_2
 MAX_CANDIDATES = 128
 HAS_TOPK = hasattr(tl, "topk")  # tl.topk arrived in Triton 3.3; older ones serve greedy/sampling only
 _NO_KEY = -(2**63)  # below every real key: padding, eos and out-of-range columns
-DRAWING_SCAN_WARPS = 4  # see _num_warps
 
 
 @triton.jit
@@ -229,13 +228,13 @@ class ScanPartials:
     """Per-split results of one scan, before the splits are merged.
 
     Every tensor is (rows, splits) (``keys``: (rows, splits, K)); ``rows`` is 1 when a
-    replicated batch was scanned once (see :func:`scan_partials`).
+    replicated batch was scanned once (see :func:`scan_partials`). A scan with a seed leaves
+    "draw_idx", one drawn column per split.
     """
 
     parts: dict[str, torch.Tensor]
     V: int
     K: int
-    draws: bool  # "draw_idx" holds one drawn column per split (the scan had a seed)
 
     def row_stride(self, batch: int) -> int:
         """Stride between rows of the partials for a batch of ``batch`` rows: 0 when one row's
@@ -268,16 +267,16 @@ def _as_seed(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.tensor([seed], dtype=torch.int64, device=device)
 
 
-def _num_warps(draws: bool, K: int) -> int:
+def _num_warps(K: int) -> int:
     """Warps per program, from ptxas register counts (sm_90, ``python -m kernels.compile_check
     --resources``, Triton 3.6 and 3.9), not yet from timings. Candidate scans with K <= 32 need
     up to 159 registers per thread at 4 warps (12 warps resident per SM), <= 128 at 8 (16 per
     SM) with no spills. For K >= 64 8 warps spill or lose occupancy under Triton 3.6, so they
     keep 4, as does the plain scan (the loss's LSE pass, the same streaming reduction, measured
-    best at 4) and the drawing scan (DRAWING_SCAN_WARPS: 168 registers with 4096-column tiles, no
-    spills, 3 programs = 48 KB of tile loads per SM, more than the ~23 KB an H100 needs in flight).
+    best at 4) and the drawing scan (168 registers with 4096-column tiles, no spills, 3 programs =
+    48 KB of tile loads per SM, more than the ~23 KB an H100 needs in flight).
     """
-    return DRAWING_SCAN_WARPS if draws else 8 if 0 < K <= 32 else 4
+    return 8 if 0 < K <= 32 else 4
 
 
 def scan_partials(
@@ -321,9 +320,9 @@ def scan_partials(
             parts["max"], parts["sum"], parts["top_val"], parts["top_idx"], parts.get("draw_idx", unused),
             parts.get("keys", unused),
             HAS_EOS=eos_index is not None, DRAW=seed is not None, K=K, BLOCK_B=block_b, BLOCK_V=block_v,
-            num_warps=_num_warps(seed is not None, K),
+            num_warps=_num_warps(K),
         )
-    return ScanPartials(parts, V, K, draws=seed is not None)
+    return ScanPartials(parts, V, K)
 
 
 def row_scan(

@@ -56,5 +56,5 @@ def scale_cast(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
     n = src.numel()
     if n:
         _scale_cast_kernel[(cdiv(n, _BLOCK),)](src, scale, out, n, TO_BF16=dtype == torch.bfloat16,
-                                                        BLOCK=_BLOCK, num_warps=8)
+                                               BLOCK=_BLOCK, num_warps=8)
     return out
