@@ -25,7 +25,8 @@ from .decoding_cases import GPU_STRATEGIES, make_logits
 # (module, kernel) pairs the fused decoding paths launch.
 _KERNELS = (("row_scan", "_row_scan_kernel"), ("row_select", "_select_kernel"),
             ("row_select", "_select_candidates_kernel"), ("row_draw", "_row_draw_kernel"),
-            ("nucleus", "_nucleus_cut_kernel"), ("nucleus", "_nucleus_draw_kernel"))
+            ("nucleus", "_nucleus_cut_kernel"), ("nucleus", "_nucleus_draw_kernel"),
+            ("split_top_p", "_round_kernel"))
 
 
 class _NoLaunch:

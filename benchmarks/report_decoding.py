@@ -51,10 +51,13 @@ def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
 
     Greedy and sampling: the scan + the select kernel (head math and draw); sampling from
     ROW_DRAW_MIN_ROWS rows: the one-program-per-row inverse CDF kernel. Top-k (then top-p):
-    the candidate scan + the candidate select kernel. Top-p alone: the rejection kernel (what
-    distinct rows take; repeated rows and the rare unresolved row take the cut + draw kernels).
+    the candidate scan + the candidate select kernel. Top-p alone: the rejection rounds (what
+    distinct rows take; repeated rows and the rare unresolved row take the cut + draw kernels):
+    the row-draw kernel from ROW_DRAW_MIN_ROWS rows, else the drawing scan and the split rounds'
+    first FIRST_ROUNDS launches (the rare row needing more costs a host sync and more launches).
     """
     from kernels.row_draw import draw_rows
+    from kernels.split_top_p import SplitTopP
     from kernels.row_scan import scan_partials
     from kernels.row_select import select_candidates_from_scan, select_from_scan
     from nmst_fast.decoding.fused import samples_by_row_draw
@@ -71,8 +74,10 @@ def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
             draw = None if k == 1 else seed  # sampling draws in the scan; greedy does not
             scan = scan_partials(logits, eos_index=eos, seed=draw)
             select_from_scan(logits, scan, eos_index=eos, temperature=1.0, seed=draw, **head)
-        elif k is None:
+        elif k is None and samples_by_row_draw(logits.shape[0]):
             draw_rows(logits, eos_index=eos, temperature=1.0, top_p_threshold=p, seed=seed, **head)
+        elif k is None:
+            SplitTopP(logits, eos_index=eos, temperature=1.0, top_p_threshold=p, seed=seed, **head)
         else:
             scan = scan_partials(logits, eos_index=eos, candidates=k)
             select_candidates_from_scan(logits, scan, eos_index=eos, top_k=k, top_p_threshold=p, seed=seed, **head)
@@ -81,15 +86,23 @@ def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
 
 
 def _top_p_rounds(logits: torch.Tensor, k: Optional[int], p: Optional[float]) -> str:
-    """Rejection rounds of top-p alone ("mean / max" over rows; ≈ 2 reads of the row per round
-    after the first pass, the second read onwards from L2); "—" for other strategies."""
+    """Rejection rounds of top-p alone ("mean / max" over rows; one read of the row per round after
+    the first pass) on the path the batch takes; "—" for other strategies."""
     if k is not None or p is None or p >= 1.0:
         return "—"
     from kernels.row_draw import draw_rows
+    from kernels.split_top_p import MAX_ROUNDS, MORE_ROUNDS, SplitTopP
+    from nmst_fast.decoding.fused import samples_by_row_draw
 
-    _, rounds = draw_rows(logits, head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0,
-                               steps=100, state=None, top_p_threshold=p,
-                               seed=torch.tensor([1234], device=logits.device))
+    args = dict(head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100, state=None,
+                top_p_threshold=p, seed=torch.tensor([1234], device=logits.device))
+    if samples_by_row_draw(logits.shape[0]):
+        _, rounds = draw_rows(logits, **args)
+    else:
+        draw = SplitTopP(logits, **args)
+        while int(draw.selection.flags[1]) < logits.shape[0] and draw.launched < MAX_ROUNDS:
+            draw.advance(MORE_ROUNDS)
+        rounds = draw.rounds
     return f"{float(rounds.double().mean()):.2f} / {int(rounds.max())}"
 
 
@@ -100,8 +113,8 @@ def gpu_main() -> None:
     print(f"per-step selection, NMST head, fp32 logits, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"do_bench medians; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write); "
           "floor = B*V*4 bytes / that bandwidth; kernels = the strategy's whole device step as a CUDA graph "
-          f"(greedy, top-k, sampling of < {ROW_DRAW_MIN_ROWS} rows: scan + select; top-p, and sampling of more "
-          "rows: the row-draw kernel)")
+          f"(greedy, top-k, sampling of < {ROW_DRAW_MIN_ROWS} rows: scan + select; top-p of fewer rows: the "
+          "drawing scan + the split rounds; top-p and sampling of more rows: the row-draw kernel)")
     print("| B | V | strategy | fast (ms) | sort-based (ms) | speed-up | kernels (ms) | floor (ms) | kernels / floor "
           "| top-p rounds (mean / max) |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -112,9 +125,11 @@ def gpu_main() -> None:
             floor_ms = B * V * 4 / bandwidth * 1e3
             for name, (k, p) in GPU_STRATEGIES.items():
                 _gpu_row(name, k, p, logits, gen, floor_ms)
-            if samples_by_row_draw(B):  # the split scan these batches do not take, to check the switch
-                with split_scan_sampling():
+            if samples_by_row_draw(B):  # the split-V paths these batches do not take, to check the switch
+                with split_paths():
                     _gpu_row("sampling, split scan", None, None, logits, gen, floor_ms)
+                    for p in (0.4, 0.9):
+                        _gpu_row(f"top-p {p}, split rounds", None, p, logits, gen, floor_ms)
 
 
 def _gpu_row(name: str, k: Optional[int], p: Optional[float], logits: torch.Tensor, gen: torch.Generator,
@@ -131,9 +146,9 @@ def _gpu_row(name: str, k: Optional[int], p: Optional[float], logits: torch.Tens
 
 
 @contextmanager
-def split_scan_sampling():
-    """Plain sampling through the split-V scan's draw whatever the batch size (``samples_by_row_draw``
-    reads the threshold when called)."""
+def split_paths():
+    """Plain sampling through the split-V scan's draw and top-p through the split rounds whatever
+    the batch size (``samples_by_row_draw`` reads the threshold when called)."""
     from nmst_fast.decoding import fused
 
     saved = fused.ROW_DRAW_MIN_ROWS

@@ -33,7 +33,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from . import nucleus, row_draw, row_scan, row_select, scale_cast, split_softmax
+from . import nucleus, row_draw, row_scan, row_select, scale_cast, split_softmax, split_top_p
 
 
 @dataclass
@@ -114,6 +114,7 @@ def launches() -> list[Launch]:
             label, dict(BLOCK_S=block_s, BLOCK_B=block_b),
             dict(num_warps=row_select.candidate_num_warps(block_b, block_s, K))))
     out += _nucleus_launches(state, seed)
+    out += _split_top_p_launches(state, seed)
     out += _small_vocab_launches(seed)
     zb = z.to(torch.bfloat16)
     targets = torch.zeros(4, dtype=torch.long)
@@ -154,6 +155,28 @@ def _nucleus_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launch]:
         for mode, top_p in (("top-p", 0.9), ("sampling", None)):
             out.append(_record_row_draw(z.to(dtype), head=head, state=state if head == "st" else None,
                                         temperature=0.7, top_p=top_p, seed=seed, label=f"row draw {mode} {label}"))
+    return out
+
+
+def _split_top_p_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launch]:
+    """The split rounds' three variants (deciding the scan and passing, deciding a pass and
+    passing, the last decision) per head, and the first in bf16, at the CUDA launch shape of a
+    few rows of a 128256-token vocabulary: 4096-column tiles, 32 splits per row."""
+    V = 128256
+    z = torch.randn(4, V, generator=torch.Generator().manual_seed(3))
+    shape = dict(BLOCK_B=1, BLOCK_V=4096, BLOCK_S=32)
+    out = []
+    for head, dtype in [("va", torch.float32), ("nmst", torch.float32), ("st", torch.float32),
+                        ("nmst", torch.bfloat16)]:
+        sink: list = []
+        with _recording(row_scan, "_row_scan_kernel", []), \
+                _recording(split_top_p, "_round_kernel", sink) as kernel:
+            split_top_p.SplitTopP(z.to(dtype), head=head, eos_index=5, eps=1e-5, temperature=0.7, steps=3,
+                                  state=state if head == "st" else None, seed=seed, top_p_threshold=0.9, rounds=2,
+                                  launch=(4096, 32))
+        for (args, kwargs), step in zip(sink, ("first round", "later round", "last decision")):
+            if dtype == torch.float32 or step == "first round":
+                out.append(Launch(f"split top-p {step} {head} {str(dtype)[6:]}", kernel, args, kwargs, shape))
     return out
 
 

@@ -302,8 +302,9 @@ def test_gpu_report_device_steps_run(monkeypatch):
         _device_step(k, p, device=DEVICE)(logits)
     mean, most = _top_p_rounds(logits, None, 0.9).split(" / ")
     assert 1.0 <= float(mean) <= int(most) and _top_p_rounds(logits, 4, None) == "—"
-    # The comparison row: plain sampling of a large batch through the split scan, then the switch restored.
-    from benchmarks.report_decoding import split_scan_sampling
+    # The comparison rows: plain sampling and top-p of a large batch through the split-V paths, then
+    # the switch restored.
+    from benchmarks.report_decoding import split_paths
 
     rows = torch.randn(fused.ROW_DRAW_MIN_ROWS, 300, device=DEVICE)
     threshold = fused.ROW_DRAW_MIN_ROWS
@@ -312,9 +313,12 @@ def test_gpu_report_device_steps_run(monkeypatch):
         import kernels.row_draw as row_draw
 
         patch.setattr(row_draw, "draw_rows", lambda *a, **k: calls.append(1))
-        with split_scan_sampling():
+        with split_paths():
             _device_step(None, None, device=DEVICE)(rows)
+            _device_step(None, 0.9, device=DEVICE)(rows)
             fused_select(rows, head="nmst", eos_index=0, greedy=False)
+            mean, most = _top_p_rounds(rows, None, 0.9).split(" / ")
+            assert 1.0 <= float(mean) <= int(most)
         assert calls == []
     assert fused.ROW_DRAW_MIN_ROWS == threshold
 

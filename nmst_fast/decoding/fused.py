@@ -13,10 +13,12 @@ float64: L, the head's log(1 − α_t), eos's effective logit
   ``kernels/row_draw.py`` draws by inverse CDF instead, one program per row, one launch;
 * top-k (then top-p): eos merged into the ranked candidates by its exact ζ_eos,
   the truncation, and an inverse-CDF draw;
-* top-p alone: ``kernels/row_draw.py`` draws from the row and accepts the draw
-  when the mass ranked before it is below p, else redraws from the tokens ranked before it
-  (about two reads of the row; a GPU serves the second from L2); ``kernels/nucleus.py``
-  narrows the nucleus cut down by value for repeated rows and as the fallback.
+* top-p alone: rejection rounds — draw a token, accept it when the mass ranked before it is
+  below p, else redraw from the tokens ranked before it (about two reads of the row). From
+  ROW_DRAW_MIN_ROWS rows ``kernels/row_draw.py`` runs them in one program per row (one launch);
+  fewer rows spread each row over V-split programs (``kernels/split_top_p.py``: the drawing
+  scan, then one launch per round); ``kernels/nucleus.py`` narrows the nucleus cut down by value
+  for repeated rows and as the fallback.
 
 So no (B, V) probability tensor, no sort, and no host sync until the end, where
 one read of two flags reports undefined rows (NaN logits) and nuclei the kernel
@@ -44,18 +46,19 @@ class FusedSelection:
     state: Optional[torch.Tensor]  # ST's running log(1−α) after this step
 
 
-# Plain sampling of at least this many rows: one program per row drawing by inverse CDF
-# (``kernels/row_draw.py``: one launch) instead of the split-V scan's draw plus the select kernel,
-# which needs the split over V to fill a GPU when there are few rows. 128: about one row per SM of
-# an H100 (132 SMs). Measured (H100, 256 rows) against the Gumbel race the scan drew with before:
-# 2.5-3.5x the floor vs 3.9-5.2x; the scan's draw now does the greedy scan's per-element work
-# (no noise, no logarithms), so the switch is to re-measure (``benchmarks.report_decoding`` times
-# both at B = 256).
+# Plain sampling and top-p of at least this many rows: one program per row drawing by inverse CDF
+# (``kernels/row_draw.py``: one launch) instead of the split-V scan's draw plus the select kernel
+# (top-p: plus the rounds of ``kernels/split_top_p.py``), which needs the split over V to fill a
+# GPU when there are few rows. 128: about one row per SM of an H100 (132 SMs). Measured (H100,
+# 256 rows) against the Gumbel race the scan drew with before: 2.5-3.5x the floor vs 3.9-5.2x;
+# the scan's draw now does the greedy scan's per-element work (no noise, no logarithms), and
+# top-p's split rounds are untimed, so the switch is to re-measure (``benchmarks.report_decoding``
+# times both paths of both at B = 256).
 ROW_DRAW_MIN_ROWS = 128
 
 
 def samples_by_row_draw(rows: int) -> bool:
-    """Whether plain sampling of ``rows`` rows takes the row-draw kernel (else the split-V scan's draw)."""
+    """Whether sampling ``rows`` rows (plain or top-p alone) takes the row-draw kernel (else the split-V paths)."""
     return rows >= ROW_DRAW_MIN_ROWS
 
 
@@ -155,19 +158,42 @@ def fused_truncation_available(top_k: Optional[int]) -> bool:
     return HAS_TOPK and top_k <= MAX_CANDIDATES
 
 
+def _split_rounds(logits: torch.Tensor, args: dict) -> Optional[FusedSelection]:
+    """Top-p by rejection rounds on the split-V layout (``kernels/split_top_p.py``): a first batch of
+    rounds, then more on the same chain while some row is still rejected (one host sync per batch;
+    top-p 0.9 rarely needs a second). None: a row still rejected after its MAX_ROUNDS."""
+    from kernels.split_top_p import MAX_ROUNDS, MORE_ROUNDS, SplitTopP
+
+    draw = SplitTopP(logits, **args)
+    while True:
+        picked = draw.selection
+        if _check_flags(picked.flags, logits.shape[0]):
+            return FusedSelection(picked.tokens, picked.log_probs, picked.state)
+        if draw.launched >= MAX_ROUNDS:
+            return None
+        draw.advance(min(MORE_ROUNDS, MAX_ROUNDS - draw.launched))
+
+
 def _nucleus(logits: torch.Tensor, **args) -> Optional[FusedSelection]:
     """Top-p alone. Rows repeated with stride 0 (one prompt, several continuations): one cut serves
-    them all. Otherwise rejection rounds (about two reads per row); a batch with a row still
-    rejected after MAX_ROUNDS is drawn from the cut instead (a second host sync, only then).
-    None: the cut did not converge either."""
+    them all. Otherwise rejection rounds (about two reads per row): one program per row from
+    ROW_DRAW_MIN_ROWS rows (``kernels/row_draw.py``), else each row spread over V-split programs
+    (``kernels/split_top_p.py``); a batch with a row still rejected after the rounds' limit is
+    drawn from the cut instead (a further host sync, only then). None: the cut did not converge
+    either."""
     from kernels.nucleus import nucleus_select, shares_one_cut
     from kernels.row_draw import draw_rows
 
     B = logits.shape[0]
     if not shares_one_cut(logits, args["steps"], args["state"]):
-        picked, _ = draw_rows(logits, **args)
-        if _check_flags(picked.flags, B):
-            return FusedSelection(picked.tokens, picked.log_probs, picked.state)
+        if samples_by_row_draw(B):
+            picked, _ = draw_rows(logits, **args)
+            if _check_flags(picked.flags, B):
+                return FusedSelection(picked.tokens, picked.log_probs, picked.state)
+        else:
+            picked = _split_rounds(logits, args)
+            if picked is not None:
+                return picked
     picked = nucleus_select(logits, **args)
     if not _check_flags(picked.flags, B):
         return None
