@@ -10,7 +10,8 @@ PREFETCH (the next tile's load issued before this tile's reductions). The greedy
 scan + select) measured 2.0–2.4×; its default of ~4 programs per SM makes 768 programs at
 B = 256, about 1.2 waves of the ~5 resident per SM, so the second table sweeps the splits per
 row and the tile width, for greedy and (V = 50257) for plain sampling by the scan's per-split
-draw, which shares the scan's launch shape. Each row gives the device time (``triton.testing.do_bench_cudagraph``
+draw, which shares the scan's launch shape. The third times top-p by split rounds (the path of
+fewer than 128 rows) at B = 1 and 32 per tile width and split count, next to the row draw. Each row gives the device time (``triton.testing.do_bench_cudagraph``
 median), the achieved read rate and the ratio to the one-read floor at the copy bandwidth
 measured in the same run; * marks the current default. Pick the next defaults from the tables.
 """
@@ -84,6 +85,29 @@ def scan_sweep(logits: torch.Tensor, launches: Iterable[tuple[int, int]],
     return rows
 
 
+def split_sweep(logits: torch.Tensor, top_p: float, launches: Iterable[tuple[int, int]],
+                timer: Callable[[Callable[[], None]], float]) -> list[tuple[tuple[int, int], float]]:
+    """((BLOCK_V, splits), ms) of top-p by split rounds per launch — the drawing scan and the
+    first FIRST_ROUNDS round launches, as a step of fewer than ROW_DRAW_MIN_ROWS rows runs them
+    (NMST head, t = 100); (0, 0) is the row draw at its default launch, for comparison."""
+    from kernels.split_top_p import SplitTopP
+
+    seed = torch.tensor([1234], device=logits.device)
+    args = dict(head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100, state=None,
+                seed=seed, top_p_threshold=top_p)
+    rows = []
+    for launch in [(0, 0)] + list(launches):
+        def step(launch=launch) -> None:
+            if launch == (0, 0):
+                draw_rows(logits, **args)
+            else:
+                SplitTopP(logits, launch=launch, **args)
+
+        step()
+        rows.append((launch, timer(step)))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="V = 50257 only")
@@ -121,6 +145,21 @@ def main(argv: list[str] | None = None) -> None:
             mark = "*" if (block_v, splits) == (default_block_v, default_splits) else ""
             print(f"| {V} | {'sampling' if draw else 'greedy'} | {block_v} | {splits}{mark} | {256 * splits} | "
                   f"{ms:.4f} | {logits.numel() * 4 / (ms * 1e-3) / 1e12:.2f} | {ms / floor_ms:.2f} |", flush=True)
+    print("\ntop-p 0.9 by split rounds (scan + first rounds), NMST head, fp32 logits; BLOCK_V 0 = the row draw; "
+          "* = default")
+    print("| B | V | BLOCK_V | splits | ms | read TB/s | x floor |\n|---:|---:|---:|---:|---:|---:|---:|")
+    for B in (1, 32):
+        V = 50257 if args.quick else 128256
+        logits = make_logits(B, V, device="cuda")
+        floor_ms = logits.numel() * 4 / bandwidth * 1e3
+        _, default_block_v, default_splits = launch_shape(logits, 0)
+        # A few shapes (each FIRST/PASS variant compiles per BLOCK_V and padded split count, and the
+        # whole sweep shares one gpu_check step): the split count at 4096 columns, 2048 at 32.
+        launches = sorted({(4096, 8), (4096, 16), (4096, 32), (2048, 32), (default_block_v, default_splits)})
+        for (block_v, splits), ms in split_sweep(logits, 0.9, launches, timer):
+            mark = "*" if (block_v, splits) == (default_block_v, default_splits) else ""
+            print(f"| {B} | {V} | {block_v} | {splits}{mark} | {ms:.4f} | "
+                  f"{logits.numel() * 4 / (ms * 1e-3) / 1e12:.2f} | {ms / floor_ms:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -287,7 +287,11 @@ def test_launch_sweep_runs_every_variant():
     for draw in (False, True):
         rows = scan_sweep(logits, launches, lambda fn: timed.append(fn()) or 1.0, draw=draw)
         assert [launch for launch, _ in rows] == launches
-    assert len(timed) == 2 * len(variants()) + 6
+    from benchmarks.profile_decoding import split_sweep
+
+    rows = split_sweep(logits, 0.9, launches, lambda fn: timed.append(fn()) or 1.0)
+    assert [launch for launch, _ in rows] == [(0, 0)] + launches
+    assert len(timed) == 2 * len(variants()) + 10
 
 
 def _eos_pivot_row() -> tuple[torch.Tensor, int, float, int, float]:
@@ -388,3 +392,28 @@ def test_split_rounds_reject_a_round_count_out_of_range():
     draw = split_top_p.SplitTopP(z, rounds=split_top_p.MAX_ROUNDS - 1, **args)
     with pytest.raises(ValueError, match="rounds"):
         draw.advance(2)
+
+
+def test_a_traced_step_launches_every_split_round_at_once(monkeypatch):
+    """Under torch.compile the step cannot sync between batches of rounds: all MAX_ROUNDS launch
+    at once (the flags are not read), so rows needing more than the first batch still get a draw."""
+    import nmst_fast.decoding.fused as fused
+
+    launched = []
+    real = split_top_p.SplitTopP
+
+    def spy(*args, **kwargs):
+        draw = real(*args, **kwargs)
+        launched.append(draw.launched)
+        return draw
+
+    monkeypatch.setattr(split_top_p, "SplitTopP", spy)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    z = (torch.randn(8, 600, generator=torch.Generator().manual_seed(5)) * 0.2).to(DEVICE)  # flat: many rounds
+    served = fused._split_rounds(z, dict(head="va", eos_index=0, eps=1e-3, temperature=1.0, steps=1, state=None,
+                                         seed=torch.tensor([3], device=DEVICE), top_p_threshold=0.2 - TOP_P_SLACK))
+    assert launched == [split_top_p.MAX_ROUNDS]
+    dist = effective_logits(z.cpu(), head="va", eos_index=0)
+    tokens, probs = truncated_candidates(dist, None, 0.2)
+    expected = torch.zeros(8, 600, dtype=torch.float64).scatter_add(1, tokens, probs)
+    assert bool((expected.gather(1, served.tokens.cpu()[:, None]) > 0).all())

@@ -164,7 +164,9 @@ def _split_rounds(logits: torch.Tensor, args: dict) -> Optional[FusedSelection]:
     top-p 0.9 rarely needs a second). None: a row still rejected after its MAX_ROUNDS."""
     from kernels.split_top_p import MAX_ROUNDS, MORE_ROUNDS, SplitTopP
 
-    draw = SplitTopP(logits, **args)
+    # A traced step cannot read the flags between batches of rounds: launch them all at once, so a
+    # row is left unresolved only as rarely as in the row draw's one kernel (P ≤ (1 − p)^32).
+    draw = SplitTopP(logits, rounds=MAX_ROUNDS if torch.compiler.is_compiling() else None, **args)
     while True:
         picked = draw.selection
         if _check_flags(picked.flags, logits.shape[0]):
