@@ -28,7 +28,7 @@ for step in $steps; do
              2>&1 | tee "$OUT/tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40 ;;
     loss) timeout 180 python3 -m benchmarks.report --gpu --json "$OUT/loss.json" 2>"$OUT/loss.err" | tee "$OUT/loss.md"; tail -5 "$OUT/loss.err" ;;
     profile) timeout 150 python3 -m benchmarks.profile_loss 2>&1 | tee "$OUT/profile.md" | tail -60 ;;
-    decoding) timeout 150 python3 -m benchmarks.report_decoding --gpu 2>&1 | tee "$OUT/decoding.md" ;;
+    decoding) timeout 200 python3 -m benchmarks.report_decoding --gpu 2>&1 | tee "$OUT/decoding.md" ;;
     draw-sweep) timeout 200 python3 -m benchmarks.profile_decoding 2>&1 | tee "$OUT/draw_sweep.md" ;;
     # The decoding step's host time alone (kernels stubbed, CUDA tensors): the wrapper's share of small-batch steps.
     host) timeout 60 python3 -m benchmarks.host_overhead 2>&1 | tee "$OUT/host.md" ;;
