@@ -91,7 +91,7 @@ def _top_p_rounds(logits: torch.Tensor, k: Optional[int], p: Optional[float]) ->
     if k is not None or p is None or p >= 1.0:
         return "—"
     from kernels.row_draw import draw_rows
-    from kernels.split_top_p import MAX_ROUNDS, MORE_ROUNDS, SplitTopP
+    from kernels.split_top_p import SplitTopP
     from nmst_fast.decoding.fused import samples_by_row_draw
 
     args = dict(head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100, state=None,
@@ -100,8 +100,7 @@ def _top_p_rounds(logits: torch.Tensor, k: Optional[int], p: Optional[float]) ->
         _, rounds = draw_rows(logits, **args)
     else:
         draw = SplitTopP(logits, **args)
-        while int(draw.selection.flags[1]) < logits.shape[0] and draw.launched < MAX_ROUNDS:
-            draw.advance(MORE_ROUNDS)
+        draw.finish()
         rounds = draw.rounds
     return f"{float(rounds.double().mean()):.2f} / {int(rounds.max())}"
 

@@ -209,14 +209,19 @@ def _first_index_of_max(values: torch.Tensor, index: torch.Tensor, sentinel: int
     return best, torch.where(values == best[:, None], index, sentinel).amin(dim=1)
 
 
+def interpreter_block_rows(rows: int, block_v: int) -> int:
+    """Rows per program in the CPU interpreter, which pays per operation, not per element: as many
+    as make 2^18-element tiles (CI's million-draw tests depend on it)."""
+    return max(1, min((1 << 18) // block_v, next_power_of_2(rows)))
+
+
 def launch_shape(z: torch.Tensor, candidates: int) -> tuple[int, int, int]:
     """(BLOCK_B, BLOCK_V, splits): enough programs to fill a GPU even for one row."""
     B, V = z.shape
     if not z.is_cuda:
-        # The CPU interpreter pays per operation, not per element: one split, big tiles
-        # (CI's million-draw tests depend on it).
+        # The interpreter: one split, big tiles, many rows per program.
         block_v = min(2048, next_power_of_2(V))
-        return max(1, min((1 << 18) // block_v, next_power_of_2(B))), block_v, 1
+        return interpreter_block_rows(B, block_v), block_v, 1
     block_v = min(2048 if candidates else 4096, next_power_of_2(V))
     target_programs = 4 * torch.cuda.get_device_properties(z.device).multi_processor_count
     splits = max(1, min(cdiv(target_programs, B), cdiv(V, block_v)))

@@ -42,7 +42,7 @@ import triton.language as tl
 from .host_math import cdiv, next_power_of_2
 from .nucleus import _load_x, _row_head
 from .row_draw import _fp32_floor, _ranked_before
-from .row_scan import _tile_uniforms, first_crossing, launch_shape, scan_partials
+from .row_scan import _tile_uniforms, first_crossing, interpreter_block_rows, launch_shape, scan_partials
 from .row_select import HEAD_CODES, Selection, _Outputs, _split_f64, _uniform_f64_stream
 
 FIRST_ROUNDS = 3  # rounds the first launch sequence tests (top-p 0.9: ~1% of rows need a second)
@@ -241,8 +241,8 @@ class SplitTopP:
         block_b, block_v, splits = launch_shape(z, 0)
         if launch is not None:
             block_v, splits = launch
-            if not z.is_cuda:  # the interpreter pays per operation: as many rows as launch_shape's elements
-                block_b = max(1, min((1 << 18) // block_v, next_power_of_2(B)))
+            if not z.is_cuda:
+                block_b = interpreter_block_rows(B, block_v)
         self.scan = scan_partials(z, eos_index=None if head == "va" else eos_index, temperature=temperature,
                                   seed=seed, launch=(block_v, splits))
         self.split_width = cdiv(cdiv(V, splits), block_v) * block_v
@@ -288,9 +288,13 @@ class SplitTopP:
                 **self._constexprs)
         self.launched = last
 
-
-def split_top_p(z: torch.Tensor, **kwargs) -> tuple[Selection, torch.Tensor]:
-    """Top-p by split-V rejection rounds in one call: (selection, rounds per row), as
-    :func:`kernels.row_draw.draw_rows` returns them. Arguments as :class:`SplitTopP`."""
-    draw = SplitTopP(z, **kwargs)
-    return draw.selection, draw.rounds
+    def finish(self) -> tuple[int, int]:
+        """Launch MORE_ROUNDS at a time while some row is still rejected, up to MAX_ROUNDS in all;
+        one host read of the flags per batch of rounds, stopping at an undefined row. Returns the
+        flags last read: (first row without a distribution, first row still rejected), B for none."""
+        B = self.z.shape[0]
+        while True:
+            first_bad, first_rejected = self.out.flags.tolist()
+            if first_bad < B or first_rejected >= B or self.launched >= MAX_ROUNDS:
+                return first_bad, first_rejected
+            self.advance(min(MORE_ROUNDS, MAX_ROUNDS - self.launched))

@@ -37,8 +37,7 @@ def _split_draw(z: torch.Tensor, *, head: str, eos: int, eps: float = 1e-3, t=5,
     draw = split_top_p.SplitTopP(z, head=head, eos_index=eos, eps=eps, temperature=temperature, steps=t, state=state,
                                  seed=torch.tensor([seed], device=z.device), top_p_threshold=top_p - TOP_P_SLACK,
                                  launch=launch)
-    while int(draw.selection.flags[1]) < z.shape[0] and draw.launched < split_top_p.MAX_ROUNDS:
-        draw.advance(split_top_p.MORE_ROUNDS)
+    draw.finish()
     return draw.selection, draw.rounds
 
 

@@ -96,7 +96,11 @@ def _check_flags(flags: torch.Tensor, batch: int) -> bool:
     """The step's one host sync: raise for an undefined row; False if a nucleus outgrew the candidates."""
     if torch.compiler.is_compiling():
         return True
-    first_bad, first_uncovered = flags.tolist()
+    return _served(*flags.tolist(), batch)
+
+
+def _served(first_bad: int, first_uncovered: int, batch: int) -> bool:
+    """The flags as read: raise for an undefined row; False if some row has no valid token."""
     if first_bad < batch:
         raise ValueError(f"logits row {first_bad} has NaN/+inf values or no finite non-eos logit: "
                          "no distribution to decode")
@@ -162,18 +166,16 @@ def _split_rounds(logits: torch.Tensor, args: dict) -> Optional[FusedSelection]:
     """Top-p by rejection rounds on the split-V layout (``kernels/split_top_p.py``): a first batch of
     rounds, then more on the same chain while some row is still rejected (one host sync per batch;
     top-p 0.9 rarely needs a second). None: a row still rejected after its MAX_ROUNDS."""
-    from kernels.split_top_p import MAX_ROUNDS, MORE_ROUNDS, SplitTopP
+    from kernels.split_top_p import MAX_ROUNDS, SplitTopP
 
     # A traced step cannot read the flags between batches of rounds: launch them all at once, so a
     # row is left unresolved only as rarely as in the row draw's one kernel (P ≤ (1 − p)^32).
-    draw = SplitTopP(logits, rounds=MAX_ROUNDS if torch.compiler.is_compiling() else None, **args)
-    while True:
-        picked = draw.selection
-        if _check_flags(picked.flags, logits.shape[0]):
-            return FusedSelection(picked.tokens, picked.log_probs, picked.state)
-        if draw.launched >= MAX_ROUNDS:
-            return None
-        draw.advance(min(MORE_ROUNDS, MAX_ROUNDS - draw.launched))
+    tracing = torch.compiler.is_compiling()
+    draw = SplitTopP(logits, rounds=MAX_ROUNDS if tracing else None, **args)
+    if not tracing and not _served(*draw.finish(), logits.shape[0]):
+        return None
+    picked = draw.selection
+    return FusedSelection(picked.tokens, picked.log_probs, picked.state)
 
 
 def _nucleus(logits: torch.Tensor, **args) -> Optional[FusedSelection]:
