@@ -11,9 +11,8 @@ from nmst_fast.decoding.reference import sort_based_sample
 
 BATCHES = (1, 32, 256)
 VOCABS = (33278, 50257, 128256)  # WikiText-2 words, GPT-2 BPE, Llama-3
-STRATEGIES = {"greedy": (1, None), "top-k 4": (4, None), "top-p 0.4": (None, 0.4), "top-p 0.9": (None, 0.9)}
-# On CUDA untruncated sampling has its own one-read kernels (the row draw, the split scan's draw): time it too.
-GPU_STRATEGIES = {**STRATEGIES, "sampling (no truncation)": (None, None)}
+STRATEGIES = {"greedy": (1, None), "top-k 4": (4, None), "top-p 0.4": (None, 0.4), "top-p 0.9": (None, 0.9),
+              "sampling (no truncation)": (None, None)}
 
 
 def make_logits(B: int, V: int, device: str = "cpu", seed: int = 0) -> torch.Tensor:

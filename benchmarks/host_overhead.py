@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from .decoding_cases import GPU_STRATEGIES, make_logits
+from .decoding_cases import STRATEGIES, make_logits
 
 # (module, kernel) pairs the fused decoding paths launch.
 _KERNELS = (("row_scan", "_row_scan_kernel"), ("row_select", "_select_kernel"),
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     with kernels_stubbed():
         for B in args.batches:
             logits = make_logits(B, args.vocab, device=device())
-            for name, (k, p) in GPU_STRATEGIES.items():
+            for name, (k, p) in STRATEGIES.items():
                 print(f"| {B} | {name} | {host_us(dispatch_step(k, p, logits, gen)):.1f} |", flush=True)
 
 

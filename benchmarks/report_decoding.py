@@ -26,7 +26,7 @@ import torch
 
 from nmst_fast.decoding.truncation import untruncated
 
-from .decoding_cases import (BATCHES, GPU_STRATEGIES, STRATEGIES, VOCABS, fast, flashinfer_sampler, make_logits,
+from .decoding_cases import (BATCHES, STRATEGIES, VOCABS, fast, flashinfer_sampler, make_logits,
                              sort_based)
 
 
@@ -123,7 +123,7 @@ def gpu_main() -> None:
             logits = make_logits(B, V, device="cuda")
             floor_ms = B * V * 4 / bandwidth * 1e3
             sort_ms: dict = {}  # the comparison rows reuse their strategy's sort-based time
-            for name, (k, p) in GPU_STRATEGIES.items():
+            for name, (k, p) in STRATEGIES.items():
                 _gpu_row(name, k, p, logits, gen, floor_ms, sort_ms)
             if samples_by_row_draw(B):  # the split-V paths these batches do not take, to check the switch
                 with split_paths():
@@ -171,7 +171,7 @@ def flashinfer_table(gen: torch.Generator) -> None:
     # The first call of each FlashInfer sampler JIT-compiles it: keep that out of the timings.
     t0 = time.perf_counter()
     warm = make_logits(2, 1000, device="cuda")
-    for k, p in GPU_STRATEGIES.values():
+    for k, p in STRATEGIES.values():
         if k != 1:
             flashinfer_sampler(k, p)(warm, gen)
     torch.cuda.synchronize()
@@ -182,7 +182,7 @@ def flashinfer_table(gen: torch.Generator) -> None:
     for V in VOCABS:
         for B in BATCHES:
             logits = make_logits(B, V, device="cuda")
-            for name, (k, p) in GPU_STRATEGIES.items():
+            for name, (k, p) in STRATEGIES.items():
                 if k == 1:
                     continue  # greedy is an argmax: nothing to compare
                 ours, theirs = fast(k, p, head="va"), flashinfer_sampler(k, p)

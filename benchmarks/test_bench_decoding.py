@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from benchmarks.decoding_cases import GPU_STRATEGIES, STRATEGIES, fast, make_logits, sort_based
+from benchmarks.decoding_cases import STRATEGIES, fast, make_logits, sort_based
 
 SHAPES = [(32, 33278), (256, 50257)]
 
@@ -33,7 +33,7 @@ def test_generation_report_runs(capsys):
             report_generation.main(["--device", "cuda"])
 
 
-@pytest.mark.parametrize("strategy", list(GPU_STRATEGIES))
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_host_overhead(benchmark, strategy):
     """The fused step's host time with its kernels stubbed (``python -m benchmarks.host_overhead``)."""
     import kernels.row_scan as row_scan
@@ -44,7 +44,7 @@ def test_host_overhead(benchmark, strategy):
     gen = torch.Generator(device=device()).manual_seed(0)
     with kernels_stubbed():
         benchmark.group = "host time per fused step, kernels stubbed, B=1 V=50257"
-        tokens = benchmark(dispatch_step(*GPU_STRATEGIES[strategy], logits, gen))
+        tokens = benchmark(dispatch_step(*STRATEGIES[strategy], logits, gen))
     assert tokens.shape == (1,) and row_scan._row_scan_kernel is real_kernel
 
 
@@ -53,4 +53,4 @@ def test_host_overhead_report_runs(capsys):
 
     host_overhead.main(["--vocab", "300", "--batches", "2"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
-    assert [row.split("|")[2].strip() for row in rows] == list(GPU_STRATEGIES)
+    assert [row.split("|")[2].strip() for row in rows] == list(STRATEGIES)

@@ -294,11 +294,11 @@ def test_fused_top_k_generation_scores_are_model_log_probs():
 
 def test_gpu_report_device_steps_run(monkeypatch):
     """The decoding report's CUDA-graph step for every strategy (run here in the interpreter)."""
-    from benchmarks.decoding_cases import GPU_STRATEGIES
+    from benchmarks.decoding_cases import STRATEGIES
     from benchmarks.report_decoding import _device_step, _top_p_rounds
 
     logits = torch.randn(4, 300, device=DEVICE) * 3
-    for k, p in GPU_STRATEGIES.values():
+    for k, p in STRATEGIES.values():
         _device_step(k, p, device=DEVICE)(logits)
     mean, most = _top_p_rounds(logits, None, 0.9).split(" / ")
     assert 1.0 <= float(mean) <= int(most) and _top_p_rounds(logits, 4, None) == "—"

@@ -55,6 +55,22 @@ class StepDistribution:
             log_p = torch.where(tokens == self.eos_index, self.eos_zeta - self.log_norm, log_p)
         return log_p
 
+    def take(self, rows: torch.Tensor) -> "StepDistribution":
+        """The distribution of the rows ``rows`` (R,) int64 only (copies their ζ)."""
+        def pick(values: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if values is None else values[rows]
+        return StepDistribution(self.zeta[rows], self.log_norm[rows], self.eos_index, pick(self.eos_zeta),
+                                pick(self.state))
+
+    def probs(self) -> torch.Tensor:
+        """(B, V) float64 p, bit for bit exp(log_probs()) in one (B, V) buffer."""
+        if self.zeta.dtype == torch.float64:
+            return self.log_probs().exp_()
+        probs = self.zeta.to(torch.float64).sub_(self.log_norm.unsqueeze(1)).exp_()
+        if self.eos_zeta is not None:
+            probs[:, self.eos_index] = torch.exp(self.eos_zeta - self.log_norm)
+        return probs
+
     def log_probs(self) -> torch.Tensor:
         """(B, V) float64 log p."""
         log_p = self.zeta.to(torch.float64) - self.log_norm.unsqueeze(1)

@@ -8,9 +8,12 @@ probability with ties broken toward the lower index, exactly:
   ties are then resolved exactly (see :func:`top_tokens`);
 * eos is merged into that list by comparing its exact float64 ζ_eos.
 
-Top-p grows the candidate list 4× per round until it covers mass p, so its cost
-follows the nucleus size, not V; sizes that the mass still missing proves too small
-are skipped (a flat row's big nucleus takes two rounds, not log₄ V).
+Top-p alone on CPU takes one candidate list of 64 (peaked rows' nuclei fit in it) and
+draws the other rows by rejection (:mod:`.rejection`: a few passes over the row whatever
+the nucleus size). Elsewhere (top-k then top-p; the CUDA torch path) the candidate list
+grows 4× per round until it covers mass p, so its cost follows the nucleus size, not V;
+sizes that the mass still missing proves too small are skipped (a flat row's big nucleus
+takes two rounds, not log₄ V).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from .distribution import StepDistribution, Steps, effective_logits
 from .fused import FusedSelection, fused_available, fused_sample, fused_truncation_available
+from .rejection import nucleus_by_rejection
 from .truncation import draw, insert_eos, truncate, untruncated
 
 _FIRST_CANDIDATES = 64
@@ -53,24 +57,24 @@ def top_tokens(values: torch.Tensor, k: int, exclude: Optional[int] = None) -> t
             tokens, vals = tokens.gather(1, order), vals.gather(1, order)
         return tokens[:, :k], vals[:, :k]
     extra = 1 if exclude is not None else 0
-    vals, tokens = torch.topk(values, k + extra, dim=1, sorted=True)
-    if extra:  # drop eos if it was selected, else the (k+1)-th entry
+    # One entry past the selection (it exists: 2k < available) shows whether a tie crosses its
+    # boundary, without a pass over the row.
+    vals, tokens = torch.topk(values, k + extra + 1, dim=1, sorted=True)
+    if extra:  # drop eos if it was selected, else the last entry
         keep = tokens != exclude
         keep[:, -1] &= ~keep.all(dim=1)
-        order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :k]
+        order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :k + 1]
         tokens, vals = tokens.gather(1, order), vals.gather(1, order)
+    boundary, past = vals[:, k - 1], vals[:, k]  # the k-th and (k+1)-th largest values
+    tokens, vals = tokens[:, :k], vals[:, :k]
     # Order the winners by (value desc, index asc): sort by index, then stable by value.
     by_index = torch.sort(tokens, dim=1).indices
     tokens, vals = tokens.gather(1, by_index), vals.gather(1, by_index)
     by_value = torch.sort(vals, dim=1, descending=True, stable=True).indices
     tokens, vals = tokens.gather(1, by_value), vals.gather(1, by_value)
-    # A tie at the boundary value is exact only if every tied token made it in.
-    boundary = vals[:, -1:]
-    tied_in_row = (values == boundary).sum(dim=1)
-    if exclude is not None:
-        tied_in_row -= (values[:, exclude] == boundary[:, 0]).long()
-    tied_in_top = (vals == boundary).sum(dim=1)
-    redo = (tied_in_row > tied_in_top).nonzero().squeeze(1)
+    # A tie at the boundary value is exact only if every tied token made it in: redo the rows
+    # where the best token left out ties with the worst one taken.
+    redo = (past == boundary).nonzero().squeeze(1)
     if redo.numel():
         row_values = values[redo].clone()
         if exclude is not None:
@@ -153,7 +157,7 @@ def truncated_candidates(
         tokens, log_p = ranked_candidates(dist, k)
         ranked_probs = torch.exp(log_p)
         probs, covered = truncate(ranked_probs, top_k, top_p)
-        if covered or k >= V:
+        if bool(covered.all()) or k >= V:
             return tokens, probs
         # Next size on the 4× grid, skipping sizes the missing mass proves too small.
         needed, k = k + _fewest_more(ranked_probs, top_p, V), 4 * k
@@ -188,9 +192,25 @@ def select(
     if top_k == 1:
         return greedy(dist)
     if untruncated(top_k, top_p):
-        return draw(torch.exp(dist.log_probs()), generator).squeeze(1)
+        return draw(dist.probs(), generator, overwrite=True).squeeze(1)
+    if top_k is None and first_size is None and dist.zeta.device.type == "cpu":
+        return _nucleus(dist, top_p, generator)
     tokens, probs = truncated_candidates(dist, top_k, top_p, first_size=first_size)
     return tokens.gather(1, draw(probs, generator)).squeeze(1)
+
+
+def _nucleus(dist: StepDistribution, top_p: float, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Top-p alone on CPU (B,): one candidate list of 64 settles the rows whose nucleus it
+    covers (one partial selection: peaked rows); the rest draw by rejection
+    (:mod:`.rejection`: a few passes over the row whatever the nucleus size)."""
+    tokens, log_p = ranked_candidates(dist, _FIRST_CANDIDATES)
+    probs, covered = truncate(torch.exp(log_p), None, top_p)
+    picked = tokens.gather(1, draw(probs, generator)).squeeze(1)
+    short = (~covered).nonzero().squeeze(1)
+    if short.numel():
+        rest = dist if short.numel() == picked.numel() else dist.take(short)
+        picked[short] = nucleus_by_rejection(rest, top_p, generator, known_members=tokens[short])
+    return picked
 
 
 def use_fused(impl: str, logits: torch.Tensor, top_k: Optional[int], top_p: Optional[float], *,
