@@ -34,7 +34,8 @@ class StepDistribution:
     """One decoding step's distribution for a batch of rows.
 
     Attributes:
-        zeta: (B, V) effective logits, float32 (float64 for float64 input).
+        zeta: (B, V) effective logits, float32 (float64 for float64 input); for NMST/ST its
+            eos column is not ζ_eos (see ``eos_zeta``) and may hold anything.
         log_norm: (B,) float64, logsumexp(ζ); log p(v) = ζ_v − log_norm.
         eos_index: the eos column.
         eos_zeta: (B,) float64 ζ_eos before rounding into ``zeta`` (None for "va",
@@ -178,30 +179,36 @@ def effective_logits(
 ) -> StepDistribution:
     """ζ for one step (see module docstring). ``logits`` (B, V) is not modified.
 
+    ``zeta`` shares memory with ``logits`` when they are float32/float64 and temperature is 1 (no
+    copy of the (B, V) logits: on CPU that copy was a quarter of a greedy step); its eos column is
+    then the raw eos logit, which no reader uses: eos ranks and weighs by ``eos_zeta``.
+
     Args:
         logits: (B, V) raw logits of the step.
         steps: t of this step (int or (B,)); t <= 0 is context (p(eos) = 0).
         state: "st" only: (B,) running log(1−α) after the previous step (None: start, 0).
     """
     check_step_args(logits, head, eos_index, eps, temperature)
-    B, V = logits.shape
-    work_dtype = torch.promote_types(logits.dtype, torch.float32)
-    zeta = logits.to(work_dtype, copy=True)
+    zeta = logits.to(torch.promote_types(logits.dtype, torch.float32))  # never written to
+    if temperature != 1.0:
+        zeta = zeta / temperature  # eos's column too, but for NMST/ST that column is not read
     if head == "va":
-        if temperature != 1.0:
-            zeta /= temperature
         lse = torch.logsumexp(zeta, dim=1)
         check_rows(lse)
         return StepDistribution(zeta, lse.to(torch.float64), eos_index, None, None)
 
-    s = zeta[:, eos_index].to(torch.float64, copy=True)  # raw eos logit (a copy: the column is masked next)
-    zeta[:, eos_index] = float("-inf")
-    if temperature != 1.0:
-        zeta /= temperature  # non-eos logits only: the eos column is -inf and stays so
-    lse = torch.logsumexp(zeta, dim=1).to(torch.float64)
+    s = logits[:, eos_index].to(torch.float64)  # the raw eos logit: temperature leaves it alone
+    lse = _logsumexp_without(zeta, eos_index)
     log_norm, eos_zeta, log_surv = eos_terms(lse, s, head=head, eps=eps, steps=steps, state=state)
-    zeta[:, eos_index] = eos_zeta.to(work_dtype)
     return StepDistribution(zeta, log_norm, eos_index, eos_zeta, log_surv if head == "st" else None)
+
+
+def _logsumexp_without(values: torch.Tensor, column: int) -> torch.Tensor:
+    """(B,) float64 logsumexp of each row of ``values`` (B, V) over every column but ``column``:
+    one logsumexp per side of it (views, no masked copy), combined in float64."""
+    sides = [torch.logsumexp(part, dim=1).to(torch.float64)
+             for part in (values[:, :column], values[:, column + 1:]) if part.shape[1]]
+    return sides[0] if len(sides) == 1 else torch.logaddexp(sides[0], sides[1])
 
 
 def step_log_probs(
