@@ -38,8 +38,8 @@ class StepDistribution:
             eos column is not ζ_eos (see ``eos_zeta``) and may hold anything.
         log_norm: (B,) float64, logsumexp(ζ); log p(v) = ζ_v − log_norm.
         eos_index: the eos column.
-        eos_zeta: (B,) float64 ζ_eos before rounding into ``zeta`` (None for "va",
-            whose eos is an ordinary logit); ranking uses it so eos is compared exactly.
+        eos_zeta: (B,) float64 ζ_eos (None for "va", whose eos is an ordinary logit): every
+            reader ranks and weighs eos by it, exactly, never by ``zeta``'s eos column.
         state: (B,) float64 running log(1−α_t) for "st" (None for other heads).
     """
 
