@@ -56,8 +56,8 @@ class StepDistribution:
             log_p = torch.where(tokens == self.eos_index, self.eos_zeta - self.log_norm, log_p)
         return log_p
 
-    def take(self, rows: torch.Tensor) -> "StepDistribution":
-        """The distribution of the rows ``rows`` (R,) int64 only (copies their ζ)."""
+    def take(self, rows: Union[torch.Tensor, slice]) -> "StepDistribution":
+        """The distribution of some rows only: ``rows`` (R,) int64 (copies their ζ) or a slice (views)."""
         def pick(values: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return None if values is None else values[rows]
         return StepDistribution(self.zeta[rows], self.log_norm[rows], self.eos_index, pick(self.eos_zeta),
@@ -205,10 +205,29 @@ def effective_logits(
 
 def _logsumexp_without(values: torch.Tensor, column: int) -> torch.Tensor:
     """(B,) float64 logsumexp of each row of ``values`` (B, V) over every column but ``column``:
-    one logsumexp per side of it (views, no masked copy), combined in float64."""
-    sides = [torch.logsumexp(part, dim=1).to(torch.float64)
-             for part in (values[:, :column], values[:, column + 1:]) if part.shape[1]]
-    return sides[0] if len(sides) == 1 else torch.logaddexp(sides[0], sides[1])
+    one logsumexp per side of it (views, no masked copy), combined in float64; on CPU by row
+    blocks (see :func:`row_blocks`)."""
+    def one_block(block: torch.Tensor) -> torch.Tensor:
+        sides = [torch.logsumexp(part, dim=1).to(torch.float64)
+                 for part in (block[:, :column], block[:, column + 1:]) if part.shape[1]]
+        return sides[0] if len(sides) == 1 else torch.logaddexp(sides[0], sides[1])
+
+    if values.device.type != "cpu":
+        return one_block(values)
+    return torch.cat([one_block(values[rows]) for rows in row_blocks(*values.shape)])
+
+
+# CPU work on (B, V) tensors goes by blocks of rows of about this many entries: a float64 temporary
+# of a block (16 MB) stays under glibc's largest mmap threshold (32 MB), so it is recycled from the
+# heap instead of being mapped and page-faulted afresh on every call (at 256 × 50257 a float32
+# logsumexp took 19 ms whole and 6 ms by halves; top-p 0.9 and sampling 2–3× faster by blocks).
+BLOCK_ENTRIES = 1 << 21
+
+
+def row_blocks(rows: int, columns: int) -> list[slice]:
+    """Slices covering ``rows`` rows, each of at most BLOCK_ENTRIES entries (at least one row)."""
+    per_block = max(1, BLOCK_ENTRIES // max(1, columns))
+    return [slice(start, min(rows, start + per_block)) for start in range(0, rows, per_block)]
 
 
 def step_log_probs(

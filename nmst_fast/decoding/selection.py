@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from .distribution import StepDistribution, Steps, effective_logits
+from .distribution import StepDistribution, Steps, effective_logits, row_blocks
 from .fused import FusedSelection, fused_available, fused_sample, fused_truncation_available
 from .rejection import nucleus_by_rejection
 from .truncation import draw, insert_eos, truncate, untruncated
@@ -192,7 +192,7 @@ def select(
     if top_k == 1:
         return greedy(dist)
     if untruncated(top_k, top_p):
-        return draw(dist.probs(), generator, overwrite=True).squeeze(1)
+        return _by_row_blocks(dist, lambda part, rows: draw(part.probs(), generator, overwrite=True).squeeze(1))
     if top_k is None and first_size is None and dist.zeta.device.type == "cpu":
         return _nucleus(dist, top_p, generator)
     tokens, probs = truncated_candidates(dist, top_k, top_p, first_size=first_size)
@@ -209,8 +209,17 @@ def _nucleus(dist: StepDistribution, top_p: float, generator: Optional[torch.Gen
     short = (~covered).nonzero().squeeze(1)
     if short.numel():
         rest = dist if short.numel() == picked.numel() else dist.take(short)
-        picked[short] = nucleus_by_rejection(rest, top_p, generator, known_members=tokens[short])
+        members = tokens[short]
+        picked[short] = _by_row_blocks(rest, lambda part, rows: nucleus_by_rejection(
+            part, top_p, generator, known_members=members[rows]))
     return picked
+
+
+def _by_row_blocks(dist: StepDistribution, pick: Callable[[StepDistribution, slice], torch.Tensor]) -> torch.Tensor:
+    """(B,) ``pick(part, rows)`` on blocks of rows of ``dist`` (``part`` = those rows, as views),
+    concatenated: the CPU paths that build (B, V) float64 tables do so a block at a time (see
+    ``distribution.BLOCK_ENTRIES``)."""
+    return torch.cat([pick(dist.take(rows), rows) for rows in row_blocks(*dist.zeta.shape)])
 
 
 def use_fused(impl: str, logits: torch.Tensor, top_k: Optional[int], top_p: Optional[float], *,
