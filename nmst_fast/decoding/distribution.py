@@ -212,9 +212,10 @@ def _logsumexp_without(values: torch.Tensor, column: int) -> torch.Tensor:
                  for part in (block[:, :column], block[:, column + 1:]) if part.shape[1]]
         return sides[0] if len(sides) == 1 else torch.logaddexp(sides[0], sides[1])
 
-    if values.device.type != "cpu":
+    blocks = row_blocks(*values.shape) if values.device.type == "cpu" else []
+    if len(blocks) < 2:
         return one_block(values)
-    return torch.cat([one_block(values[rows]) for rows in row_blocks(*values.shape)])
+    return torch.cat([one_block(values[rows]) for rows in blocks])
 
 
 # CPU work on (B, V) tensors goes by blocks of rows of about this many entries: a float64 temporary

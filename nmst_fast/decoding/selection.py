@@ -219,7 +219,10 @@ def _by_row_blocks(dist: StepDistribution, pick: Callable[[StepDistribution, sli
     """(B,) ``pick(part, rows)`` on blocks of rows of ``dist`` (``part`` = those rows, as views),
     concatenated: the CPU paths that build (B, V) float64 tables do so a block at a time (see
     ``distribution.BLOCK_ENTRIES``)."""
-    return torch.cat([pick(dist.take(rows), rows) for rows in row_blocks(*dist.zeta.shape)])
+    blocks = row_blocks(*dist.zeta.shape)
+    if len(blocks) == 1:
+        return pick(dist, blocks[0])
+    return torch.cat([pick(dist.take(rows), rows) for rows in blocks])
 
 
 def use_fused(impl: str, logits: torch.Tensor, top_k: Optional[int], top_p: Optional[float], *,
