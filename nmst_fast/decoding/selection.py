@@ -219,7 +219,8 @@ def _by_row_blocks(dist: StepDistribution, pick: Callable[[StepDistribution, sli
     """(B,) ``pick(part, rows)`` on blocks of rows of ``dist`` (``part`` = those rows, as views),
     concatenated: the CPU paths that build (B, V) float64 tables do so a block at a time (see
     ``distribution.BLOCK_ENTRIES``)."""
-    blocks = row_blocks(*dist.zeta.shape)
+    B, V = dist.zeta.shape
+    blocks = row_blocks(B, V) if dist.zeta.device.type == "cpu" else [slice(0, B)]
     if len(blocks) == 1:
         return pick(dist, blocks[0])
     return torch.cat([pick(dist.take(rows), rows) for rows in blocks])
