@@ -154,4 +154,5 @@ def test_row_blocks_and_the_blocked_logsumexp(monkeypatch):
         masked = z.clone()
         masked[:, column] = -torch.inf
         expected = torch.logsumexp(masked, dim=1)
-        torch.testing.assert_close(distribution._logsumexp_without(z, column), expected, rtol=1e-14, atol=0)
+        torch.testing.assert_close(distribution._row_logsumexp(z, without=column), expected, rtol=1e-14, atol=0)
+    torch.testing.assert_close(distribution._row_logsumexp(z), torch.logsumexp(z, dim=1), rtol=1e-14, atol=0)

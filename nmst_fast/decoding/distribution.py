@@ -193,27 +193,27 @@ def effective_logits(
     if temperature != 1.0:
         zeta = zeta / temperature  # eos's column too, but for NMST/ST that column is not read
     if head == "va":
-        lse = torch.logsumexp(zeta, dim=1)
+        lse = _row_logsumexp(zeta)
         check_rows(lse)
-        return StepDistribution(zeta, lse.to(torch.float64), eos_index, None, None)
+        return StepDistribution(zeta, lse, eos_index, None, None)
 
     s = logits[:, eos_index].to(torch.float64)  # the raw eos logit: temperature leaves it alone
-    lse = _logsumexp_without(zeta, eos_index)
+    lse = _row_logsumexp(zeta, without=eos_index)
     log_norm, eos_zeta, log_surv = eos_terms(lse, s, head=head, eps=eps, steps=steps, state=state)
     return StepDistribution(zeta, log_norm, eos_index, eos_zeta, log_surv if head == "st" else None)
 
 
-def _logsumexp_without(values: torch.Tensor, column: int) -> torch.Tensor:
-    """(B,) float64 logsumexp of each row of ``values`` (B, V) over every column but ``column``:
-    one logsumexp per side of it (views, no masked copy), combined in float64; on CPU by row
-    blocks (see :func:`row_blocks`)."""
+def _row_logsumexp(values: torch.Tensor, without: Optional[int] = None) -> torch.Tensor:
+    """(B,) float64 logsumexp of each row of ``values`` (B, V), over every column but ``without``
+    if given: then one logsumexp per side of it (views, no masked copy), combined in float64.
+    By the row blocks of :func:`row_blocks_of`."""
     def one_block(block: torch.Tensor) -> torch.Tensor:
-        sides = [torch.logsumexp(part, dim=1).to(torch.float64)
-                 for part in (block[:, :column], block[:, column + 1:]) if part.shape[1]]
+        parts = (block,) if without is None else (block[:, :without], block[:, without + 1:])
+        sides = [torch.logsumexp(part, dim=1).to(torch.float64) for part in parts if part.shape[1]]
         return sides[0] if len(sides) == 1 else torch.logaddexp(sides[0], sides[1])
 
-    blocks = row_blocks(*values.shape) if values.device.type == "cpu" else []
-    if len(blocks) < 2:
+    blocks = row_blocks_of(values)
+    if len(blocks) == 1:
         return one_block(values)
     return torch.cat([one_block(values[rows]) for rows in blocks])
 
@@ -229,6 +229,13 @@ def row_blocks(rows: int, columns: int) -> list[slice]:
     """Slices covering ``rows`` rows, each of at most BLOCK_ENTRIES entries (at least one row)."""
     per_block = max(1, BLOCK_ENTRIES // max(1, columns))
     return [slice(start, min(rows, start + per_block)) for start in range(0, rows, per_block)]
+
+
+def row_blocks_of(table: torch.Tensor) -> list[slice]:
+    """The row blocks that work on ``table`` (B, V) goes by: :func:`row_blocks` on CPU; other
+    devices take the table whole (their allocators cache blocks)."""
+    B, V = table.shape
+    return row_blocks(B, V) if table.device.type == "cpu" else [slice(0, B)]
 
 
 def step_log_probs(

@@ -35,9 +35,9 @@ FINISH_SIZE = 4096
 class _Ranking:
     """Rows' rank keys without a float64 copy of the logits.
 
-    Non-eos float32 ζ compare exactly in float32. eos's ζ is float64 and its column of ``zeta``
-    holds it rounded, so that column is decided from the float64 value, and an eos candidate
-    compares by the float32 just below its ζ. Float64 input ranks by the float64
+    Non-eos float32 ζ compare exactly in float32. eos's ζ is float64 and ``zeta``'s eos column is
+    not it (see ``StepDistribution``), so that column is decided from the float64 value, and an
+    eos candidate compares by the float32 just below its ζ. Float64 input ranks by the float64
     log-probabilities, as the reference and the candidate list do (see ``ranked_candidates``).
     """
 
@@ -112,7 +112,7 @@ def nucleus_by_rejection(
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    B, V = dist.zeta.shape
+    B = dist.zeta.shape[0]
     ranking = _Ranking(dist)
     work = torch.cumsum(ranking.probs, dim=1)  # round 0 draws from it; round 1 reuses its memory
     candidates = inverse_cdf(work, generator).squeeze(1)
@@ -122,11 +122,11 @@ def nucleus_by_rejection(
         pending = ~(known_members == candidates.unsqueeze(1)).any(dim=1)
         if not bool(pending.all()):
             rows, ranking, candidates = rows[pending], ranking.take(pending), candidates[pending]
+    zero = ranking.probs.new_zeros(())
     for round_no in range(rounds):
         if rows.numel() == 0:
             break
         before = ranking.before(candidates)
-        zero = ranking.probs.new_zeros(())
         weights = torch.where(before, ranking.probs, zero, out=work[: rows.numel()]) if round_no == 0 else \
             torch.where(before, ranking.probs, zero)
         # Keep c if the mass strictly before it is short of p (the reference's rule and slack).

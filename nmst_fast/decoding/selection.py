@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .distribution import StepDistribution, Steps, effective_logits, row_blocks
+from .distribution import StepDistribution, Steps, effective_logits, row_blocks_of
 from .fused import FusedSelection, fused_available, fused_sample, fused_truncation_available
 from .rejection import nucleus_by_rejection
 from .truncation import draw, insert_eos, truncate, untruncated
@@ -219,8 +219,7 @@ def _by_row_blocks(dist: StepDistribution, pick: Callable[[StepDistribution, sli
     """(B,) ``pick(part, rows)`` on blocks of rows of ``dist`` (``part`` = those rows, as views),
     concatenated: the CPU paths that build (B, V) float64 tables do so a block at a time (see
     ``distribution.BLOCK_ENTRIES``)."""
-    B, V = dist.zeta.shape
-    blocks = row_blocks(B, V) if dist.zeta.device.type == "cpu" else [slice(0, B)]
+    blocks = row_blocks_of(dist.zeta)
     if len(blocks) == 1:
         return pick(dist, blocks[0])
     return torch.cat([pick(dist.take(rows), rows) for rows in blocks])
