@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     for V in (50257,) if args.quick else (50257, 128256):
         logits = make_logits(256, V, device="cuda")
         floor_ms = logits.numel() * 4 / bandwidth * 1e3
-        default = cuda_launch(V)
         for mode, top_p in (("sampling", None), ("top-p 0.9", 0.9)):
+            default = cuda_launch(V, top_p=top_p is not None)
             for variant, ms in sweep(logits, top_p, variants(), timer):
                 launch = variant.launch(V)
                 mark = "*" if all(launch[key] == default[key] for key in default) else ""
@@ -145,6 +145,20 @@ def main(argv: list[str] | None = None) -> None:
             mark = "*" if (block_v, splits) == (default_block_v, default_splits) else ""
             print(f"| {V} | {'sampling' if draw else 'greedy'} | {block_v} | {splits}{mark} | {256 * splits} | "
                   f"{ms:.4f} | {logits.numel() * 4 / (ms * 1e-3) / 1e12:.2f} | {ms / floor_ms:.2f} |", flush=True)
+    # B = 32: the default shape moved from 4096-column tiles x 4 programs per SM to 2048 x 7 on the
+    # B = 256 sweep above, and the H100 report then put greedy and sampling at B = 32 1-4 µs slower.
+    print("\nsplit-V scan + select at B = 32, NMST head, fp32 logits, V = 128256; * = default")
+    print("| mode | BLOCK_V | splits | programs | ms | x floor |\n|---|---:|---:|---:|---:|---:|")
+    logits = make_logits(32, 128256, device="cuda")
+    floor_ms = logits.numel() * 4 / bandwidth * 1e3
+    _, default_block_v, default_splits = launch_shape(logits, 0)
+    launches = sorted({(block_v, splits) for block_v in (2048, 4096) for splits in (4, 8, 17, 32)}
+                      | {(default_block_v, default_splits)})
+    for draw in (False, True):
+        for (block_v, splits), ms in scan_sweep(logits, launches, timer, draw=draw):
+            mark = "*" if (block_v, splits) == (default_block_v, default_splits) else ""
+            print(f"| {'sampling' if draw else 'greedy'} | {block_v} | {splits}{mark} | {32 * splits} | {ms:.4f} | "
+                  f"{ms / floor_ms:.2f} |", flush=True)
     print("\ntop-p 0.9 by split rounds (scan + first rounds), NMST head, fp32 logits; BLOCK_V 0 = the row draw; "
           "* = default")
     print("| B | V | BLOCK_V | splits | ms | read TB/s | x floor |\n|---:|---:|---:|---:|---:|---:|---:|")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -68,17 +69,16 @@ def _memory_in_subprocess(shape: Shape, case: str) -> float:
 
 
 def round_order(names: list[str], round_index: int) -> list[str]:
-    """The cases' order in one round: rotated by the round, so no case always runs right after
-    the same one. On the H100 run every round put NMST right after the floor (and the floor after
-    the materializing cases): NMST took 0.055 s per step in rounds 2-10 and 0.050 s in round 1,
-    while ST, with the same kernels, took 0.051 s throughout."""
-    k = round_index % len(names)
-    return names[k:] + names[:k]
+    """The cases' order in one round: a permutation drawn afresh per round (seeded by the round, so
+    runs are repeatable), so no case always runs right after the same one. Rotating the order, as
+    the H100 runs did, keeps every case's predecessor: NMST followed the floor in every round and
+    took 0.053 s per step in rounds where ST and VA, with the same kernels, took 0.050-0.051 s."""
+    return random.Random(round_index).sample(names, len(names))
 
 
 def measure_times(shape: Shape, rounds: int) -> dict[str, list[float]]:
     """Every round runs each case once (on a GPU: the allocator's cache emptied, one untimed step,
-    then 5 timed back-to-back steps), in turn (:func:`round_order`), in this process, on the same inputs.
+    then 5 timed back-to-back steps), in a fresh order each round (:func:`round_order`), in this process, on the same inputs.
 
     Cases of one round run back to back, so dividing by that round's floor cancels
     the slow drifts of a shared machine (identical GEMM runs vary by ±15% here).
@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu", action="store_true", help="bf16 GPU shapes (needs CUDA)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds; each round times every case once, back to back (default 3 on CPU, 10 on GPU)")
+    parser.add_argument("--gpu-shape", type=int, default=None,
+                        help="with --gpu: only this index into benchmarks.cases.GPU_SHAPES")
     parser.add_argument("--json", help="also write the rows of every shape to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.gpu:
         if not torch.cuda.is_available():
             parser.error("--gpu needs a CUDA device")
-        shapes = GPU_SHAPES
+        shapes = GPU_SHAPES if args.gpu_shape is None else (GPU_SHAPES[args.gpu_shape],)
     else:
         shapes = (CPU_SMALL,) if args.small else (CPU_DEFAULT,)
     rounds = args.rounds or (10 if args.gpu else 3)

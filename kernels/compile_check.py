@@ -34,6 +34,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from . import nucleus, row_draw, row_scan, row_select, scale_cast, split_softmax, split_top_p
+from .host_math import next_power_of_2
 
 
 @dataclass
@@ -85,7 +86,7 @@ def launches() -> list[Launch]:
             label = f"row_scan {str(dtype)[6:]} {'draw' if seed else 'no draw'} K={K}"
             out.append(_record(row_scan, "_row_scan_kernel",
                                lambda: row_scan.scan_partials(z.to(dtype), eos_index=5, seed=seed, candidates=K),
-                               label, dict(BLOCK_B=1, BLOCK_V=2048 if K else 4096)))
+                               label, dict(BLOCK_B=1, BLOCK_V=2048)))
     scan = _fake_scan(z, 0)
     steps = torch.arange(4)
     state = torch.zeros(4, dtype=torch.float64)
@@ -161,10 +162,10 @@ def _nucleus_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launch]:
 def _split_top_p_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launch]:
     """The split rounds' three variants (deciding the scan and passing, deciding a pass and
     passing, the last decision) per head, and the first in bf16, at the CUDA launch shape of a
-    few rows of a 128256-token vocabulary: 4096-column tiles, 32 splits per row."""
+    row of a 128256-token vocabulary: 2048-column tiles, 63 splits (a 64-wide split table)."""
     V = 128256
     z = torch.randn(4, V, generator=torch.Generator().manual_seed(3))
-    shape = dict(BLOCK_B=1, BLOCK_V=4096, BLOCK_S=32)
+    shape = dict(BLOCK_B=1, BLOCK_V=2048)
     out = []
     for head, dtype in [("va", torch.float32), ("nmst", torch.float32), ("st", torch.float32),
                         ("nmst", torch.bfloat16)]:
@@ -173,7 +174,7 @@ def _split_top_p_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launc
                 _recording(split_top_p, "_round_kernel", sink) as kernel:
             split_top_p.SplitTopP(z.to(dtype), head=head, eos_index=5, eps=1e-5, temperature=0.7, steps=3,
                                   state=state if head == "st" else None, seed=seed, top_p_threshold=0.9, rounds=2,
-                                  launch=(4096, 32))
+                                  launch=(2048, 63))
         for (args, kwargs), step in zip(sink, ("first round", "later round", "last decision")):
             if dtype == torch.float32 or step == "first round":
                 out.append(Launch(f"split top-p {step} {head} {str(dtype)[6:]}", kernel, args, kwargs, shape))
@@ -183,7 +184,7 @@ def _split_top_p_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launc
 def _small_vocab_launches(seed: torch.Tensor) -> list[Launch]:
     """The row draw and the nucleus draw at vocabularies of one to two tiles (V divisible by 16, so
     the loads are vectorized): Triton 3.6's scan lowering failed there on an H100 until the per-tile
-    table was padded (``nucleus.tile_table_width``)."""
+    table was padded (``host_math.scan_width``)."""
     out = []
     for V in (512, 1024, 4096):
         z = torch.randn(64, V, generator=torch.Generator().manual_seed(2))
@@ -197,6 +198,18 @@ def _small_vocab_launches(seed: torch.Tensor) -> list[Launch]:
                                    top_p_threshold=0.9, seed=seed)
         shape = nucleus.draw_launch(64, V, cut_shape["BLOCK_V"], cuda=True) | {"BLOCK_V": cut_shape["BLOCK_V"]}
         out.append(Launch(f"nucleus draw V={V} B=64", kernel, *sink[0], *_blocks_and_options(shape)))
+    # The split rounds of a few rows of a small vocabulary: one split, so a one-column split table
+    # (failed the same way on an H100 until padded, ``host_math.scan_width``).
+    for V in (400, 4096):
+        z = torch.randn(5, V, generator=torch.Generator().manual_seed(4))
+        block_v = min(4096, next_power_of_2(V))  # row_scan.launch_shape on a GPU: one split below 4097 columns
+        sink = []
+        with _recording(row_scan, "_row_scan_kernel", []), _recording(split_top_p, "_round_kernel", sink) as kernel:
+            split_top_p.SplitTopP(z, head="nmst", eos_index=3, eps=0.05, temperature=1.0, steps=torch.arange(5),
+                                  state=None, seed=seed, top_p_threshold=0.8, rounds=2, launch=(block_v, 1))
+        for (args, kwargs), step in zip(sink, ("first round", "later round", "last decision")):
+            out.append(Launch(f"split top-p V={V} one split {step}", kernel, args, kwargs,
+                              dict(BLOCK_B=1, BLOCK_V=block_v)))
     return out
 
 
@@ -205,7 +218,8 @@ def _record_row_draw(z: torch.Tensor, *, head: str, state, temperature: float, t
     """One row-draw launch on ``z`` at the CUDA launch shape of its vocabulary (eos at column 5, t = 3)."""
     return _record(row_draw, "_row_draw_kernel", lambda: row_draw.draw_rows(
         z, head=head, eos_index=5, eps=1e-5, temperature=temperature, steps=3, state=state,
-        top_p_threshold=top_p, seed=seed), label, *_blocks_and_options(row_draw.cuda_launch(z.shape[1])))
+        top_p_threshold=top_p, seed=seed), label,
+        *_blocks_and_options(row_draw.cuda_launch(z.shape[1], top_p=top_p is not None)))
 
 
 def _blocks_and_options(shape: dict) -> tuple[dict, dict]:
@@ -268,11 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
     parser.add_argument("--resources", action="store_true", help="also print registers / spills (ptxas -v)")
+    parser.add_argument("--only", default="", help="compile only the variants whose name contains this")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: compiling needs JIT kernels, not interpreted ones")
     failures = 0
     for launch in launches():
+        if args.only not in launch.name:
+            continue
         try:
             compiled, seconds = compile_launch(launch, args.arch)
             extra = f"; {resources(compiled, args.arch)}" if args.resources else ""

@@ -17,3 +17,15 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+# Triton 3.6's scan lowering (tl.cumsum) asserts when a table to scan is narrower than the
+# per-thread vector its layout inherits from the kernel's 16-byte-aligned row loads (on an H100:
+# per-tile tables of 1-2 tiles at V = 512-4096, and the split rounds' one-split table; Triton 3.9
+# compiles them). Padded columns hold no mass.
+MIN_SCAN_WIDTH = 8
+
+
+def scan_width(n: int) -> int:
+    """Columns of a table that a kernel scans: ``n`` padded to a power of two >= MIN_SCAN_WIDTH."""
+    return max(MIN_SCAN_WIDTH, next_power_of_2(n))

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .host_math import cdiv, next_power_of_2
+from .host_math import cdiv, next_power_of_2, scan_width
 from .row_scan import column_keys, decode_column_keys, first_crossing, online_logsumexp
 from .row_select import HEAD_CODES, Selection, _eos_terms, _Outputs, _split_f64, _uniform_f64
 
@@ -50,15 +50,11 @@ BRACKET_SPLITS = 8  # NT: parts per bracket pass (compute per pass ∝ NT, passe
 BRACKET_CAPACITY = 64  # C: tokens the final bracket may hold (sorted in registers)
 MAX_PASSES = 8
 _NO_KEY = -(2**63)
-# Triton 3.6's scan lowering (tl.cumsum) asserts when the per-tile table is narrower than the
-# per-thread vector its layout inherits from the 16-byte-aligned row loads (tables of 1–2 tiles
-# at V = 512–4096 failed on an H100; Triton 3.9 compiles them). Padded tiles hold no mass.
-MIN_TILE_TABLE = 8
 
 
 def tile_table_width(V: int, block_v: int) -> int:
-    """Columns of a row's per-tile table: the tile count, padded to a power of two ≥ MIN_TILE_TABLE."""
-    return max(MIN_TILE_TABLE, next_power_of_2(cdiv(V, block_v)))
+    """Columns of a row's per-tile table: the tile count, padded as a scanned table (``scan_width``)."""
+    return scan_width(cdiv(V, block_v))
 
 
 @triton.jit

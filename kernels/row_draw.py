@@ -196,13 +196,16 @@ def _row_draw_kernel(
     tl.atomic_min(flags_ptr + 1, tl.min(tl.where(pending, rows, no_row), axis=0))
 
 
-def cuda_launch(V: int, *, block_v: int = 2048, num_warps: int = 8, prefetch: bool = True) -> dict:
-    """One row per program on a GPU: its later passes re-read the row from L2. The defaults:
-    2048-column tiles at 8 warps: 104–128 registers, two programs per SM; 4096 columns spilled
-    (top-p) or took 167 registers, one program per SM (sampling), so no more loads in flight per SM
-    (ptxas -v, sm_90). PREFETCH on: the H100 run without it streamed 0.87 TB/s of 3; its effect is
-    still to be timed (``python -m benchmarks.profile_decoding`` sweeps the keywords)."""
+def cuda_launch(V: int, *, top_p: bool = False, block_v: int = 2048, num_warps: Optional[int] = None,
+                prefetch: bool = True) -> dict:
+    """One row per program on a GPU: its later passes re-read the row from L2. The defaults, from
+    the H100 sweep at B = 256 (``benchmarks.profile_decoding``, RESULTS.md): 2048-column tiles with
+    PREFETCH; plain sampling at 8 warps (2.4x the one-read floor at V = 50257; 4 and 16 warps
+    3.8x), top-p at 16 (6.2x vs 12.1x at 8 warps: the acceptance passes reduce per tile, and more
+    warps keep more of the row's loads in flight while one reduces)."""
     block_v = min(block_v, next_power_of_2(V))
+    if num_warps is None:
+        num_warps = 16 if top_p else 8
     return dict(BLOCK_B=1, BLOCK_V=block_v, NTILES=tile_table_width(V, block_v), PREFETCH=prefetch,
                 num_warps=num_warps)
 
@@ -216,10 +219,10 @@ def _interpreter_launch(rows: int, V: int) -> dict:
                 BLOCK_V=block_v, NTILES=n_tiles, PREFETCH=True)  # the GPU's code path
 
 
-def default_launch(z: torch.Tensor) -> dict:
-    """The launch :func:`draw_rows` takes for ``z`` when given none."""
+def default_launch(z: torch.Tensor, *, top_p: bool = False) -> dict:
+    """The launch :func:`draw_rows` takes for ``z`` (top-p or plain sampling) when given none."""
     B, V = z.shape
-    return cuda_launch(V) if z.is_cuda else _interpreter_launch(B, V)
+    return cuda_launch(V, top_p=top_p) if z.is_cuda else _interpreter_launch(B, V)
 
 
 def draw_rows(
@@ -259,7 +262,7 @@ def draw_rows(
     out = _Outputs(z, head, eps, steps, state)
     rounds = torch.empty(B, dtype=torch.int32, device=z.device)
     if B:
-        launch = default_launch(z) if launch is None else launch
+        launch = default_launch(z, top_p=top_p_threshold is not None) if launch is None else launch
         truncate = top_p_threshold is not None
         _row_draw_kernel[(cdiv(B, launch["BLOCK_B"]),)](
             z, z.stride(0), B, V, eos_index, 1.0 / temperature, *out.head_args,

@@ -215,15 +215,25 @@ def interpreter_block_rows(rows: int, block_v: int) -> int:
     return max(1, min((1 << 18) // block_v, next_power_of_2(rows)))
 
 
+# Programs per SM the split-V layout aims for on a GPU (2048-column tiles). The plain and drawing
+# scans: the H100 sweep at B = 256 (``benchmarks.profile_decoding``, RESULTS.md) put 4 splits per
+# row (1024 programs) ahead of 3 and 6 for greedy and sampling at V = 50257 and 128256, and
+# 2048-column tiles ahead of 4096 (greedy at 128256: 1.56x the one-read floor vs 2.09x); 7 per
+# SM gives 4 splits at B = 256 on 132 SMs. The candidate scans (top-k) keep the 4 per SM they
+# were timed with (not swept).
+SCAN_PROGRAMS_PER_SM = 7
+CANDIDATE_PROGRAMS_PER_SM = 4
+
+
 def launch_shape(z: torch.Tensor, candidates: int) -> tuple[int, int, int]:
     """(BLOCK_B, BLOCK_V, splits): enough programs to fill a GPU even for one row."""
     B, V = z.shape
+    block_v = min(2048, next_power_of_2(V))
     if not z.is_cuda:
-        # The interpreter: one split, big tiles, many rows per program.
-        block_v = min(2048, next_power_of_2(V))
+        # The interpreter: one split, many rows per program.
         return interpreter_block_rows(B, block_v), block_v, 1
-    block_v = min(2048 if candidates else 4096, next_power_of_2(V))
-    target_programs = 4 * torch.cuda.get_device_properties(z.device).multi_processor_count
+    per_sm = CANDIDATE_PROGRAMS_PER_SM if candidates else SCAN_PROGRAMS_PER_SM
+    target_programs = per_sm * torch.cuda.get_device_properties(z.device).multi_processor_count
     splits = max(1, min(cdiv(target_programs, B), cdiv(V, block_v)))
     return 1, block_v, splits
 
@@ -278,8 +288,8 @@ def _num_warps(K: int) -> int:
     up to 159 registers per thread at 4 warps (12 warps resident per SM), <= 128 at 8 (16 per
     SM) with no spills. For K >= 64 8 warps spill or lose occupancy under Triton 3.6, so they
     keep 4, as does the plain scan (the loss's LSE pass, the same streaming reduction, measured
-    best at 4) and the drawing scan (168 registers with 4096-column tiles, no spills, 3 programs =
-    48 KB of tile loads per SM, more than the ~23 KB an H100 needs in flight).
+    best at 4) and the drawing scan (80 registers with 2048-column tiles, no spills: 6 resident
+    programs = 48 KB of fp32 tile loads in flight per SM, where an H100 needs ≈ 23 KB).
     """
     return 8 if 0 < K <= 32 else 4
 

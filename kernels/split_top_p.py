@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .host_math import cdiv, next_power_of_2
+from .host_math import cdiv, scan_width
 from .nucleus import _load_x, _row_head
 from .row_draw import _fp32_floor, _ranked_before
 from .row_scan import _tile_uniforms, first_crossing, interpreter_block_rows, launch_shape, scan_partials
@@ -261,7 +261,7 @@ class SplitTopP:
                              self.f64_ws, self.i32_ws, self.out.tokens, self.out.log_probs, self.out.state,
                              self.out.flags)
         self._constexprs = dict(HEAD=HEAD_CODES[head], STEPS_PER_ROW=self.out.steps_per_row,
-                                HAS_STATE=self.out.has_state, BLOCK_S=next_power_of_2(self.splits), BLOCK_B=block_b,
+                                HAS_STATE=self.out.has_state, BLOCK_S=scan_width(self.splits), BLOCK_B=block_b,
                                 BLOCK_V=block_v, num_warps=4)
         self._row_blocks = cdiv(B, block_b)
         self.advance(rounds)
