@@ -51,6 +51,40 @@ def column_keys(x, cols):
     return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)
 
 
+# Small candidate lists take the tile's entering columns one at a time instead of a tl.topk of
+# the whole tile. The split-V layout leaves each program few tiles (≈ 8 of 2048 columns at
+# B = 256, V = 50257), so most tiles still enter (≈ 6.5 of 8 for K = 4 on random rows, the
+# chance a tile's max is among the K best so far), and each paid a bitonic sort of 2048 int64
+# keys: top-k 4 took 9x the one-read floor on an H100 where greedy takes 2.4x. An entering tile
+# usually holds one or two columns above the K-th candidate, so extracting those (a max and an
+# index reduction each) is far less work. Larger K keep tl.topk: the first tile enters whole,
+# and K extractions of it would cost more than the sort.
+EXTRACT_MAX_K = tl.constexpr(16)
+
+
+@triton.jit
+def _extract_into(best, x, keep, cols, kth_key, kth_value, K: tl.constexpr):
+    """``best`` (rows, K int64 keys; padding −2^63) updated with the tile's columns that rank above
+    its K-th key: at most K of them, taken in rank order (value desc, column asc), each replacing
+    the smallest held key if it ranks above it. Same result as a top-K of best ∪ the tile's keys."""
+    above = keep & ((kth_key == -9223372036854775808)[:, None] | (x.to(tl.float64) > kth_value[:, None]))
+    todo = tl.minimum(tl.sum(above.to(tl.int32), axis=1), K)  # more than K cannot all enter
+    slots = tl.arange(0, K)[None, :]
+    while tl.max(todo, axis=0) > 0:
+        top = tl.max(tl.where(above, x, float("-inf")), axis=1)
+        # Ties (and columns at -inf, which still count as candidates) go to the lowest column.
+        col = tl.min(tl.where(above & (x == top[:, None]), cols, 2147483647), axis=1)
+        found = (todo > 0) & (col < 2147483647)  # a NaN compares equal to nothing: no column
+        key = column_keys(top, col)
+        smallest = tl.min(best, axis=1)
+        slot = tl.min(tl.where(best == smallest[:, None], slots, K), axis=1)
+        enters = found & (key > smallest)
+        best = tl.where(enters[:, None] & (slots == slot[:, None]), key[:, None], best)
+        above = above & (cols != col[:, None])
+        todo -= 1
+    return best
+
+
 @triton.jit
 def fold_tile(running_max, running_sum, x, tile_max):
     """Fold a (rows, tile) block ``x`` with row maxima ``tile_max`` into the running (max, Σe^(x − max)).
@@ -173,17 +207,21 @@ def _row_scan_kernel(
             top_idx = tl.where(better, tile_idx, top_idx)
             top_val = tl.where(better, tile_max, top_val)
         if K > 0:
-            # Most tiles after the first few hold nothing above the running K-th candidate: skip
-            # them on the fp32 tile max, before building any int64 key (the candidate scan took
-            # 3-4x the greedy one on an H100; 64-bit integer work per element is the suspect). The
-            # program walks its columns upwards, so a tile value equal to the K-th ranks below it.
+            # Tiles holding nothing above the running K-th candidate are skipped on the fp32 tile
+            # max. The program walks its columns upwards, so a tile value equal to the K-th ranks
+            # below it.
             kth_key = tl.min(best, axis=1)
             kth_value, _ = decode_column_keys(kth_key)
             enters = (kth_key == -9223372036854775808) | (tile_max.to(tl.float64) > kth_value)
             if tl.max(enters.to(tl.int32)) > 0:
-                keys = tl.where(keep, column_keys(x, cols[None, :]), -9223372036854775808)
-                both = tl.reshape(tl.join(best, tl.topk(keys, K, dim=1)), (BLOCK_B, 2 * K))
-                best = tl.topk(both, K, dim=1)
+                if K <= EXTRACT_MAX_K:
+                    best = _extract_into(best, x, keep, cols[None, :], kth_key, kth_value, K)
+                else:
+                    keys = tl.where(keep, column_keys(x, cols[None, :]), -9223372036854775808)
+                    both = tl.reshape(tl.join(best, tl.topk(keys, K, dim=1)), (BLOCK_B, 2 * K))
+                    best = tl.topk(both, K, dim=1)
+    if K > 0 and K <= EXTRACT_MAX_K:
+        best = tl.sort(best, dim=1, descending=True)  # readers take each split's list in rank order
     out = rows * n_splits + split
     tl.store(max_ptr + out, running_max, mask=row_ok)
     tl.store(sum_ptr + out, running_sum, mask=row_ok)
@@ -284,14 +322,16 @@ def _as_seed(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _num_warps(K: int) -> int:
     """Warps per program, from ptxas register counts (sm_90, ``python -m kernels.compile_check
-    --resources``, Triton 3.6 and 3.9), not yet from timings. Candidate scans with K <= 32 need
-    up to 159 registers per thread at 4 warps (12 warps resident per SM), <= 128 at 8 (16 per
-    SM) with no spills. For K >= 64 8 warps spill or lose occupancy under Triton 3.6, so they
-    keep 4, as does the plain scan (the loss's LSE pass, the same streaming reduction, measured
-    best at 4) and the drawing scan (80 registers with 2048-column tiles, no spills: 6 resident
-    programs = 48 KB of fp32 tile loads in flight per SM, where an H100 needs ≈ 23 KB).
+    --resources``, Triton 3.6 and 3.9), not yet from timings. Candidate scans that sort tiles
+    (tl.topk: 16 < K <= 32) need up to 159 registers per thread at 4 warps (12 warps resident per
+    SM), <= 128 at 8 (16 per SM) with no spills. For K >= 64 8 warps spill or lose occupancy under
+    Triton 3.6, so they keep 4, as do the plain scan (the loss's LSE pass, the same streaming
+    reduction, measured best at 4), the candidate scans that extract (K <= EXTRACT_MAX_K: the
+    plain scan plus a loop most tiles skip) and the drawing scan (80 registers with 2048-column
+    tiles, no spills: 6 resident programs = 48 KB of fp32 tile loads in flight per SM, where an
+    H100 needs ≈ 23 KB).
     """
-    return 8 if 0 < K <= 32 else 4
+    return 8 if EXTRACT_MAX_K.value < K <= 32 else 4
 
 
 def scan_partials(

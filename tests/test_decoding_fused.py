@@ -169,7 +169,7 @@ def test_fused_paths_reject_bad_steps_and_state():
 # interpreter shapes: its tl.topk is slow, so the rows are short).
 @pytest.mark.parametrize("V,K,eos,launch,temperature", [(5, 4, 0, None, 1.0), (37, 1, 36, (16, 3), 0.6),
                                                         (300, 64, 7, (64, 2), 1.0), (300, 128, None, (128, 2), 0.6),
-                                                        (400, 16, 399, (64, 1), 1.0)])
+                                                        (400, 16, 399, (64, 1), 1.0), (203, 8, 3, (32, 2), 0.6)])
 def test_candidates_are_the_exact_top_k(V, K, eos, launch, temperature):
     """Across splits and tiles (several merges and skipped tiles), with many ties: (value desc, index asc)."""
     from kernels.row_scan import row_scan
@@ -178,6 +178,8 @@ def test_candidates_are_the_exact_top_k(V, K, eos, launch, temperature):
     z = (torch.randn(9, V, generator=gen) * 3).round(decimals=0).to(DEVICE)  # heavy ties
     z[1] = z[1].sort().values  # ascending rows: every tile improves the running top-K
     z[2, : V // 2] = float("-inf")
+    z[3, ::2] = -0.0  # -0.0 and +0.0 tie: lower index first
+    z[4, V // 3:] = float("-inf")  # fewer finite columns than K in the later tiles
     scan = row_scan(z, eos_index=eos, temperature=temperature, candidates=K, launch=launch)
     x = z.double() / temperature
     if eos is not None:
@@ -191,6 +193,27 @@ def test_candidates_are_the_exact_top_k(V, K, eos, launch, temperature):
     masked = x.clone()
     torch.testing.assert_close(scan["lse"].double(), torch.logsumexp(masked, dim=1), rtol=1e-5, atol=1e-5)
     assert torch.equal(scan["top_idx"], order[:, 0])
+
+
+def test_extracted_candidates_match_a_stable_sort_on_fresh_rows():
+    """The small-K scan (columns above the K-th extracted one at a time) on fresh random rows:
+    random V, tile width and split count, ties, −inf runs; the K best by (value desc, index asc)."""
+    from kernels.row_scan import EXTRACT_MAX_K, row_scan
+
+    seed = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
+    for K in (2, 4, 8, EXTRACT_MAX_K.value):
+        V = int(torch.randint(K + 1, 260, (1,), generator=gen))
+        block_v = int(2 ** torch.randint(max(3, K.bit_length() - 1), 7, (1,), generator=gen))  # holds K
+        launch = (block_v, int(torch.randint(1, 4, (1,), generator=gen)))
+        z = torch.randn(6, V, generator=gen) * 2
+        z[::2] = z[::2].round()  # ties
+        z[1, torch.rand(V, generator=gen) < 0.5] = float("-inf")
+        scan = row_scan(z.to(DEVICE), eos_index=None, candidates=K, launch=launch)
+        order = torch.sort(z.double(), dim=1, descending=True, stable=True).indices[:, :K]
+        valid = z.double().gather(1, order) > float("-inf")
+        got = scan["cand_idx"][:, :K].cpu()
+        assert torch.equal(torch.where(valid, got, -1), torch.where(valid, order, -1)), (seed, K, V, launch)
 
 
 def _split_scan_draw(z, head, eos, eps, t, state, seed, launch):
