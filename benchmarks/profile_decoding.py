@@ -85,6 +85,31 @@ def scan_sweep(logits: torch.Tensor, launches: Iterable[tuple[int, int]],
     return rows
 
 
+def top_k_parts(logits: torch.Tensor, top_k: int, timer: Callable[[Callable[[], None]], float],
+                ) -> list[tuple[str, float]]:
+    """(part, ms) of a top-k device step (NMST head, t = 100): the candidate scan alone, then the
+    scan with the candidate select kernel, the step ``sample(top_k=...)`` runs on a GPU. Their
+    difference is the select kernel's share."""
+    from kernels.row_select import select_candidates_from_scan
+
+    eos = logits.shape[1] - 1
+    seed = torch.tensor([1234], device=logits.device)
+
+    def scan_only() -> None:
+        scan_partials(logits, eos_index=eos, candidates=top_k)
+
+    def step() -> None:
+        scan = scan_partials(logits, eos_index=eos, candidates=top_k)
+        select_candidates_from_scan(logits, scan, head="nmst", eos_index=eos, eps=1e-5, steps=100, state=None,
+                                    top_k=top_k, top_p_threshold=None, seed=seed)
+
+    rows = []
+    for name, fn in (("candidate scan", scan_only), ("scan + select", step)):
+        fn()
+        rows.append((name, timer(fn)))
+    return rows
+
+
 def split_sweep(logits: torch.Tensor, top_p: float, launches: Iterable[tuple[int, int]],
                 timer: Callable[[Callable[[], None]], float]) -> list[tuple[tuple[int, int], float]]:
     """((BLOCK_V, splits), ms) of top-p by split rounds per launch — the drawing scan and the
@@ -145,6 +170,14 @@ def main(argv: list[str] | None = None) -> None:
             mark = "*" if (block_v, splits) == (default_block_v, default_splits) else ""
             print(f"| {V} | {'sampling' if draw else 'greedy'} | {block_v} | {splits}{mark} | {256 * splits} | "
                   f"{ms:.4f} | {logits.numel() * 4 / (ms * 1e-3) / 1e12:.2f} | {ms / floor_ms:.2f} |", flush=True)
+    print("\ntop-k device step in parts, NMST head, fp32 logits, B = 256")
+    print("| V | top-k | part | ms | x floor |\n|---:|---:|---|---:|---:|")
+    for V in (50257,) if args.quick else (50257, 128256):
+        logits = make_logits(256, V, device="cuda")
+        floor_ms = logits.numel() * 4 / bandwidth * 1e3
+        for top_k in (4, 50):
+            for part, ms in top_k_parts(logits, top_k, timer):
+                print(f"| {V} | {top_k} | {part} | {ms:.4f} | {ms / floor_ms:.2f} |", flush=True)
     # B = 32: the default shape moved from 4096-column tiles x 4 programs per SM to 2048 x 7 on the
     # B = 256 sweep above, and the H100 report then put greedy and sampling at B = 32 1-4 µs slower.
     print("\nsplit-V scan + select at B = 32, NMST head, fp32 logits, V = 128256; * = default")

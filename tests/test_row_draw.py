@@ -286,11 +286,15 @@ def test_launch_sweep_runs_every_variant():
     for draw in (False, True):
         rows = scan_sweep(logits, launches, lambda fn: timed.append(fn()) or 1.0, draw=draw)
         assert [launch for launch, _ in rows] == launches
+    from benchmarks.profile_decoding import top_k_parts
+
+    parts = top_k_parts(logits, 4, lambda fn: timed.append(fn()) or 1.0)
+    assert [name for name, _ in parts] == ["candidate scan", "scan + select"]
     from benchmarks.profile_decoding import split_sweep
 
     rows = split_sweep(logits, 0.9, launches, lambda fn: timed.append(fn()) or 1.0)
     assert [launch for launch, _ in rows] == [(0, 0)] + launches
-    assert len(timed) == 2 * len(variants()) + 10
+    assert len(timed) == 2 * len(variants()) + 12
 
 
 def _eos_pivot_row() -> tuple[torch.Tensor, int, float, int, float]:
