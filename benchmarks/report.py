@@ -71,8 +71,9 @@ def _memory_in_subprocess(shape: Shape, case: str) -> float:
 def round_order(names: list[str], round_index: int) -> list[str]:
     """The cases' order in one round: a permutation drawn afresh per round (seeded by the round, so
     runs are repeatable), so no case always runs right after the same one. Rotating the order, as
-    the H100 runs did, keeps every case's predecessor: NMST followed the floor in every round and
-    took 0.053 s per step in rounds where ST and VA, with the same kernels, took 0.050-0.051 s."""
+    the H100 runs did, keeps every case's predecessor: NMST followed the floor in 8 rounds of 10,
+    and its 5 slow rounds (0.053 s per step where ST and VA, with the same kernels, mostly took
+    0.050-0.051 s) were among them."""
     return random.Random(round_index).sample(names, len(names))
 
 
