@@ -34,7 +34,8 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from . import nucleus, row_draw, row_scan, row_select, scale_cast, split_softmax, split_top_p
-from .host_math import next_power_of_2
+
+H100_SMS = 132  # the lent GPUs' multiprocessors (H100 and H200 alike): split counts follow from it
 
 
 @dataclass
@@ -162,10 +163,11 @@ def _nucleus_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launch]:
 def _split_top_p_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launch]:
     """The split rounds' three variants (deciding the scan and passing, deciding a pass and
     passing, the last decision) per head, and the first in bf16, at the CUDA launch shape of a
-    row of a 128256-token vocabulary: 2048-column tiles, 63 splits (a 64-wide split table)."""
+    row of a 128256-token vocabulary (2048-column tiles, 63 splits: a 64-wide split table)."""
     V = 128256
     z = torch.randn(4, V, generator=torch.Generator().manual_seed(3))
-    shape = dict(BLOCK_B=1, BLOCK_V=2048)
+    _, block_v, splits = row_scan.cuda_launch_shape(1, V, 0, H100_SMS)
+    shape = dict(BLOCK_B=1, BLOCK_V=block_v)
     out = []
     for head, dtype in [("va", torch.float32), ("nmst", torch.float32), ("st", torch.float32),
                         ("nmst", torch.bfloat16)]:
@@ -174,7 +176,7 @@ def _split_top_p_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launc
                 _recording(split_top_p, "_round_kernel", sink) as kernel:
             split_top_p.SplitTopP(z.to(dtype), head=head, eos_index=5, eps=1e-5, temperature=0.7, steps=3,
                                   state=state if head == "st" else None, seed=seed, top_p_threshold=0.9, rounds=2,
-                                  launch=(2048, 63))
+                                  launch=(block_v, splits))
         for (args, kwargs), step in zip(sink, ("first round", "later round", "last decision")):
             if dtype == torch.float32 or step == "first round":
                 out.append(Launch(f"split top-p {step} {head} {str(dtype)[6:]}", kernel, args, kwargs, shape))
@@ -200,15 +202,15 @@ def _small_vocab_launches(seed: torch.Tensor) -> list[Launch]:
         out.append(Launch(f"nucleus draw V={V} B=64", kernel, *sink[0], *_blocks_and_options(shape)))
     # The split rounds of a few rows of a small vocabulary: one split, so a one-column split table
     # (failed the same way on an H100 until padded, ``host_math.scan_width``).
-    for V in (400, 4096):
+    for V in (400, 2048):
         z = torch.randn(5, V, generator=torch.Generator().manual_seed(4))
-        block_v = min(4096, next_power_of_2(V))  # row_scan.launch_shape on a GPU: one split below 4097 columns
+        _, block_v, splits = row_scan.cuda_launch_shape(5, V, 0, H100_SMS)
         sink = []
         with _recording(row_scan, "_row_scan_kernel", []), _recording(split_top_p, "_round_kernel", sink) as kernel:
             split_top_p.SplitTopP(z, head="nmst", eos_index=3, eps=0.05, temperature=1.0, steps=torch.arange(5),
-                                  state=None, seed=seed, top_p_threshold=0.8, rounds=2, launch=(block_v, 1))
+                                  state=None, seed=seed, top_p_threshold=0.8, rounds=2, launch=(block_v, splits))
         for (args, kwargs), step in zip(sink, ("first round", "later round", "last decision")):
-            out.append(Launch(f"split top-p V={V} one split {step}", kernel, args, kwargs,
+            out.append(Launch(f"split top-p V={V} splits={splits} {step}", kernel, args, kwargs,
                               dict(BLOCK_B=1, BLOCK_V=block_v)))
     return out
 

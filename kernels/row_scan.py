@@ -266,13 +266,18 @@ CANDIDATE_PROGRAMS_PER_SM = 4
 def launch_shape(z: torch.Tensor, candidates: int) -> tuple[int, int, int]:
     """(BLOCK_B, BLOCK_V, splits): enough programs to fill a GPU even for one row."""
     B, V = z.shape
-    block_v = min(2048, next_power_of_2(V))
     if not z.is_cuda:
         # The interpreter: one split, many rows per program.
+        block_v = min(2048, next_power_of_2(V))
         return interpreter_block_rows(B, block_v), block_v, 1
+    return cuda_launch_shape(B, V, candidates, torch.cuda.get_device_properties(z.device).multi_processor_count)
+
+
+def cuda_launch_shape(B: int, V: int, candidates: int, multi_processors: int) -> tuple[int, int, int]:
+    """:func:`launch_shape` on a GPU of ``multi_processors`` SMs (also what ``compile_check`` compiles)."""
+    block_v = min(2048, next_power_of_2(V))
     per_sm = CANDIDATE_PROGRAMS_PER_SM if candidates else SCAN_PROGRAMS_PER_SM
-    target_programs = per_sm * torch.cuda.get_device_properties(z.device).multi_processor_count
-    splits = max(1, min(cdiv(target_programs, B), cdiv(V, block_v)))
+    splits = max(1, min(cdiv(per_sm * multi_processors, B), cdiv(V, block_v)))
     return 1, block_v, splits
 
 
