@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         logits = make_logits(256, V, device="cuda")
         floor_ms = logits.numel() * 4 / bandwidth * 1e3
         _, default_block_v, default_splits = launch_shape(logits, 0)
-        launches = [(block_v, splits) for block_v in (2048, 4096) for splits in SPLITS if splits * block_v < 2 * V]
+        launches = [(block_v, splits) for block_v in (1024, 2048, 4096) for splits in SPLITS if splits * block_v < 2 * V]
         for (block_v, splits), ms in scan_sweep(logits, launches, timer, draw=draw):
             mark = "*" if (block_v, splits) == (default_block_v, default_splits) else ""
             print(f"| {V} | {'sampling' if draw else 'greedy'} | {block_v} | {splits}{mark} | {256 * splits} | "
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     logits = make_logits(32, 128256, device="cuda")
     floor_ms = logits.numel() * 4 / bandwidth * 1e3
     _, default_block_v, default_splits = launch_shape(logits, 0)
-    launches = sorted({(block_v, splits) for block_v in (2048, 4096) for splits in (4, 8, 17, 32)}
+    launches = sorted({(block_v, splits) for block_v in (1024, 2048) for splits in (4, 8, 17, 32)}
                       | {(default_block_v, default_splits)})
     for draw in (False, True):
         for (block_v, splits), ms in scan_sweep(logits, launches, timer, draw=draw):

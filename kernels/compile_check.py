@@ -10,6 +10,7 @@ types come from the real call sites; block sizes are then set to the CUDA launch
     python -m kernels.compile_check             # sm_90 (H100/H200); exit status 1 on failure
     python -m kernels.compile_check --arch 80   # another compute capability
     python -m kernels.compile_check --resources # plus registers / spills per variant (ptxas -v)
+    python -m kernels.compile_check --loops     # plus each loop's sm_90 instruction mix (nvdisasm)
 
 Must run without TRITON_INTERPRET (the kernels have to be JIT functions).
 """
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +36,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from . import nucleus, row_draw, row_scan, row_select, scale_cast, split_softmax, split_top_p
+from .host_math import cdiv, scan_width
 
 H100_SMS = 132  # the lent GPUs' multiprocessors (H100 and H200 alike): split counts follow from it
 
@@ -85,9 +88,13 @@ def launches() -> list[Launch]:
     for dtype in (torch.float32, torch.bfloat16):
         for seed, K in ((None, 0), (7, 0), (None, 4), (None, 128)):
             label = f"row_scan {str(dtype)[6:]} {'draw' if seed else 'no draw'} K={K}"
+            # The shape of a GPU launch at 256 x 50257 (the CPU call sees V = 1000): tile width, and
+            # a lane's columns per split for the draw.
+            _, block_v, splits = row_scan.cuda_launch_shape(256, 50257, K, H100_SMS)
+            lane_tiles = scan_width(cdiv(cdiv(50257, splits), block_v)) if seed else 1
             out.append(_record(row_scan, "_row_scan_kernel",
                                lambda: row_scan.scan_partials(z.to(dtype), eos_index=5, seed=seed, candidates=K),
-                               label, dict(BLOCK_B=1, BLOCK_V=2048)))
+                               label, dict(BLOCK_B=1, BLOCK_V=block_v, LANE_TILES=lane_tiles)))
     scan = _fake_scan(z, 0)
     steps = torch.arange(4)
     state = torch.zeros(4, dtype=torch.float64)
@@ -166,7 +173,7 @@ def _split_top_p_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launc
     row of a 128256-token vocabulary (2048-column tiles, 63 splits: a 64-wide split table)."""
     V = 128256
     z = torch.randn(4, V, generator=torch.Generator().manual_seed(3))
-    _, block_v, splits = row_scan.cuda_launch_shape(1, V, 0, H100_SMS)
+    _, block_v, splits = row_scan.cuda_launch_shape(1, V, 0, H100_SMS, split_top_p.ROUND_BLOCK_V)
     shape = dict(BLOCK_B=1, BLOCK_V=block_v)
     out = []
     for head, dtype in [("va", torch.float32), ("nmst", torch.float32), ("st", torch.float32),
@@ -204,7 +211,7 @@ def _small_vocab_launches(seed: torch.Tensor) -> list[Launch]:
     # (failed the same way on an H100 until padded, ``host_math.scan_width``).
     for V in (400, 2048):
         z = torch.randn(5, V, generator=torch.Generator().manual_seed(4))
-        _, block_v, splits = row_scan.cuda_launch_shape(5, V, 0, H100_SMS)
+        _, block_v, splits = row_scan.cuda_launch_shape(5, V, 0, H100_SMS, split_top_p.ROUND_BLOCK_V)
         sink = []
         with _recording(row_scan, "_row_scan_kernel", []), _recording(split_top_p, "_round_kernel", sink) as kernel:
             split_top_p.SplitTopP(z, head="nmst", eos_index=3, eps=0.05, temperature=1.0, steps=torch.arange(5),
@@ -280,10 +287,76 @@ def resources(compiled, arch: int) -> str:
             f"{resident} warps/SM by registers")
 
 
+@dataclass
+class LoopStats:
+    """One loop of a kernel's SASS: the instructions between its label and its backward branch
+    (both arms of any branch inside it), by opcode."""
+
+    start: int  # address of the loop's first instruction
+    end: int  # address of the backward branch
+    opcodes: Counter
+
+    @property
+    def size(self) -> int:
+        return sum(self.opcodes.values())
+
+    def summary(self) -> str:
+        c = self.opcodes
+        return (f"loop {self.start:#06x}-{self.end:#06x}: {self.size} instructions; LDG {c['LDG']} MUFU {c['MUFU']} "
+                f"BAR {c['BAR']} SHFL {c['SHFL']}")
+
+
+_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_SASS_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*);")
+
+
+def sass_loops(sass: str) -> list[LoopStats]:
+    """Every loop of ``nvdisasm -c`` output (a backward branch to a label), innermost first.
+
+    A static signal, not a timing: a streaming loop's instructions per element, and the barriers
+    (BAR) and shuffles (SHFL) of block-wide reductions it runs per tile, bound how fast it can
+    issue; the decoding kernels were issue-bound, not bandwidth-bound (RESULTS.md)."""
+    instructions: list[tuple[int, str, str]] = []
+    labels: dict[str, int] = {}
+    pending: list[str] = []
+    for line in sass.splitlines():
+        label = _SASS_LABEL.match(line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        found = _SASS_INSTRUCTION.search(line)
+        if found:
+            address = int(found.group(1), 16)
+            labels.update((name, address) for name in pending)
+            pending = []
+            instructions.append((address, found.group(2), found.group(3)))
+    loops = []
+    for address, opcode, operands in instructions:
+        target = re.search(r"\((\.L_x_\d+)\)", operands) if opcode.startswith("BRA") else None
+        if target and labels.get(target.group(1), address + 1) <= address:
+            start = labels[target.group(1)]
+            body = Counter(op.split(".")[0] for at, op, _ in instructions if start <= at <= address)
+            loops.append(LoopStats(start, address, body))
+    return sorted(loops, key=lambda loop: loop.size)
+
+
+def loops(compiled, arch: int) -> list[LoopStats]:
+    """:func:`sass_loops` of a compiled kernel, disassembled by the nvdisasm Triton ships with ptxas."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    nvdisasm = Path(get_ptxas(arch).path).with_name("nvdisasm")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return sass_loops(sass)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
     parser.add_argument("--resources", action="store_true", help="also print registers / spills (ptxas -v)")
+    parser.add_argument("--loops", action="store_true", help="also print each loop's instruction mix (nvdisasm)")
     parser.add_argument("--only", default="", help="compile only the variants whose name contains this")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -296,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
             compiled, seconds = compile_launch(launch, args.arch)
             extra = f"; {resources(compiled, args.arch)}" if args.resources else ""
             print(f"ok   {launch.name} ({seconds:.1f} s{extra})", flush=True)
+            if args.loops:
+                for loop in loops(compiled, args.arch):
+                    if loop.size > 1:  # the kernel's trailing self-branch
+                        print(f"       {loop.summary()}", flush=True)
         except Exception as err:  # report every failing variant, not only the first
             failures += 1
             print(f"FAIL {launch.name}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",

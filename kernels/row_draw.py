@@ -1,9 +1,12 @@
 """One program per row draws by inverse CDF: plain sampling in one read, top-p by rejection in ~two.
 
 Plain sampling (``draw_rows`` without a threshold): step 1 below, then one draw by inverse CDF from the whole
-distribution (eos by its float64 mass, the tile from the per-tile masses, the column inside that
-one tile): one exponential per element, as the split-V scan's draw (``row_scan``), but one program
-per row instead of a split of V per program, so no second launch merges the splits.
+distribution (eos by its float64 mass, a lane from the per-lane masses, then a column of that
+lane): one exponential per element, as the split-V scan's draw (``row_scan``), but one program
+per row instead of a split of V per program, so no second launch merges the splits. A lane is a
+column position of the BLOCK_V-wide tile followed across the row's tiles (columns l, l + BLOCK_V,
+…): the passes keep their sums per lane, so their loops reduce nothing across the tile (no
+barrier; ``row_scan.fold_lanes``), and one reduction per pass merges the lanes.
 
 Top-p (``draw_rows(top_p_threshold=...)``), by rejection, no cut, no sort:
 
@@ -11,13 +14,13 @@ Rank tokens by (probability desc, column asc); the nucleus is the prefix of that
 stops at the first token whose ranked-before mass reaches p. So one token j is in the nucleus iff
 the mass of the tokens ranked before it is below p, a test one pass over the row decides. Hence:
 
-1. one pass: per tile of the row, the max and Σ e^(x − max) of the non-eos x = z / temperature;
-   then M, Σ e^(x−M), the head's float64 scalars (``nucleus._row_head``) and the tile masses;
+1. one pass: per lane of the row, the max and Σ e^(x − max) of the non-eos x = z / temperature;
+   then M, Σ e^(x−M), the head's float64 scalars (``nucleus._row_head``) and the lane masses;
 2. rounds: draw a candidate j by inverse CDF from the current set S (at first: every token; eos
-   by its exact mass, the tile from the per-tile masses, the column by a cumulative sum inside
-   that one tile), then one pass sums the mass ranked before j, per tile. Below p: j is the draw.
+   by its exact mass, the lane from the per-lane masses, the column by a cumulative sum along
+   that one lane), then one pass sums the mass ranked before j, per lane. Below p: j is the draw.
    Otherwise every token from j down is outside the nucleus: S becomes the tokens ranked before j
-   (whose per-tile masses that pass just produced) and the next round draws from it.
+   (whose per-lane masses that pass just produced) and the next round draws from it.
 
 Conditioned on landing in the nucleus, a draw from S ⊇ nucleus is a draw from the renormalized
 nucleus, so every accepted round gives an exact sample. A round accepts with probability
@@ -27,9 +30,9 @@ so top-p 0.9 usually costs two reads (the second from L2 on a GPU: one program p
 (flags[1]); the caller then draws it from the cut (exact as well: the fallback's uniform comes
 from another Philox stream, independent of the rejected rounds).
 
-The acceptance test uses the cut's arithmetic (fp32 exponentials summed per tile, float64 across
-tiles and with eos, the float64 keep rule "mass before < p; the first token always"), and a fixed
-reduction order makes it monotone along the ranking: the accepted tokens are exactly a prefix, so
+The acceptance test sums fp32 exponentials along each lane in column order, then float64 across
+lanes and with eos, and keeps by the cut's float64 rule ("mass before < p; the first token
+always"); the fixed summation order makes it monotone along the ranking (rounding is monotone): the accepted tokens are exactly a prefix, so
 the rejection is exact for the nucleus those sums define (within ~1e-7 of p it may differ from
 the float64 torch cut by one token, as the cut may). Eos ranks by its float64 ζ_eos: as a pivot
 it becomes the largest fp32 value ≤ ζ_eos, with the column rule only when ζ_eos is exact in fp32.
@@ -45,7 +48,8 @@ import triton.language as tl
 
 from .host_math import cdiv, next_power_of_2
 from .nucleus import _load_x, _row_head, tile_table_width
-from .row_scan import first_crossing
+from .row_scan import (LOG2E, first_crossing, fold_row_lanes, lane_pointers, load_tile, merge_lanes,
+                       tile_spans)
 from .row_select import HEAD_CODES, Selection, _Outputs, _split_f64, _uniform_f64_stream
 
 MAX_ROUNDS = 32  # P(all rejected) ≤ (1 − p)^32 per row; in practice rounds ≈ 1 + log₂(1/p)
@@ -71,6 +75,54 @@ def _ranked_before(x, cols, pivot_value, pivot_col):
 
 
 @triton.jit
+def _ranked_e(z, start, inv_temp, m_log2e, pivot_value, pivot_col, BLOCK_V: tl.constexpr):
+    """e^(x − M) of a tile's tokens ranked before the pivot (else 0), x = z · inv_temp; the tile's
+    columns start at ``start`` (the column test is a lane against pivot_col − start: no column)."""
+    x = z * inv_temp
+    lanes = tl.arange(0, BLOCK_V)[None, :]
+    ranked = (x > pivot_value[:, None]) | ((x == pivot_value[:, None]) & (lanes < (pivot_col - start)[:, None]))
+    return tl.where(ranked, tl.exp2(x * LOG2E - m_log2e[:, None]), 0.0)
+
+
+@triton.jit
+def _ranked_span(acc, lane_ptrs, first, last, V, eos_index, inv_temp, m_log2e, pivot_value, pivot_col,
+                 MASKED: tl.constexpr, PREFETCH: tl.constexpr, HAS_EOS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Add to each lane's ``acc`` the e^(x − M) of its columns, in the tiles starting in [first, last),
+    that rank before the pivot (the spans and PREFETCH as ``row_scan._fold_span``)."""
+    if PREFETCH and not MASKED:
+        if first < last:
+            z_next = load_tile(lane_ptrs, first, V, eos_index, False, HAS_EOS, BLOCK_V)
+            for start in range(first, last, BLOCK_V):
+                z = z_next
+                z_next = load_tile(lane_ptrs, tl.minimum(start + BLOCK_V, last - BLOCK_V), V, eos_index, False,
+                                   HAS_EOS, BLOCK_V)
+                acc += _ranked_e(z, start, inv_temp, m_log2e, pivot_value, pivot_col, BLOCK_V)
+    else:
+        for start in range(first, last, BLOCK_V):
+            z = load_tile(lane_ptrs, start, V, eos_index, MASKED, HAS_EOS, BLOCK_V)
+            acc += _ranked_e(z, start, inv_temp, m_log2e, pivot_value, pivot_col, BLOCK_V)
+    return acc
+
+
+@triton.jit
+def _ranked_mass(lane_ptrs, V, eos_index, inv_temp, m, pivot_value, pivot_col, PREFETCH: tl.constexpr,
+                 HAS_EOS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Per lane (fp32, summed along the lane in column order): the mass e^(x − M) of the row's
+    non-eos tokens ranked before the pivot. One read of the row, no reduction across the tile."""
+    acc = tl.zeros((BLOCK_B, BLOCK_V), tl.float32)
+    m_log2e = m * LOG2E
+    eos_start, eos_end, whole_end = tile_spans(0, V, eos_index, HAS_EOS, BLOCK_V)
+    acc = _ranked_span(acc, lane_ptrs, 0, eos_start, V, eos_index, inv_temp, m_log2e, pivot_value, pivot_col,
+                       False, PREFETCH, HAS_EOS, BLOCK_V)
+    acc = _ranked_span(acc, lane_ptrs, eos_start, eos_end, V, eos_index, inv_temp, m_log2e, pivot_value,
+                       pivot_col, True, PREFETCH, HAS_EOS, BLOCK_V)
+    acc = _ranked_span(acc, lane_ptrs, eos_end, whole_end, V, eos_index, inv_temp, m_log2e, pivot_value,
+                       pivot_col, False, PREFETCH, HAS_EOS, BLOCK_V)
+    return _ranked_span(acc, lane_ptrs, whole_end, V, V, eos_index, inv_temp, m_log2e, pivot_value, pivot_col,
+                        True, PREFETCH, HAS_EOS, BLOCK_V)
+
+
+@triton.jit
 def _row_draw_kernel(
     z_ptr, z_row_stride, n_rows, V, eos_index, inv_temp,
     log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr, state_stride,
@@ -89,62 +141,49 @@ def _row_draw_kernel(
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     row_ok = rows < n_rows
     base = z_ptr + rows.to(tl.int64)[:, None] * z_row_stride
-    tiles = tl.arange(0, NTILES)[None, :]
     lanes = tl.arange(0, BLOCK_V)[None, :]
+    lane_ptrs = lane_pointers(z_ptr, z_row_stride, rows, n_rows, BLOCK_B, BLOCK_V)
 
-    # 1. Per tile: max and Σ e^(x − max); their merge gives M and Σ e^(x − M) (one exp per element).
-    tile_max = tl.full((BLOCK_B, NTILES), float("-inf"), tl.float32)
-    tile_sum = tl.zeros((BLOCK_B, NTILES), tl.float32)
-    # PREFETCH: issue the next tile's load before this tile's reductions. Triton does not pipeline
-    # these loads, and one program per row (two per SM) otherwise has a load in flight only
-    # between reductions: the H100 run streamed 0.87 TB/s of its 3 TB/s.
-    if PREFETCH:
-        x_next = _load_x(base, lanes, row_ok, V, eos_index, inv_temp, HAS_EOS)
-    for start in range(0, V, BLOCK_V):
-        if PREFETCH:
-            x = x_next
-            x_next = _load_x(base, start + BLOCK_V + lanes, row_ok, V, eos_index, inv_temp, HAS_EOS)
-        else:
-            x = _load_x(base, start + lanes, row_ok, V, eos_index, inv_temp, HAS_EOS)
-        peak = tl.max(x, axis=1)
-        shift = tl.where(peak == float("-inf"), 0.0, peak)  # an all −inf tile: Σ = 0, not NaN
-        here = tiles == start // BLOCK_V
-        tile_max = tl.where(here, peak[:, None], tile_max)
-        tile_sum = tl.where(here, tl.sum(tl.exp(x - shift[:, None]), axis=1)[:, None], tile_sum)
-    m = tl.max(tile_max, axis=1)
-    m_shift = tl.where(m == float("-inf"), 0.0, m)
-    tile_e = tile_sum * tl.exp(tile_max - m_shift[:, None])  # NaN/+inf rows: NaN, flagged below
+    # 1. Per lane (a column position of the tile, across the row's tiles): max and Σ e^(x − max),
+    # with no reduction across the tile in the loop (``row_scan.fold_lanes``); their merge gives M,
+    # Σ e^(x − M) and the lane masses, the set S's first tables.
+    lane_max, lane_sum, _no_argmax = fold_row_lanes(lane_ptrs, 0, V, eos_index, inv_temp * -LOG2E, False, PREFETCH, HAS_EOS,
+                                           BLOCK_B, BLOCK_V)
+    max_z, lane_e = merge_lanes(lane_max, lane_sum, inv_temp)  # NaN/+inf rows: NaN, flagged below
+    m = max_z * inv_temp
     log_norm, eos_zeta, p_eos, w, bad = _row_head(
-        m, tl.sum(tile_e, axis=1), z_ptr, z_row_stride, rows, row_ok, eos_index, log1m_eps_hi, log1m_eps_lo,
+        m, tl.sum(lane_e, axis=1), z_ptr, z_row_stride, rows, row_ok, eos_index, log1m_eps_hi, log1m_eps_lo,
         steps_ptr, steps_stride, steps_value, state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW,
         HAS_STATE, BLOCK_B)
     threshold = tl.cast(top_p_hi, tl.float64) + tl.cast(top_p_lo, tl.float64)
     seed = tl.load(seed_ptr)
 
     # 2. Rounds. The set S: the tokens ranked before the pivot (at first: every finite x), with eos
-    # while eos_in; its mass is total, w × the per-tile masses tile_e plus eos's.
+    # while eos_in; its mass is total, w × the per-lane masses lane_e plus eos's.
     pending = row_ok & ~bad
     pivot_value = tl.full((BLOCK_B,), float("-inf"), tl.float32)
     pivot_col = tl.full((BLOCK_B,), 0, tl.int32) + V
     eos_in = pending & (p_eos > 0.0)
-    tile_e = tl.where(pending[:, None], tile_e, 0.0)
-    total = tl.where(eos_in, p_eos, 0.0) + w * tl.sum(tile_e.to(tl.float64), axis=1)
+    lane_e = tl.where(pending[:, None], lane_e, 0.0)
+    total = tl.where(eos_in, p_eos, 0.0) + w * tl.sum(lane_e.to(tl.float64), axis=1)
     eos_floor, eos_exact = _fp32_floor(eos_zeta)  # eos as a pivot (fp32 compares along the row)
     token = tl.zeros((BLOCK_B,), tl.int64)
     zeta = tl.zeros((BLOCK_B,), tl.float64)
     rounds = tl.zeros((BLOCK_B,), tl.int32)
+    steps_of_lane = tl.arange(0, NTILES)[None, :] * BLOCK_V
     r = 0
     while (tl.max(pending.to(tl.int32), axis=0) > 0) & (r < max_rounds):
-        # Draw from S: eos first, then tokens in column order (the tile, then the column inside it).
+        # Draw from S: eos first, then tokens by lane (the lane, then its column: the lane's
+        # columns are one per tile, NTILES strided loads once per round).
         goal = _uniform_f64_stream(seed, rows * max_rounds + r, STREAM) * total
         eos_part = tl.where(eos_in, p_eos, 0.0)
         goal_e = (goal - eos_part) / tl.where(w > 0.0, w, 1.0)  # in units of e^(x − M)
-        tile_weights = tile_e.to(tl.float64)
-        is_eos = eos_in & ((goal < eos_part) | (tl.sum(tile_weights, axis=1) <= 0.0))
-        tile, skipped = first_crossing(tile_weights, goal_e, tiles, NTILES)
-        cols = tile[:, None] * BLOCK_V + lanes
-        x = _load_x(base, cols, pending & ~is_eos, V, eos_index, inv_temp, HAS_EOS)
-        e = tl.where(_ranked_before(x, cols, pivot_value, pivot_col), tl.exp(x - m[:, None]), 0.0)
+        lane_weights = lane_e.to(tl.float64)
+        is_eos = eos_in & ((goal < eos_part) | (tl.sum(lane_weights, axis=1) <= 0.0))
+        lane, skipped = first_crossing(lane_weights, goal_e, lanes, BLOCK_V)
+        cols = lane[:, None] + steps_of_lane
+        x = _load_x(base, cols, pending & ~is_eos & (lane >= 0), V, eos_index, inv_temp, HAS_EOS)
+        e = tl.where(_ranked_before(x, cols, pivot_value, pivot_col), tl.exp2(x * LOG2E - (m * LOG2E)[:, None]), 0.0)
         col, _ = first_crossing(e, (goal_e - skipped).to(tl.float32), cols, V)
         col_x = tl.max(tl.where(cols == col[:, None], x, float("-inf")), axis=1)
         drawn = pending & (is_eos | (col >= 0))  # col < 0: rounding left no token; draw again
@@ -157,32 +196,19 @@ def _row_draw_kernel(
 
         accept = drawn  # plain sampling: the first draw is the answer
         mass_before = total
-        next_e = tile_e
+        next_e = lane_e
         if TRUNCATE:
-            # One pass: the mass ranked before the candidate, per tile (S's tables if it is rejected).
-            before_e = tl.zeros((BLOCK_B,), tl.float64)
-            next_e = tl.zeros((BLOCK_B, NTILES), tl.float32)
-            if PREFETCH:
-                x_next = _load_x(base, lanes, drawn, V, eos_index, inv_temp, HAS_EOS)
-            for start in range(0, V, BLOCK_V):
-                cols = start + lanes
-                if PREFETCH:
-                    x = x_next
-                    x_next = _load_x(base, cols + BLOCK_V, drawn, V, eos_index, inv_temp, HAS_EOS)
-                else:
-                    x = _load_x(base, cols, drawn, V, eos_index, inv_temp, HAS_EOS)
-                ranked = _ranked_before(x, cols, cand_value, cand_col)
-                part = tl.sum(tl.where(ranked, tl.exp(x - m[:, None]), 0.0), axis=1)
-                next_e = tl.where(tiles == start // BLOCK_V, part[:, None], next_e)
-                before_e += part.to(tl.float64)
-            mass_before = w * before_e + tl.where(eos_before, p_eos, 0.0)
+            # One pass: the mass ranked before the candidate, per lane (S's tables if it is rejected).
+            next_e = _ranked_mass(lane_ptrs, V, eos_index, inv_temp, m, cand_value, cand_col, PREFETCH, HAS_EOS,
+                                  BLOCK_B, BLOCK_V)
+            mass_before = w * tl.sum(next_e.to(tl.float64), axis=1) + tl.where(eos_before, p_eos, 0.0)
             accept = drawn & ((mass_before < threshold) | (mass_before == 0.0))  # the first token is always kept
         reject = drawn & ~accept
         token = tl.where(accept, tl.where(is_eos, eos_index, col).to(tl.int64), token)
         zeta = tl.where(accept, tl.where(is_eos, eos_zeta, x64), zeta)
         pivot_value = tl.where(reject, cand_value, pivot_value)
         pivot_col = tl.where(reject, cand_col, pivot_col)
-        tile_e = tl.where(reject[:, None], next_e, tile_e)
+        lane_e = tl.where(reject[:, None], next_e, lane_e)
         total = tl.where(reject, mass_before, total)
         eos_in = tl.where(reject, eos_before, eos_in)
         rounds += pending.to(tl.int32)
@@ -199,10 +225,11 @@ def _row_draw_kernel(
 def cuda_launch(V: int, *, top_p: bool = False, block_v: int = 2048, num_warps: Optional[int] = None,
                 prefetch: bool = True) -> dict:
     """One row per program on a GPU: its later passes re-read the row from L2. The defaults, from
-    the H100 sweep at B = 256 (``benchmarks.profile_decoding``, RESULTS.md): 2048-column tiles with
-    PREFETCH; plain sampling at 8 warps (2.4x the one-read floor at V = 50257; 4 and 16 warps
-    3.8x), top-p at 16 (6.2x vs 12.1x at 8 warps: the acceptance passes reduce per tile, and more
-    warps keep more of the row's loads in flight while one reduces)."""
+    the H100 sweep at B = 256 (``benchmarks.profile_decoding``, RESULTS.md) of the kernel that still
+    reduced every tile: 2048-column tiles with PREFETCH; plain sampling at 8 warps (2.4x the
+    one-read floor at V = 50257; 4 and 16 warps 3.8x), top-p at 16 (6.2x vs 12.1x at 8 warps).
+    The lane passes (no per-tile reduction, ~10 instead of ~30 instructions per element) are not
+    yet swept: fewer warps may now do."""
     block_v = min(block_v, next_power_of_2(V))
     if num_warps is None:
         num_warps = 16 if top_p else 8

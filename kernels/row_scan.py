@@ -12,12 +12,11 @@ is off), with x = z · inv_temp:
   * draw = one column of the split drawn ∝ e^x            (sampling; the select kernel
            picks a split by its mass, so the pick is an exact softmax sample)
   * candidates = the K largest x, ties → lower index      (top-k / top-p)
-The draw is a weighted reservoir over the split's tiles: tile k replaces the split's pick
-with probability (its mass) / (the split's mass up to and including it), which leaves each
-tile holding the final pick in proportion to its mass; inside the tile the column is drawn
-by inverse CDF over the e^(x − max) the logsumexp computes anyway. So sampling adds to the
-greedy scan one Philox call per tile and a cumulative sum on the tiles that take the pick
-(about 1 + ln(tiles) of them) — no per-element noise or logarithms. The seed is read from a
+Greedy and the draw keep per-lane state instead of per-tile reductions (``fold_lanes``: a
+lane is a column position of the tile, followed across the split's tiles), so their loop has
+no barrier; one reduction after the loop merges the lanes. The draw then picks a lane by
+inverse CDF over the lane masses and a column of that lane by inverse CDF over its few strided
+columns (re-read once per split): no per-element noise or logarithms. The seed is read from a
 device tensor, so drawing it from a CUDA generator needs no host sync; the draw depends on
 (seed, row, tiling). Candidates are ranked by one int64 key per column,
 (orderable float bits of x) << 32 | (2³¹ − 1 − column): key order is exactly
@@ -34,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .host_math import cdiv, next_power_of_2
+from .host_math import cdiv, next_power_of_2, scan_width
 
 # The largest candidate list the kernel keeps per row (a power of two; tl.topk needs one).
 MAX_CANDIDATES = 128
@@ -133,13 +132,156 @@ def decode_column_keys(keys):
 
 
 @triton.jit
-def _tile_uniforms(seed, rows, tile, tiles_per_row):
-    """Two U[0, 1) per row for one tile (Philox counter row · tiles_per_row + tile): the reservoir's
-    test and the column's inverse CDF. Capped below 1, so a tile holding all the mass so far
-    (ratio exactly 1) always takes the pick."""
-    w0, w1, _, _ = tl.randint4x(seed, rows * tiles_per_row + tile)
+def uniform_pair(seed, rows, index, per_row):
+    """Two U[0, 1) per row from Philox stream 0 at counter row · per_row + index (one counter per
+    tile or split of a row). Capped below 1: a reservoir test against a ratio of exactly 1 (a tile
+    holding all the mass so far) always passes."""
+    w0, w1, _, _ = tl.randint4x(seed, rows * per_row + index)
     return (tl.minimum(tl.uint_to_uniform_float(w0), 0.99999994),
             tl.minimum(tl.uint_to_uniform_float(w1), 0.99999994))
+
+
+LOG2E = tl.constexpr(1.4426950408889634)
+# exp2 of anything at or below this is 0 in fp32 (the smallest subnormal is 2^-149): the exponent
+# fold_lanes clamps to, which turns the NaN of −inf − (−inf) into a weight of 0.
+NO_WEIGHT_EXP2 = tl.constexpr(-200.0)
+
+
+@triton.jit
+def fold_lanes(lane_max, lane_sum, z, neg_scale):
+    """Fold a (rows, BLOCK_V) tile of raw logits ``z`` into per-lane online (max z, Σ e^(x − max x))
+    with x = z · inv_temp and ``neg_scale`` = −log2(e) · inv_temp; returns them and where ``z`` set a
+    new lane maximum (strictly above: an equal value keeps the earlier column).
+
+    A lane is one column position of the tile, followed across the tiles of a row, so folding
+    takes no reduction across the tile: no barrier in the loop, and every warp streams on its own
+    (a per-tile max and sum cost three block-wide reductions per tile: 9 barriers and ~26
+    instructions per element in the sm_90 code, ``python -m kernels.compile_check --loops``).
+    One exp2 per element: 2^(|z − max| · neg_scale) is the new element's weight when the max
+    stays and the old sum's rescale when the element becomes the max; the temperature rides in
+    ``neg_scale``, so it costs no multiply. The clamp turns −inf onto an empty lane (a NaN
+    difference) into a weight of 0; a NaN z makes the lane's max NaN, so the merged mass is NaN
+    and the select kernels flag the row."""
+    d = z - lane_max
+    up = d > 0.0
+    e = tl.exp2(tl.maximum(tl.abs(d) * neg_scale, NO_WEIGHT_EXP2))
+    lane_sum = tl.where(up, lane_sum * e + 1.0, lane_sum + e)
+    return tl.maximum(lane_max, z, propagate_nan=tl.PropagateNan.ALL), lane_sum, up
+
+
+@triton.jit
+def merge_lanes(lane_max, lane_sum, inv_temp):
+    """Per row: max z over the lanes, and each lane's mass Σ e^(x − max x), x = z · inv_temp. The
+    max x is max z · inv_temp: rounding is monotone, so fl(max z · inv_temp) = max fl(z · inv_temp)."""
+    m = tl.max(lane_max, axis=1)
+    shift = tl.where(m == float("-inf"), 0.0, m)  # no finite z: masses 0, not NaN
+    return m, lane_sum * tl.exp2((lane_max - shift[:, None]) * (inv_temp * LOG2E))
+
+
+@triton.jit
+def lane_pointers(z_ptr, z_row_stride, rows, n_rows, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
+    """(BLOCK_B, BLOCK_V) pointers to each row's first tile. Rows past the batch point at the last
+    row (their results are never stored), so whole tiles load with no mask. One row (the GPU
+    launches): from a scalar row pointer, so a thread's loads are one address plus immediate offsets
+    (a per-element pointer tensor cost ~1 instruction and 2 registers per element in sm_90 code)."""
+    lanes = tl.arange(0, BLOCK_V)[None, :]
+    if BLOCK_B == 1:
+        return (z_ptr + tl.minimum(tl.program_id(0), n_rows - 1).to(tl.int64) * z_row_stride) + lanes
+    return z_ptr + tl.minimum(rows, n_rows - 1).to(tl.int64)[:, None] * z_row_stride + lanes
+
+
+@triton.jit
+def tile_spans(lo, hi, eos_index, HAS_EOS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Split the tiles of columns [lo, hi) (tiles start at lo + k · BLOCK_V) into whole tiles before
+    eos's tile [lo, eos_start), eos's tile [eos_start, eos_end) (empty when eos is not in a whole
+    tile), whole tiles after it [eos_end, whole_end), and the partial last tile [whole_end, hi).
+    The whole tiles clear of eos — every tile but one or two — load without a mask: no per-element
+    predicate, and a thread's loads share one address (masked loads cost ~9 integer instructions
+    per element in the sm_90 code: the mask, and a 64-bit address each)."""
+    whole_end = lo + (hi - lo) // BLOCK_V * BLOCK_V
+    eos_in = HAS_EOS & (eos_index >= lo) & (eos_index < whole_end)
+    eos_start = tl.where(eos_in, lo + (tl.maximum(eos_index, lo) - lo) // BLOCK_V * BLOCK_V, whole_end)
+    return eos_start, tl.minimum(eos_start + BLOCK_V, whole_end), whole_end
+
+
+@triton.jit
+def load_tile(lane_ptrs, start, hi, eos_index, MASKED: tl.constexpr, HAS_EOS: tl.constexpr,
+              BLOCK_V: tl.constexpr):
+    """The tile at ``start`` as fp32; MASKED (a span of :func:`tile_spans` that needs it): −inf from
+    column ``hi`` on and at eos."""
+    if MASKED:
+        cols = start + tl.arange(0, BLOCK_V)[None, :]
+        keep = cols < hi
+        if HAS_EOS:
+            keep = keep & (cols != eos_index)
+        return tl.load(lane_ptrs + start, mask=keep, other=float("-inf")).to(tl.float32)
+    return tl.load(lane_ptrs + start).to(tl.float32)
+
+
+@triton.jit
+def _fold_span(lane_max, lane_sum, lane_start, lane_ptrs, first, last, hi, eos_index, neg_scale,
+               MASKED: tl.constexpr, ARGMAX: tl.constexpr, PREFETCH: tl.constexpr, HAS_EOS: tl.constexpr,
+               BLOCK_V: tl.constexpr):
+    """Fold the tiles starting in [first, last) into the lane state; ARGMAX: also the tile start of
+    each lane's first maximum. PREFETCH (unmasked spans): load the next tile before folding this
+    one (the last iteration re-reads the span's last tile), for kernels with few warps per SM."""
+    if PREFETCH and not MASKED:
+        if first < last:
+            z_next = load_tile(lane_ptrs, first, hi, eos_index, False, HAS_EOS, BLOCK_V)
+            for start in range(first, last, BLOCK_V):
+                z = z_next
+                z_next = load_tile(lane_ptrs, tl.minimum(start + BLOCK_V, last - BLOCK_V), hi, eos_index, False,
+                                   HAS_EOS, BLOCK_V)
+                lane_max, lane_sum, up = fold_lanes(lane_max, lane_sum, z, neg_scale)
+                if ARGMAX:
+                    lane_start = tl.where(up, start, lane_start)  # a uniform scalar: cheaper than the column
+    else:
+        for start in range(first, last, BLOCK_V):
+            z = load_tile(lane_ptrs, start, hi, eos_index, MASKED, HAS_EOS, BLOCK_V)
+            lane_max, lane_sum, up = fold_lanes(lane_max, lane_sum, z, neg_scale)
+            if ARGMAX:
+                lane_start = tl.where(up, start, lane_start)
+    return lane_max, lane_sum, lane_start
+
+
+@triton.jit
+def fold_row_lanes(lane_ptrs, lo, hi, eos_index, neg_scale, ARGMAX: tl.constexpr, PREFETCH: tl.constexpr,
+                   HAS_EOS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Per-lane (max z, Σ e^(x − max x), tile start of the first max) over columns [lo, hi) of each
+    row (``lane_ptrs``: (BLOCK_B, BLOCK_V) pointers to the lanes' columns of the row's first tile;
+    every row must be a real row: the whole tiles load unmasked). See :func:`fold_lanes`."""
+    state = (tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32), tl.zeros((BLOCK_B, BLOCK_V), tl.float32),
+             tl.zeros((BLOCK_B, BLOCK_V), tl.int32))
+    eos_start, eos_end, whole_end = tile_spans(lo, hi, eos_index, HAS_EOS, BLOCK_V)
+    state = _fold_span(*state, lane_ptrs, lo, eos_start, hi, eos_index, neg_scale, False, ARGMAX, PREFETCH,
+                       HAS_EOS, BLOCK_V)
+    state = _fold_span(*state, lane_ptrs, eos_start, eos_end, hi, eos_index, neg_scale, True, ARGMAX, PREFETCH,
+                       HAS_EOS, BLOCK_V)
+    state = _fold_span(*state, lane_ptrs, eos_end, whole_end, hi, eos_index, neg_scale, False, ARGMAX, PREFETCH,
+                       HAS_EOS, BLOCK_V)
+    return _fold_span(*state, lane_ptrs, whole_end, hi, hi, eos_index, neg_scale, True, ARGMAX, PREFETCH, HAS_EOS,
+                      BLOCK_V)
+
+
+@triton.jit
+def _draw_in_split(row_base, rows, row_ok, lo, hi, eos_index, inv_temp, lane_max, lane_mass, split_mass, seed,
+                   split, n_splits, V, HAS_EOS: tl.constexpr, BLOCK_V: tl.constexpr, LANE_TILES: tl.constexpr):
+    """One column of the split drawn ∝ e^x: a lane by inverse CDF over the lane masses, then a
+    column of that lane (its ≤ LANE_TILES strided columns, re-read: a few scattered loads once per
+    split) by inverse CDF over their e^x. P(lane) · P(column | lane) = P(column). 0 when the split
+    holds no mass (the select kernel never picks such a split)."""
+    u_lane, u_col = uniform_pair(seed, rows, split, n_splits)
+    lanes = tl.arange(0, BLOCK_V)[None, :]
+    lane, _ = first_crossing(lane_mass, u_lane * split_mass, lanes, BLOCK_V)
+    lane_top = tl.max(tl.where(lanes == lane[:, None], lane_max, float("-inf")), axis=1)  # its max z
+    cols = lo + lane[:, None] + tl.arange(0, LANE_TILES)[None, :] * BLOCK_V
+    ok = row_ok[:, None] & (lane[:, None] >= 0) & (cols < hi)
+    if HAS_EOS:
+        ok = ok & (cols != eos_index)
+    z = tl.load(row_base + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    e = tl.where(z > float("-inf"), tl.exp2((z - lane_top[:, None]) * (inv_temp * LOG2E)), 0.0)
+    col, _ = first_crossing(e, u_col * tl.sum(e, axis=1), cols, V)
+    return tl.where(col >= 0, col, 0)
 
 
 @triton.jit
@@ -163,6 +305,7 @@ def _row_scan_kernel(
     K: tl.constexpr,  # candidates per row and split; 0: none
     BLOCK_B: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    LANE_TILES: tl.constexpr,  # the drawing scan's tiles per split, padded (scan_width): a lane's columns
 ):
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     split = tl.program_id(1)
@@ -171,42 +314,46 @@ def _row_scan_kernel(
     hi = tl.minimum(lo + split_width, V)
     row_ok = rows < n_rows
     row_base = z_ptr + rows.to(tl.int64)[:, None] * z_row_stride
-    running_max = tl.full((BLOCK_B,), float("-inf"), tl.float32)
-    running_sum = tl.zeros((BLOCK_B,), tl.float32)
+    lanes = tl.arange(0, BLOCK_V)[None, :]
     top_val = tl.full((BLOCK_B,), float("-inf"), tl.float32)
     top_idx = tl.zeros((BLOCK_B,), tl.int32)
     draw_idx = tl.zeros((BLOCK_B,), tl.int32)
-    if DRAW:
-        seed = tl.load(seed_ptr)
-        tiles_per_row = tl.cdiv(V, BLOCK_V)  # splits start on tile boundaries: tile numbers are global
-    if K > 0:
-        best = tl.full((BLOCK_B, K), -9223372036854775808, tl.int64)
-    for start in range(lo, hi, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        keep = row_ok[:, None] & (cols[None, :] < hi)
-        if HAS_EOS:
-            keep = keep & (cols[None, :] != eos_index)
-        x = tl.load(row_base + cols[None, :], mask=keep, other=float("-inf")).to(tl.float32) * inv_temp
-        x = tl.where(keep, x, float("-inf"))
-        tile_max = tl.max(x, axis=1)
-        running_max, running_sum, e, tile_part = fold_tile(running_max, running_sum, x, tile_max)
+    if K == 0:
+        # Greedy and the draw: per-lane state, one reduction after the loop (see fold_lanes).
+        lane_ptrs = lane_pointers(z_ptr, z_row_stride, rows, n_rows, BLOCK_B, BLOCK_V)
+        lane_max, lane_sum, lane_start = fold_row_lanes(lane_ptrs, lo, hi, eos_index, inv_temp * -LOG2E, not DRAW,
+                                                        False, HAS_EOS, BLOCK_B, BLOCK_V)
+        max_z, lane_mass = merge_lanes(lane_max, lane_sum, inv_temp)
+        running_max = max_z * inv_temp
+        running_sum = tl.sum(lane_mass, axis=1)
         if DRAW:
-            # The reservoir: this tile takes the pick with probability (its mass) / (the mass so
-            # far, itself included), both in units of the new running max. Only the tiles that
-            # take it (~1 + ln(tiles) per split) run the cumulative sum.
-            u_take, u_col = _tile_uniforms(seed, rows, start // BLOCK_V, tiles_per_row)
-            take = u_take < tile_part / tl.where(running_sum > 0.0, running_sum, 1.0)
-            if tl.max(take.to(tl.int32)) > 0:
-                col, _ = first_crossing(e, u_col * tile_part, cols[None, :], V)
-                draw_idx = tl.where(take, col, draw_idx)
-        else:  # the argmax (sampling does not read it: one reduction per tile saved)
+            draw_idx = _draw_in_split(row_base, rows, row_ok, lo, hi, eos_index, inv_temp, lane_max, lane_mass,
+                                      running_sum, tl.load(seed_ptr), split, n_splits, V, HAS_EOS, BLOCK_V,
+                                      LANE_TILES)
+        else:
+            # First index of the max: lanes hold their first maximal column; ties → the lowest.
+            first = tl.min(tl.where(lane_max == max_z[:, None], lane_start + lanes, V), axis=1)
+            top_val = running_max
+            top_idx = tl.where(max_z == float("-inf"), 0, first)
+    else:
+        running_max = tl.full((BLOCK_B,), float("-inf"), tl.float32)
+        running_sum = tl.zeros((BLOCK_B,), tl.float32)
+        best = tl.full((BLOCK_B, K), -9223372036854775808, tl.int64)
+        for start in range(lo, hi, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            keep = row_ok[:, None] & (cols[None, :] < hi)
+            if HAS_EOS:
+                keep = keep & (cols[None, :] != eos_index)
+            x = tl.load(row_base + cols[None, :], mask=keep, other=float("-inf")).to(tl.float32) * inv_temp
+            x = tl.where(keep, x, float("-inf"))
+            tile_max = tl.max(x, axis=1)
+            running_max, running_sum = online_logsumexp(running_max, running_sum, x, tile_max)
             # First index of the tile maximum; a strictly larger tile max replaces the running
             # one, so ties keep the earlier (lower) index.
             tile_idx = tl.min(tl.where(x == tile_max[:, None], cols[None, :], V), axis=1)
             better = tile_max > top_val
             top_idx = tl.where(better, tile_idx, top_idx)
             top_val = tl.where(better, tile_max, top_val)
-        if K > 0:
             # Tiles holding nothing above the running K-th candidate are skipped on the fp32 tile
             # max. The program walks its columns upwards, so a tile value equal to the K-th ranks
             # below it.
@@ -220,8 +367,10 @@ def _row_scan_kernel(
                     keys = tl.where(keep, column_keys(x, cols[None, :]), -9223372036854775808)
                     both = tl.reshape(tl.join(best, tl.topk(keys, K, dim=1)), (BLOCK_B, 2 * K))
                     best = tl.topk(both, K, dim=1)
-    if K > 0 and K <= EXTRACT_MAX_K:
-        best = tl.sort(best, dim=1, descending=True)  # readers take each split's list in rank order
+        if K <= EXTRACT_MAX_K:
+            best = tl.sort(best, dim=1, descending=True)  # readers take each split's list in rank order
+        out = rows * n_splits + split
+        tl.store(key_ptr + out[:, None] * K + tl.arange(0, K)[None, :], best, mask=row_ok[:, None])
     out = rows * n_splits + split
     tl.store(max_ptr + out, running_max, mask=row_ok)
     tl.store(sum_ptr + out, running_sum, mask=row_ok)
@@ -229,8 +378,6 @@ def _row_scan_kernel(
     tl.store(top_idx_ptr + out, top_idx, mask=row_ok)
     if DRAW:
         tl.store(draw_idx_ptr + out, draw_idx, mask=row_ok)
-    if K > 0:
-        tl.store(key_ptr + out[:, None] * K + tl.arange(0, K)[None, :], best, mask=row_ok[:, None])
 
 
 def decode_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,19 +410,31 @@ SCAN_PROGRAMS_PER_SM = 7
 CANDIDATE_PROGRAMS_PER_SM = 4
 
 
-def launch_shape(z: torch.Tensor, candidates: int) -> tuple[int, int, int]:
-    """(BLOCK_B, BLOCK_V, splits): enough programs to fill a GPU even for one row."""
+# Tile widths on a GPU. The plain and drawing scans keep three fp32 values of per-lane state per
+# column of the tile: 1024 columns at 4 warps is 8 per thread, 72 registers in sm_90 code (2048:
+# 128 registers, 4 resident programs per SM instead of the 7 the split count aims for). Candidate
+# scans (top-k) reduce every tile and keep 2048 (timed so).
+SCAN_BLOCK_V = 1024
+CANDIDATE_BLOCK_V = 2048
+
+
+def launch_shape(z: torch.Tensor, candidates: int, block_v: int | None = None) -> tuple[int, int, int]:
+    """(BLOCK_B, BLOCK_V, splits): enough programs to fill a GPU even for one row. ``block_v``: a
+    tile width other than the scan's own (the split top-p rounds keep theirs)."""
     B, V = z.shape
     if not z.is_cuda:
         # The interpreter: one split, many rows per program.
-        block_v = min(2048, next_power_of_2(V))
-        return interpreter_block_rows(B, block_v), block_v, 1
-    return cuda_launch_shape(B, V, candidates, torch.cuda.get_device_properties(z.device).multi_processor_count)
+        width = min(block_v or 2048, next_power_of_2(V))
+        return interpreter_block_rows(B, width), width, 1
+    return cuda_launch_shape(B, V, candidates, torch.cuda.get_device_properties(z.device).multi_processor_count,
+                             block_v)
 
 
-def cuda_launch_shape(B: int, V: int, candidates: int, multi_processors: int) -> tuple[int, int, int]:
+def cuda_launch_shape(B: int, V: int, candidates: int, multi_processors: int,
+                      block_v: int | None = None) -> tuple[int, int, int]:
     """:func:`launch_shape` on a GPU of ``multi_processors`` SMs (also what ``compile_check`` compiles)."""
-    block_v = min(2048, next_power_of_2(V))
+    width = block_v or (CANDIDATE_BLOCK_V if candidates else SCAN_BLOCK_V)
+    block_v = min(width, next_power_of_2(V))
     per_sm = CANDIDATE_PROGRAMS_PER_SM if candidates else SCAN_PROGRAMS_PER_SM
     splits = max(1, min(cdiv(per_sm * multi_processors, B), cdiv(V, block_v)))
     return 1, block_v, splits
@@ -330,11 +489,10 @@ def _num_warps(K: int) -> int:
     --resources``, Triton 3.6 and 3.9), not yet from timings. Candidate scans that sort tiles
     (tl.topk: 16 < K <= 32) need up to 159 registers per thread at 4 warps (12 warps resident per
     SM), <= 128 at 8 (16 per SM) with no spills. For K >= 64 8 warps spill or lose occupancy under
-    Triton 3.6, so they keep 4, as do the plain scan (the loss's LSE pass, the same streaming
-    reduction, measured best at 4), the candidate scans that extract (K <= EXTRACT_MAX_K: the
-    plain scan plus a loop most tiles skip) and the drawing scan (80 registers with 2048-column
-    tiles, no spills: 6 resident programs = 48 KB of fp32 tile loads in flight per SM, where an
-    H100 needs ≈ 23 KB).
+    Triton 3.6, so they keep 4, as do the candidate scans that extract (K <= EXTRACT_MAX_K: 96
+    registers) and the plain and drawing scans (lane state at 1024-column tiles: 72 and 60
+    registers, 7-8 resident programs = 28-32 KB of fp32 loads in flight per SM, where an H100
+    needs ≈ 23 KB).
     """
     return 8 if EXTRACT_MAX_K.value < K <= 32 else 4
 
@@ -380,7 +538,7 @@ def scan_partials(
             parts["max"], parts["sum"], parts["top_val"], parts["top_idx"], parts.get("draw_idx", unused),
             parts.get("keys", unused),
             HAS_EOS=eos_index is not None, DRAW=seed is not None, K=K, BLOCK_B=block_b, BLOCK_V=block_v,
-            num_warps=_num_warps(K),
+            LANE_TILES=scan_width(split_width // block_v) if seed is not None else 1, num_warps=_num_warps(K),
         )
     return ScanPartials(parts, V, K)
 

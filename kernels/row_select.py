@@ -123,14 +123,15 @@ def _eos_terms(
     state_ptr, state_stride, new_state_ptr, HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr,
     HAS_STATE: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    """(log_norm = L − a, ζ_eos, rows whose eos logit is NaN) for the NMST/ST heads."""
+    """(log_norm = L − a, ζ_eos, rows whose eos logit or ST state is NaN, or state positive) for the
+    NMST/ST heads."""
     s = tl.load(z_row + eos_index, mask=row_ok, other=0.0).to(tl.float64)
     a = _log_survival(s, rows, row_ok, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value,
                       state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
     # a = −inf (eos certain) would make both inf − inf: any a below −1e300 is 1 − α = 0 in fp64
     # (LOG_SURVIVAL_FLOOR of the torch path).
     a_floor = tl.maximum(a, -1e300)
-    return lse - a_floor, lse + _log1mexp(a) - a_floor, s != s
+    return lse - a_floor, lse + _log1mexp(a) - a_floor, (s != s) | (a != a)
 
 
 @triton.jit
@@ -151,6 +152,7 @@ def _log_survival(
     else:
         if HAS_STATE:
             prev = tl.load(state_ptr + rows.to(tl.int64) * state_stride, mask=row_ok, other=0.0).to(tl.float64)
+            prev = tl.where(prev > 0.0, float("nan"), prev)  # not a log(1 − α): the row is flagged
         else:
             prev = tl.zeros((BLOCK_B,), tl.float64)
         a = tl.where(t >= 1, prev + _log_sigmoid(s) + log1m_eps, prev)

@@ -42,12 +42,14 @@ import triton.language as tl
 from .host_math import cdiv, scan_width
 from .nucleus import _load_x, _row_head
 from .row_draw import _fp32_floor, _ranked_before
-from .row_scan import _tile_uniforms, first_crossing, interpreter_block_rows, launch_shape, scan_partials
+from .row_scan import uniform_pair, first_crossing, interpreter_block_rows, launch_shape, scan_partials
 from .row_select import HEAD_CODES, Selection, _Outputs, _split_f64, _uniform_f64_stream
 
 FIRST_ROUNDS = 3  # rounds the first launch sequence tests (top-p 0.9: ~1% of rows need a second)
 MORE_ROUNDS = 3  # rounds per continuation
 MAX_ROUNDS = 32  # then the caller takes the nucleus cut
+# The rounds' tile width on a GPU (their passes reduce per tile; timed at 2048, not the plain scan's width).
+ROUND_BLOCK_V = 2048
 # Philox streams: the scan's reservoir 0, the cut's draw 1, the row draw 2. The decisions take 3;
 # pass r's reservoir takes PASS_STREAM + r.
 DECIDE_STREAM = 3
@@ -194,7 +196,7 @@ def _round_kernel(
                 before += part_e.to(tl.float64)
                 # The reservoir (row_scan's): the tile takes the split's pick with probability
                 # part_e / before; the column inside it by inverse CDF.
-                u_take, u_col = _tile_uniforms(key, rows, start // BLOCK_V, tiles_per_row)
+                u_take, u_col = uniform_pair(key, rows, start // BLOCK_V, tiles_per_row)
                 take = (part_e > 0.0) & (u_take.to(tl.float64) * before < part_e.to(tl.float64))
                 if tl.max(take.to(tl.int32), axis=0) > 0:
                     col_in, _mass_before = first_crossing(e, u_col * part_e, cols, V)
@@ -238,7 +240,7 @@ class SplitTopP:
         self.z, self.head = z, head
         self.out = _Outputs(z, head, eps, steps, state)
         self.launched = 0
-        block_b, block_v, splits = launch_shape(z, 0)
+        block_b, block_v, splits = launch_shape(z, 0, ROUND_BLOCK_V)
         if launch is not None:
             block_v, splits = launch
             if not z.is_cuda:

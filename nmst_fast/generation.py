@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from .decoding.beam import beam_step
 from .decoding.distribution import effective_logits
 from .decoding.selection import select, try_fused_sample
+from .logmath import termination_bound
 from .head import NMSTHead
 
 STRATEGIES = ("greedy", "top_k", "nucleus", "beam")
@@ -65,7 +66,7 @@ def _check(strategy: str, top_k, top_p, num_beams, max_length) -> None:
         raise ValueError("strategy='top_k' needs top_k")
     if strategy == "nucleus" and top_p is None:
         raise ValueError("strategy='nucleus' needs top_p")
-    if strategy == "beam" and (not isinstance(num_beams, int) or num_beams < 1):
+    if strategy == "beam" and (isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1):
         raise ValueError(f"strategy='beam' needs num_beams >= 1, got {num_beams!r}")
 
 
@@ -95,7 +96,8 @@ def generate(
             from the top-``top_p`` mass; ``top_k`` may be combined) or "beam".
         num_beams: beam width for "beam" (returns each item's best hypothesis).
         max_length: L, the most tokens generated per context.
-        temperature: see :func:`nmst_fast.decoding.sample` (sampling strategies).
+        temperature: see :func:`nmst_fast.decoding.sample` (every strategy; greedy keeps the argmax
+            of non-eos tokens, but eos competes with the tempered distribution).
         length_penalty: beam ranking uses score / length**length_penalty (0: raw log-prob).
         generator: for reproducible sampling.
         keep_tokens: keep the generated tokens; False keeps only lengths (memory O(B) for
@@ -105,8 +107,14 @@ def generate(
             one-read Triton scan on CUDA; beam search takes its ranked candidates).
     """
     _check(strategy, top_k, top_p, num_beams, max_length)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if contexts.shape[0] == 0:  # nothing to continue
+        empty = torch.zeros(0, dtype=torch.long, device=contexts.device)
+        return GenerationOutput(empty.reshape(0, 0), empty, empty.bool(), empty.double())
     if strategy == "beam":
-        return _beam_search(model, contexts, num_beams, max_length, length_penalty, keep_tokens, progress, impl)
+        return _beam_search(model, contexts, num_beams, max_length, length_penalty, keep_tokens, progress, impl,
+                            temperature)
     head: NMSTHead = model.nmst_head
     B = contexts.shape[0]
     device = contexts.device
@@ -119,9 +127,23 @@ def generate(
     live = torch.arange(B, device=device)
     hidden, cache = model.prefill(contexts)
     state = None
+    # The theorem makes eos the strict argmax of greedy NMST from t½ on; in float64 p(eos) can
+    # still round onto a tie with a token of lower index there (σ(−s) rounds to 1 for s ≲ −37),
+    # so greedy NMST takes eos at t½ by the exact argument, not by the rounded comparison.
+    bound = termination_bound(head.eps) if strategy == "greedy" and head.head == "nmst" else None
     bar = tqdm(total=max_length, disable=not progress, desc=f"generate[{strategy}]")
     for t in range(1, max_length + 1):
         logits = head(hidden)
+        if bound is not None and t >= bound:
+            dist = effective_logits(logits, head=head.head, eos_index=head.eos_index, eps=head.eps, steps=t,
+                                    temperature=temperature)
+            tokens = torch.full((logits.shape[0],), head.eos_index, dtype=torch.long, device=device)
+            scores[live] += dist.token_log_probs(tokens)
+            if keep_tokens:
+                history.append((live, tokens))
+            lengths[live], terminated[live] = t, True
+            bar.update(1)
+            break
         picked, first_size = try_fused_sample(logits, head=head.head, eos_index=head.eos_index, eps=head.eps,
                                               steps=t, state=state, top_k=k, top_p=p, temperature=temperature,
                                               generator=generator, impl=impl)
@@ -170,7 +192,8 @@ class _Hypothesis:
     log_prob: float
 
 
-def _beam_search(model, contexts, K, max_length, length_penalty, keep_tokens, progress, impl) -> GenerationOutput:
+def _beam_search(model, contexts, K, max_length, length_penalty, keep_tokens, progress, impl,
+                 temperature) -> GenerationOutput:
     """Beam search: each step keeps the K best unfinished prefixes of every item; a candidate
     ending in eos that ranks among the K best becomes a finished hypothesis. An item is done
     once it holds K finished hypotheses (or at ``max_length``, where its live beams compete
@@ -192,7 +215,7 @@ def _beam_search(model, contexts, K, max_length, length_penalty, keep_tokens, pr
     bar = tqdm(total=max_length, disable=not progress, desc="generate[beam]")
     for t in range(1, max_length + 1):
         cand = beam_step(head(hidden), beam_scores, num_beams=K, head=head.head, eos_index=eos, eps=head.eps,
-                         steps=t, state=state, num_candidates=2 * K, impl=impl)
+                         steps=t, state=state, temperature=temperature, num_candidates=2 * K, impl=impl)
         is_eos = cand.tokens == eos
         to_finish = is_eos & (rank < K) & torch.isfinite(cand.scores)
         # Every finishing candidate comes to the host at once (a few syncs per step, not per hypothesis).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Iterable
 
 import numpy as np
@@ -13,28 +14,52 @@ def _as_tensor(x) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
 
 
+def _lengths_and_terminated(lengths, terminated) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lengths (N,), terminated (N,) bool) from either form :func:`non_termination_ratio` accepts."""
+    if hasattr(lengths, "lengths") and hasattr(lengths, "terminated"):  # a generate() output
+        if terminated is not None:
+            raise ValueError("pass terminated only with plain lengths: a generation output carries its own")
+        lengths, terminated = lengths.lengths, lengths.terminated
+    lengths = _as_tensor(lengths)
+    if lengths.dim() != 1 or lengths.numel() == 0:
+        raise ValueError(f"lengths must be a non-empty 1-D sequence, got shape {tuple(lengths.shape)}")
+    if terminated is None:  # lengths are eos positions; a continuation without eos must carry one > L
+        terminated = torch.ones_like(lengths, dtype=torch.bool)
+    terminated = _as_tensor(terminated)
+    if terminated.shape != lengths.shape:
+        raise ValueError(f"terminated must have the shape of lengths {tuple(lengths.shape)}, "
+                         f"got {tuple(terminated.shape)}")
+    return lengths, terminated.to(device=lengths.device, dtype=torch.bool)
+
+
+def _check_horizon(L) -> int:
+    if isinstance(L, bool) or not isinstance(L, numbers.Integral) or L < 1:
+        raise ValueError(f"L must be a positive int, got {L!r}")
+    return int(L)
+
+
 def non_termination_ratio(lengths, L: int, terminated=None) -> float:
     """Fraction of continuations with no eos among their first ``L`` generated tokens.
 
     Args:
-        lengths: (N,) generated length of each continuation, eos included when it ended with one.
-        L: the horizon.
-        terminated: (N,) bool, whether the continuation ended with eos. Default: every
-            continuation is taken as terminated at its length (pass it when decoding
-            stopped at a maximum length without eos).
+        lengths: the :class:`nmst_fast.generation.GenerationOutput` of a run (its lengths and
+            terminated mask), or (N,) lengths: the 1-based position of each continuation's eos.
+        L: the horizon, a positive int.
+        terminated: with plain lengths, (N,) bool: whether each continuation ended with eos (a
+            run stopped at a maximum length reports its unfinished continuations at that length:
+            pass this, or pass the run's output). Default: every length is an eos position
+            (encode a continuation without eos as a length above L, e.g. ``math.inf``).
     """
-    lengths = _as_tensor(lengths)
-    if lengths.numel() == 0:
-        raise ValueError("lengths is empty: no continuations to measure")
-    stopped_by_L = lengths <= L
-    if terminated is not None:
-        stopped_by_L = stopped_by_L & _as_tensor(terminated).to(torch.bool)
+    lengths, terminated = _lengths_and_terminated(lengths, terminated)
+    stopped_by_L = (lengths <= _check_horizon(L)) & terminated
     return float((~stopped_by_L).double().mean())
 
 
 def non_termination_curve(lengths, Ls: Iterable[int], terminated=None) -> dict[int, float]:
-    """r_nt(L) for every L in ``Ls`` from one decoding run (decode once to max(Ls))."""
-    return {int(L): non_termination_ratio(lengths, int(L), terminated) for L in Ls}
+    """r_nt(L) for every L in ``Ls`` from one decoding run (decode once to max(Ls)); arguments as
+    :func:`non_termination_ratio`."""
+    lengths, terminated = _lengths_and_terminated(lengths, terminated)
+    return {_check_horizon(L): non_termination_ratio(lengths, L, terminated) for L in Ls}
 
 
 def log_grid(max_length: int, points_per_decade: int = 4) -> list[int]:
@@ -53,4 +78,7 @@ def perplexity(total_nll: float, num_tokens: int) -> float:
     """exp(total NLL / tokens); ``num_tokens`` must exclude context positions."""
     if num_tokens <= 0:
         raise ValueError(f"num_tokens must be positive, got {num_tokens}")
-    return math.exp(total_nll / num_tokens)
+    try:
+        return math.exp(total_nll / num_tokens)
+    except OverflowError:  # a mean NLL above ~709.78: beyond float64, the perplexity is inf
+        return math.inf

@@ -238,9 +238,77 @@ def test_generator_reproducible_and_nan_rows_rejected():
 
 @pytest.mark.parametrize("kw,name", [(dict(top_k=0), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
                                      (dict(temperature=0.0), "temperature"), (dict(eos_index=100), "eos_index"),
-                                     (dict(head="x"), "head"), (dict(eps=1.0), "eps"), (dict(steps=1.5), "steps")])
+                                     (dict(head="x"), "head"), (dict(eps=1.0), "eps"), (dict(steps=1.5), "steps"),
+                                     (dict(temperature=float("inf")), "temperature"), (dict(generator=3), "generator")])
 def test_bad_arguments(kw, name):
     args = dict(head="nmst", eos_index=0, steps=1)
     args.update(kw)
     with pytest.raises((ValueError, TypeError), match=name):
         sample(torch.randn(2, 100), **args)
+
+
+@pytest.mark.parametrize("value", [float("nan"), 0.5])
+def test_invalid_st_state_is_rejected(value):
+    """ST's state is a log(1 − α) ≤ 0: a NaN or positive entry raises naming the state on every path
+    (it used to give out-of-range tokens, index errors or NaN log-probs); −inf (eos certain) is valid."""
+    from nmst_fast.decoding import beam_step
+
+    z = torch.randn(2, 10)
+    state = torch.tensor([value, -1.0], dtype=torch.float64)
+    for kw in (dict(), dict(top_k=1), dict(top_k=3), dict(top_p=0.5)):
+        with pytest.raises(ValueError, match="state"):
+            sample(z, head="st", eos_index=0, state=state, impl="torch", **kw)
+    with pytest.raises(ValueError, match="state"):
+        step_log_probs(z, head="st", eos_index=0, state=state)
+    with pytest.raises(ValueError, match="state"):
+        beam_step(z, torch.zeros(2, dtype=torch.float64), num_beams=2, head="st", eos_index=0, state=state,
+                  impl="torch")
+    certain = torch.tensor([float("-inf"), -1.0], dtype=torch.float64)
+    tokens, _ = sample(z, head="st", eos_index=0, state=certain, top_k=1)
+    assert tokens[0] == 0
+
+
+def test_sampling_needs_no_gradient():
+    """Logits straight from a model (requires_grad) sample on every path; step_log_probs keeps the
+    graph (a differentiable distribution)."""
+    layer = torch.nn.Linear(8, 200)
+    logits = layer(torch.randn(3, 8))
+    for kw in (dict(), dict(top_k=1), dict(top_k=5), dict(top_p=0.9), dict(top_p=0.999), dict(top_k=50, top_p=0.9)):
+        for head in HEADS:
+            tokens, _ = sample(logits, head=head, eos_index=0, steps=2, impl="torch", **kw)
+            assert tokens.shape == (3,) and not tokens.requires_grad
+    log_p, _ = step_log_probs(logits, head="nmst", eos_index=0, steps=2)
+    log_p[:, 1].sum().backward()
+    assert layer.weight.grad is not None
+
+
+def test_empty_batch():
+    from nmst_fast.decoding import beam_step
+
+    z = torch.randn(0, 10)
+    for head in HEADS:
+        assert step_log_probs(z, head=head, eos_index=0)[0].shape == (0, 10)
+        for kw in (dict(), dict(top_k=1), dict(top_k=3), dict(top_p=0.5), dict(top_k=3, top_p=0.5)):
+            assert sample(z, head=head, eos_index=0, **kw)[0].shape == (0,)
+        cand = beam_step(z, torch.zeros(0), num_beams=2, head=head, eos_index=0)
+        assert cand.tokens.shape == (0, 2)
+
+
+def test_beam_step_rejects_bad_arguments():
+    from nmst_fast.decoding import beam_step
+
+    z, scores = torch.randn(4, 10), torch.zeros(4, dtype=torch.float64)
+    args = dict(num_beams=2, head="nmst", eos_index=0)
+    for bad, exc in [(0, ValueError), (-1, ValueError), (2.5, ValueError), (True, ValueError)]:
+        with pytest.raises(exc, match="num_candidates"):
+            beam_step(z, scores, num_candidates=bad, **args)
+    with pytest.raises(TypeError, match="logits"):
+        beam_step(z.tolist(), scores, **args)
+    with pytest.raises(TypeError, match="beam_scores"):
+        beam_step(z, scores.tolist(), **args)
+    with pytest.raises(ValueError, match="logits"):
+        beam_step(z[0], scores, **args)
+    for bad_score in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="beam_scores"):
+            beam_step(z, torch.tensor([0.0, bad_score, 0.0, 0.0], dtype=torch.float64), **args)
+    beam_step(z, torch.tensor([0.0, float("-inf"), 0.0, float("-inf")], dtype=torch.float64), **args)

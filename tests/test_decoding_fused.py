@@ -156,6 +156,11 @@ def test_fused_paths_reject_bad_steps_and_state():
                    impl="triton", **kw)
         with pytest.raises(TypeError, match="steps"):
             sample(z, head="nmst", eos_index=0, steps=torch.ones(4, device=DEVICE), impl="triton", **kw)
+        for value in (float("nan"), 0.5):  # not a log(1 − α): the kernels flag the row (no host check)
+            state = torch.tensor([-1.0, -2.0, value, -1.0], dtype=torch.float64, device=DEVICE)
+            with pytest.raises(ValueError, match="row 2"):
+                sample(z, head="st", eos_index=0, state=state, impl="triton",
+                       generator=torch.Generator(device=DEVICE).manual_seed(0), **kw)
     bad = z.clone()
     bad[2, 0] = float("nan")  # the eos logit
     with pytest.raises(ValueError, match="row 2"):
@@ -436,3 +441,45 @@ def test_certain_eos_is_drawn_without_nan(head, eos_logit, sampling_path, monkey
         assert picked.log_probs.tolist() == [0.0] * 3
     picked = fused_truncated(z.to(DEVICE), top_p=0.5, generator=torch.Generator().manual_seed(0), **args)
     assert picked.log_probs.tolist() == [0.0] * 3
+
+
+def test_lane_scan_matches_float64_on_fresh_rows():
+    """Greedy's scan (per-lane state, no per-tile reduction): the first argmax, its value and the
+    logsumexp of every split merge against float64, on fresh random rows — random V, tile width,
+    split count, eos anywhere (first, last, inside a whole tile, in the partial last tile, none),
+    temperature, ties, ±0.0, −inf runs, a whole −inf split, values near ±3e38, and NaN/+inf rows
+    (their logsumexp is NaN or +inf, which the select kernels flag)."""
+    from kernels.row_scan import row_scan
+
+    seed = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
+    for case in range(6):
+        V = int(torch.randint(3, 300, (1,), generator=gen))
+        launch = (int(2 ** torch.randint(3, 7, (1,), generator=gen)), int(torch.randint(1, 4, (1,), generator=gen)))
+        eos = [None, 0, V - 1, V // 2, int(torch.randint(0, V, (1,), generator=gen)), V - 2][case]
+        temperature = [1.0, 0.7, 1.9][case % 3]
+        z = torch.randn(10, V, generator=gen) * 3
+        z[::2] = z[::2].round()  # ties
+        z[1, torch.rand(V, generator=gen) < 0.5] = float("-inf")
+        z[2, ::2] = -0.0
+        z[3, : V // 2] = float("-inf")
+        z[4] = z[4].sort().values  # every tile raises every lane's max
+        z[5] *= 1e37  # near the fp32 range: no overflow in the lane sums
+        z[6] = float("-inf")
+        z[6, -1] = 1.0  # one finite column (eos's, when eos is last)
+        z[7, V // 3] = float("nan")
+        z[8, V // 3] = float("inf")
+        scan = row_scan(z.to(DEVICE), eos_index=eos, temperature=temperature, launch=launch)
+        x = z.double() / temperature
+        if eos is not None:
+            x[:, eos] = float("-inf")
+        ok = torch.isfinite(x).any(dim=1) & ~torch.isnan(x).any(dim=1) & ~(x == float("inf")).any(dim=1)
+        order = torch.sort(torch.nan_to_num(x, nan=float("-inf")), dim=1, descending=True, stable=True).indices[:, 0]
+        where = f"seed={seed} V={V} launch={launch} eos={eos} T={temperature}"
+        got_idx, got_val, lse = scan["top_idx"].cpu(), scan["top_val"].cpu().double(), scan["lse"].cpu().double()
+        assert torch.equal(got_idx[ok], order[ok]), where
+        assert torch.equal(got_val[ok], (z.float() * (1.0 / temperature)).double().gather(1, order[:, None])[ok, 0]), where
+        torch.testing.assert_close(lse[ok], torch.logsumexp(x[ok], dim=1), rtol=1e-5, atol=1e-5, msg=where)
+        empty = ~torch.isfinite(x).any(dim=1) & ~torch.isnan(x).any(dim=1) & ~(x == float("inf")).any(dim=1)
+        assert (lse[empty] == float("-inf")).all() and (got_idx[empty] == 0).all(), where
+        assert not torch.isfinite(lse[7]) and not torch.isfinite(lse[8]), where  # NaN / +inf rows

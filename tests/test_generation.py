@@ -170,9 +170,77 @@ def test_generate_rejects_bad_arguments():
     model = TinyRNN()
     for kw, name in [(dict(strategy="sample"), "strategy"), (dict(strategy="top_k"), "top_k"),
                      (dict(strategy="nucleus"), "top_p"), (dict(strategy="beam"), "num_beams"),
-                     (dict(max_length=0), "max_length")]:
+                     (dict(max_length=0), "max_length"), (dict(strategy="beam", num_beams=True), "num_beams"),
+                     (dict(strategy="beam", num_beams=2, temperature=-1.0), "temperature"),
+                     (dict(temperature=float("inf")), "temperature")]:
         with pytest.raises(ValueError, match=name):
             generate(model, _contexts(), **kw)
+    with pytest.raises(TypeError, match="generator"):
+        generate(model, _contexts(), strategy="top_k", top_k=3, generator=3)
+
+
+def test_empty_batch_generates_nothing():
+    model = TinyRNN()
+    for kw in (dict(), dict(strategy="nucleus", top_p=0.9), dict(strategy="beam", num_beams=2)):
+        out = generate(model, _contexts()[:0], max_length=5, **kw)
+        assert out.tokens.shape[0] == out.lengths.numel() == out.terminated.numel() == out.scores.numel() == 0
+
+
+def test_beam_search_applies_temperature():
+    """Temperature reaches the beam's step distributions (it used to be dropped): the best
+    hypothesis' score is its log-probability under the tempered distributions, so a hot and a cold
+    search score differently. (VA: eos is tempered too; with eos held far down nothing ends early.)"""
+    model = TinyRNN(head="va", eos_bias=-30.0).double()
+    contexts = _contexts(B=3)
+    runs = {T: generate(model, contexts, strategy="beam", num_beams=2, max_length=6, temperature=T)
+            for T in (0.5, 1.0, 2.0)}
+    assert not torch.allclose(runs[0.5].scores, runs[2.0].scores)
+    for T, out in runs.items():
+        for b in range(3):  # the score is the sum of the tempered step log-probs of the tokens
+            seq = torch.cat([contexts[b], out.tokens[b]])[None]
+            h, _ = model.rnn(model.emb(seq))
+            log_p = torch.log_softmax(model.nmst_head(h)[0, contexts.shape[1] - 1:-1] / T, dim=-1)
+            total = log_p.gather(1, out.tokens[b][:, None]).sum()
+            torch.testing.assert_close(out.scores[b], total, rtol=1e-9, atol=1e-9)
+
+
+class _ConstantLogits(nn.Module):
+    """A model whose head emits the same logits at every step (to pin greedy's decisions)."""
+
+    def __init__(self, logits, eps):
+        super().__init__()
+        V = logits.numel()
+        self.nmst_head = nmst_fast.NMSTHead(1, V, eos_index=V - 1, head="nmst", eps=eps, bias=True)
+        with torch.no_grad():
+            self.nmst_head.weight.zero_()
+            self.nmst_head.bias.copy_(logits)
+
+    def prefill(self, contexts):
+        return torch.ones(contexts.shape[0], 1, dtype=torch.float64), None
+
+    def decode_step(self, tokens, cache):
+        return torch.ones(tokens.shape[0], 1, dtype=torch.float64), None
+
+    def select_cache(self, cache, index):
+        return cache
+
+
+@pytest.mark.parametrize("eps", [0.5, 0.018559322341406004, 0.00590682060858061, 0.05])
+def test_greedy_nmst_ends_by_the_bound_when_floats_tie(eps):
+    """t½ is the exact bound (the float64 formula undercounts for these ε: (1−ε)^t½ lands just
+    above 1/2), and greedy takes eos at t½ even where float64 rounds p(eos) onto a tie with a
+    lower-index token (eos logit −100: σ(100) rounds to 1, so p(eos) = 1/2 exactly in float64 at
+    ε = 1/2, t = 1)."""
+    import math
+    from fractions import Fraction
+
+    bound = nmst_fast.termination_bound(eps)
+    assert (1 - Fraction(eps)) ** bound <= Fraction(1, 2) < (1 - Fraction(eps)) ** (bound - 1)
+    assert bound >= math.ceil(math.log(2.0) / -math.log1p(-eps))
+    model = _ConstantLogits(torch.tensor([60.0, 0.0, 0.0, -100.0], dtype=torch.float64), eps).double()
+    out = generate(model, torch.zeros(2, 1, dtype=torch.long), strategy="greedy", max_length=bound + 5)
+    assert out.terminated.all() and (out.lengths == bound).all()
+    assert (out.tokens[:, : bound - 1] == 0).all() and (out.tokens[:, bound - 1] == 3).all()
 
 
 def test_metrics():
@@ -185,5 +253,25 @@ def test_metrics():
     counts, edges = metrics.length_histogram(lengths, bins=[0, 10, 1000])
     assert counts.tolist() == [2, 2]
     assert metrics.perplexity(0.0, 10) == 1.0
+    assert metrics.perplexity(1e6, 1) == float("inf")
     with pytest.raises(ValueError):
         metrics.non_termination_ratio([], 5)
+    for bad_L in (0, -5, 2.5, True):
+        with pytest.raises(ValueError, match="L must"):
+            metrics.non_termination_ratio(lengths, bad_L, terminated)
+    with pytest.raises(ValueError, match="terminated"):
+        metrics.non_termination_ratio(lengths, 5, [True])
+    # Plain lengths without a mask are eos positions: a continuation without eos is one past L.
+    assert metrics.non_termination_ratio([3, 10, float("inf"), 5], 5) == 0.5
+
+
+def test_metrics_take_a_generation_output():
+    """A run cut at max_length reports its unfinished continuations at that length: passing the
+    run's output (lengths and terminated mask together) counts them as not terminated."""
+    model = TinyRNN(head="va", eps=0.05, eos_bias=-30.0)
+    out = generate(model, _contexts(), strategy="greedy", max_length=20)
+    assert not out.terminated.any() and (out.lengths == 20).all()
+    assert metrics.non_termination_ratio(out, 20) == 1.0
+    assert metrics.non_termination_curve(out, [5, 20]) == {5: 1.0, 20: 1.0}
+    with pytest.raises(ValueError, match="terminated"):
+        metrics.non_termination_ratio(out, 20, out.terminated)

@@ -420,3 +420,34 @@ def test_a_traced_step_launches_every_split_round_at_once(monkeypatch):
     tokens, probs = truncated_candidates(dist, None, 0.2)
     expected = torch.zeros(8, 600, dtype=torch.float64).scatter_add(1, tokens, probs)
     assert bool((expected.gather(1, served.tokens.cpu()[:, None]) > 0).all())
+
+
+@pytest.mark.parametrize("head,top_p,eos", [("nmst", None, 20), ("st", 0.8, 60), ("va", 0.6, 3), ("nmst", 0.95, 99)])
+def test_row_draw_lanes_across_tiles(head, top_p, eos):
+    """The row draw with 16-column tiles on a 101-column row: its lanes (a column position followed
+    across seven tiles) carry the passes' sums, and a lane's columns are gathered to draw from it.
+    eos in a whole tile (masked span between unmasked ones), in the partial last tile or the first;
+    10⁶ draws G-tested against the float64 (truncated) distribution, PREFETCH on and off alike."""
+    seed = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
+    V, t, eps = 101, 4, 0.02
+    z = _row(gen, V) * 1.5
+    z[30:46] -= 6.0  # a light tile
+    z[80:96] += 2.0  # a heavy one, after the light
+    state = _st_state_before(z, eos, eps, t) if head == "st" else None
+    log_p = _reference_log_probs(z, head, eos, eps, t)
+    expected = torch.exp(log_p) if top_p is None else truncated_distribution(log_p.unsqueeze(0), None, top_p)[0]
+    launch = dict(BLOCK_B=row_draw._interpreter_launch(DRAWS, V)["BLOCK_B"] * 8, BLOCK_V=16,
+                  NTILES=nucleus.tile_table_width(V, 16))
+    rows = z.to(DEVICE).unsqueeze(0).expand(DRAWS, -1)
+    runs = []
+    for prefetch in (True, False):
+        picked, _ = row_draw.draw_rows(
+            rows, head=head, eos_index=eos, eps=eps, temperature=1.0, steps=t,
+            state=None if state is None else state.to(DEVICE).expand(DRAWS),
+            seed=torch.tensor([seed], device=DEVICE), top_p_threshold=None if top_p is None else top_p - TOP_P_SLACK,
+            launch=launch | {"PREFETCH": prefetch})
+        assert picked.flags.tolist() == [DRAWS, DRAWS]
+        runs.append(picked.tokens.cpu())
+    assert torch.equal(runs[0], runs[1])
+    assert _g_test(runs[0], expected) > 1e-5, f"seed={seed}"

@@ -10,6 +10,7 @@ import torch
 from .distribution import Steps, effective_logits
 from .fused import fused_ranked_candidates
 from .selection import ranked_candidates, use_fused
+from ..validation import check_float_tensor
 
 
 @dataclass
@@ -30,6 +31,7 @@ class BeamCandidates:
     state: Optional[torch.Tensor]
 
 
+@torch.no_grad()  # a search, not a loss: no graph through the candidates
 def beam_step(
     logits: torch.Tensor,
     beam_scores: torch.Tensor,
@@ -63,11 +65,20 @@ def beam_step(
     """
     if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
         raise ValueError(f"num_beams must be a positive int, got {num_beams!r}")
+    if num_candidates is not None and (isinstance(num_candidates, bool) or not isinstance(num_candidates, int)
+                                       or num_candidates < 1):
+        raise ValueError(f"num_candidates must be a positive int or None, got {num_candidates!r}")
+    check_float_tensor("logits", logits)
+    check_float_tensor("beam_scores", beam_scores)
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be (B·num_beams, V), got shape {tuple(logits.shape)}")
     rows, V = logits.shape
     if rows % num_beams:
         raise ValueError(f"logits has {rows} rows, not a multiple of num_beams={num_beams}")
     if beam_scores.shape != (rows,):
         raise ValueError(f"beam_scores must have shape ({rows},), got {tuple(beam_scores.shape)}")
+    if bool((beam_scores.isnan() | (beam_scores == float("inf"))).any()):  # −inf: a beam not in use
+        raise ValueError("beam_scores must be log-probabilities: no NaN or +inf")
     C = num_beams if num_candidates is None else num_candidates
     B = rows // num_beams
     # Any of an item's C best extensions is among its own beam's C best tokens: K·C candidates suffice.
@@ -84,6 +95,6 @@ def beam_step(
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :C]
     beam_in_item = torch.div(order, per_beam, rounding_mode="floor")
     beam_rows = beam_in_item + (torch.arange(B, device=logits.device) * num_beams).unsqueeze(1)
-    cand_tokens = tokens.reshape(B, -1).gather(1, order)
+    cand_tokens = tokens.reshape(B, num_beams * per_beam).gather(1, order)
     cand_state = None if new_state is None else new_state[beam_rows]
     return BeamCandidates(cand_tokens, scores.gather(1, order), beam_rows, cand_state)

@@ -16,6 +16,7 @@ divides every logit, as usual.
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -102,8 +103,9 @@ def check_step_args(logits: torch.Tensor, head: str, eos_index: int, eps: float,
         raise ValueError(f"logits must have V >= 2 (eos and one other token), got V={logits.shape[1]}")
     check_index("eos_index", eos_index, logits.shape[1], "V")
     check_eps(eps)
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature > 0:
-        raise ValueError(f"temperature must be a positive float, got {temperature!r}")
+    if (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature > 0
+            or not math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a positive finite float, got {temperature!r}")
 
 
 def step_log_survival(
@@ -126,12 +128,19 @@ def step_log_survival(
     return torch.where(t >= 1, prev + st_step_term(eos_logit, eps), prev)
 
 
-def check_state(state: object, batch: int, device: torch.device) -> torch.Tensor:
-    """ST's state, as every decoding path accepts it: a floating (B,) tensor (moved to ``device``)."""
+def check_state(state: object, batch: int, device: torch.device, *, values: bool = True) -> torch.Tensor:
+    """ST's state, as every decoding path accepts it: a floating (B,) tensor (moved to ``device``)
+    of log(1 − α) ≤ 0 (−inf: eos certain). ``values=False`` leaves the NaN / positive check to the
+    caller (the Triton kernels flag such rows on the device: no host sync)."""
     if not isinstance(state, torch.Tensor) or not state.dtype.is_floating_point:
         raise TypeError("state must be a floating tensor (ST's running log(1 − α) from the previous step)")
     if state.shape != (batch,):
         raise ValueError(f"state must have shape ({batch},), got {tuple(state.shape)}")
+    if values:
+        invalid = (state.isnan() | (state > 0)).nonzero()
+        if invalid.numel():
+            row = int(invalid[0, 0])
+            raise ValueError(f"state row {row} is {float(state[row])}: ST's state is a log(1 − α), <= 0 and not NaN")
     return state.to(device)
 
 
@@ -226,9 +235,10 @@ BLOCK_ENTRIES = 1 << 21
 
 
 def row_blocks(rows: int, columns: int) -> list[slice]:
-    """Slices covering ``rows`` rows, each of at most BLOCK_ENTRIES entries (at least one row)."""
+    """Slices covering ``rows`` rows, each of at most BLOCK_ENTRIES entries (at least one row; one
+    empty slice for an empty batch, so every path runs on it and returns empty results)."""
     per_block = max(1, BLOCK_ENTRIES // max(1, columns))
-    return [slice(start, min(rows, start + per_block)) for start in range(0, rows, per_block)]
+    return [slice(start, min(rows, start + per_block)) for start in range(0, rows, per_block)] or [slice(0, 0)]
 
 
 def row_blocks_of(table: torch.Tensor) -> list[slice]:

@@ -88,7 +88,8 @@ def _prepare(logits: torch.Tensor, head: str, eos_index: int, eps: float, steps:
         logits = logits.contiguous()
     B = logits.shape[0]
     kernel_steps = _kernel_steps(steps, B, logits.device) if head != "va" else 1
-    kernel_state = check_state(state, B, logits.device) if head == "st" and state is not None else None
+    kernel_state = (check_state(state, B, logits.device, values=False)  # the kernels flag bad values
+                    if head == "st" and state is not None else None)
     return logits, kernel_steps, kernel_state
 
 
@@ -102,8 +103,8 @@ def _check_flags(flags: torch.Tensor, batch: int) -> bool:
 def _served(first_bad: int, first_uncovered: int, batch: int) -> bool:
     """The flags as read: raise for an undefined row; False if some row has no valid token."""
     if first_bad < batch:
-        raise ValueError(f"logits row {first_bad} has NaN/+inf values or no finite non-eos logit: "
-                         "no distribution to decode")
+        raise ValueError(f"logits row {first_bad} has NaN/+inf values or no finite non-eos logit, or its ST "
+                         "state is NaN or positive: no distribution to decode")
     return first_uncovered >= batch
 
 

@@ -249,6 +249,7 @@ def use_fused(impl: str, logits: torch.Tensor, top_k: Optional[int], top_p: Opti
     return servable and fused_available(logits)
 
 
+@torch.no_grad()  # a draw, not a loss: logits straight from a model may require grad
 def sample(
     logits: torch.Tensor,
     *,
@@ -281,6 +282,8 @@ def sample(
         (tokens (B,) int64, new state).
     """
     _check_truncation(top_k, top_p)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     picked, first_size = try_fused_sample(logits, head=head, eos_index=eos_index, eps=eps, steps=steps, state=state,
                                           top_k=top_k, top_p=top_p, temperature=temperature, generator=generator,
                                           impl=impl)
