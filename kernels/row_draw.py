@@ -48,8 +48,8 @@ import triton.language as tl
 
 from .host_math import cdiv, next_power_of_2
 from .nucleus import _load_x, _row_head, tile_table_width
-from .row_scan import (LOG2E, first_crossing, fold_row_lanes, lane_pointers, load_tile, merge_lanes,
-                       tile_spans)
+from .lanes import LOG2E, fold_row_lanes, lane_pointers, load_tile, merge_lanes, tile_spans
+from .row_scan import first_crossing
 from .row_select import HEAD_CODES, Selection, _Outputs, _split_f64, _uniform_f64_stream
 
 MAX_ROUNDS = 32  # P(all rejected) ≤ (1 − p)^32 per row; in practice rounds ≈ 1 + log₂(1/p)

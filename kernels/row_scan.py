@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_power_of_2, scan_width
+from .lanes import LOG2E, fold_row_lanes, lane_pointers, merge_lanes
 
 # The largest candidate list the kernel keeps per row (a power of two; tl.topk needs one).
 MAX_CANDIDATES = 128
@@ -139,128 +140,6 @@ def uniform_pair(seed, rows, index, per_row):
     w0, w1, _, _ = tl.randint4x(seed, rows * per_row + index)
     return (tl.minimum(tl.uint_to_uniform_float(w0), 0.99999994),
             tl.minimum(tl.uint_to_uniform_float(w1), 0.99999994))
-
-
-LOG2E = tl.constexpr(1.4426950408889634)
-# exp2 of anything at or below this is 0 in fp32 (the smallest subnormal is 2^-149): the exponent
-# fold_lanes clamps to, which turns the NaN of −inf − (−inf) into a weight of 0.
-NO_WEIGHT_EXP2 = tl.constexpr(-200.0)
-
-
-@triton.jit
-def fold_lanes(lane_max, lane_sum, z, neg_scale):
-    """Fold a (rows, BLOCK_V) tile of raw logits ``z`` into per-lane online (max z, Σ e^(x − max x))
-    with x = z · inv_temp and ``neg_scale`` = −log2(e) · inv_temp; returns them and where ``z`` set a
-    new lane maximum (strictly above: an equal value keeps the earlier column).
-
-    A lane is one column position of the tile, followed across the tiles of a row, so folding
-    takes no reduction across the tile: no barrier in the loop, and every warp streams on its own
-    (a per-tile max and sum cost three block-wide reductions per tile: 9 barriers and ~26
-    instructions per element in the sm_90 code, ``python -m kernels.compile_check --loops``).
-    One exp2 per element: 2^(|z − max| · neg_scale) is the new element's weight when the max
-    stays and the old sum's rescale when the element becomes the max; the temperature rides in
-    ``neg_scale``, so it costs no multiply. The clamp turns −inf onto an empty lane (a NaN
-    difference) into a weight of 0; a NaN z makes the lane's max NaN, so the merged mass is NaN
-    and the select kernels flag the row."""
-    d = z - lane_max
-    up = d > 0.0
-    e = tl.exp2(tl.maximum(tl.abs(d) * neg_scale, NO_WEIGHT_EXP2))
-    lane_sum = tl.where(up, lane_sum * e + 1.0, lane_sum + e)
-    return tl.maximum(lane_max, z, propagate_nan=tl.PropagateNan.ALL), lane_sum, up
-
-
-@triton.jit
-def merge_lanes(lane_max, lane_sum, inv_temp):
-    """Per row: max z over the lanes, and each lane's mass Σ e^(x − max x), x = z · inv_temp. The
-    max x is max z · inv_temp: rounding is monotone, so fl(max z · inv_temp) = max fl(z · inv_temp)."""
-    m = tl.max(lane_max, axis=1)
-    shift = tl.where(m == float("-inf"), 0.0, m)  # no finite z: masses 0, not NaN
-    return m, lane_sum * tl.exp2((lane_max - shift[:, None]) * (inv_temp * LOG2E))
-
-
-@triton.jit
-def lane_pointers(z_ptr, z_row_stride, rows, n_rows, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
-    """(BLOCK_B, BLOCK_V) pointers to each row's first tile. Rows past the batch point at the last
-    row (their results are never stored), so whole tiles load with no mask. One row (the GPU
-    launches): from a scalar row pointer, so a thread's loads are one address plus immediate offsets
-    (a per-element pointer tensor cost ~1 instruction and 2 registers per element in sm_90 code)."""
-    lanes = tl.arange(0, BLOCK_V)[None, :]
-    if BLOCK_B == 1:
-        return (z_ptr + tl.minimum(tl.program_id(0), n_rows - 1).to(tl.int64) * z_row_stride) + lanes
-    return z_ptr + tl.minimum(rows, n_rows - 1).to(tl.int64)[:, None] * z_row_stride + lanes
-
-
-@triton.jit
-def tile_spans(lo, hi, eos_index, HAS_EOS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Split the tiles of columns [lo, hi) (tiles start at lo + k · BLOCK_V) into whole tiles before
-    eos's tile [lo, eos_start), eos's tile [eos_start, eos_end) (empty when eos is not in a whole
-    tile), whole tiles after it [eos_end, whole_end), and the partial last tile [whole_end, hi).
-    The whole tiles clear of eos — every tile but one or two — load without a mask: no per-element
-    predicate, and a thread's loads share one address (masked loads cost ~9 integer instructions
-    per element in the sm_90 code: the mask, and a 64-bit address each)."""
-    whole_end = lo + (hi - lo) // BLOCK_V * BLOCK_V
-    eos_in = HAS_EOS & (eos_index >= lo) & (eos_index < whole_end)
-    eos_start = tl.where(eos_in, lo + (tl.maximum(eos_index, lo) - lo) // BLOCK_V * BLOCK_V, whole_end)
-    return eos_start, tl.minimum(eos_start + BLOCK_V, whole_end), whole_end
-
-
-@triton.jit
-def load_tile(lane_ptrs, start, hi, eos_index, MASKED: tl.constexpr, HAS_EOS: tl.constexpr,
-              BLOCK_V: tl.constexpr):
-    """The tile at ``start`` as fp32; MASKED (a span of :func:`tile_spans` that needs it): −inf from
-    column ``hi`` on and at eos."""
-    if MASKED:
-        cols = start + tl.arange(0, BLOCK_V)[None, :]
-        keep = cols < hi
-        if HAS_EOS:
-            keep = keep & (cols != eos_index)
-        return tl.load(lane_ptrs + start, mask=keep, other=float("-inf")).to(tl.float32)
-    return tl.load(lane_ptrs + start).to(tl.float32)
-
-
-@triton.jit
-def _fold_span(lane_max, lane_sum, lane_start, lane_ptrs, first, last, hi, eos_index, neg_scale,
-               MASKED: tl.constexpr, ARGMAX: tl.constexpr, PREFETCH: tl.constexpr, HAS_EOS: tl.constexpr,
-               BLOCK_V: tl.constexpr):
-    """Fold the tiles starting in [first, last) into the lane state; ARGMAX: also the tile start of
-    each lane's first maximum. PREFETCH (unmasked spans): load the next tile before folding this
-    one (the last iteration re-reads the span's last tile), for kernels with few warps per SM."""
-    if PREFETCH and not MASKED:
-        if first < last:
-            z_next = load_tile(lane_ptrs, first, hi, eos_index, False, HAS_EOS, BLOCK_V)
-            for start in range(first, last, BLOCK_V):
-                z = z_next
-                z_next = load_tile(lane_ptrs, tl.minimum(start + BLOCK_V, last - BLOCK_V), hi, eos_index, False,
-                                   HAS_EOS, BLOCK_V)
-                lane_max, lane_sum, up = fold_lanes(lane_max, lane_sum, z, neg_scale)
-                if ARGMAX:
-                    lane_start = tl.where(up, start, lane_start)  # a uniform scalar: cheaper than the column
-    else:
-        for start in range(first, last, BLOCK_V):
-            z = load_tile(lane_ptrs, start, hi, eos_index, MASKED, HAS_EOS, BLOCK_V)
-            lane_max, lane_sum, up = fold_lanes(lane_max, lane_sum, z, neg_scale)
-            if ARGMAX:
-                lane_start = tl.where(up, start, lane_start)
-    return lane_max, lane_sum, lane_start
-
-
-@triton.jit
-def fold_row_lanes(lane_ptrs, lo, hi, eos_index, neg_scale, ARGMAX: tl.constexpr, PREFETCH: tl.constexpr,
-                   HAS_EOS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Per-lane (max z, Σ e^(x − max x), tile start of the first max) over columns [lo, hi) of each
-    row (``lane_ptrs``: (BLOCK_B, BLOCK_V) pointers to the lanes' columns of the row's first tile;
-    every row must be a real row: the whole tiles load unmasked). See :func:`fold_lanes`."""
-    state = (tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32), tl.zeros((BLOCK_B, BLOCK_V), tl.float32),
-             tl.zeros((BLOCK_B, BLOCK_V), tl.int32))
-    eos_start, eos_end, whole_end = tile_spans(lo, hi, eos_index, HAS_EOS, BLOCK_V)
-    state = _fold_span(*state, lane_ptrs, lo, eos_start, hi, eos_index, neg_scale, False, ARGMAX, PREFETCH,
-                       HAS_EOS, BLOCK_V)
-    state = _fold_span(*state, lane_ptrs, eos_start, eos_end, hi, eos_index, neg_scale, True, ARGMAX, PREFETCH,
-                       HAS_EOS, BLOCK_V)
-    state = _fold_span(*state, lane_ptrs, eos_end, whole_end, hi, eos_index, neg_scale, False, ARGMAX, PREFETCH,
-                       HAS_EOS, BLOCK_V)
-    return _fold_span(*state, lane_ptrs, whole_end, hi, hi, eos_index, neg_scale, True, ARGMAX, PREFETCH, HAS_EOS,
-                      BLOCK_V)
 
 
 @triton.jit
