@@ -441,7 +441,7 @@ def row_scan(
         launch: (BLOCK_V, splits) instead of the automatic launch shape (tests use it to
             cover split merging and tile skipping on CPU).
     Returns:
-        dict of (B,) tensors: "lse", "top_val" (fp32), "top_idx" (int64); with candidates "cand_val" (B, K) fp32 and
+        dict of (B,) tensors: "lse" (fp64), "top_val" (fp32), "top_idx" (int64); with candidates "cand_val" (B, K) fp32 and
         "cand_idx" (B, K) int64 in rank order (padding: -inf and -1 when fewer than K columns).
     """
     scan = scan_partials(z, eos_index=eos_index, temperature=temperature, candidates=candidates, launch=launch)
@@ -449,8 +449,11 @@ def row_scan(
 
 
 def _merge_splits(parts: dict[str, torch.Tensor], V: int, *, K: int) -> dict[str, torch.Tensor]:
-    """Combine per-split partials into per-row results (splits cover V in column order)."""
-    m, s = parts["max"], parts["sum"]
+    """Combine per-split partials into per-row results (splits cover V in column order). The
+    logsumexp is float64 from the fp32 (max, sum) partials, as the select kernels merge them: an
+    fp32 ``max + log(sum)`` rounds L by up to half an ulp of the max (2e-4 at logits of 1e4),
+    which beam scores would carry."""
+    m, s = parts["max"].double(), parts["sum"].double()
     if m.shape[1] == 1:  # one split (large batches, the CPU interpreter): skip the merge's extra launches
         out = {"lse": (m + torch.log(s)).squeeze(1), "top_val": parts["top_val"].squeeze(1),
                "top_idx": parts["top_idx"].squeeze(1).long()}

@@ -483,3 +483,15 @@ def test_lane_scan_matches_float64_on_fresh_rows():
         empty = ~torch.isfinite(x).any(dim=1) & ~torch.isnan(x).any(dim=1) & ~(x == float("inf")).any(dim=1)
         assert (lse[empty] == float("-inf")).all() and (got_idx[empty] == 0).all(), where
         assert not torch.isfinite(lse[7]) and not torch.isfinite(lse[8]), where  # NaN / +inf rows
+
+
+def test_fused_beam_scores_merge_the_logsumexp_in_float64():
+    """Beam scores from the scan's candidates take L in float64 from the fp32 partials (as the
+    select kernels do): at logits of −1e4 an fp32 max + log(sum) was 2e-4 off."""
+    from nmst_fast.decoding import beam_step
+
+    logits = torch.full((1, 7), -1e4, device=DEVICE)
+    score = beam_step(logits, torch.zeros(1, device=DEVICE), num_beams=1, head="nmst", eos_index=3, eps=1e-5,
+                      impl="triton").scores[0, 0].item()
+    exact = effective_logits(logits.double().cpu(), head="nmst", eos_index=3, eps=1e-5).log_probs().max().item()
+    assert abs(score - exact) < 1e-9
