@@ -92,12 +92,26 @@ def load_tile(lane_ptrs, start, hi, eos_index, MASKED: tl.constexpr, HAS_EOS: tl
 
 
 @triton.jit
-def _fold_span(lane_max, lane_sum, lane_start, lane_ptrs, first, last, hi, eos_index, neg_scale,
-               MASKED: tl.constexpr, ARGMAX: tl.constexpr, PREFETCH: tl.constexpr, HAS_EOS: tl.constexpr,
-               BLOCK_V: tl.constexpr):
-    """Fold the tiles starting in [first, last) into the lane state; ARGMAX: also the tile start of
-    each lane's first maximum. PREFETCH (unmasked spans): load the next tile before folding this
-    one (the last iteration re-reads the span's last tile), for kernels with few warps per SM."""
+def _fold_tile(lane_max, lane_sum, lane_start, lane_second, z, start, neg_scale, ARGMAX: tl.constexpr,
+               SECOND: tl.constexpr):
+    """:func:`fold_lanes` of the tile at ``start``, and the optional per-lane extras: ARGMAX, the tile
+    start of the lane's first maximum; SECOND, the largest z of the lane other than that maximum."""
+    previous = lane_max
+    lane_max, lane_sum, up = fold_lanes(lane_max, lane_sum, z, neg_scale)
+    if ARGMAX:
+        lane_start = tl.where(up, start, lane_start)  # a uniform scalar: cheaper than the column
+    if SECOND:
+        lane_second = tl.where(up, previous, tl.maximum(lane_second, z))
+    return lane_max, lane_sum, lane_start, lane_second
+
+
+@triton.jit
+def _fold_span(lane_max, lane_sum, lane_start, lane_second, lane_ptrs, first, last, hi, eos_index, neg_scale,
+               MASKED: tl.constexpr, ARGMAX: tl.constexpr, SECOND: tl.constexpr, PREFETCH: tl.constexpr,
+               HAS_EOS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Fold the tiles starting in [first, last) into the lane state (extras as :func:`_fold_tile`).
+    PREFETCH (unmasked spans): load the next tile before folding this one (the last iteration
+    re-reads the span's last tile), for kernels with few warps per SM."""
     if PREFETCH and not MASKED:
         if first < last:
             z_next = load_tile(lane_ptrs, first, hi, eos_index, False, HAS_EOS, BLOCK_V)
@@ -105,32 +119,31 @@ def _fold_span(lane_max, lane_sum, lane_start, lane_ptrs, first, last, hi, eos_i
                 z = z_next
                 z_next = load_tile(lane_ptrs, tl.minimum(start + BLOCK_V, last - BLOCK_V), hi, eos_index, False,
                                    HAS_EOS, BLOCK_V)
-                lane_max, lane_sum, up = fold_lanes(lane_max, lane_sum, z, neg_scale)
-                if ARGMAX:
-                    lane_start = tl.where(up, start, lane_start)  # a uniform scalar: cheaper than the column
+                lane_max, lane_sum, lane_start, lane_second = _fold_tile(
+                    lane_max, lane_sum, lane_start, lane_second, z, start, neg_scale, ARGMAX, SECOND)
     else:
         for start in range(first, last, BLOCK_V):
             z = load_tile(lane_ptrs, start, hi, eos_index, MASKED, HAS_EOS, BLOCK_V)
-            lane_max, lane_sum, up = fold_lanes(lane_max, lane_sum, z, neg_scale)
-            if ARGMAX:
-                lane_start = tl.where(up, start, lane_start)
-    return lane_max, lane_sum, lane_start
+            lane_max, lane_sum, lane_start, lane_second = _fold_tile(
+                lane_max, lane_sum, lane_start, lane_second, z, start, neg_scale, ARGMAX, SECOND)
+    return lane_max, lane_sum, lane_start, lane_second
 
 
 @triton.jit
-def fold_row_lanes(lane_ptrs, lo, hi, eos_index, neg_scale, ARGMAX: tl.constexpr, PREFETCH: tl.constexpr,
-                   HAS_EOS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Per-lane (max z, Σ e^(x − max x), tile start of the first max) over columns [lo, hi) of each
-    row (``lane_ptrs``: (BLOCK_B, BLOCK_V) pointers to the lanes' columns of the row's first tile;
-    every row must be a real row: the whole tiles load unmasked). See :func:`fold_lanes`."""
+def fold_row_lanes(lane_ptrs, lo, hi, eos_index, neg_scale, ARGMAX: tl.constexpr, SECOND: tl.constexpr,
+                   PREFETCH: tl.constexpr, HAS_EOS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Per-lane (max z, Σ e^(x − max x), tile start of the first max, second largest z) over columns
+    [lo, hi) of each row (``lane_ptrs``: (BLOCK_B, BLOCK_V) pointers to the lanes' columns of the
+    row's first tile; every row must be a real row: the whole tiles load unmasked); the last two
+    only with ARGMAX and SECOND. See :func:`fold_lanes`."""
     state = (tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32), tl.zeros((BLOCK_B, BLOCK_V), tl.float32),
-             tl.zeros((BLOCK_B, BLOCK_V), tl.int32))
+             tl.zeros((BLOCK_B, BLOCK_V), tl.int32), tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32))
     eos_start, eos_end, whole_end = tile_spans(lo, hi, eos_index, HAS_EOS, BLOCK_V)
-    state = _fold_span(*state, lane_ptrs, lo, eos_start, hi, eos_index, neg_scale, False, ARGMAX, PREFETCH,
+    state = _fold_span(*state, lane_ptrs, lo, eos_start, hi, eos_index, neg_scale, False, ARGMAX, SECOND, PREFETCH,
                        HAS_EOS, BLOCK_V)
-    state = _fold_span(*state, lane_ptrs, eos_start, eos_end, hi, eos_index, neg_scale, True, ARGMAX, PREFETCH,
-                       HAS_EOS, BLOCK_V)
-    state = _fold_span(*state, lane_ptrs, eos_end, whole_end, hi, eos_index, neg_scale, False, ARGMAX, PREFETCH,
-                       HAS_EOS, BLOCK_V)
-    return _fold_span(*state, lane_ptrs, whole_end, hi, hi, eos_index, neg_scale, True, ARGMAX, PREFETCH, HAS_EOS,
-                      BLOCK_V)
+    state = _fold_span(*state, lane_ptrs, eos_start, eos_end, hi, eos_index, neg_scale, True, ARGMAX, SECOND,
+                       PREFETCH, HAS_EOS, BLOCK_V)
+    state = _fold_span(*state, lane_ptrs, eos_end, whole_end, hi, eos_index, neg_scale, False, ARGMAX, SECOND,
+                       PREFETCH, HAS_EOS, BLOCK_V)
+    return _fold_span(*state, lane_ptrs, whole_end, hi, hi, eos_index, neg_scale, True, ARGMAX, SECOND, PREFETCH,
+                      HAS_EOS, BLOCK_V)

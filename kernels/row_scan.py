@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_power_of_2, scan_width
-from .lanes import LOG2E, fold_row_lanes, lane_pointers, merge_lanes
+from .lanes import LOG2E, fold_lanes, fold_row_lanes, lane_pointers, load_tile, merge_lanes, tile_spans
 
 # The largest candidate list the kernel keeps per row (a power of two; tl.topk needs one).
 MAX_CANDIDATES = 128
@@ -164,6 +164,83 @@ def _draw_in_split(row_base, rows, row_ok, lo, hi, eos_index, inv_temp, lane_max
 
 
 @triton.jit
+def _candidate_span(lane_max, lane_sum, lane_start, best, kth_key, kth_value, lane_ptrs, first, last, hi, eos_index,
+                    inv_temp, neg_scale, MASKED: tl.constexpr, FOLD: tl.constexpr, HAS_EOS: tl.constexpr,
+                    K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The K best candidates over the tiles starting in [first, last): one tile max per tile (the only
+    reduction of a tile nothing enters), the candidate update only on tiles whose max beats the
+    running K-th (``kth_key``/``kth_value``, kept current). FOLD: also the lane fold with the argmax
+    (``lanes._fold_tile``), in the same read."""
+    lanes = tl.arange(0, BLOCK_V)[None, :]
+    for start in range(first, last, BLOCK_V):
+        z = load_tile(lane_ptrs, start, hi, eos_index, MASKED, HAS_EOS, BLOCK_V)
+        if FOLD:
+            lane_max, lane_sum, up = fold_lanes(lane_max, lane_sum, z, neg_scale)
+            lane_start = tl.where(up, start, lane_start)
+        # Candidates rank by x = z · inv_temp in fp32, as the keys hold it. The program walks its
+        # columns upwards, so a tile value equal to the K-th ranks below it: only a larger max enters.
+        x = z * inv_temp
+        tile_max = tl.max(x, axis=1)
+        enters = (kth_key == -9223372036854775808) | (tile_max.to(tl.float64) > kth_value)
+        if tl.max(enters.to(tl.int32)) > 0:
+            cols = start + lanes
+            keep = cols < hi  # masked-out columns (past the slice, eos) are never candidates
+            if HAS_EOS:
+                keep = keep & (cols != eos_index)
+            if K <= EXTRACT_MAX_K:
+                best = _extract_into(best, x, keep, cols, kth_key, kth_value, K)
+            else:
+                keys = tl.where(keep, column_keys(x, cols), -9223372036854775808)
+                both = tl.reshape(tl.join(best, tl.topk(keys, K, dim=1)), (x.shape[0], 2 * K))
+                best = tl.topk(both, K, dim=1)
+            kth_key = tl.min(best, axis=1)
+            kth_value, _ = decode_column_keys(kth_key)
+    return lane_max, lane_sum, lane_start, best, kth_key, kth_value
+
+
+@triton.jit
+def _split_candidates(lane_max, lane_sum, lane_start, lane_ptrs, lo, hi, eos_index, inv_temp, neg_scale,
+                      FOLD: tl.constexpr, HAS_EOS: tl.constexpr, K: tl.constexpr, BLOCK_B: tl.constexpr,
+                      BLOCK_V: tl.constexpr):
+    """:func:`_candidate_span` over the split's spans (``lanes.tile_spans``); returns the lane state
+    (folded when FOLD) and the K best keys."""
+    state = (lane_max, lane_sum, lane_start, tl.full((BLOCK_B, K), -9223372036854775808, tl.int64),
+             tl.full((BLOCK_B,), -9223372036854775808, tl.int64), tl.full((BLOCK_B,), float("-inf"), tl.float64))
+    eos_start, eos_end, whole_end = tile_spans(lo, hi, eos_index, HAS_EOS, BLOCK_V)
+    state = _candidate_span(*state, lane_ptrs, lo, eos_start, hi, eos_index, inv_temp, neg_scale, False, FOLD,
+                            HAS_EOS, K, BLOCK_V)
+    state = _candidate_span(*state, lane_ptrs, eos_start, eos_end, hi, eos_index, inv_temp, neg_scale, True, FOLD,
+                            HAS_EOS, K, BLOCK_V)
+    state = _candidate_span(*state, lane_ptrs, eos_end, whole_end, hi, eos_index, inv_temp, neg_scale, False, FOLD,
+                            HAS_EOS, K, BLOCK_V)
+    lane_max, lane_sum, lane_start, best, _kth_key, _kth_value = _candidate_span(
+        *state, lane_ptrs, whole_end, hi, hi, eos_index, inv_temp, neg_scale, True, FOLD, HAS_EOS, K, BLOCK_V)
+    return lane_max, lane_sum, lane_start, best
+
+
+@triton.jit
+def _lane_candidates(lane_max, lane_start, lane_second, inv_temp, K: tl.constexpr, BLOCK_B: tl.constexpr,
+                     BLOCK_V: tl.constexpr):
+    """The K best keys among the lanes' maxima, and per row whether they are the split's K best.
+
+    A column that is not its lane's (first) maximum has x at most the lane's second largest x, so
+    the lanes' maxima hold the K best when every lane's second largest x is below the K-th of them
+    (strictly: an equal x at a lower column would rank above it), or when no lane holds a second
+    finite value. Otherwise (two of the K best in one lane, or a tie there: rare for small K over
+    ~1000 lanes) the caller re-reads the split."""
+    lanes = tl.arange(0, BLOCK_V)[None, :]
+    no_key = tl.full((BLOCK_B,), -9223372036854775808, tl.int64)
+    best = _extract_into(tl.full((BLOCK_B, K), -9223372036854775808, tl.int64), lane_max * inv_temp,
+                         lane_max > float("-inf"), lane_start + lanes, no_key,
+                         tl.full((BLOCK_B,), float("-inf"), tl.float64), K)
+    kth_key = tl.min(best, axis=1)
+    kth_value, _ = decode_column_keys(kth_key)
+    second = tl.max(lane_second * inv_temp, axis=1).to(tl.float64)
+    exact = (second == float("-inf")) | ((kth_key != -9223372036854775808) & (second < kth_value))
+    return best, exact
+
+
+@triton.jit
 def _row_scan_kernel(
     z_ptr,
     z_row_stride,
@@ -197,59 +274,44 @@ def _row_scan_kernel(
     top_val = tl.full((BLOCK_B,), float("-inf"), tl.float32)
     top_idx = tl.zeros((BLOCK_B,), tl.int32)
     draw_idx = tl.zeros((BLOCK_B,), tl.int32)
+    lane_ptrs = lane_pointers(z_ptr, z_row_stride, rows, n_rows, BLOCK_B, BLOCK_V)
+    neg_scale = inv_temp * -LOG2E
     if K == 0:
-        # Greedy and the draw: per-lane state, one reduction after the loop (see fold_lanes).
-        lane_ptrs = lane_pointers(z_ptr, z_row_stride, rows, n_rows, BLOCK_B, BLOCK_V)
-        lane_max, lane_sum, lane_start = fold_row_lanes(lane_ptrs, lo, hi, eos_index, inv_temp * -LOG2E, not DRAW,
-                                                        False, HAS_EOS, BLOCK_B, BLOCK_V)
-        max_z, lane_mass = merge_lanes(lane_max, lane_sum, inv_temp)
-        running_max = max_z * inv_temp
-        running_sum = tl.sum(lane_mass, axis=1)
-        if DRAW:
-            draw_idx = _draw_in_split(row_base, rows, row_ok, lo, hi, eos_index, inv_temp, lane_max, lane_mass,
-                                      running_sum, tl.load(seed_ptr), split, n_splits, V, HAS_EOS, BLOCK_V,
-                                      LANE_TILES)
-        else:
-            # First index of the max: lanes hold their first maximal column; ties → the lowest.
-            first = tl.min(tl.where(lane_max == max_z[:, None], lane_start + lanes, V), axis=1)
-            top_val = running_max
-            top_idx = tl.where(max_z == float("-inf"), 0, first)
+        # Greedy and the draw: per-lane state, one reduction after the loop (see lanes.fold_lanes).
+        lane_max, lane_sum, lane_start, _no_second = fold_row_lanes(lane_ptrs, lo, hi, eos_index, neg_scale, not DRAW,
+                                                                    False, False, HAS_EOS, BLOCK_B, BLOCK_V)
     else:
-        running_max = tl.full((BLOCK_B,), float("-inf"), tl.float32)
-        running_sum = tl.zeros((BLOCK_B,), tl.float32)
-        best = tl.full((BLOCK_B, K), -9223372036854775808, tl.int64)
-        for start in range(lo, hi, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            keep = row_ok[:, None] & (cols[None, :] < hi)
-            if HAS_EOS:
-                keep = keep & (cols[None, :] != eos_index)
-            x = tl.load(row_base + cols[None, :], mask=keep, other=float("-inf")).to(tl.float32) * inv_temp
-            x = tl.where(keep, x, float("-inf"))
-            tile_max = tl.max(x, axis=1)
-            running_max, running_sum = online_logsumexp(running_max, running_sum, x, tile_max)
-            # First index of the tile maximum; a strictly larger tile max replaces the running
-            # one, so ties keep the earlier (lower) index.
-            tile_idx = tl.min(tl.where(x == tile_max[:, None], cols[None, :], V), axis=1)
-            better = tile_max > top_val
-            top_idx = tl.where(better, tile_idx, top_idx)
-            top_val = tl.where(better, tile_max, top_val)
-            # Tiles holding nothing above the running K-th candidate are skipped on the fp32 tile
-            # max. The program walks its columns upwards, so a tile value equal to the K-th ranks
-            # below it.
-            kth_key = tl.min(best, axis=1)
-            kth_value, _ = decode_column_keys(kth_key)
-            enters = (kth_key == -9223372036854775808) | (tile_max.to(tl.float64) > kth_value)
-            if tl.max(enters.to(tl.int32)) > 0:
-                if K <= EXTRACT_MAX_K:
-                    best = _extract_into(best, x, keep, cols[None, :], kth_key, kth_value, K)
-                else:
-                    keys = tl.where(keep, column_keys(x, cols[None, :]), -9223372036854775808)
-                    both = tl.reshape(tl.join(best, tl.topk(keys, K, dim=1)), (BLOCK_B, 2 * K))
-                    best = tl.topk(both, K, dim=1)
         if K <= EXTRACT_MAX_K:
+            # The lanes' maxima as candidates, checked by the lanes' second largest values; no reduction
+            # per tile. A split they do not settle is read again, by tiles (_split_candidates).
+            lane_max, lane_sum, lane_start, lane_second = fold_row_lanes(lane_ptrs, lo, hi, eos_index, neg_scale,
+                                                                         True, True, False, HAS_EOS, BLOCK_B,
+                                                                         BLOCK_V)
+            best, exact = _lane_candidates(lane_max, lane_start, lane_second, inv_temp, K, BLOCK_B, BLOCK_V)
+            if tl.max((~exact).to(tl.int32), axis=0) > 0:
+                _m, _s, _c, by_tiles = _split_candidates(lane_max, lane_sum, lane_start, lane_ptrs, lo, hi, eos_index,
+                                                         inv_temp, neg_scale, False, HAS_EOS, K, BLOCK_B, BLOCK_V)
+                best = tl.where(exact[:, None], best, by_tiles)
             best = tl.sort(best, dim=1, descending=True)  # readers take each split's list in rank order
-        out = rows * n_splits + split
-        tl.store(key_ptr + out[:, None] * K + tl.arange(0, K)[None, :], best, mask=row_ok[:, None])
+        else:
+            # tl.topk of every entering tile, in the same read as the lane fold.
+            lane_max, lane_sum, lane_start, best = _split_candidates(
+                tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32), tl.zeros((BLOCK_B, BLOCK_V), tl.float32),
+                tl.zeros((BLOCK_B, BLOCK_V), tl.int32), lane_ptrs, lo, hi, eos_index, inv_temp, neg_scale, True,
+                HAS_EOS, K, BLOCK_B, BLOCK_V)
+        tl.store(key_ptr + (rows * n_splits + split)[:, None] * K + tl.arange(0, K)[None, :], best,
+                 mask=row_ok[:, None])
+    max_z, lane_mass = merge_lanes(lane_max, lane_sum, inv_temp)
+    running_max = max_z * inv_temp
+    running_sum = tl.sum(lane_mass, axis=1)
+    if DRAW:
+        draw_idx = _draw_in_split(row_base, rows, row_ok, lo, hi, eos_index, inv_temp, lane_max, lane_mass,
+                                  running_sum, tl.load(seed_ptr), split, n_splits, V, HAS_EOS, BLOCK_V, LANE_TILES)
+    else:
+        # First index of the max: lanes hold the tile of their first maximum; ties → the lowest column.
+        first = tl.min(tl.where(lane_max == max_z[:, None], lane_start + lanes, V), axis=1)
+        top_val = running_max
+        top_idx = tl.where(max_z == float("-inf"), 0, first)
     out = rows * n_splits + split
     tl.store(max_ptr + out, running_max, mask=row_ok)
     tl.store(sum_ptr + out, running_sum, mask=row_ok)
@@ -279,22 +341,20 @@ def interpreter_block_rows(rows: int, block_v: int) -> int:
     return max(1, min((1 << 18) // block_v, next_power_of_2(rows)))
 
 
-# Programs per SM the split-V layout aims for on a GPU (2048-column tiles). The plain and drawing
-# scans: the H100 sweep at B = 256 (``benchmarks.profile_decoding``, RESULTS.md) put 4 splits per
-# row (1024 programs) ahead of 3 and 6 for greedy and sampling at V = 50257 and 128256, and
-# 2048-column tiles ahead of 4096 (greedy at 128256: 1.56x the one-read floor vs 2.09x); 7 per
-# SM gives 4 splits at B = 256 on 132 SMs. The candidate scans (top-k) keep the 4 per SM they
-# were timed with (not swept).
+# Programs per SM the split-V layout aims for on a GPU. The plain and drawing scans: the H100 sweep
+# at B = 256 (``benchmarks.profile_decoding``, RESULTS.md) put 4 splits per row (1024 programs)
+# ahead of 3 and 6 for greedy and sampling at V = 50257 and 128256 with the kernels that reduced
+# every tile; 7 per SM gives 4 splits at B = 256 on 132 SMs, and the lane scans' 72 registers
+# (1024-column tiles, 4 warps) let 7 reside. Candidate scans of K <= EXTRACT_MAX_K (the lanes'
+# maxima, 96 registers: 5 resident) aim for 5; larger K keep the 4 they were timed with.
 SCAN_PROGRAMS_PER_SM = 7
+LANE_CANDIDATE_PROGRAMS_PER_SM = 5
 CANDIDATE_PROGRAMS_PER_SM = 4
 
-
-# Tile widths on a GPU. The plain and drawing scans keep three fp32 values of per-lane state per
-# column of the tile: 1024 columns at 4 warps is 8 per thread, 72 registers in sm_90 code (2048:
-# 128 registers, 4 resident programs per SM instead of the 7 the split count aims for). Candidate
-# scans (top-k) reduce every tile and keep 2048 (timed so).
+# Tile width on a GPU. The scans keep three or four fp32 values of per-lane state per column of the
+# tile: 1024 columns at 4 warps is 8 per thread (72-96 registers in sm_90 code; 2048 columns: 128-168,
+# and 48 bytes of spills for 128 candidates).
 SCAN_BLOCK_V = 1024
-CANDIDATE_BLOCK_V = 2048
 
 
 def launch_shape(z: torch.Tensor, candidates: int, block_v: int | None = None) -> tuple[int, int, int]:
@@ -312,9 +372,11 @@ def launch_shape(z: torch.Tensor, candidates: int, block_v: int | None = None) -
 def cuda_launch_shape(B: int, V: int, candidates: int, multi_processors: int,
                       block_v: int | None = None) -> tuple[int, int, int]:
     """:func:`launch_shape` on a GPU of ``multi_processors`` SMs (also what ``compile_check`` compiles)."""
-    width = block_v or (CANDIDATE_BLOCK_V if candidates else SCAN_BLOCK_V)
-    block_v = min(width, next_power_of_2(V))
-    per_sm = CANDIDATE_PROGRAMS_PER_SM if candidates else SCAN_PROGRAMS_PER_SM
+    block_v = min(block_v or SCAN_BLOCK_V, next_power_of_2(V))
+    if not candidates:
+        per_sm = SCAN_PROGRAMS_PER_SM
+    else:
+        per_sm = LANE_CANDIDATE_PROGRAMS_PER_SM if candidates <= EXTRACT_MAX_K.value else CANDIDATE_PROGRAMS_PER_SM
     splits = max(1, min(cdiv(per_sm * multi_processors, B), cdiv(V, block_v)))
     return 1, block_v, splits
 
@@ -364,14 +426,12 @@ def _as_seed(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _num_warps(K: int) -> int:
-    """Warps per program, from ptxas register counts (sm_90, ``python -m kernels.compile_check
-    --resources``, Triton 3.6 and 3.9), not yet from timings. Candidate scans that sort tiles
-    (tl.topk: 16 < K <= 32) need up to 159 registers per thread at 4 warps (12 warps resident per
-    SM), <= 128 at 8 (16 per SM) with no spills. For K >= 64 8 warps spill or lose occupancy under
-    Triton 3.6, so they keep 4, as do the candidate scans that extract (K <= EXTRACT_MAX_K: 96
-    registers) and the plain and drawing scans (lane state at 1024-column tiles: 72 and 60
-    registers, 7-8 resident programs = 28-32 KB of fp32 loads in flight per SM, where an H100
-    needs ≈ 23 KB).
+    """Warps per program, from ptxas register counts at 1024-column tiles (sm_90, ``python -m
+    kernels.compile_check --resources``, Triton 3.6), not yet from timings: the plain and drawing
+    scans 72 and 60 registers at 4 warps (7-8 resident programs = 28-32 KB of fp32 loads in flight
+    per SM, where an H100 needs ≈ 23 KB); candidates K <= 16 (the lanes' maxima) 96; K = 32
+    (tl.topk of entering tiles) 167 at 4 warps, 125 at 8 (12 vs 16 warps resident);
+    K = 64 168 at 4, 128 with 12 bytes spilled at 8; K = 128 212 at 4, no spills.
     """
     return 8 if EXTRACT_MAX_K.value < K <= 32 else 4
 

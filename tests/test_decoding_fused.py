@@ -495,3 +495,38 @@ def test_fused_beam_scores_merge_the_logsumexp_in_float64():
                       impl="triton").scores[0, 0].item()
     exact = effective_logits(logits.double().cpu(), head="nmst", eos_index=3, eps=1e-5).log_probs().max().item()
     assert abs(score - exact) < 1e-9
+
+
+@pytest.mark.parametrize("K", [2, 4, 16])
+def test_lane_candidates_and_their_fallback(K):
+    """Small-K candidate scans take the lanes' maxima (16-column tiles here: lane l holds columns
+    l, l + 16, ...) when every lane's second largest ranks below the K-th of them, else read the
+    split again by tiles. Rows built for each case — the best values in distinct lanes over a low
+    floor (lanes suffice), the two best in one lane (re-read), a tie with a lower column in another
+    lane, a second value equal to the K-th, fewer finite columns than K — all give the exact K best
+    (value desc, column asc), with eos never among them."""
+    from kernels.row_scan import row_scan
+
+    V, eos = 100, 37
+    z = torch.full((6, V), -5.0)
+    z[:, torch.arange(V)] -= torch.arange(V) * 1e-3  # distinct floor values, lower to the right
+    top = torch.tensor([3, 20, 41, 58, 75, 92, 10, 27, 44, 61, 78, 95, 12, 29, 46, 63])  # 16 lanes, distinct
+    z[0, top] = torch.linspace(9.0, 1.0, 16)  # distinct lanes: the lanes' maxima settle it
+    z[1] = z[0]
+    z[1, 3 + 16] = 8.5  # the second best shares lane 3 with the best
+    z[2] = z[0]
+    z[2, 20 + 32] = z[2, 20]  # a tie in lane 4 (column 52 after column 20)
+    z[3] = z[0]
+    z[3, 3 + 48] = z[0, top[K - 1]]  # a lane's second equals the K-th: not strictly below
+    z[4] = float("-inf")
+    z[4, [5, 50]] = torch.tensor([1.0, 2.0])  # two finite columns, in lanes 5 and 2
+    z[5] = z[0]
+    z[5, eos] = 100.0  # eos is never a candidate
+    scan = row_scan(z.to(DEVICE), eos_index=eos, candidates=K, launch=(16, 1))
+    x = z.double()
+    x[:, eos] = float("-inf")
+    order = torch.sort(x, dim=1, descending=True, stable=True).indices[:, :K]
+    valid = x.gather(1, order) > float("-inf")
+    got = scan["cand_idx"][:, :K].cpu()
+    assert torch.equal(torch.where(valid, got, -1), torch.where(valid, order, -1))
+    assert (got[~valid] == -1).all()  # padding, not a column, where fewer than K are finite
