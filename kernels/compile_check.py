@@ -108,6 +108,10 @@ def launches() -> list[Launch]:
             z.to(dtype), scan, head=head, eos_index=5, eps=1e-5, temperature=0.7, steps=steps if per_row else 3,
             state=state if head == "st" else None, seed=None if greedy else seed),
             label, dict(BLOCK_B=row_select.cuda_block_rows(4, select_candidates=False), BLOCK_S=4)))
+    # More rows than one program takes: a fill of the flags first, then atomics (the rest store them).
+    many = out[-1]
+    out.append(Launch(many.name + " several programs", many.kernel, many.args, many.kwargs,
+                      many.cuda_constexprs | {"STORE_FLAGS": False}))
     # Every head x truncation at a small K; the large-K shapes (the most registers, the widest
     # tl.topk: 64 splits x 128 candidates for one long row) once per head or once.
     candidate_variants = (

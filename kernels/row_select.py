@@ -193,6 +193,7 @@ def _select_kernel(
     HAS_STATE: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    STORE_FLAGS: tl.constexpr,  # the grid is one program: it writes the flags (no fill launched before)
 ):
     rows, row_ok, part, part_ok, lse = _row_block(n_rows, n_splits, part_row_stride, max_ptr, sum_ptr, BLOCK_B,
                                                   BLOCK_S)
@@ -238,7 +239,12 @@ def _select_kernel(
         log_prob = tl.where(eos_wins, eos_zeta, chosen) - log_norm
     tl.store(token_ptr + rows, token, mask=row_ok)
     tl.store(log_prob_ptr + rows, log_prob, mask=row_ok)
-    tl.atomic_min(flags_ptr, tl.min(tl.where(bad & row_ok, rows, n_rows), axis=0))
+    first_bad = tl.min(tl.where(bad & row_ok, rows, n_rows), axis=0)
+    if STORE_FLAGS:
+        tl.store(flags_ptr, first_bad)
+        tl.store(flags_ptr + 1, n_rows)  # every row has its token
+    else:
+        tl.atomic_min(flags_ptr, first_bad)
 
 
 @triton.jit
@@ -376,13 +382,16 @@ class _Outputs:
     """Output buffers plus the head arguments every select kernel takes, in kernel order."""
 
     def __init__(self, z: torch.Tensor, head: str, eps: float, steps: int | torch.Tensor,
-                 state: Optional[torch.Tensor]):
+                 state: Optional[torch.Tensor], fill_flags: bool = True):
         B, device = z.shape[0], z.device
         self.tokens = torch.empty(B, dtype=torch.int64, device=device)
         self.log_probs = torch.empty(B, dtype=torch.float64, device=device)
         # Other heads never store a state: any fp64 pointer will do (one allocation less per step).
         self.state = torch.empty(B, dtype=torch.float64, device=device) if head == "st" else self.log_probs
-        self.flags = torch.full((2,), B, dtype=torch.int32, device=device)  # a fill: no copy from the host
+        # (first bad row, first row without a token), B for none: a fill (no copy from the host),
+        # unless a one-program kernel writes them itself (``fill_flags=False``: one launch less).
+        self.flags = (torch.full((2,), B, dtype=torch.int32, device=device) if fill_flags or not B
+                      else torch.empty(2, dtype=torch.int32, device=device))
         self.steps_per_row = isinstance(steps, torch.Tensor)
         self.has_state = head == "st" and state is not None
         steps_tensor = steps if self.steps_per_row else self.tokens  # any pointer when unused
@@ -397,7 +406,8 @@ class _Outputs:
         return Selection(self.tokens, self.log_probs, self.state if head == "st" else None, self.flags)
 
 
-# Rows per program on a GPU. Greedy / sampling: one row per thread of a 4-warp program. Candidates:
+# Rows per program on a GPU. Greedy / sampling: one row per thread of a 4-warp program (up to 128
+# rows take one program, which writes the flags itself: no fill launched first). Candidates:
 # ~512 (row, candidate) entries per program, so a step's few rows still spread over many SMs and
 # the float64 top-p math stays in registers (2048 entries needed ~250 registers, ptxas -v, sm_90).
 CUDA_SELECT_ROWS = 128
@@ -448,9 +458,10 @@ def select_from_scan(
     B, V = z.shape
     n_splits = scan.parts["max"].shape[1]
     greedy = seed is None
-    out = _Outputs(z, head, eps, steps, state)
+    block_b = _block_rows(z, next_power_of_2(n_splits), select_candidates=False)
+    one_program = cdiv(B, block_b) == 1
+    out = _Outputs(z, head, eps, steps, state, fill_flags=not one_program)
     if B:
-        block_b = _block_rows(z, next_power_of_2(n_splits), select_candidates=False)
         parts = scan.parts
         _select_kernel[(cdiv(B, block_b),)](
             z, z.stride(0), B, V, n_splits, scan.row_stride(B),
@@ -460,7 +471,7 @@ def select_from_scan(
             out.flags if greedy else seed,  # any pointer when greedy
             out.tokens, out.log_probs, out.state, out.flags,
             HEAD=HEAD_CODES[head], GREEDY=greedy, STEPS_PER_ROW=out.steps_per_row, HAS_STATE=out.has_state,
-            BLOCK_B=block_b, BLOCK_S=next_power_of_2(n_splits),
+            BLOCK_B=block_b, BLOCK_S=next_power_of_2(n_splits), STORE_FLAGS=one_program,
         )
     return out.selection(head)
 

@@ -530,3 +530,25 @@ def test_lane_candidates_and_their_fallback(K):
     got = scan["cand_idx"][:, :K].cpu()
     assert torch.equal(torch.where(valid, got, -1), torch.where(valid, order, -1))
     assert (got[~valid] == -1).all()  # padding, not a column, where fewer than K are finite
+
+
+def test_select_flags_with_one_program_and_with_several(monkeypatch):
+    """A one-program select writes the flags itself (no fill launched first); several programs take
+    a filled buffer and atomics. Both give the same tokens, and both name the first NaN row."""
+    import kernels.row_select as row_select
+
+    z = torch.randn(7, 300, device=DEVICE) * 2
+    results = {}
+    for rows_per_program in (None, 2):
+        if rows_per_program is not None:
+            monkeypatch.setattr(row_select, "_block_rows", lambda z, per_row, select_candidates: rows_per_program)
+        for greedy in (True, False):
+            picked = fused_select(z, head="nmst", eos_index=5, steps=3, greedy=greedy,
+                                  generator=torch.Generator(device=DEVICE).manual_seed(4))
+            results[rows_per_program, greedy] = picked.tokens.cpu()
+        bad = z.clone()
+        bad[[3, 6], 10] = float("nan")
+        with pytest.raises(ValueError, match="row 3"):
+            fused_select(bad, head="nmst", eos_index=5, steps=3, greedy=True)
+    for greedy in (True, False):
+        assert torch.equal(results[None, greedy], results[2, greedy])
