@@ -48,7 +48,7 @@ import triton.language as tl
 
 from .host_math import cdiv, next_power_of_2
 from .nucleus import _load_x, _row_head, tile_table_width
-from .lanes import LOG2E, fold_row_lanes, lane_pointers, load_tile, merge_lanes, tile_spans
+from .lanes import LOG2E, fold_row_lanes, lane_pointers, merge_lanes, ranked_lane_mass
 from .row_scan import first_crossing
 from .row_select import HEAD_CODES, Selection, _Outputs, _split_f64, _uniform_f64_stream
 
@@ -72,54 +72,6 @@ def _fp32_floor(value):
 def _ranked_before(x, cols, pivot_value, pivot_col):
     """Tokens (x, column) ranked before the pivot: a larger x, or the same x at a lower column."""
     return (x > pivot_value[:, None]) | ((x == pivot_value[:, None]) & (cols < pivot_col[:, None]))
-
-
-@triton.jit
-def _ranked_e(z, start, inv_temp, m_log2e, pivot_value, pivot_col, BLOCK_V: tl.constexpr):
-    """e^(x − M) of a tile's tokens ranked before the pivot (else 0), x = z · inv_temp; the tile's
-    columns start at ``start`` (the column test is a lane against pivot_col − start: no column)."""
-    x = z * inv_temp
-    lanes = tl.arange(0, BLOCK_V)[None, :]
-    ranked = (x > pivot_value[:, None]) | ((x == pivot_value[:, None]) & (lanes < (pivot_col - start)[:, None]))
-    return tl.where(ranked, tl.exp2(x * LOG2E - m_log2e[:, None]), 0.0)
-
-
-@triton.jit
-def _ranked_span(acc, lane_ptrs, first, last, V, eos_index, inv_temp, m_log2e, pivot_value, pivot_col,
-                 MASKED: tl.constexpr, PREFETCH: tl.constexpr, HAS_EOS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Add to each lane's ``acc`` the e^(x − M) of its columns, in the tiles starting in [first, last),
-    that rank before the pivot (the spans and PREFETCH as ``row_scan._fold_span``)."""
-    if PREFETCH and not MASKED:
-        if first < last:
-            z_next = load_tile(lane_ptrs, first, V, eos_index, False, HAS_EOS, BLOCK_V)
-            for start in range(first, last, BLOCK_V):
-                z = z_next
-                z_next = load_tile(lane_ptrs, tl.minimum(start + BLOCK_V, last - BLOCK_V), V, eos_index, False,
-                                   HAS_EOS, BLOCK_V)
-                acc += _ranked_e(z, start, inv_temp, m_log2e, pivot_value, pivot_col, BLOCK_V)
-    else:
-        for start in range(first, last, BLOCK_V):
-            z = load_tile(lane_ptrs, start, V, eos_index, MASKED, HAS_EOS, BLOCK_V)
-            acc += _ranked_e(z, start, inv_temp, m_log2e, pivot_value, pivot_col, BLOCK_V)
-    return acc
-
-
-@triton.jit
-def _ranked_mass(lane_ptrs, V, eos_index, inv_temp, m, pivot_value, pivot_col, PREFETCH: tl.constexpr,
-                 HAS_EOS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Per lane (fp32, summed along the lane in column order): the mass e^(x − M) of the row's
-    non-eos tokens ranked before the pivot. One read of the row, no reduction across the tile."""
-    acc = tl.zeros((BLOCK_B, BLOCK_V), tl.float32)
-    m_log2e = m * LOG2E
-    eos_start, eos_end, whole_end = tile_spans(0, V, eos_index, HAS_EOS, BLOCK_V)
-    acc = _ranked_span(acc, lane_ptrs, 0, eos_start, V, eos_index, inv_temp, m_log2e, pivot_value, pivot_col,
-                       False, PREFETCH, HAS_EOS, BLOCK_V)
-    acc = _ranked_span(acc, lane_ptrs, eos_start, eos_end, V, eos_index, inv_temp, m_log2e, pivot_value,
-                       pivot_col, True, PREFETCH, HAS_EOS, BLOCK_V)
-    acc = _ranked_span(acc, lane_ptrs, eos_end, whole_end, V, eos_index, inv_temp, m_log2e, pivot_value,
-                       pivot_col, False, PREFETCH, HAS_EOS, BLOCK_V)
-    return _ranked_span(acc, lane_ptrs, whole_end, V, V, eos_index, inv_temp, m_log2e, pivot_value, pivot_col,
-                        True, PREFETCH, HAS_EOS, BLOCK_V)
 
 
 @triton.jit
@@ -199,8 +151,8 @@ def _row_draw_kernel(
         next_e = lane_e
         if TRUNCATE:
             # One pass: the mass ranked before the candidate, per lane (S's tables if it is rejected).
-            next_e = _ranked_mass(lane_ptrs, V, eos_index, inv_temp, m, cand_value, cand_col, PREFETCH, HAS_EOS,
-                                  BLOCK_B, BLOCK_V)
+            next_e = ranked_lane_mass(lane_ptrs, 0, V, eos_index, inv_temp, m, cand_value, cand_col, PREFETCH,
+                                      HAS_EOS, BLOCK_B, BLOCK_V)
             mass_before = w * tl.sum(next_e.to(tl.float64), axis=1) + tl.where(eos_before, p_eos, 0.0)
             accept = drawn & ((mass_before < threshold) | (mass_before == 0.0))  # the first token is always kept
         reject = drawn & ~accept

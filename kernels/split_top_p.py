@@ -16,9 +16,9 @@ rounds run on the split-V layout of ``row_scan`` (several programs per row, each
     - round k ≥ 1: pass k's sums give the mass ranked before c_k. Below p: c_k is the draw.
       Otherwise the tokens ranked before c_k (and eos if it ranks before c_k) are the new set S,
       and c_{k+1} is drawn from S by the same split/column scheme from pass k's own draws;
-  pass r then sums, per split, the mass ranked before c_r (fp32 per tile, float64 across tiles
-  and splits in a fixed order, as the row draw) and draws one column per split from the tokens
-  ranked before c_r by the scan's weighted reservoir;
+  pass r then sums, per split, the mass ranked before c_r (fp32 along each lane, float64 across
+  lanes and splits in a fixed order, as the row draw: ``lanes.ranked_lane_mass``) and draws one
+  column per split from the tokens ranked before c_r (a lane by its mass, then a column of it);
 * a last launch decides the last pass without starting another.
 
 Exactness is the row draw's argument: a draw from S ⊇ nucleus that is accepted iff it lies in the
@@ -42,16 +42,18 @@ import triton.language as tl
 from .host_math import cdiv, scan_width
 from .nucleus import _load_x, _row_head
 from .row_draw import _fp32_floor, _ranked_before
-from .row_scan import uniform_pair, first_crossing, interpreter_block_rows, launch_shape, scan_partials
+from .lanes import LOG2E, lane_pointers, ranked_lane_mass
+from .row_scan import first_crossing, interpreter_block_rows, launch_shape, scan_partials, uniform_pair
 from .row_select import HEAD_CODES, Selection, _Outputs, _split_f64, _uniform_f64_stream
 
 FIRST_ROUNDS = 3  # rounds the first launch sequence tests (top-p 0.9: ~1% of rows need a second)
 MORE_ROUNDS = 3  # rounds per continuation
 MAX_ROUNDS = 32  # then the caller takes the nucleus cut
-# The rounds' tile width on a GPU (their passes reduce per tile; timed at 2048, not the plain scan's width).
+# The rounds' tile width on a GPU (timed at 2048 when their passes still reduced every tile; the
+# lane passes are not yet swept).
 ROUND_BLOCK_V = 2048
-# Philox streams: the scan's reservoir 0, the cut's draw 1, the row draw 2. The decisions take 3;
-# pass r's reservoir takes PASS_STREAM + r.
+# Philox streams: the scan's draw 0, the cut's draw 1, the row draw 2. The decisions take 3; pass
+# r's draw takes PASS_STREAM + r.
 DECIDE_STREAM = 3
 PASS_STREAM = 4
 
@@ -70,6 +72,7 @@ def _round_kernel(
     FIRST: tl.constexpr,  # round_no == 1: decide round 0 from the scan's partials
     PASS: tl.constexpr,  # run pass round_no after deciding (False: the last launch)
     BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+    LANE_TILES: tl.constexpr,  # a lane's columns in one split (tiles per split, padded)
 ):
     HAS_EOS: tl.constexpr = HEAD != 0
     # The workspaces: per row the head's scalars (round 1 stores them), per row and
@@ -177,30 +180,30 @@ def _round_kernel(
     tl.store(eos_before_ptr + chain_out, eos_before.to(tl.int32), mask=stores)
 
     if PASS:
-        # 3. Pass round_no over this split: the mass ranked before the candidate (fp32 per tile,
-        # float64 across tiles) and one column drawn from those tokens by the weighted reservoir.
-        lanes = tl.arange(0, BLOCK_V)[None, :]
-        base = z_ptr + rows.to(tl.int64)[:, None] * z_row_stride
+        # 3. Pass round_no over this split: per lane, the mass ranked before the candidate (fp32 along
+        # the lane, float64 across lanes; no reduction per tile), and one column drawn from those
+        # tokens — a lane by its mass, then a column of the lane (its LANE_TILES strided columns).
         lo = split * split_width
         hi = tl.minimum(lo + split_width, V)
-        key = seed.to(tl.int64) | ((round_no + 4).to(tl.int64) * 4294967296)  # stream PASS_STREAM + round
-        tiles_per_row = tl.cdiv(V, BLOCK_V)
         before = tl.zeros((BLOCK_B,), tl.float64)
         pick = tl.zeros((BLOCK_B,), tl.int32)
         if tl.max(pending.to(tl.int32), axis=0) > 0:  # rows already drawn read nothing
-            for start in range(lo, hi, BLOCK_V):
-                cols = start + lanes
-                tile_x = _load_x(base, cols, pending, V, eos_index, inv_temp, HAS_EOS)
-                e = tl.where(_ranked_before(tile_x, cols, pivot_value, pivot_col), tl.exp(tile_x - m[:, None]), 0.0)
-                part_e = tl.sum(e, axis=1)
-                before += part_e.to(tl.float64)
-                # The reservoir (row_scan's): the tile takes the split's pick with probability
-                # part_e / before; the column inside it by inverse CDF.
-                u_take, u_col = uniform_pair(key, rows, start // BLOCK_V, tiles_per_row)
-                take = (part_e > 0.0) & (u_take.to(tl.float64) * before < part_e.to(tl.float64))
-                if tl.max(take.to(tl.int32), axis=0) > 0:
-                    col_in, _mass_before = first_crossing(e, u_col * part_e, cols, V)
-                    pick = tl.where(take, col_in, pick)
+            lanes = tl.arange(0, BLOCK_V)[None, :]
+            lane_e = ranked_lane_mass(lane_pointers(z_ptr, z_row_stride, rows, n_rows, BLOCK_B, BLOCK_V), lo, hi,
+                                      eos_index, inv_temp, m, pivot_value, pivot_col, False, HAS_EOS, BLOCK_B, BLOCK_V)
+            lane_e = tl.where(pending[:, None], lane_e, 0.0)
+            before = tl.sum(lane_e.to(tl.float64), axis=1)
+            key = seed.to(tl.int64) | ((round_no + 4).to(tl.int64) * 4294967296)  # stream PASS_STREAM + round
+            u_lane, u_col = uniform_pair(key, rows, split, n_splits)
+            lane, _ = first_crossing(lane_e, u_lane * tl.sum(lane_e, axis=1), lanes, BLOCK_V)
+            lane_cols = lo + lane[:, None] + tl.arange(0, LANE_TILES)[None, :] * BLOCK_V
+            base = z_ptr + rows.to(tl.int64)[:, None] * z_row_stride
+            lane_x = _load_x(base, lane_cols, pending & (lane >= 0), V, eos_index, inv_temp, HAS_EOS)
+            lane_x = tl.where(lane_cols < hi, lane_x, float("-inf"))
+            ranked = _ranked_before(lane_x, lane_cols, pivot_value, pivot_col)
+            col_e = tl.where(ranked, tl.exp2(lane_x * LOG2E - (m * LOG2E)[:, None]), 0.0)
+            drawn_col, _ = first_crossing(col_e, u_col * tl.sum(col_e, axis=1), lane_cols, V)
+            pick = tl.where(drawn_col >= 0, drawn_col, 0)
         out = (slot_out.to(tl.int64) * n_splits + rows.to(tl.int64) * n_splits) + split
         tl.store(before_ptr + out, before, mask=row_ok)
         tl.store(pick_ptr + out, pick, mask=row_ok)
@@ -264,7 +267,7 @@ class SplitTopP:
                              self.out.flags)
         self._constexprs = dict(HEAD=HEAD_CODES[head], STEPS_PER_ROW=self.out.steps_per_row,
                                 HAS_STATE=self.out.has_state, BLOCK_S=scan_width(self.splits), BLOCK_B=block_b,
-                                BLOCK_V=block_v, num_warps=4)
+                                BLOCK_V=block_v, LANE_TILES=scan_width(self.split_width // block_v), num_warps=4)
         self._row_blocks = cdiv(B, block_b)
         self.advance(rounds)
 
