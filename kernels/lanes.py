@@ -156,17 +156,18 @@ def fold_row_lanes(lane_ptrs, lo, hi, eos_index, neg_scale, ARGMAX: tl.constexpr
 
 
 @triton.jit
-def _ranked_e(z, start, inv_temp, m_log2e, pivot_value, pivot_col_less_lane, BLOCK_V: tl.constexpr):
+def _ranked_e(z, start, inv_temp, m_row, pivot_value, pivot_col_less_lane, BLOCK_V: tl.constexpr):
     """e^(x − M) of a tile's tokens ranked before the pivot (else 0), x = z · inv_temp; the tile's
     columns start at ``start`` (the column test: pivot column − lane > start, no column formed).
-    ``m_log2e``, ``pivot_value``: (rows, 1); ``pivot_col_less_lane``: (rows, BLOCK_V)."""
+    ``m_row``, ``pivot_value``: (rows, 1); ``pivot_col_less_lane``: (rows, BLOCK_V). The exponent is
+    (x − M)·log2 e, not x·log2 e − M·log2 e: the products overflow for x above 2.4e38."""
     x = z * inv_temp
     ranked = (x > pivot_value) | ((x == pivot_value) & (pivot_col_less_lane > start))
-    return tl.where(ranked, tl.exp2(x * LOG2E - m_log2e), 0.0)
+    return tl.where(ranked, tl.exp2((x - m_row) * LOG2E), 0.0)
 
 
 @triton.jit
-def _ranked_span(acc, lane_ptrs, first, last, hi, eos_index, inv_temp, m_log2e, pivot_value, pivot_col,
+def _ranked_span(acc, lane_ptrs, first, last, hi, eos_index, inv_temp, m_row, pivot_value, pivot_col,
                  MASKED: tl.constexpr, PREFETCH: tl.constexpr, HAS_EOS: tl.constexpr, BLOCK_V: tl.constexpr):
     """Add to each lane's ``acc`` the e^(x − M) of its columns, in the tiles starting in [first, last),
     that rank before the pivot (the spans and PREFETCH as :func:`_fold_span`)."""
@@ -176,11 +177,11 @@ def _ranked_span(acc, lane_ptrs, first, last, hi, eos_index, inv_temp, m_log2e, 
             for start in range(first, last, BLOCK_V):
                 z = z_next
                 z_next = _load_next(lane_ptrs, start, last, HAS_EOS, BLOCK_V)
-                acc += _ranked_e(z, start, inv_temp, m_log2e, pivot_value, pivot_col, BLOCK_V)
+                acc += _ranked_e(z, start, inv_temp, m_row, pivot_value, pivot_col, BLOCK_V)
     else:
         for start in range(first, last, BLOCK_V):
             z = load_tile(lane_ptrs, start, hi, eos_index, MASKED, HAS_EOS, BLOCK_V)
-            acc += _ranked_e(z, start, inv_temp, m_log2e, pivot_value, pivot_col, BLOCK_V)
+            acc += _ranked_e(z, start, inv_temp, m_row, pivot_value, pivot_col, BLOCK_V)
     return acc
 
 
@@ -193,18 +194,18 @@ def ranked_lane_mass(lane_ptrs, lo, hi, eos_index, inv_temp, m, pivot_value, piv
     acceptance passes (``row_draw``, ``split_top_p``). The sums are monotone along the ranking
     (fixed order, monotone rounding), which keeps the accepted tokens a prefix of it."""
     acc = tl.zeros((BLOCK_B, BLOCK_V), tl.float32)
-    m_log2e = (m * LOG2E)[:, None]
+    m_row = m[:, None]
     pivot_value = pivot_value[:, None]
     # The column rule as one loop-invariant tile: lane < pivot_col − start ⟺ pivot_col − lane > start.
     # (A per-row pivot_col − start formed in the loop made split_top_p, whose per-row vectors come
     # from another layout, convert it through shared memory on every tile: 32 barriers per loop.)
     pivot_col = pivot_col[:, None] - tl.arange(0, BLOCK_V)[None, :]
     eos_start, eos_end, whole_end = tile_spans(lo, hi, eos_index, HAS_EOS, BLOCK_V)
-    acc = _ranked_span(acc, lane_ptrs, lo, eos_start, hi, eos_index, inv_temp, m_log2e, pivot_value, pivot_col,
+    acc = _ranked_span(acc, lane_ptrs, lo, eos_start, hi, eos_index, inv_temp, m_row, pivot_value, pivot_col,
                        False, PREFETCH, HAS_EOS, BLOCK_V)
-    acc = _ranked_span(acc, lane_ptrs, eos_start, eos_end, hi, eos_index, inv_temp, m_log2e, pivot_value,
+    acc = _ranked_span(acc, lane_ptrs, eos_start, eos_end, hi, eos_index, inv_temp, m_row, pivot_value,
                        pivot_col, True, PREFETCH, HAS_EOS, BLOCK_V)
-    acc = _ranked_span(acc, lane_ptrs, eos_end, whole_end, hi, eos_index, inv_temp, m_log2e, pivot_value,
+    acc = _ranked_span(acc, lane_ptrs, eos_end, whole_end, hi, eos_index, inv_temp, m_row, pivot_value,
                        pivot_col, False, PREFETCH, HAS_EOS, BLOCK_V)
-    return _ranked_span(acc, lane_ptrs, whole_end, hi, hi, eos_index, inv_temp, m_log2e, pivot_value, pivot_col,
+    return _ranked_span(acc, lane_ptrs, whole_end, hi, hi, eos_index, inv_temp, m_row, pivot_value, pivot_col,
                         True, PREFETCH, HAS_EOS, BLOCK_V)

@@ -135,7 +135,7 @@ def _row_draw_kernel(
         lane, skipped = first_crossing(lane_weights, goal_e, lanes, BLOCK_V)
         cols = lane[:, None] + steps_of_lane
         x = _load_x(base, cols, pending & ~is_eos & (lane >= 0), V, eos_index, inv_temp, HAS_EOS)
-        e = tl.where(_ranked_before(x, cols, pivot_value, pivot_col), tl.exp2(x * LOG2E - (m * LOG2E)[:, None]), 0.0)
+        e = tl.where(_ranked_before(x, cols, pivot_value, pivot_col), tl.exp2((x - m[:, None]) * LOG2E), 0.0)
         col, _ = first_crossing(e, (goal_e - skipped).to(tl.float32), cols, V)
         col_x = tl.max(tl.where(cols == col[:, None], x, float("-inf")), axis=1)
         drawn = pending & (is_eos | (col >= 0))  # col < 0: rounding left no token; draw again

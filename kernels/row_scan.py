@@ -72,7 +72,7 @@ def _extract_into(best, x, keep, cols, kth_key, kth_value, K: tl.constexpr):
     slots = tl.arange(0, K)[None, :]
     while tl.max(todo, axis=0) > 0:
         top = tl.max(tl.where(above, x, float("-inf")), axis=1)
-        # Ties (and columns at -inf, which still count as candidates) go to the lowest column.
+        # Ties go to the lowest column (callers leave −inf columns out of ``keep``: they are padding).
         col = tl.min(tl.where(above & (x == top[:, None]), cols, 2147483647), axis=1)
         found = (todo > 0) & (col < 2147483647)  # a NaN compares equal to nothing: no column
         key = column_keys(top, col)
@@ -184,7 +184,9 @@ def _candidate_span(lane_max, lane_sum, lane_start, best, kth_key, kth_value, la
         enters = (kth_key == -9223372036854775808) | (tile_max.to(tl.float64) > kth_value)
         if tl.max(enters.to(tl.int32)) > 0:
             cols = start + lanes
-            keep = cols < hi  # masked-out columns (past the slice, eos) are never candidates
+            # Columns past the slice, eos, and −inf (no mass: padding, as where fewer than K are
+            # finite) are never candidates.
+            keep = (cols < hi) & (x > float("-inf"))
             if HAS_EOS:
                 keep = keep & (cols != eos_index)
             if K <= EXTRACT_MAX_K:

@@ -201,7 +201,7 @@ def _round_kernel(
             lane_x = _load_x(base, lane_cols, pending & (lane >= 0), V, eos_index, inv_temp, HAS_EOS)
             lane_x = tl.where(lane_cols < hi, lane_x, float("-inf"))
             ranked = _ranked_before(lane_x, lane_cols, pivot_value, pivot_col)
-            col_e = tl.where(ranked, tl.exp2(lane_x * LOG2E - (m * LOG2E)[:, None]), 0.0)
+            col_e = tl.where(ranked, tl.exp2((lane_x - m[:, None]) * LOG2E), 0.0)
             drawn_col, _ = first_crossing(col_e, u_col * tl.sum(col_e, axis=1), lane_cols, V)
             pick = tl.where(drawn_col >= 0, drawn_col, 0)
         out = (slot_out.to(tl.int64) * n_splits + rows.to(tl.int64) * n_splits) + split

@@ -193,6 +193,7 @@ def test_candidates_are_the_exact_top_k(V, K, eos, launch, temperature):
     got = scan["cand_idx"][:, : min(K, V)]
     valid = x.gather(1, order) > float("-inf")
     assert torch.equal(torch.where(valid, got, -1), torch.where(valid, order, -1))
+    assert (got[~valid] == -1).all()  # fewer finite columns than K: padding, never a −inf column
     torch.testing.assert_close(scan["cand_val"][:, : min(K, V)].double()[valid], x.gather(1, order)[valid],
                                rtol=1e-6, atol=0)
     masked = x.clone()
@@ -497,14 +498,15 @@ def test_fused_beam_scores_merge_the_logsumexp_in_float64():
     assert abs(score - exact) < 1e-9
 
 
-@pytest.mark.parametrize("K", [2, 4, 16])
+@pytest.mark.parametrize("K", [2, 4, 16, 32])
 def test_lane_candidates_and_their_fallback(K):
     """Small-K candidate scans take the lanes' maxima (16-column tiles here: lane l holds columns
     l, l + 16, ...) when every lane's second largest ranks below the K-th of them, else read the
     split again by tiles. Rows built for each case — the best values in distinct lanes over a low
     floor (lanes suffice), the two best in one lane (re-read), a tie with a lower column in another
     lane, a second value equal to the K-th, fewer finite columns than K — all give the exact K best
-    (value desc, column asc), with eos never among them."""
+    (value desc, column asc), −inf columns as padding (index −1), eos never among them. K = 32 takes
+    tl.topk of each entering tile instead."""
     from kernels.row_scan import row_scan
 
     V, eos = 100, 37
@@ -517,12 +519,12 @@ def test_lane_candidates_and_their_fallback(K):
     z[2] = z[0]
     z[2, 20 + 32] = z[2, 20]  # a tie in lane 4 (column 52 after column 20)
     z[3] = z[0]
-    z[3, 3 + 48] = z[0, top[K - 1]]  # a lane's second equals the K-th: not strictly below
+    z[3, 3 + 48] = z[0, top[min(K, 16) - 1]]  # a lane's second equals the K-th: not strictly below
     z[4] = float("-inf")
-    z[4, [5, 50]] = torch.tensor([1.0, 2.0])  # two finite columns, in lanes 5 and 2
+    z[4, [5, 21]] = torch.tensor([1.0, 2.0])  # two finite columns, both in lane 5: re-read, padding
     z[5] = z[0]
     z[5, eos] = 100.0  # eos is never a candidate
-    scan = row_scan(z.to(DEVICE), eos_index=eos, candidates=K, launch=(16, 1))
+    scan = row_scan(z.to(DEVICE), eos_index=eos, candidates=K, launch=(max(16, K), 1))  # tiles hold K
     x = z.double()
     x[:, eos] = float("-inf")
     order = torch.sort(x, dim=1, descending=True, stable=True).indices[:, :K]

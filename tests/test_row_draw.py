@@ -451,3 +451,17 @@ def test_row_draw_lanes_across_tiles(head, top_p, eos):
         runs.append(picked.tokens.cpu())
     assert torch.equal(runs[0], runs[1])
     assert _g_test(runs[0], expected) > 1e-5, f"seed={seed}"
+
+
+@pytest.mark.parametrize("top_p", [None, 0.9])
+def test_row_draw_takes_logits_near_the_fp32_limit(top_p):
+    """A row whose largest x is near the fp32 maximum (2.4e38; or 2.4e36 at temperature 0.01) is
+    drawn in one round: the weights are 2^((x − M)·log2 e) — x·log2 e − M·log2 e overflowed to
+    inf − inf there, so the top column could never be drawn and every round was rejected."""
+    for big, temperature in ((2.4e38, 1.0), (1.2e38, 0.5), (2.4e36, 0.01)):
+        z = torch.tensor([[0.0, big, -1.0, 5.0]], device=DEVICE).expand(4, -1)
+        picked, rounds = row_draw.draw_rows(z, head="va", eos_index=0, eps=1e-3, temperature=temperature, steps=1,
+                                            state=None, seed=torch.tensor([1], device=DEVICE),
+                                            top_p_threshold=top_p)
+        assert picked.flags.tolist() == [4, 4] and (rounds == 1).all()
+        assert (picked.tokens == 1).all()
