@@ -312,7 +312,7 @@ def _row_scan_kernel(
     else:
         # First index of the max: lanes hold the tile of their first maximum; ties → the lowest column.
         first = tl.min(tl.where(lane_max == max_z[:, None], lane_start + lanes, V), axis=1)
-        top_val = running_max
+        top_val = max_z  # raw z: splits merge on it, so rounding of z · inv_temp cannot tie them
         top_idx = tl.where(max_z == float("-inf"), 0, first)
     out = rows * n_splits + split
     tl.store(max_ptr + out, running_max, mask=row_ok)
@@ -388,8 +388,9 @@ class ScanPartials:
     """Per-split results of one scan, before the splits are merged.
 
     Every tensor is (rows, splits) (``keys``: (rows, splits, K)); ``rows`` is 1 when a
-    replicated batch was scanned once (see :func:`scan_partials`). A scan with a seed leaves
-    "draw_idx", one drawn column per split.
+    replicated batch was scanned once (see :func:`scan_partials`). "max"/"sum": the split's max x
+    and Σ e^(x − max); "top_val"/"top_idx": its largest raw logit z and that z's first column. A
+    scan with a seed leaves "draw_idx", one drawn column per split.
     """
 
     parts: dict[str, torch.Tensor]
@@ -503,27 +504,31 @@ def row_scan(
         launch: (BLOCK_V, splits) instead of the automatic launch shape (tests use it to
             cover split merging and tile skipping on CPU).
     Returns:
-        dict of (B,) tensors: "lse" (fp64), "top_val" (fp32), "top_idx" (int64); with candidates "cand_val" (B, K) fp32 and
+        dict of (B,) tensors: "lse" (fp64), "top_val" (fp32 x) and "top_idx" (int64: the first column
+        of the largest z, so ties in x from rounding z · inv_temp go to the larger z); with candidates "cand_val" (B, K) fp32 and
         "cand_idx" (B, K) int64 in rank order (padding: -inf and -1 when fewer than K columns).
     """
     scan = scan_partials(z, eos_index=eos_index, temperature=temperature, candidates=candidates, launch=launch)
-    return _merge_splits(scan.parts, scan.V, K=scan.K)
+    return _merge_splits(scan.parts, scan.V, K=scan.K, inv_temp=1.0 / temperature)
 
 
-def _merge_splits(parts: dict[str, torch.Tensor], V: int, *, K: int) -> dict[str, torch.Tensor]:
+def _merge_splits(parts: dict[str, torch.Tensor], V: int, *, K: int, inv_temp: float) -> dict[str, torch.Tensor]:
     """Combine per-split partials into per-row results (splits cover V in column order). The
     logsumexp is float64 from the fp32 (max, sum) partials, as the select kernels merge them: an
     fp32 ``max + log(sum)`` rounds L by up to half an ulp of the max (2e-4 at logits of 1e4),
-    which beam scores would carry."""
+    which beam scores would carry. The argmax merges on raw z (a split's "top_val"), and its value
+    is returned as x = z · inv_temp in fp32, the kernels' rounding."""
     m, s = parts["max"].double(), parts["sum"].double()
     if m.shape[1] == 1:  # one split (large batches, the CPU interpreter): skip the merge's extra launches
-        out = {"lse": (m + torch.log(s)).squeeze(1), "top_val": parts["top_val"].squeeze(1),
-               "top_idx": parts["top_idx"].squeeze(1).long()}
+        out = {"lse": (m + torch.log(s)).squeeze(1)}
+        top_z, top_idx = parts["top_val"].squeeze(1), parts["top_idx"].squeeze(1).long()
     else:
         row_max = m.amax(dim=1)
         shift = torch.where(row_max == float("-inf"), 0.0, row_max)
         out = {"lse": row_max + torch.log((s * torch.exp(m - shift[:, None])).sum(dim=1))}
-        out["top_val"], out["top_idx"] = _first_index_of_max(parts["top_val"], parts["top_idx"].long(), V)
+        top_z, top_idx = _first_index_of_max(parts["top_val"], parts["top_idx"].long(), V)
+    out["top_val"] = top_z * torch.tensor(inv_temp, dtype=torch.float32)
+    out["top_idx"] = top_idx
     if K:
         keys = parts["keys"].flatten(1)
         if parts["keys"].shape[1] > 1:

@@ -208,13 +208,12 @@ def _select_kernel(
             state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
         bad = bad | eos_nan
     if GREEDY:
-        # The best non-eos value over the splits, ties → first index; eos wins a tie when its index is lower.
+        # The largest raw non-eos logit over the splits (the scan ranks raw z, so no fp32 rounding of
+        # z / T can make the pick depend on the split layout), ties → first index.
         pick_vals = tl.load(pick_val_ptr + part, mask=part_ok, other=float("-inf"))
         pick_idxs = tl.load(pick_idx_ptr + part, mask=part_ok, other=V)
         best = tl.max(pick_vals, axis=1)
         idx = tl.min(tl.where(pick_vals == best[:, None], pick_idxs, V), axis=1)
-        best64 = best.to(tl.float64)
-        eos_wins = (eos_zeta > best64) | ((eos_zeta == best64) & (eos_index < idx))
     else:
         # Inverse CDF over eos (its exact mass) and the splits (each by its mass); a split's own
         # draw is then a draw from the whole row: P(split) · P(column | split) = P(column).
@@ -231,6 +230,10 @@ def _select_kernel(
         idx = tl.sum(tl.where(split_no == split[:, None], draws, 0), axis=1)
     temperature = tl.cast(temp_hi, tl.float64) + tl.cast(temp_lo, tl.float64)
     chosen = tl.load(z_row + idx, mask=row_ok & (idx < V), other=0.0).to(tl.float64) / temperature
+    if GREEDY:
+        # Eos against the pick's z / T in float64; eos wins a tie when its index is lower.
+        best64 = tl.where(best == float("-inf"), float("-inf"), chosen)
+        eos_wins = (eos_zeta > best64) | ((eos_zeta == best64) & (eos_index < idx))
     if HEAD == 0:
         token = idx.to(tl.int64)
         log_prob = chosen - lse

@@ -554,3 +554,20 @@ def test_select_flags_with_one_program_and_with_several(monkeypatch):
             fused_select(bad, head="nmst", eos_index=5, steps=3, greedy=True)
     for greedy in (True, False):
         assert torch.equal(results[None, greedy], results[2, greedy])
+
+
+def test_greedy_pick_does_not_depend_on_the_split_layout():
+    """Two logits z₁ < z₂ whose z · (1/T) round to one fp32 value: the scan ranks raw z, so every
+    split layout (both in one split, or in two) picks z₂'s column, as the float64 reference does."""
+    from kernels.row_scan import row_scan
+
+    z = torch.zeros(1, 16)
+    z[0, 2] = torch.tensor(1069547522, dtype=torch.int32).view(torch.float32)  # ≈ 1.5000002
+    z[0, 9] = torch.tensor(1069547523, dtype=torch.int32).view(torch.float32)  # one ulp above
+    assert z[0, 2] * (1.0 / 3.0) == z[0, 9] * (1.0 / 3.0)  # tied after the fp32 scaling
+    for launch in ((16, 1), (8, 1), (8, 2), (4, 4)):
+        assert int(row_scan(z.to(DEVICE), eos_index=None, temperature=3.0, launch=launch)["top_idx"]) == 9
+    z[0, 15] = -30.0  # eos: improbable under VA and NMST alike
+    for head in ("va", "nmst"):
+        picked = fused_select(z.to(DEVICE), head=head, eos_index=15, steps=1, temperature=3.0, greedy=True)
+        assert int(picked.tokens) == 9
