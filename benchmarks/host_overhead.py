@@ -30,10 +30,15 @@ _KERNELS = (("row_scan", "_row_scan_kernel"), ("row_select", "_select_kernel"),
 
 
 class _NoLaunch:
-    """Stands in for a JIT kernel: ``kernel[grid](*args)`` does nothing."""
+    """Stands in for a JIT kernel: ``kernel[grid](*args)`` does nothing — except that a one-program
+    select kernel (``STORE_FLAGS``) writes the step's flags itself, so its stand-in fills them with
+    "every row served" (one fill the real step does not launch), or the step would read garbage."""
 
     def __getitem__(self, grid) -> Callable[..., None]:
-        return lambda *args, **kwargs: None
+        def launch(*args, **kwargs) -> None:
+            if kwargs.get("STORE_FLAGS"):
+                args[-1].fill_(args[2])  # _select_kernel(z, z_row_stride, n_rows, ..., flags, ...)
+        return launch
 
 
 def device() -> str:
