@@ -12,11 +12,12 @@ is off), with x = z · inv_temp:
   * draw = one column of the split drawn ∝ e^x            (sampling; the select kernel
            picks a split by its mass, so the pick is an exact softmax sample)
   * candidates = the K largest x, ties → lower index      (top-k / top-p)
-Greedy and the draw keep per-lane state instead of per-tile reductions (``fold_lanes``: a
-lane is a column position of the tile, followed across the split's tiles), so their loop has
-no barrier; one reduction after the loop merges the lanes. The draw then picks a lane by
-inverse CDF over the lane masses and a column of that lane by inverse CDF over its few strided
-columns (re-read once per split): no per-element noise or logarithms. The seed is read from a
+Every variant keeps per-lane state instead of per-tile reductions (``kernels/lanes.py``: a
+lane is a column position of the tile, followed across the split's tiles), so the loops of
+greedy, the draw and small K have no barrier; one reduction after the loop merges the lanes. The
+draw then picks a lane by inverse CDF over the lane masses and a column of that lane by inverse
+CDF over its few strided columns (re-read once per split): no per-element noise or logarithms.
+Small K take the lanes' maxima, checked by the lanes' second largest values. The seed is read from a
 device tensor, so drawing it from a CUDA generator needs no host sync; the draw depends on
 (seed, row, tiling). Candidates are ranked by one int64 key per column,
 (orderable float bits of x) << 32 | (2³¹ − 1 − column): key order is exactly
@@ -51,14 +52,11 @@ def column_keys(x, cols):
     return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)
 
 
-# Small candidate lists take the tile's entering columns one at a time instead of a tl.topk of
-# the whole tile. The split-V layout leaves each program few tiles (≈ 8 of 2048 columns at
-# B = 256, V = 50257), so most tiles still enter (≈ 6.5 of 8 for K = 4 on random rows, the
-# chance a tile's max is among the K best so far), and each paid a bitonic sort of 2048 int64
-# keys: top-k 4 took 9x the one-read floor on an H100 where greedy takes 2.4x. An entering tile
-# usually holds one or two columns above the K-th candidate, so extracting those (a max and an
-# index reduction each) is far less work. Larger K keep tl.topk: the first tile enters whole,
-# and K extractions of it would cost more than the sort.
+# Small candidate lists (K <= EXTRACT_MAX_K) come from the lanes' maxima (``_lane_candidates``),
+# and where those do not settle a split, from its tiles re-read by extraction: an entering tile's
+# columns above the K-th candidate taken one at a time (a max and an index reduction each), which
+# beat a tl.topk (a bitonic sort of the whole tile) per entering tile when most tiles entered.
+# Larger K keep tl.topk: the first tile enters whole, and K extractions of it would cost more.
 EXTRACT_MAX_K = tl.constexpr(16)
 
 
