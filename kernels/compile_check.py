@@ -379,8 +379,9 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"       {loop.summary()}", flush=True)
         except Exception as err:  # report every failing variant, not only the first
             failures += 1
-            print(f"FAIL {launch.name}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
-                  flush=True)
+            # Triton's CompilationError holds the offending source lines and the cause: show them.
+            detail = "\n       ".join(str(err).splitlines()[:20])
+            print(f"FAIL {launch.name}: {type(err).__name__}: {detail}", flush=True)
     print(f"{failures} of the variants failed to compile for sm_{args.arch}")
     return 1 if failures else 0
 

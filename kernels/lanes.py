@@ -99,10 +99,11 @@ def _load_next(lane_ptrs, start, last, HAS_EOS: tl.constexpr, BLOCK_V: tl.conste
 
 
 @triton.jit
-def _fold_tile(lane_max, lane_sum, lane_start, lane_second, z, start, neg_scale, ARGMAX: tl.constexpr,
-               SECOND: tl.constexpr):
+def fold_tile(lane_max, lane_sum, lane_start, lane_second, z, start, neg_scale, ARGMAX: tl.constexpr,
+              SECOND: tl.constexpr):
     """:func:`fold_lanes` of the tile at ``start``, and the optional per-lane extras: ARGMAX, the tile
-    start of the lane's first maximum; SECOND, the largest z of the lane other than that maximum."""
+    start of the lane's first maximum; SECOND, the largest z of the lane other than that maximum (without
+    it ``lane_second`` passes through untouched)."""
     previous = lane_max
     lane_max, lane_sum, up = fold_lanes(lane_max, lane_sum, z, neg_scale)
     if ARGMAX:
@@ -116,7 +117,7 @@ def _fold_tile(lane_max, lane_sum, lane_start, lane_second, z, start, neg_scale,
 def _fold_span(lane_max, lane_sum, lane_start, lane_second, lane_ptrs, first, last, hi, eos_index, neg_scale,
                MASKED: tl.constexpr, ARGMAX: tl.constexpr, SECOND: tl.constexpr, PREFETCH: tl.constexpr,
                HAS_EOS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Fold the tiles starting in [first, last) into the lane state (extras as :func:`_fold_tile`).
+    """Fold the tiles starting in [first, last) into the lane state (extras as :func:`fold_tile`).
     PREFETCH (unmasked spans): load the next tile before folding this one (the last iteration
     re-reads the span's last tile), for kernels with few warps per SM."""
     if PREFETCH and not MASKED:
@@ -125,12 +126,12 @@ def _fold_span(lane_max, lane_sum, lane_start, lane_second, lane_ptrs, first, la
             for start in range(first, last, BLOCK_V):
                 z = z_next
                 z_next = _load_next(lane_ptrs, start, last, HAS_EOS, BLOCK_V)
-                lane_max, lane_sum, lane_start, lane_second = _fold_tile(
+                lane_max, lane_sum, lane_start, lane_second = fold_tile(
                     lane_max, lane_sum, lane_start, lane_second, z, start, neg_scale, ARGMAX, SECOND)
     else:
         for start in range(first, last, BLOCK_V):
             z = load_tile(lane_ptrs, start, hi, eos_index, MASKED, HAS_EOS, BLOCK_V)
-            lane_max, lane_sum, lane_start, lane_second = _fold_tile(
+            lane_max, lane_sum, lane_start, lane_second = fold_tile(
                 lane_max, lane_sum, lane_start, lane_second, z, start, neg_scale, ARGMAX, SECOND)
     return lane_max, lane_sum, lane_start, lane_second
 

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_power_of_2, scan_width
-from .row_scan import column_keys, decode_column_keys, first_crossing, online_logsumexp
+from .row_scan import column_keys, decode_column_keys, first_crossing
 from .row_select import HEAD_CODES, Selection, _eos_terms, _Outputs, _split_f64, _uniform_f64
 
 BRACKET_SPLITS = 8  # NT: parts per bracket pass (compute per pass ∝ NT, passes ∝ 1/log NT; RESULTS.md)
@@ -55,6 +55,14 @@ _NO_KEY = -(2**63)
 def tile_table_width(V: int, block_v: int) -> int:
     """Columns of a row's per-tile table: the tile count, padded as a scanned table (``scan_width``)."""
     return scan_width(cdiv(V, block_v))
+
+
+@triton.jit
+def _online_logsumexp(running_max, running_sum, x):
+    """Fold a (rows, tile) block ``x`` into the running per-row (max, Σ e^(x − max))."""
+    new_max = tl.maximum(running_max, tl.max(x, axis=1))
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # all-masked so far: avoid -inf - -inf
+    return new_max, running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
 
 
 @triton.jit
@@ -125,7 +133,7 @@ def _nucleus_cut_kernel(
     n_valid = tl.zeros((BLOCK_B,), tl.int32)
     for start in range(0, V, BLOCK_V):
         x = _load_x(base, start + tl.arange(0, BLOCK_V)[None, :], row_ok, V, eos_index, inv_temp, HAS_EOS)
-        m, s = online_logsumexp(m, s, x, tl.max(x, axis=1))
+        m, s = _online_logsumexp(m, s, x)
         valid = x > float("-inf")  # NaN is not: its row is flagged through s
         x_min = tl.minimum(x_min, tl.min(tl.where(valid, x, float("inf")), axis=1))
         n_valid += tl.sum(valid.to(tl.int32), axis=1)

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_power_of_2, scan_width
-from .lanes import LOG2E, fold_lanes, fold_row_lanes, lane_pointers, load_tile, merge_lanes, tile_spans
+from .lanes import LOG2E, fold_row_lanes, fold_tile, lane_pointers, load_tile, merge_lanes, tile_spans
 
 # The largest candidate list the kernel keeps per row (a power of two; tl.topk needs one).
 MAX_CANDIDATES = 128
@@ -81,26 +81,6 @@ def _extract_into(best, x, keep, cols, kth_key, kth_value, K: tl.constexpr):
         above = above & (cols != col[:, None])
         todo -= 1
     return best
-
-
-@triton.jit
-def fold_tile(running_max, running_sum, x, tile_max):
-    """Fold a (rows, tile) block ``x`` with row maxima ``tile_max`` into the running (max, Σe^(x − max)).
-
-    Returns the new (max, sum), the tile's e^(x − new max) and their row sums (the tile's share
-    of the new sum)."""
-    new_max = tl.maximum(running_max, tile_max)
-    shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # all-masked so far: avoid -inf - -inf
-    e = tl.exp(x - shift[:, None])
-    part = tl.sum(e, axis=1)
-    return new_max, running_sum * tl.exp(running_max - shift) + part, e, part
-
-
-@triton.jit
-def online_logsumexp(running_max, running_sum, x, tile_max):
-    """:func:`fold_tile`'s running (max, sum) alone."""
-    new_max, new_sum, _, _ = fold_tile(running_max, running_sum, x, tile_max)
-    return new_max, new_sum
 
 
 @triton.jit
@@ -168,13 +148,15 @@ def _candidate_span(lane_max, lane_sum, lane_start, best, kth_key, kth_value, la
     """The K best candidates over the tiles starting in [first, last): one tile max per tile (the only
     reduction of a tile nothing enters), the candidate update only on tiles whose max beats the
     running K-th (``kth_key``/``kth_value``, kept current). FOLD: also the lane fold with the argmax
-    (``lanes._fold_tile``), in the same read."""
+    (``lanes.fold_tile``), in the same read."""
     lanes = tl.arange(0, BLOCK_V)[None, :]
     for start in range(first, last, BLOCK_V):
         z = load_tile(lane_ptrs, start, hi, eos_index, MASKED, HAS_EOS, BLOCK_V)
         if FOLD:
-            lane_max, lane_sum, up = fold_lanes(lane_max, lane_sum, z, neg_scale)
-            lane_start = tl.where(up, start, lane_start)
+            # (No SECOND: the lane_second slot passes lane_max through. Its own name: a loop variable
+            # must keep one type, and `_` holds an int64 below.)
+            lane_max, lane_sum, lane_start, _unused_second = fold_tile(lane_max, lane_sum, lane_start, lane_max, z,
+                                                                       start, neg_scale, True, False)
         # Candidates rank by x = z · inv_temp in fp32, as the keys hold it. The program walks its
         # columns upwards, so a tile value equal to the K-th ranks below it: only a larger max enters.
         x = z * inv_temp
