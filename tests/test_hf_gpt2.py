@@ -155,6 +155,40 @@ def test_processor_outputs_the_step_distribution_and_refuses_beam_scores():
         processor(torch.zeros(3, 7, dtype=torch.long), torch.log_softmax(z, dim=-1))
 
 
+@pytest.mark.parametrize("head", ["nmst", "st"])
+def test_a_reused_processor_starts_each_generate_call_at_t_1(head):
+    """A second generate() call through the same processor (a longer, a shorter prompt, another batch
+    size) decodes as a fresh processor does; the one ambiguous shape raises until reset()."""
+    model = _model(5)
+    reused = NMSTLogitsProcessor(eos_token_id=49, head=head, eps=0.05)
+
+    def run(contexts, processor):
+        with torch.no_grad():
+            out = model.generate(contexts, attention_mask=torch.ones_like(contexts), do_sample=False,
+                                 max_new_tokens=6, eos_token_id=49, pad_token_id=49, logits_processor=[processor],
+                                 output_scores=True, return_dict_in_generate=True)
+        return out.sequences, torch.stack(out.scores)
+
+    for shape in ((2, 4), (2, 9), (3, 3), (2, 5)):
+        contexts = torch.randint(0, 49, shape, generator=torch.Generator().manual_seed(sum(shape)))
+        got, got_scores = run(contexts, reused)
+        want, want_scores = run(contexts, NMSTLogitsProcessor(eos_token_id=49, head=head, eps=0.05))
+        assert torch.equal(got, want), shape
+        torch.testing.assert_close(got_scores, want_scores)
+
+    # Same batch size, prompts one token longer than the last sequences: continuing or new?
+    last = reused._previous
+    longer = torch.randint(0, 49, (last.shape[0], last.shape[1] + 1), generator=torch.Generator().manual_seed(9))
+    z = torch.randn(last.shape[0], 50, generator=torch.Generator().manual_seed(9))
+    with pytest.raises(ValueError, match="reset"):
+        reused(longer, z)
+    reused.reset()
+    from nmst_fast.decoding import step_log_probs
+
+    torch.testing.assert_close(reused(longer, z).double(),
+                               step_log_probs(z, head=head, eos_index=49, eps=0.05, steps=1)[0])
+
+
 @pytest.mark.parametrize("num_beams", [2, 4])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_hf_beam_search_on_the_nmst_distribution_agrees_with_ours(num_beams, seed):

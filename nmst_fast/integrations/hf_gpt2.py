@@ -161,6 +161,12 @@ class NMSTLogitsProcessor(LogitsProcessor):
     ``apply_nmst_to_gpt2(model, generation_logits=True)`` (HF beam search then sees the NMST
     log-probabilities as the model's logits) or ``nmst_fast.generate(GPT2Decoder(model, head=...), strategy="beam")``. ST keeps its running
     state per row, so rows must not be reordered between steps (checked).
+
+    One instance may serve several ``generate()`` calls: a call continues the previous step only
+    when it holds the same rows grown by one token; any other shape starts a new generation at
+    t = 1. The one ambiguous case — the same batch size and one token longer, but other prefixes
+    (rows reordered, or a new prompt exactly one token longer than the last sequences) — raises;
+    :meth:`reset` before a new ``generate()`` call avoids it.
     """
 
     def __init__(self, *, eos_token_id: int, head: str = "nmst", eps: float = 1e-5, temperature: float = 1.0):
@@ -171,17 +177,25 @@ class NMSTLogitsProcessor(LogitsProcessor):
         self._state: Optional[torch.Tensor] = None
         self._previous: Optional[torch.Tensor] = None
 
+    def reset(self) -> None:
+        """Forget the generation in progress: the next call is step t = 1 of a new one."""
+        self._prompt_length, self._state, self._previous = None, None, None
+
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self._prompt_length is None or input_ids.shape[1] <= self._prompt_length:
-            self._prompt_length, self._state, self._previous = input_ids.shape[1], None, None
+        previous = self._previous
+        grown = previous is not None and input_ids.shape[0] == previous.shape[0] and \
+            input_ids.shape[1] == previous.shape[1] + 1
+        if grown and not torch.equal(input_ids[:, :-1], previous):
+            raise ValueError("NMSTLogitsProcessor: the rows changed between consecutive steps — HF reordered "
+                             "them (the head's step and ST's running state follow each row), or a new generate() "
+                             "call began with prompts one token longer than the last sequences: call reset() "
+                             "before reusing a processor")
+        if not grown:  # a new generate() call: t = 1 at its first generated token
+            self._prompt_length, self._state = input_ids.shape[1], None
         if torch.allclose(torch.logsumexp(scores.double(), dim=-1), torch.zeros((), dtype=torch.float64), atol=1e-4):
             raise ValueError("NMSTLogitsProcessor got normalized log-probs (HF beam search): the raw eos logit "
                              "is gone; use apply_nmst_to_gpt2(model, generation_logits=True) without the processor, "
                              "or nmst_fast.generate(GPT2Decoder(model, head=...), strategy='beam')")
-        if self.head == "st" and self._previous is not None and \
-                not torch.equal(input_ids[:, :-1], self._previous):
-            raise ValueError("NMSTLogitsProcessor(head='st') needs rows in a fixed order across steps "
-                             "(its running state follows each row); HF reordered them")
         t = input_ids.shape[1] - self._prompt_length + 1
         log_p, state = step_log_probs(scores, head=self.head, eos_index=self.eos, eps=self.eps, steps=t,
                                       state=self._state, temperature=self.temperature)
