@@ -9,6 +9,7 @@ over by ``termination_bound(eps)`` steps.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
@@ -70,6 +71,15 @@ def _check(strategy: str, top_k, top_p, num_beams, max_length) -> None:
         raise ValueError(f"strategy='beam' needs num_beams >= 1, got {num_beams!r}")
 
 
+def _check_beam_ranking(length_penalty, early_stopping) -> None:
+    if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)):
+        raise TypeError(f"length_penalty must be a real number, got {type(length_penalty).__name__}")
+    if not math.isfinite(length_penalty):
+        raise ValueError(f"length_penalty must be finite, got {length_penalty!r}")
+    if early_stopping not in (True, False, "never") or not isinstance(early_stopping, (bool, str)):
+        raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+
+
 @torch.no_grad()
 def generate(
     model: DecodingModel,
@@ -82,6 +92,7 @@ def generate(
     max_length: int = 1000,
     temperature: float = 1.0,
     length_penalty: float = 0.0,
+    early_stopping: bool | str = False,
     generator: Optional[torch.Generator] = None,
     keep_tokens: bool = True,
     progress: bool = False,
@@ -99,6 +110,12 @@ def generate(
         temperature: see :func:`nmst_fast.decoding.sample` (every strategy; greedy keeps the argmax
             of non-eos tokens, but eos competes with the tempered distribution).
         length_penalty: beam ranking uses score / length**length_penalty (0: raw log-prob).
+        early_stopping: when a beam item is done, as in HF transformers (whose beam search this
+            agrees with): True, once it holds ``num_beams`` finished hypotheses; False (HF's
+            default), once its best live beam, scored at its current length, can no longer beat
+            the worst of them — with ``length_penalty=0`` that is exact, as a live beam's
+            log-prob only falls; "never", the same scored at ``max_length`` when
+            ``length_penalty`` > 0.
         generator: for reproducible sampling.
         keep_tokens: keep the generated tokens; False keeps only lengths (memory O(B) for
             non-termination studies with L = 10^5).
@@ -107,14 +124,16 @@ def generate(
             one-read Triton scan on CUDA; beam search takes its ranked candidates).
     """
     _check(strategy, top_k, top_p, num_beams, max_length)
+    if strategy == "beam":
+        _check_beam_ranking(length_penalty, early_stopping)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if contexts.shape[0] == 0:  # nothing to continue
         empty = torch.zeros(0, dtype=torch.long, device=contexts.device)
         return GenerationOutput(empty.reshape(0, 0), empty, empty.bool(), empty.double())
     if strategy == "beam":
-        return _beam_search(model, contexts, num_beams, max_length, length_penalty, keep_tokens, progress, impl,
-                            temperature)
+        return _beam_search(model, contexts, num_beams, max_length, float(length_penalty), early_stopping, keep_tokens,
+                            progress, impl, temperature)
     head: NMSTHead = model.nmst_head
     B = contexts.shape[0]
     device = contexts.device
@@ -185,19 +204,69 @@ def _assemble(history, B: int, lengths: torch.Tensor, device, keep_tokens: bool)
 
 @dataclass
 class _Hypothesis:
-    score: float
-    tokens: list[int]  # empty when keep_tokens=False
+    score: float  # log_prob / length**length_penalty: the ranking score
+    log_prob: float
     length: int
     terminated: bool
-    log_prob: float
+    # Its tokens: the prefix is row ``row`` of the trail after ``prefix_length`` steps, then eos
+    # when terminated (see _Trail).
+    prefix_length: int
+    row: int
 
 
-def _beam_search(model, contexts, K, max_length, length_penalty, keep_tokens, progress, impl,
+class _Trail:
+    """The beams' tokens as back-pointers: step t keeps, per continuing row, its token and its row
+    after step t − 1. Appending costs O(rows) per step (copying every prefix each step cost O(t),
+    so O(L²) over a run), and a prefix is read back once, for the returned hypotheses."""
+
+    def __init__(self, keep_tokens: bool):
+        self.keep = keep_tokens
+        self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parent rows, tokens) per step
+
+    def append(self, parents: torch.Tensor, tokens: torch.Tensor) -> None:
+        if self.keep:
+            self.steps.append((parents, tokens))
+
+    def tokens(self, hypotheses: list[_Hypothesis], eos: int, device) -> torch.Tensor:
+        """(len(hypotheses), longest length) int64 tokens, padded with -1."""
+        width = max((h.length for h in hypotheses), default=0) if self.keep else 0
+        out = torch.full((len(hypotheses), width), -1, dtype=torch.long, device=device)
+        if not self.keep or not hypotheses:
+            return out
+        n_prefix = torch.tensor([h.prefix_length for h in hypotheses], device=device)
+        row = torch.tensor([h.row for h in hypotheses], device=device)
+        ended = torch.tensor([h.terminated for h in hypotheses], device=device)
+        out[ended, n_prefix[ended]] = eos
+        for step in range(int(n_prefix.max()), 0, -1):  # all hypotheses walk back together
+            parents, tokens = self.steps[step - 1]
+            on = n_prefix >= step
+            at = torch.where(on, row, 0)
+            out[:, step - 1] = torch.where(on, tokens[at], out[:, step - 1])
+            row = torch.where(on, parents[at], row)
+        return out
+
+
+def _stops_early(hypotheses: list[_Hypothesis], K: int, best_live: float, t: int, max_length: int,
+                 length_penalty: float, early_stopping) -> bool:
+    """Whether an item is done after step t, by HF transformers' rule for ``early_stopping``: True,
+    once it holds K finished hypotheses; False, once it also holds K and its best live beam, scored
+    at its current length t, cannot beat the worst of them; "never", the same but scored at
+    ``max_length`` when ``length_penalty`` > 0 (the longest a live beam can get, so that is exact)."""
+    if len(hypotheses) < K:
+        return False
+    if early_stopping is True:
+        return True
+    length = max_length if early_stopping == "never" and length_penalty > 0 else t
+    return best_live / length**length_penalty <= hypotheses[-1].score
+
+
+def _beam_search(model, contexts, K, max_length, length_penalty, early_stopping, keep_tokens, progress, impl,
                  temperature) -> GenerationOutput:
     """Beam search: each step keeps the K best unfinished prefixes of every item; a candidate
-    ending in eos that ranks among the K best becomes a finished hypothesis. An item is done
-    once it holds K finished hypotheses (or at ``max_length``, where its live beams compete
-    too); its best hypothesis by log-prob / length**length_penalty is returned."""
+    ending in eos that ranks among the K best becomes a finished hypothesis (an item keeps its K
+    best by log-prob / length**length_penalty). An item is done by ``early_stopping``
+    (:func:`_stops_early`) or at ``max_length``, where its live beams compete too; its best
+    hypothesis is returned."""
     head: NMSTHead = model.nmst_head
     eos = head.eos_index
     B, device = contexts.shape[0], contexts.device
@@ -207,7 +276,7 @@ def _beam_search(model, contexts, K, max_length, length_penalty, keep_tokens, pr
     beam_scores = torch.full((B, K), float("-inf"), dtype=torch.float64, device=device)
     beam_scores[:, 0] = 0.0  # one beam expands at first, so the K beams start distinct
     beam_scores = beam_scores.view(-1)
-    prefixes = torch.empty(B * K, 0, dtype=torch.long, device=device)
+    trail = _Trail(keep_tokens)
     items = list(range(B))  # original index of each live item, on the host: bookkeeping needs no sync
     finished: list[list[_Hypothesis]] = [[] for _ in range(B)]
     state = None
@@ -222,11 +291,10 @@ def _beam_search(model, contexts, K, max_length, length_penalty, keep_tokens, pr
         at = to_finish.nonzero()
         if at.numel():
             log_probs = cand.scores[at[:, 0], at[:, 1]].tolist()
-            seqs = prefixes[cand.beam_rows[at[:, 0], at[:, 1]]].tolist() if keep_tokens else [[]] * len(log_probs)
-            for i, log_prob, seq in zip(at[:, 0].tolist(), log_probs, seqs):
+            prefix_rows = cand.beam_rows[at[:, 0], at[:, 1]].tolist()
+            for i, log_prob, row in zip(at[:, 0].tolist(), log_probs, prefix_rows):
                 hyp = finished[items[i]]
-                hyp.append(_Hypothesis(log_prob / t**length_penalty, seq + [eos] if keep_tokens else [], t, True,
-                                       log_prob))
+                hyp.append(_Hypothesis(log_prob / t**length_penalty, log_prob, t, True, t - 1, row))
                 hyp.sort(key=lambda h: -h.score)
                 del hyp[K:]
         # The K best non-eos candidates continue (2K candidates always hold K of them).
@@ -235,39 +303,36 @@ def _beam_search(model, contexts, K, max_length, length_penalty, keep_tokens, pr
         next_tokens = cand.tokens.gather(1, continuing).view(-1)
         beam_scores = cand.scores.gather(1, continuing).view(-1)
         state = None if cand.state is None else cand.state.gather(1, continuing).view(-1)
-        if keep_tokens:
-            prefixes = torch.cat([prefixes[next_rows], next_tokens[:, None]], dim=1)
         bar.update(1)
-        done = [len(finished[b]) >= K for b in items]
+        full = [len(finished[b]) >= K for b in items]
+        best_live = beam_scores.view(-1, K).max(dim=1).values.tolist() if any(full) and early_stopping is not True \
+            else [0.0] * len(items)
+        done = [_stops_early(finished[b], K, best_live[i], t, max_length, length_penalty, early_stopping)
+                for i, b in enumerate(items)]
         if t == max_length:
+            trail.append(next_rows, next_tokens)
             live_scores = beam_scores.view(-1, K).tolist()
-            live_seqs = prefixes.view(len(items), K, -1).tolist() if keep_tokens else None
             for i, b in enumerate(items):
                 if done[i]:
                     continue
                 for j, log_prob in enumerate(live_scores[i]):
-                    seq = live_seqs[i][j] if keep_tokens else []
-                    finished[b].append(_Hypothesis(log_prob / t**length_penalty, seq, t, False, log_prob))
-            break
-        if all(done):
+                    finished[b].append(_Hypothesis(log_prob / t**length_penalty, log_prob, t, False, t, i * K + j))
             break
         if any(done):  # finished items leave the batch
             keep_items = [i for i, d in enumerate(done) if not d]
             items = [items[i] for i in keep_items]
-            keep_rows = (torch.tensor(keep_items, device=device)[:, None] * K + torch.arange(K, device=device)).view(-1)
+            keep_rows = (torch.tensor(keep_items, device=device, dtype=torch.long)[:, None] * K
+                         + torch.arange(K, device=device)).view(-1)
             next_rows, next_tokens = next_rows[keep_rows], next_tokens[keep_rows]
             beam_scores = beam_scores[keep_rows]
-            if keep_tokens:
-                prefixes = prefixes[keep_rows]
             state = None if state is None else state[keep_rows]
+        trail.append(next_rows, next_tokens)
+        if not items:
+            break
         hidden, cache = model.decode_step(next_tokens, model.select_cache(cache, next_rows))
     bar.close()
     best = [max(h, key=lambda h: h.score) for h in finished]  # every item holds >= 1 hypothesis by now
-    lengths = torch.tensor([h.length for h in best], dtype=torch.long, device=device)
-    width = int(lengths.max()) if keep_tokens else 0
-    tokens = torch.full((B, width), -1, dtype=torch.long, device=device)
-    if keep_tokens:
-        for i, h in enumerate(best):
-            tokens[i, : h.length] = torch.tensor(h.tokens, dtype=torch.long, device=device)
-    return GenerationOutput(tokens, lengths, torch.tensor([h.terminated for h in best], device=device),
+    return GenerationOutput(trail.tokens(best, eos, device),
+                            torch.tensor([h.length for h in best], dtype=torch.long, device=device),
+                            torch.tensor([h.terminated for h in best], device=device),
                             torch.tensor([h.log_prob for h in best], dtype=torch.float64, device=device))

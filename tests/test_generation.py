@@ -114,8 +114,10 @@ def test_sampling_strategies_reproducible_and_terminate(strategy, kw):
     assert torch.equal(lengths_only.lengths, a.lengths) and lengths_only.tokens.numel() == 0
 
 
-def _reference_beam(model, context, K, max_length):
-    """Beam search written out plainly: every prefix scored from scratch (float64)."""
+def _reference_beam(model, context, K, max_length, early_stopping):
+    """Beam search written out plainly: every prefix scored from scratch (float64); no length
+    penalty. An item stops with K finished hypotheses (early_stopping=True), or also once its best
+    running beam cannot beat the worst of them (False: HF's rule, exact without a length penalty)."""
     eos = model.nmst_head.eos_index
     beams = [(0.0, [])]
     finished = []
@@ -137,7 +139,7 @@ def _reference_beam(model, context, K, max_length):
                 running.append((score, seq))
         finished = sorted(finished, key=lambda h: -h[0])[:K]
         beams = running
-        if len(finished) >= K:
+        if len(finished) >= K and (early_stopping or max(s for s, _ in beams) <= finished[-1][0]):
             break
         if t == max_length:
             finished += [(s, seq, False) for s, seq in beams]
@@ -146,15 +148,37 @@ def _reference_beam(model, context, K, max_length):
 
 @pytest.mark.parametrize("head", ["nmst", "st", "va"])
 @pytest.mark.parametrize("K", [1, 3])
-def test_beam_matches_reference(head, K):
+@pytest.mark.parametrize("early_stopping", [True, False])
+def test_beam_matches_reference(head, K, early_stopping):
     model = TinyRNN(V=11, head=head, eps=0.1, scale=2.0).double()
     contexts = _contexts(B=3, V=11)
-    out = generate(model, contexts, strategy="beam", num_beams=K, max_length=12)
+    out = generate(model, contexts, strategy="beam", num_beams=K, max_length=12, early_stopping=early_stopping)
     for b in range(contexts.shape[0]):
-        score, seq, terminated = _reference_beam(model, contexts[b], K, 12)
+        score, seq, terminated = _reference_beam(model, contexts[b], K, 12, early_stopping)
         assert out.tokens[b, : len(seq)].tolist() == seq
         assert int(out.lengths[b]) == len(seq) and bool(out.terminated[b]) == terminated
         assert float(out.scores[b]) == pytest.approx(score, rel=1e-12)
+
+
+@pytest.mark.parametrize("head", ["nmst", "st", "va"])
+def test_beam_stopping_rules_match_reference(head):
+    """Peaked non-eos logits with eos held up: items hold K finished hypotheses early while a live
+    beam still scores higher, so the two stopping rules return different hypotheses (ST and VA
+    here; checked), each equal to the plain reference."""
+    model = TinyRNN(V=11, head=head, eps=0.05, scale=12.0, eos_bias=4.0, seed=1).double()
+    contexts = _contexts(B=3, V=11)
+    outs = {}
+    for early_stopping in (True, False):
+        out = outs[early_stopping] = generate(model, contexts, strategy="beam", num_beams=3, max_length=12,
+                                              early_stopping=early_stopping)
+        for b in range(contexts.shape[0]):
+            score, seq, terminated = _reference_beam(model, contexts[b], 3, 12, early_stopping)
+            assert out.tokens[b, : len(seq)].tolist() == seq
+            assert int(out.lengths[b]) == len(seq) and bool(out.terminated[b]) == terminated
+            assert float(out.scores[b]) == pytest.approx(score, rel=1e-12)
+    if head != "nmst":
+        assert not torch.equal(outs[True].lengths, outs[False].lengths)
+        assert (outs[False].scores >= outs[True].scores).all()  # the longer search finds no worse hypothesis
 
 
 def test_beam_one_equals_greedy():
@@ -172,9 +196,14 @@ def test_generate_rejects_bad_arguments():
                      (dict(strategy="nucleus"), "top_p"), (dict(strategy="beam"), "num_beams"),
                      (dict(max_length=0), "max_length"), (dict(strategy="beam", num_beams=True), "num_beams"),
                      (dict(strategy="beam", num_beams=2, temperature=-1.0), "temperature"),
-                     (dict(temperature=float("inf")), "temperature")]:
+                     (dict(temperature=float("inf")), "temperature"),
+                     (dict(strategy="beam", num_beams=2, length_penalty=float("nan")), "length_penalty"),
+                     (dict(strategy="beam", num_beams=2, early_stopping="sometimes"), "early_stopping"),
+                     (dict(strategy="beam", num_beams=2, early_stopping=1), "early_stopping")]:
         with pytest.raises(ValueError, match=name):
             generate(model, _contexts(), **kw)
+    with pytest.raises(TypeError, match="length_penalty"):
+        generate(model, _contexts(), strategy="beam", num_beams=2, length_penalty="1")
     with pytest.raises(TypeError, match="generator"):
         generate(model, _contexts(), strategy="top_k", top_k=3, generator=3)
 

@@ -8,7 +8,7 @@ from nmst_fast.generation import generate
 from nmst_fast.integrations.hf_gpt2 import GPT2Decoder
 
 
-def _model(seed: int):
+def _model(seed: int, scale: float = 20.0, eos_tilt: float = 2.5):
     torch.manual_seed(seed)
     config = transformers.GPT2Config(vocab_size=50, n_positions=64, n_embd=32, n_layer=2, n_head=2,
                                      bos_token_id=49, eos_token_id=49)
@@ -16,24 +16,32 @@ def _model(seed: int):
     with torch.no_grad():
         # Random init gives near-uniform, tie-prone logits: make them decisive, and tilt the
         # final LayerNorm toward eos so that some beams finish early and others never do.
-        model.transformer.wte.weight *= 20
+        model.transformer.wte.weight *= scale
         eos_direction = model.transformer.wte.weight[49] / model.transformer.wte.weight[49].norm()
-        model.transformer.ln_f.bias += 2.5 * eos_direction
+        model.transformer.ln_f.bias += eos_tilt * eos_direction
     return model
 
 
+# Beam search's test models: decisive logits (finished beams only early, else the horizon), and
+# softer ones where eos wins at lengths 1-12 even when live beams keep competing (early_stopping=False).
+BEAM_MODELS = {"decisive": dict(scale=20.0, eos_tilt=2.5), "soft": dict(scale=4.0, eos_tilt=1.0)}
+
+
+@pytest.mark.parametrize("early_stopping, length_penalty", [(False, 0.0), (True, 0.0), ("never", 0.0),
+                                                             (False, 1.0), (True, 1.0), ("never", 1.0)])
 @pytest.mark.parametrize("num_beams", [1, 2, 4])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_beam_search_agrees_with_hf(num_beams, seed):
-    model = _model(seed)
+@pytest.mark.parametrize("family", sorted(BEAM_MODELS))
+def test_beam_search_agrees_with_hf(num_beams, seed, early_stopping, length_penalty, family):
+    model = _model(seed, **BEAM_MODELS[family])
     contexts = torch.randint(0, 49, (3, 5), generator=torch.Generator().manual_seed(seed))
     max_new = 16
     with torch.no_grad():
         hf = model.generate(contexts, attention_mask=torch.ones_like(contexts), num_beams=num_beams, do_sample=False,
-                            max_new_tokens=max_new, eos_token_id=49, pad_token_id=49, length_penalty=0.0,
-                            early_stopping=True)
+                            max_new_tokens=max_new, eos_token_id=49, pad_token_id=49, length_penalty=length_penalty,
+                            early_stopping=early_stopping)
     ours = generate(GPT2Decoder(model, head="va"), contexts, strategy="beam", num_beams=num_beams,
-                    max_length=max_new)
+                    max_length=max_new, length_penalty=length_penalty, early_stopping=early_stopping)
     for b in range(contexts.shape[0]):
         hf_cont = hf[b, contexts.shape[1]:].tolist()
         if 49 in hf_cont:
@@ -42,16 +50,21 @@ def test_beam_search_agrees_with_hf(num_beams, seed):
         assert bool(ours.terminated[b]) == (hf_cont[-1] == 49)
 
 
-def test_the_agreement_cases_cover_finished_and_unfinished_beams():
-    """Guard for the test above: its models must produce both kinds of outcome."""
-    outcomes = set()
-    for seed in range(3):
-        contexts = torch.randint(0, 49, (3, 5), generator=torch.Generator().manual_seed(seed))
-        for num_beams in (2, 4):
-            out = generate(GPT2Decoder(_model(seed), head="va"), contexts, strategy="beam", num_beams=num_beams,
-                           max_length=16)
-            outcomes |= set(out.terminated.tolist())
+@pytest.mark.parametrize("early_stopping", [True, False])
+def test_the_agreement_cases_cover_finished_and_unfinished_beams(early_stopping):
+    """Guard for the test above: its models must produce both kinds of outcome under each stopping
+    rule, and terminated hypotheses of more than one token."""
+    outcomes, lengths = set(), set()
+    for family in BEAM_MODELS.values():
+        for seed in range(3):
+            contexts = torch.randint(0, 49, (3, 5), generator=torch.Generator().manual_seed(seed))
+            for num_beams in (2, 4):
+                out = generate(GPT2Decoder(_model(seed, **family), head="va"), contexts, strategy="beam",
+                               num_beams=num_beams, max_length=16, early_stopping=early_stopping)
+                outcomes |= set(out.terminated.tolist())
+                lengths |= set(out.lengths[out.terminated].tolist())
     assert outcomes == {True, False}
+    assert max(lengths) > 2
 
 
 def test_greedy_agrees_with_hf():
@@ -197,8 +210,7 @@ def test_hf_beam_search_on_the_nmst_distribution_agrees_with_ours(num_beams, see
     contexts = torch.randint(0, 49, (3, 5), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         hf = model.generate(contexts, attention_mask=torch.ones_like(contexts), num_beams=num_beams, do_sample=False,
-                            max_new_tokens=16, eos_token_id=49, pad_token_id=49, length_penalty=0.0,
-                            early_stopping=True)
+                            max_new_tokens=16, eos_token_id=49, pad_token_id=49, length_penalty=0.0)  # HF's default early_stopping
         hf_greedy = model.generate(contexts, attention_mask=torch.ones_like(contexts), do_sample=False,
                                    max_new_tokens=16, eos_token_id=49, pad_token_id=49)
     plain = _model(seed)  # the same weights, decoded by nmst_fast
