@@ -374,16 +374,18 @@ def test_fused_beam_step_equals_torch(head):
 
 
 @pytest.mark.parametrize("head", HEADS)
-def test_fused_beam_search_matches_reference(head):
+@pytest.mark.parametrize("early_stopping", [True, False])
+def test_fused_beam_search_matches_reference(head, early_stopping):
     from test_generation import TinyRNN, _contexts, _reference_beam
 
-    model = TinyRNN(V=11, head=head, eps=0.1, scale=2.0).double()
+    # The model of test_generation's stopping-rule test: the two rules return different hypotheses.
+    model = TinyRNN(V=11, head=head, eps=0.05, scale=12.0, eos_bias=4.0, seed=1).double()
     contexts = _contexts(B=3, V=11)
     out = generate(model.to(DEVICE), contexts.to(DEVICE), strategy="beam", num_beams=3, max_length=12,
-                   impl="triton")
+                   impl="triton", early_stopping=early_stopping)
     model = model.cpu()
     for b in range(contexts.shape[0]):
-        score, seq, terminated = _reference_beam(model, contexts[b], 3, 12)
+        score, seq, terminated = _reference_beam(model, contexts[b], 3, 12, early_stopping)
         assert out.tokens[b, : len(seq)].tolist() == seq
         assert int(out.lengths[b]) == len(seq) and bool(out.terminated[b]) == terminated
         assert float(out.scores[b]) == pytest.approx(score, rel=1e-6)
