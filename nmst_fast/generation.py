@@ -10,6 +10,7 @@ over by ``termination_bound(eps)`` steps.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
@@ -58,16 +59,21 @@ class GenerationOutput:
     scores: torch.Tensor
 
 
+def _is_int(value) -> bool:
+    """An integer (numpy's too, as ``sample``'s top_k takes), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _check(strategy: str, top_k, top_p, num_beams, max_length) -> None:
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
+    if not _is_int(max_length) or max_length < 1:
         raise ValueError(f"max_length must be a positive int, got {max_length!r}")
     if strategy == "top_k" and top_k is None:
         raise ValueError("strategy='top_k' needs top_k")
     if strategy == "nucleus" and top_p is None:
         raise ValueError("strategy='nucleus' needs top_p")
-    if strategy == "beam" and (isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1):
+    if strategy == "beam" and (not _is_int(num_beams) or num_beams < 1):
         raise ValueError(f"strategy='beam' needs num_beams >= 1, got {num_beams!r}")
 
 
@@ -124,6 +130,8 @@ def generate(
             one-read Triton scan on CUDA; beam search takes its ranked candidates).
     """
     _check(strategy, top_k, top_p, num_beams, max_length)
+    max_length = int(max_length)
+    num_beams = int(num_beams) if strategy == "beam" else num_beams
     if strategy == "beam":
         _check_beam_ranking(length_penalty, early_stopping)
     if generator is not None and not isinstance(generator, torch.Generator):

@@ -202,6 +202,10 @@ def test_generate_rejects_bad_arguments():
                      (dict(strategy="beam", num_beams=2, early_stopping=1), "early_stopping")]:
         with pytest.raises(ValueError, match=name):
             generate(model, _contexts(), **kw)
+    import numpy as np  # numpy integers count as ints, as sample's top_k takes them
+
+    out = generate(model, _contexts(), strategy="beam", num_beams=np.int64(2), max_length=np.int64(3))
+    assert int(out.lengths.max()) <= 3
     with pytest.raises(TypeError, match="length_penalty"):
         generate(model, _contexts(), strategy="beam", num_beams=2, length_penalty="1")
     with pytest.raises(TypeError, match="generator"):
