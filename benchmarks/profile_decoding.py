@@ -12,7 +12,7 @@ B = 256, about 1.2 waves of the ~5 resident per SM, so the second table sweeps t
 row and the tile width, for greedy and (V = 50257) for plain sampling by the scan's per-split
 draw, which shares the scan's launch shape. The third times top-p by split rounds (the path of
 fewer than 128 rows) at B = 1 and 32 per tile width and split count, next to the row draw. Each row gives the device time (``triton.testing.do_bench_cudagraph``
-median), the achieved read rate and the ratio to the one-read floor at the copy bandwidth
+median, each step on a copy of the logits not in L2: ``benchmarks.cold_reads``), the achieved read rate and the ratio to the one-read floor at the copy bandwidth
 measured in the same run; * marks the current default. Pick the next defaults from the tables.
 """
 
@@ -29,7 +29,11 @@ from kernels.row_draw import cuda_launch, draw_rows
 from kernels.row_scan import launch_shape, scan_partials
 from kernels.row_select import select_from_scan
 
+from .cold_reads import cold_graph_ms
 from .decoding_cases import make_logits
+
+# A timer takes a step of the logits and the logits: ``cold_reads.cold_graph_ms`` on a GPU.
+Timer = Callable[[Callable[[torch.Tensor], None], torch.Tensor], float]
 
 BLOCK_VS = (2048, 4096)
 WARPS = (4, 8, 16)
@@ -53,40 +57,38 @@ def variants() -> list[Variant]:
 
 
 def sweep(logits: torch.Tensor, top_p: Optional[float], candidates: Iterable[Variant],
-          timer: Callable[[Callable[[], None]], float]) -> list[tuple[Variant, float]]:
+          timer: Timer) -> list[tuple[Variant, float]]:
     """(variant, ms) for one draw_rows call per variant on ``logits`` (NMST head, t = 100)."""
     seed = torch.tensor([1234], device=logits.device)
     rows = []
     for variant in candidates:
-        def step(variant=variant) -> None:
-            draw_rows(logits, head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100,
-                      state=None, seed=seed, top_p_threshold=top_p, launch=variant.launch(logits.shape[1]))
+        def step(z: torch.Tensor, variant=variant) -> None:
+            draw_rows(z, head="nmst", eos_index=z.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100,
+                      state=None, seed=seed, top_p_threshold=top_p, launch=variant.launch(z.shape[1]))
 
-        step()  # compile outside the timing
-        rows.append((variant, timer(step)))
+        step(logits)  # compile outside the timing
+        rows.append((variant, timer(step, logits)))
     return rows
 
 
-def scan_sweep(logits: torch.Tensor, launches: Iterable[tuple[int, int]],
-               timer: Callable[[Callable[[], None]], float], *, draw: bool = False,
+def scan_sweep(logits: torch.Tensor, launches: Iterable[tuple[int, int]], timer: Timer, *, draw: bool = False,
                ) -> list[tuple[tuple[int, int], float]]:
     """((BLOCK_V, splits), ms) of the greedy (``draw`` False) or sampling device step (the scan,
     then the select kernel's merge and head math) per launch, NMST head, t = 100."""
     seed = torch.tensor([1234], device=logits.device) if draw else None
     rows = []
     for launch in launches:
-        def step(launch=launch) -> None:
-            scan = scan_partials(logits, eos_index=logits.shape[1] - 1, seed=seed, launch=launch)
-            select_from_scan(logits, scan, head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0,
+        def step(z: torch.Tensor, launch=launch) -> None:
+            scan = scan_partials(z, eos_index=z.shape[1] - 1, seed=seed, launch=launch)
+            select_from_scan(z, scan, head="nmst", eos_index=z.shape[1] - 1, eps=1e-5, temperature=1.0,
                              steps=100, state=None, seed=seed)
 
-        step()
-        rows.append((launch, timer(step)))
+        step(logits)
+        rows.append((launch, timer(step, logits)))
     return rows
 
 
-def top_k_parts(logits: torch.Tensor, top_k: int, timer: Callable[[Callable[[], None]], float],
-                ) -> list[tuple[str, float]]:
+def top_k_parts(logits: torch.Tensor, top_k: int, timer: Timer) -> list[tuple[str, float]]:
     """(part, ms) of a top-k device step (NMST head, t = 100): the candidate scan alone, then the
     scan with the candidate select kernel, the step ``sample(top_k=...)`` runs on a GPU. Their
     difference is the select kernel's share."""
@@ -95,23 +97,23 @@ def top_k_parts(logits: torch.Tensor, top_k: int, timer: Callable[[Callable[[], 
     eos = logits.shape[1] - 1
     seed = torch.tensor([1234], device=logits.device)
 
-    def scan_only() -> None:
-        scan_partials(logits, eos_index=eos, candidates=top_k)
+    def scan_only(z: torch.Tensor) -> None:
+        scan_partials(z, eos_index=eos, candidates=top_k)
 
-    def step() -> None:
-        scan = scan_partials(logits, eos_index=eos, candidates=top_k)
-        select_candidates_from_scan(logits, scan, head="nmst", eos_index=eos, eps=1e-5, steps=100, state=None,
+    def step(z: torch.Tensor) -> None:
+        scan = scan_partials(z, eos_index=eos, candidates=top_k)
+        select_candidates_from_scan(z, scan, head="nmst", eos_index=eos, eps=1e-5, steps=100, state=None,
                                     top_k=top_k, top_p_threshold=None, seed=seed)
 
     rows = []
     for name, fn in (("candidate scan", scan_only), ("scan + select", step)):
-        fn()
-        rows.append((name, timer(fn)))
+        fn(logits)
+        rows.append((name, timer(fn, logits)))
     return rows
 
 
 def split_sweep(logits: torch.Tensor, top_p: float, launches: Iterable[tuple[int, int]],
-                timer: Callable[[Callable[[], None]], float]) -> list[tuple[tuple[int, int], float]]:
+                timer: Timer) -> list[tuple[tuple[int, int], float]]:
     """((BLOCK_V, splits), ms) of top-p by split rounds per launch — the drawing scan and the
     first FIRST_ROUNDS round launches, as a step of fewer than ROW_DRAW_MIN_ROWS rows runs them
     (NMST head, t = 100); (0, 0) is the row draw at its default launch, for comparison."""
@@ -122,14 +124,14 @@ def split_sweep(logits: torch.Tensor, top_p: float, launches: Iterable[tuple[int
                 seed=seed, top_p_threshold=top_p)
     rows = []
     for launch in [(0, 0)] + list(launches):
-        def step(launch=launch) -> None:
+        def step(z: torch.Tensor, launch=launch) -> None:
             if launch == (0, 0):
-                draw_rows(logits, **args)
+                draw_rows(z, **args)
             else:
-                SplitTopP(logits, launch=launch, **args)
+                SplitTopP(z, launch=launch, **args)
 
-        step()
-        rows.append((launch, timer(step)))
+        step(logits)
+        rows.append((launch, timer(step, logits)))
     return rows
 
 
@@ -139,12 +141,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device (the interpreter's times say nothing about a GPU)")
-    import triton.testing
 
     from .report_decoding import copy_bandwidth
 
     bandwidth = copy_bandwidth()
-    timer = lambda fn: triton.testing.do_bench_cudagraph(fn, return_mode="median")  # noqa: E731
+    timer = cold_graph_ms
     print(f"row draw launch sweep, NMST head, fp32 logits, B = 256, {torch.cuda.get_device_name()}; "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write); floor = one read at that rate; * = default")
     print("| V | mode | BLOCK_V | warps | prefetch | ms | read TB/s | x floor |\n|---:|---|---:|---:|---|---:|---:|---:|")

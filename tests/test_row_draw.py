@@ -276,7 +276,7 @@ def test_launch_sweep_runs_every_variant():
     logits = torch.randn(3, 2100, device=DEVICE) * 3
     timed = []
     for top_p in (None, 0.9):
-        rows = sweep(logits, top_p, variants(), lambda fn: timed.append(fn()) or 1.0)
+        rows = sweep(logits, top_p, variants(), lambda step, z: timed.append(step(z)) or 1.0)
         assert [variant for variant, _ in rows] == variants()
     assert len(timed) == 2 * len(variants())
     assert {v.launch(2100)["NTILES"] for v in variants()} == {8}  # 2 tiles of 2048, 1 of 4096: padded
@@ -284,15 +284,15 @@ def test_launch_sweep_runs_every_variant():
 
     launches = [(1024, 1), (1024, 3), (2048, 2)]
     for draw in (False, True):
-        rows = scan_sweep(logits, launches, lambda fn: timed.append(fn()) or 1.0, draw=draw)
+        rows = scan_sweep(logits, launches, lambda step, z: timed.append(step(z)) or 1.0, draw=draw)
         assert [launch for launch, _ in rows] == launches
     from benchmarks.profile_decoding import top_k_parts
 
-    parts = top_k_parts(logits, 4, lambda fn: timed.append(fn()) or 1.0)
+    parts = top_k_parts(logits, 4, lambda step, z: timed.append(step(z)) or 1.0)
     assert [name for name, _ in parts] == ["candidate scan", "scan + select"]
     from benchmarks.profile_decoding import split_sweep
 
-    rows = split_sweep(logits, 0.9, launches, lambda fn: timed.append(fn()) or 1.0)
+    rows = split_sweep(logits, 0.9, launches, lambda step, z: timed.append(step(z)) or 1.0)
     assert [launch for launch, _ in rows] == [(0, 0)] + launches
     assert len(timed) == 2 * len(variants()) + 12
 
