@@ -40,6 +40,9 @@ class DecodingModel(Protocol):
     def select_cache(self, cache: Any, index: torch.Tensor) -> Any:
         """Rows ``index`` (int64) of the cache, in that order (used to drop and to reorder rows)."""
 
+    # Optional: ``max_positions`` (int), the most context plus fed tokens the model attends over
+    # (a learned position table's size); :func:`generate` refuses a ``max_length`` beyond it.
+
 
 @dataclass
 class GenerationOutput:
@@ -136,6 +139,12 @@ def generate(
         _check_beam_ranking(length_penalty, early_stopping)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    max_positions = getattr(model, "max_positions", None)
+    if max_positions is not None and contexts.shape[1] + max_length - 1 > max_positions:
+        # The last generated token is never fed back: Tc + L − 1 positions are read.
+        raise ValueError(f"max_length={max_length} after {contexts.shape[1]}-token contexts needs "
+                         f"{contexts.shape[1] + max_length - 1} positions, but the model has max_positions="
+                         f"{max_positions}: use max_length <= {max_positions - contexts.shape[1] + 1}")
     if contexts.shape[0] == 0:  # nothing to continue
         empty = torch.zeros(0, dtype=torch.long, device=contexts.device)
         return GenerationOutput(empty.reshape(0, 0), empty, empty.bool(), empty.double())

@@ -225,3 +225,21 @@ def test_hf_beam_search_on_the_nmst_distribution_agrees_with_ours(num_beams, see
             assert mine.tokens[b, : mine.lengths[b]].tolist() == cont, f"item {b}"
     with pytest.raises(ValueError, match="ST"):
         apply_nmst_to_gpt2(_model(seed), head="st", generation_logits=True)
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+def test_generate_refuses_more_positions_than_gpt2_has(strategy):
+    """Context + fed tokens beyond n_positions indexed past GPT-2's position table (an IndexError on
+    CPU, a device-side assert on CUDA): refused up front; the longest allowed run reaches the end."""
+    config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                     bos_token_id=49, eos_token_id=49)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():  # eos held far down: every continuation runs to max_length
+        model.transformer.ln_f.bias -= 5 * model.transformer.wte.weight[49] / model.transformer.wte.weight[49].norm()
+    contexts = torch.randint(0, 49, (2, 5), generator=torch.Generator().manual_seed(0))
+    decoder = GPT2Decoder(model, head="va")
+    out = generate(decoder, contexts, strategy=strategy, num_beams=2, max_length=12)  # 5 + 11 fed = 16 positions
+    assert out.lengths.tolist() == [12, 12]
+    with pytest.raises(ValueError, match="max_length"):
+        generate(decoder, contexts, strategy=strategy, num_beams=2, max_length=13)

@@ -44,13 +44,24 @@ class GPT2Decoder(nn.Module):
         params = inspect.signature(model.transformer.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
+    @property
+    def max_positions(self) -> int:
+        """Context plus fed tokens the model can attend over (GPT-2's ``n_positions``): ``generate``
+        checks ``max_length`` against it before decoding."""
+        return int(self.model.config.n_positions)
+
+    @staticmethod
+    def _returned_cache(out: Any) -> Any:
+        # transformers 5 renamed the output field too; reading the old name there warns on every step.
+        return out["cache"] if "cache" in out.keys() else out.past_key_values
+
     def prefill(self, contexts: torch.Tensor) -> tuple[torch.Tensor, Any]:
         out = self.model.transformer(input_ids=contexts, use_cache=True)
-        return out.last_hidden_state[:, -1], out.past_key_values
+        return out.last_hidden_state[:, -1], self._returned_cache(out)
 
     def decode_step(self, tokens: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
         out = self.model.transformer(input_ids=tokens[:, None], use_cache=True, **{self._cache_arg: cache})
-        return out.last_hidden_state[:, -1], out.past_key_values
+        return out.last_hidden_state[:, -1], self._returned_cache(out)
 
     def select_cache(self, cache: Any, index: torch.Tensor) -> Any:
         cache.reorder_cache(index)
