@@ -89,6 +89,21 @@ def _check_beam_ranking(length_penalty, early_stopping) -> None:
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
 
 
+def _check_positions(model, context_length: int, max_length: int, strategy: str) -> None:
+    """Refuse a run that would feed the model more positions than it has (``max_positions``)."""
+    max_positions = getattr(model, "max_positions", None)
+    if max_positions is None:
+        return
+    longest = max_length
+    if strategy == "greedy" and model.nmst_head.head == "nmst":  # over by t½ at the latest
+        longest = min(longest, termination_bound(model.nmst_head.eps))
+    # The last generated token is never fed back: context + longest − 1 positions are read.
+    if context_length + longest - 1 > max_positions:
+        raise ValueError(f"max_length={max_length} after {context_length}-token contexts needs "
+                         f"{context_length + longest - 1} positions, but the model has max_positions="
+                         f"{max_positions}: use max_length <= {max_positions - context_length + 1}")
+
+
 @torch.no_grad()
 def generate(
     model: DecodingModel,
@@ -139,12 +154,7 @@ def generate(
         _check_beam_ranking(length_penalty, early_stopping)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    max_positions = getattr(model, "max_positions", None)
-    if max_positions is not None and contexts.shape[1] + max_length - 1 > max_positions:
-        # The last generated token is never fed back: Tc + L − 1 positions are read.
-        raise ValueError(f"max_length={max_length} after {contexts.shape[1]}-token contexts needs "
-                         f"{contexts.shape[1] + max_length - 1} positions, but the model has max_positions="
-                         f"{max_positions}: use max_length <= {max_positions - contexts.shape[1] + 1}")
+    _check_positions(model, contexts.shape[1], max_length, strategy)
     if contexts.shape[0] == 0:  # nothing to continue
         empty = torch.zeros(0, dtype=torch.long, device=contexts.device)
         return GenerationOutput(empty.reshape(0, 0), empty, empty.bool(), empty.double())

@@ -243,3 +243,6 @@ def test_generate_refuses_more_positions_than_gpt2_has(strategy):
     assert out.lengths.tolist() == [12, 12]
     with pytest.raises(ValueError, match="max_length"):
         generate(decoder, contexts, strategy=strategy, num_beams=2, max_length=13)
+    if strategy == "greedy":  # greedy NMST is over by t½ = 7 at ε = 0.1: any max_length fits
+        nmst = generate(GPT2Decoder(model, head="nmst", eps=0.1), contexts, max_length=10**5)
+        assert nmst.terminated.all() and int(nmst.lengths.max()) <= 7
