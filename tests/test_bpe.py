@@ -97,3 +97,63 @@ def test_gpt2_fine_tuning_command_end_to_end(tokenizer_dir, tmp_path):
     with pytest.raises(SystemExit):
         main(["--model-dir", str(tmp_path / "gpt2"), "--tokenizer-dir", str(tokenizer_dir), "--data-dir",
               str(data), "--max-length", "60", "--out", str(tmp_path / "run2")])  # 10 + 60 > 64 positions
+
+
+def _gpt2_run_files(tokenizer_dir, tmp_path, n_positions=64):
+    """A random-init GPT-2 directory and a small local corpus (one line of ~100 tokens in train)."""
+    import transformers
+
+    tok = load_gpt2_tokenizer(tokenizer_dir)
+    config = transformers.GPT2Config(vocab_size=len(tok), n_positions=n_positions, n_embd=32, n_layer=1, n_head=2,
+                                     bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    rng = random.Random(3)
+    data = tmp_path / "wikitext"
+    data.mkdir()
+    for split, n in (("train", 30), ("valid", 8), ("test", 8)):
+        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(14, 30))) for _ in range(n)]
+        if split == "train":
+            lines.append(" ".join(rng.choice(WORDS) for _ in range(100)))  # longer than 64 positions
+        (data / f"{split}.txt").write_text("\n".join(lines) + "\n")
+    return ["--model-dir", str(tmp_path / "gpt2"), "--tokenizer-dir", str(tokenizer_dir), "--data-dir", str(data),
+            "--max-length", "5", "--eval-contexts", "2", "--quiet"]
+
+
+@pytest.mark.parametrize("flag,value", [("--epochs", "0"), ("--lr", "-1"), ("--eval-contexts", "0"),
+                                        ("--max-length", "0"), ("--context-length", "0"), ("--max-tokens", "10"),
+                                        ("--device", "gpu")])
+def test_gpt2_command_refuses_bad_flags_up_front(tokenizer_dir, tmp_path, capsys, flag, value):
+    from train.gpt2 import main
+
+    common = _gpt2_run_files(tokenizer_dir, tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        argv = [a for a in common if a != "--quiet"]
+        pairs = dict(zip(argv[::2], argv[1::2])) | {flag: value, "--out": str(tmp_path / "bad")}
+        main([a for pair in pairs.items() for a in pair] + ["--quiet"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert flag.lstrip("-").split("-")[0] in err and "Traceback" not in err
+    assert not (tmp_path / "bad").exists()  # refused before anything was written
+
+
+def test_gpt2_command_resumes_only_its_own_run_and_survives_a_cut_swap(tokenizer_dir, tmp_path, capsys):
+    """A line longer than the position table is left out (it crashed training); a rerun into the same
+    --out with another head is refused; a model swap cut between its renames is undone."""
+    import os
+
+    import transformers
+
+    from train.gpt2 import main, recover_model_dir
+
+    common = _gpt2_run_files(tokenizer_dir, tmp_path) + ["--max-tokens", "256", "--eps", "0.05"]
+    out = main(common + ["--head", "nmst", "--out", str(tmp_path / "run"), "--stop-after", "1", "--epochs", "2"])
+    with pytest.raises(SystemExit):
+        main(common + ["--head", "va", "--out", str(out), "--epochs", "2"])
+    assert "head='nmst'" in capsys.readouterr().err
+    # Cut between the two renames of a swap: `last` moved aside, the new one not yet in place.
+    os.replace(out / "last", out / "last.old")
+    recover_model_dir(out / "last")
+    assert transformers.GPT2LMHeadModel.from_pretrained(out / "last").config.nmst["head"] == "nmst"
+    os.replace(out / "model", out / "model.old")
+    resumed = main(common + ["--head", "nmst", "--out", str(out), "--epochs", "2"])  # recovers `model` itself
+    assert (resumed / "results.json").is_file() and not (out / "model.old").exists()

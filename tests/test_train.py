@@ -167,3 +167,80 @@ def test_teacher_forced_eos_probability_matches_the_full_distribution(head):
         hidden, _ = model(batch.inputs)
         full = nmst_log_probs(model.nmst_head(hidden), eos_index=vocab.eos, eps=0.05, head=head, steps=batch.steps)
     torch.testing.assert_close(got, full[..., vocab.eos], rtol=1e-6, atol=1e-6)
+
+
+def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, capsys):
+    """A rerun into the same --out with another ε trained nothing (the old run had finished) and
+    reported the old weights under the new ε; another size crashed in load_state_dict."""
+    vocab, tr, va = _data(30, 10)
+    config = TrainConfig(head="nmst", eps=0.05, size="tiny", max_epochs=1, seed=0)
+    train(config, tr, va, vocab, tmp_path / "c.pt", progress=False)
+    for change in (dict(eps=0.001), dict(size="small"), dict(head="st"), dict(seed=1)):
+        with pytest.raises(ValueError, match=next(iter(change))):
+            train(TrainConfig(**(dict(head="nmst", eps=0.05, size="tiny", max_epochs=1, seed=0) | change)),
+                  tr, va, vocab, tmp_path / "c.pt", progress=False)
+    longer = TrainConfig(head="nmst", eps=0.05, size="tiny", max_epochs=2, seed=0)  # training longer is resuming
+    assert train(longer, tr, va, vocab, tmp_path / "c.pt", progress=False)[1].epoch == 2
+    common = ["--heads", "nmst", "--max-epochs", "1", "--max-length", "20", "--builtin-lines", "60", "--quiet",
+              "--out", str(tmp_path / "run")]
+    main(common + ["--eps", "0.05"])
+    with pytest.raises(SystemExit):
+        main(common + ["--eps", "0.001"])
+    assert "eps=0.05" in capsys.readouterr().err
+
+
+def _wikitext_dir(tmp_path, splits=("valid", "test"), lines=40):
+    data = tmp_path / "wt"
+    data.mkdir()
+    for split in splits:
+        (data / f"{split}.txt").write_text("\n".join(f"{split} line {i} with a few words" for i in range(lines)) + "\n")
+    return data
+
+
+@pytest.mark.parametrize("valid_split", ["valid", "validation"])
+def test_early_stopping_text_is_held_out_of_training_under_either_name(tmp_path, valid_split):
+    from train.__main__ import _parser
+    from train.runner import load_data
+
+    data = _wikitext_dir(tmp_path)
+    args = _parser().parse_args(["--data-dir", str(data), "--train-split", "valid", "--valid-split", valid_split,
+                                 "--eval-split", "test"])
+    loaded = load_data(args)
+    assert len(loaded.train) == 36 and len(loaded.valid) == 4  # every 10th line held out
+    assert not {tuple(s) for s in loaded.valid} & {tuple(s) for s in loaded.train}
+    assert "held out" in loaded.source
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max-epochs", "0"], "max_epochs"), (["--max-length", "0"], "max-length"),
+    (["--eval-contexts", "0"], "eval-contexts"), (["--eval-contexts", "-1"], "eval-contexts"),
+    (["--device", "gpu"], "device"), (["--eval-split", "valid"], "need --data-dir"),
+    (["--dataset", "wikitext-2", "--data-dir", "."], "not both")])
+def test_cli_refuses_flag_values_before_training(argv, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv + ["--out", str(tmp_path / "bad"), "--quiet"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_cli_refuses_evaluating_on_training_text_and_empty_splits(tmp_path, capsys):
+    data = _wikitext_dir(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["--data-dir", str(data), "--train-split", "valid", "--eval-split", "validation", "--quiet",
+              "--out", str(tmp_path / "a")])
+    assert "training split" in capsys.readouterr().err
+    (data / "test.txt").write_text("")
+    with pytest.raises(SystemExit):
+        main(["--data-dir", str(data), "--train-split", "valid", "--quiet", "--out", str(tmp_path / "b")])
+    assert "no lines in the eval split" in capsys.readouterr().err
+
+
+def test_sweep_counts_a_repeated_value_once(tmp_path):
+    from train.sweep import main as sweep
+
+    out = sweep(["--heads", "nmst", "--eps", "0.05", "0.050", "--seeds", "0", "0", "--max-epochs", "1",
+                 "--max-length", "10", "--builtin-lines", "60", "--quiet", "--out", str(tmp_path / "sweep")])
+    runs = json.loads((out / "sweep.json").read_text())["runs"]
+    assert len(runs) == 1

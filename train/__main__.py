@@ -23,7 +23,7 @@ from pathlib import Path
 from nmst_fast.validation import HEADS
 
 from .report import write_report
-from .runner import add_arguments, base_config, load_data, max_length, run_one
+from .runner import add_arguments, base_config, check_arguments, load_data, max_length, run_one
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,8 +40,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> Path:
     parser = _parser()
     args = parser.parse_args(argv)
-    base = base_config(args, arch=args.arch, eps=args.eps, seed=args.seed)
     try:  # bad arguments and missing data end in one clear line, not a traceback
+        check_arguments(args)
+        base = base_config(args, arch=args.arch, eps=args.eps, seed=args.seed)
         configs = [replace(base, head=h).validate() for h in args.heads]
         L = max_length(args)
         data = load_data(args, args.seed)

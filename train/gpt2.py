@@ -31,6 +31,7 @@ from nmst_fast.integrations.hf_gpt2 import GPT2Decoder, apply_nmst_to_gpt2
 from nmst_fast.validation import HEADS
 
 from .checkpoint import save_atomic
+from .runner import check_device
 from .evaluate import non_termination
 
 
@@ -79,15 +80,45 @@ def perplexity(model, seqs: list[list[int]], context_length: int, max_tokens: in
     return math.exp(total / max(count, 1))
 
 
+def recover_model_dir(path: Path) -> None:
+    """Undo a swap :func:`save_model_atomic` did not finish: a crash between its two renames leaves
+    ``path.old`` (the previous model, complete) and no ``path``."""
+    old = path.with_name(path.name + ".old")
+    if not path.exists() and old.exists():
+        os.replace(old, path)
+
+
 def save_model_atomic(model, path: Path) -> None:
-    """save_pretrained into a fresh directory, then swap it in: a crash never leaves half a model."""
+    """save_pretrained into a fresh directory, then swap it in: a crash never leaves half a model
+    (at worst the previous one as ``path.old``, which :func:`recover_model_dir` puts back)."""
+    recover_model_dir(path)
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
+    shutil.rmtree(old, ignore_errors=True)
     if path.exists():
         os.replace(path, old)
     os.replace(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+# The flags that define a run: resuming its state under other values would continue another run.
+RUN_DEFINING = ("head", "eps", "context_length", "lr", "epochs", "max_tokens", "seed")
+
+
+def _check_arguments(args) -> None:
+    """Numeric flags and the device, before any data is read or model loaded."""
+    for name in ("epochs", "context_length", "max_length", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {getattr(args, name)}")
+    if args.eval_contexts is not None and args.eval_contexts < 1:
+        raise ValueError(f"--eval-contexts must be a positive int, got {args.eval_contexts}")
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be positive, got {args.lr}")
+    if args.max_tokens <= args.context_length:
+        raise ValueError(f"--max-tokens ({args.max_tokens}) must exceed --context-length ({args.context_length}): "
+                         "a sequence is a context plus at least one token")
+    check_device(args.device)
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -96,6 +127,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        _check_arguments(args)
         tokenizer = load_gpt2_tokenizer(args.tokenizer_dir)
         text = {k: read_lines(find_split_file(args.data_dir, split)) for k, split in
                 (("train", args.train_split), ("valid", args.valid_split), ("eval", args.eval_split))}
@@ -103,17 +135,19 @@ def main(argv: list[str] | None = None) -> Path:
             raise FileNotFoundError(f"model directory {str(args.model_dir)!r} does not exist")
         model = apply_nmst_to_gpt2(GPT2LMHeadModel.from_pretrained(args.model_dir), head=args.head, eps=args.eps,
                                    context_length=args.context_length).to(args.device)
-        if args.context_length + args.max_length > model.config.n_positions:
-            raise ValueError(f"--context-length + --max-length = {args.context_length + args.max_length} exceeds "
-                             f"the model's {model.config.n_positions} positions")
+        if args.context_length + args.max_length - 1 > model.config.n_positions:  # the last token is not fed
+            raise ValueError(f"--context-length + --max-length - 1 = {args.context_length + args.max_length - 1} "
+                             f"exceeds the model's {model.config.n_positions} positions")
     except (ValueError, FileNotFoundError, OSError) as err:
         parser.error(str(err))
     torch.manual_seed(args.seed)
-    seqs = {k: encode_bpe_lines(lines, tokenizer, min_tokens=args.context_length + 1, max_tokens=args.max_tokens)
+    # A line longer than the position table cannot be trained on (nor one over a batch's budget).
+    longest = min(args.max_tokens, model.config.n_positions)
+    seqs = {k: encode_bpe_lines(lines, tokenizer, min_tokens=args.context_length + 1, max_tokens=longest)
             for k, lines in text.items()}
     empty = [k for k, v in seqs.items() if not v]
     if empty:
-        parser.error(f"no sequence of {args.context_length + 1} to {args.max_tokens} tokens in the "
+        parser.error(f"no sequence of {args.context_length + 1} to {longest} tokens in the "
                      f"{', '.join(empty)} split(s)")
     pad = tokenizer.eos_token_id
     out = args.out or Path("runs") / ("gpt2-" + time.strftime("%Y%m%d-%H%M%S"))
@@ -124,14 +158,26 @@ def main(argv: list[str] | None = None) -> Path:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / total_steps))
     best, history, start_epoch = math.inf, [], 0
     state_path = out / "train_state.pt"
+    settings = {name: getattr(args, name) for name in RUN_DEFINING}
+    recover_model_dir(out / "model")
+    recover_model_dir(out / "last")
     if state_path.exists():  # an interrupted run: continue from its last finished epoch
         state = torch.load(state_path, weights_only=False)
-        model = apply_nmst_to_gpt2(GPT2LMHeadModel.from_pretrained(out / "last")).to(args.device)
+        differ = [f"{k}={v!r} (now {settings[k]!r})" for k, v in state.get("settings", {}).items() if settings[k] != v]
+        if "settings" not in state or differ:
+            parser.error(f"{out} holds a run with {', '.join(differ) or 'unrecorded settings'}: resume it with its "
+                         "own flags, or write the new run to another --out")
+        # The weights come from the state file itself, written in one piece with the optimizer and
+        # epoch (``last/`` is a copy for users): a crash can never pair one epoch's weights with
+        # another's optimizer.
+        model.load_state_dict(state["model"])
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / total_steps))
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         torch.set_rng_state(state["rng"])
+        if state.get("cuda_rng") is not None and torch.device(args.device).type == "cuda":
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
         best, history, start_epoch = state["best"], state["history"], state["epoch"]
     for epoch in range(start_epoch, args.epochs):
         if args.stop_after is not None and epoch - start_epoch >= args.stop_after:
@@ -153,9 +199,10 @@ def main(argv: list[str] | None = None) -> Path:
         if valid < best:
             best = valid
             save_model_atomic(model, out / "model")
-        save_model_atomic(model, out / "last")
-        save_atomic(dict(epoch=epoch + 1, best=best, history=history, optimizer=optimizer.state_dict(),
-                         schedule=schedule.state_dict(), rng=torch.get_rng_state()), state_path)
+        save_atomic(dict(epoch=epoch + 1, best=best, history=history, settings=settings, model=model.state_dict(),
+                         optimizer=optimizer.state_dict(), schedule=schedule.state_dict(), rng=torch.get_rng_state(),
+                         cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None), state_path)
+        save_model_atomic(model, out / "last")  # the latest weights, loadable with from_pretrained
     model = apply_nmst_to_gpt2(GPT2LMHeadModel.from_pretrained(out / "model")).to(args.device).eval()
     contexts = torch.tensor([s[: args.context_length] for s in seqs["eval"][: args.eval_contexts]], dtype=torch.long)
     decoding = non_termination(GPT2Decoder(model, head=args.head, eps=args.eps), contexts, args.max_length,

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
+from nmst_fast import metrics
 from nmst_fast.data.wikitext import CONTEXT_LENGTH, Vocabulary, collate
 
 from .checkpoint import FORMAT, build_model, load_checkpoint, save_atomic
@@ -57,7 +58,24 @@ def perplexity(model, sequences: list[list[int]], vocab: Vocabulary, batch_size:
                                   reduction="sum"))
         count += int((targets != -100).sum())
     model.train(was_training)
-    return math.exp(total / max(count, 1))
+    if count == 0:
+        raise ValueError("no tokens after the context to score: every sequence is context only (or none)")
+    return metrics.perplexity(total, count)
+
+
+# What a checkpoint's run is: resuming it under other values would continue another run's
+# trajectory (or, when it had finished, evaluate its weights under the new labels). max_epochs,
+# patience and device may change (train longer, elsewhere).
+RUN_DEFINING = ("arch", "head", "eps", "size", "seed", "batch_size", "lr", "betas", "weight_decay", "clip")
+
+
+def check_resumable(saved: TrainConfig, config: TrainConfig, checkpoint: Path) -> None:
+    """Raise ValueError when ``checkpoint`` (trained as ``saved``) is not a run of ``config``."""
+    differ = [f"{name}={getattr(saved, name)!r} (now {getattr(config, name)!r})" for name in RUN_DEFINING
+              if getattr(saved, name) != getattr(config, name)]
+    if differ:
+        raise ValueError(f"{checkpoint} holds a run with {', '.join(differ)}: resume it with its own settings, "
+                         "or write the new run to another --out")
 
 
 def _epoch_order(config: TrainConfig, epoch: int, n: int) -> torch.Tensor:
@@ -93,11 +111,14 @@ def train(
     checkpoint = Path(checkpoint)
     if checkpoint.exists():
         ckpt = load_checkpoint(checkpoint, vocab)
+        check_resumable(ckpt["config"], config, checkpoint)
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         state = TrainState(**ckpt["state"])
         best_weights = ckpt["best_model"]
         torch.set_rng_state(ckpt["rng"])  # dropout continues exactly where it stopped
+        if ckpt.get("cuda_rng") is not None and torch.device(config.device).type == "cuda":
+            torch.cuda.set_rng_state_all(ckpt["cuda_rng"])  # dropout on a GPU draws from its own generator
     epochs_run = 0
     while state.epoch < config.max_epochs and state.epochs_without_improvement < config.patience:
         if stop_after is not None and epochs_run >= stop_after:
@@ -132,6 +153,7 @@ def train(
         epochs_run += 1
         save_atomic(dict(format=FORMAT, config=config.to_dict(), vocab=vocab.to_json(), context_length=CONTEXT_LENGTH,
                          model=model.state_dict(), best_model=best_weights, optimizer=optimizer.state_dict(),
-                         state=asdict(state), rng=torch.get_rng_state()), checkpoint)
+                         state=asdict(state), rng=torch.get_rng_state(),
+                         cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None), checkpoint)
     model.load_state_dict(best_weights)
     return model, state

@@ -6,6 +6,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from nmst_fast.data.wikitext import Vocabulary, encode_lines, find_split_file, hub_lines, read_lines
 
 from .config import SIZES, TrainConfig
@@ -48,17 +50,50 @@ def is_builtin(args) -> bool:
 
 def base_config(args, *, arch: str, eps: float | None, seed: int) -> TrainConfig:
     builtin = is_builtin(args)
+    # `is None`, not `or`: a 0 the user gave must reach validation, not turn into the default.
     return TrainConfig(arch=arch, eps=eps if eps is not None else BUILTIN["eps"],
-                       size=args.size or (BUILTIN["size"] if builtin else "small"),
-                       max_epochs=args.max_epochs or (BUILTIN["max_epochs"] if builtin else 70),
+                       size=args.size if args.size is not None else (BUILTIN["size"] if builtin else "small"),
+                       max_epochs=args.max_epochs if args.max_epochs is not None else
+                       (BUILTIN["max_epochs"] if builtin else 70),
                        patience=args.patience, batch_size=args.batch_size, lr=args.lr, seed=seed, device=args.device)
 
 
 def max_length(args) -> int:
-    L = args.max_length or BUILTIN["max_length"]
+    L = args.max_length if args.max_length is not None else BUILTIN["max_length"]
     if L < 1:
         raise ValueError(f"--max-length must be positive, got {L}")
     return L
+
+
+def canonical_split(name: str) -> str:
+    """WikiText's validation split goes by two names (``find_split_file`` reads either)."""
+    return "valid" if name == "validation" else name
+
+
+SPLIT_DEFAULTS = dict(train_split="train", valid_split="valid", eval_split="test")
+
+
+def check_arguments(args) -> None:
+    """What the flags must satisfy together, checked before any data is read or model trained."""
+    if args.dataset is not None and args.data_dir is not None:
+        raise ValueError("give --data-dir or --dataset, not both")
+    if is_builtin(args) and any(getattr(args, k) != v for k, v in SPLIT_DEFAULTS.items()):
+        raise ValueError("--train-split / --valid-split / --eval-split choose WikiText splits: they need --data-dir "
+                         "or --dataset (the built-in corpus has its own three splits)")
+    if canonical_split(args.eval_split) == canonical_split(args.train_split):
+        raise ValueError(f"--eval-split {args.eval_split!r} is the training split: evaluation needs held-out text")
+    if args.eval_contexts is not None and args.eval_contexts < 1:
+        raise ValueError(f"--eval-contexts must be a positive int, got {args.eval_contexts}")
+    check_device(args.device)
+
+
+def check_device(device: str) -> None:
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as err:
+        raise ValueError(f"--device {device!r} is not a torch device: {err}") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r}: this torch has no CUDA device")
 
 
 @dataclass
@@ -72,9 +107,13 @@ class Data:
 
 def load_data(args, seed: int = 0) -> Data:
     """Encoded train / valid / eval sequences; the vocabulary comes from the training lines."""
+    held_out = canonical_split(args.valid_split) == canonical_split(args.train_split)
     if args.dataset is not None:
+        splits = [("train", args.train_split), ("eval", args.eval_split)]
         text = {key: hub_lines(args.dataset, split) for key, split in
-                (("train", args.train_split), ("valid", args.valid_split), ("eval", args.eval_split))}
+                splits + ([] if held_out else [("valid", args.valid_split)])}
+        if held_out:
+            text["train"], text["valid"] = _hold_out(text["train"])
         source = f"{args.dataset} from the Hugging Face hub"
     elif args.data_dir is None:
         n = args.builtin_lines
@@ -86,16 +125,26 @@ def load_data(args, seed: int = 0) -> Data:
     else:
         train_lines = read_lines(find_split_file(args.data_dir, args.train_split))
         eval_lines = read_lines(find_split_file(args.data_dir, args.eval_split))
-        if args.valid_split == args.train_split:  # hold out every 10th line for early stopping
-            valid_lines = train_lines[::10]
-            train_lines = [line for i, line in enumerate(train_lines) if i % 10]
+        if held_out:
+            train_lines, valid_lines = _hold_out(train_lines)
         else:
             valid_lines = read_lines(find_split_file(args.data_dir, args.valid_split))
         text = {"train": train_lines, "valid": valid_lines, "eval": eval_lines}
         source = (f"WikiText in {args.data_dir} (train: {args.train_split}, valid: {args.valid_split}, "
                   f"eval: {args.eval_split})")
+    if held_out and not is_builtin(args):
+        source += "; every 10th training line held out for early stopping"
+    empty = [k for k, lines in text.items() if not lines]
+    if empty:
+        raise ValueError(f"no lines in the {' and '.join(empty)} split(s) of {source}")
     vocab = Vocabulary.from_lines(text["train"])
     return Data(vocab, *(encode_lines(text[k], vocab) for k in ("train", "valid", "eval")), source)
+
+
+def _hold_out(lines: list[str]) -> tuple[list[str], list[str]]:
+    """(training lines, every 10th line held out for early stopping): when the early-stopping split
+    is the training split."""
+    return [line for i, line in enumerate(lines) if i % 10], lines[::10]
 
 
 def run_one(config: TrainConfig, data: Data, run_dir: Path, L: int, *, progress: bool,

@@ -22,7 +22,7 @@ from pathlib import Path
 from nmst_fast.validation import HEADS
 
 from .report import HEAD_COLORS, plt
-from .runner import add_arguments, base_config, load_data, max_length, run_one
+from .runner import add_arguments, base_config, check_arguments, load_data, max_length, run_one
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,7 +91,15 @@ def plot(out: Path, runs: list[dict], decoder: str = "greedy") -> None:
 def main(argv: list[str] | None = None) -> Path:
     parser = _parser()
     args = parser.parse_args(argv)
+    # A value given twice would train one directory and count it twice in the mean ± std.
+    for name in ("archs", "heads", "seeds"):
+        setattr(args, name, list(dict.fromkeys(getattr(args, name))))
+    by_directory: dict[str, float] = {}  # ε values that name the same run directory are one
+    for eps in args.eps:
+        by_directory.setdefault(f"{eps:g}", eps)
+    args.eps = list(by_directory.values())
     try:
+        check_arguments(args)
         plan = []
         for arch in args.archs:
             for seed in args.seeds:
