@@ -11,9 +11,11 @@ scan + select) measured 2.0–2.4×; its default of ~4 programs per SM makes 768
 B = 256, about 1.2 waves of the ~5 resident per SM, so the second table sweeps the splits per
 row and the tile width, for greedy and (V = 50257) for plain sampling by the scan's per-split
 draw, which shares the scan's launch shape. The third times top-p by split rounds (the path of
-fewer than 128 rows) at B = 1 and 32 per tile width and split count, next to the row draw. Each row gives the device time (``triton.testing.do_bench_cudagraph``
-median, each step on a copy of the logits not in L2: ``benchmarks.cold_reads``), the achieved read rate and the ratio to the one-read floor at the copy bandwidth
-measured in the same run; * marks the current default. Pick the next defaults from the tables.
+fewer than 128 rows) at B = 1 and 32 per tile width and split count, next to the row draw; another
+the row draw's top-p with its bounds on and off. Each row gives the device time
+(``triton.testing.do_bench_cudagraph`` median, each step on a copy of the logits not in L2:
+``benchmarks.cold_reads``), the achieved read rate and the ratio to the one-read floor at the copy
+bandwidth measured in the same run; * marks the current default. Pick the next defaults from the tables.
 """
 
 from __future__ import annotations
@@ -68,6 +70,24 @@ def sweep(logits: torch.Tensor, top_p: Optional[float], candidates: Iterable[Var
 
         step(logits)  # compile outside the timing
         rows.append((variant, timer(step, logits)))
+    return rows
+
+
+def bounds_sweep(logits: torch.Tensor, timer: Timer) -> list[tuple[float, bool, float, float]]:
+    """(top_p, bounds, ms, passes per row) of the row draw's top-p at its default launch, with the
+    lane-maxima bounds deciding rounds (the default) and with every round reading the row."""
+    seed = torch.tensor([1234], device=logits.device)
+    rows = []
+    for top_p in (0.4, 0.9):
+        for bounds in (True, False):
+            passes = torch.zeros(logits.shape[0], dtype=torch.int32, device=logits.device)
+
+            def step(z: torch.Tensor, top_p=top_p, bounds=bounds, passes=passes) -> None:
+                draw_rows(z, head="nmst", eos_index=z.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100,
+                          state=None, seed=seed, top_p_threshold=top_p, bounds=bounds, passes=passes)
+
+            step(logits)
+            rows.append((top_p, bounds, timer(step, logits), float(passes.double().mean())))
     return rows
 
 
@@ -159,6 +179,13 @@ def main(argv: list[str] | None = None) -> None:
                 mark = "*" if all(launch[key] == default[key] for key in default) else ""
                 print(f"| {V} | {mode} | {launch['BLOCK_V']}{mark} | {variant.num_warps} | {variant.prefetch} | "
                       f"{ms:.4f} | {logits.numel() * 4 / (ms * 1e-3) / 1e12:.2f} | {ms / floor_ms:.2f} |", flush=True)
+    print("\nrow draw top-p, bounds on (default) and off (every round reads the row), B = 256")
+    print("| V | top-p | bounds | ms | x floor | passes per row |\n|---:|---:|---|---:|---:|---:|")
+    for V in (50257,) if args.quick else (50257, 128256):
+        logits = make_logits(256, V, device="cuda")
+        floor_ms = logits.numel() * 4 / bandwidth * 1e3
+        for top_p, bounds, ms, passes in bounds_sweep(logits, timer):
+            print(f"| {V} | {top_p} | {bounds} | {ms:.4f} | {ms / floor_ms:.2f} | {passes:.2f} |", flush=True)
     print("\nsplit-V scan + select, NMST head, fp32 logits, B = 256; * = default")
     print("| V | mode | BLOCK_V | splits | programs | ms | read TB/s | x floor |\n"
           "|---:|---|---:|---:|---:|---:|---:|---:|")

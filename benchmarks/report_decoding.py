@@ -98,12 +98,14 @@ def _top_p_rounds(logits: torch.Tensor, k: Optional[int], p: Optional[float]) ->
     args = dict(head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100, state=None,
                 top_p_threshold=p, seed=torch.tensor([1234], device=logits.device))
     if samples_by_row_draw(logits.shape[0]):
-        _, rounds = draw_rows(logits, **args)
+        passes = torch.zeros(logits.shape[0], dtype=torch.int32, device=logits.device)
+        _, rounds = draw_rows(logits, passes=passes, **args)
+        read = f"; {float(passes.double().mean()):.2f} read the row"  # the others the bounds settled
     else:
         draw = SplitTopP(logits, **args)
         draw.finish()
-        rounds = draw.rounds
-    return f"{float(rounds.double().mean()):.2f} / {int(rounds.max())}"
+        rounds, read = draw.rounds, ""
+    return f"{float(rounds.double().mean()):.2f} / {int(rounds.max())}{read}"
 
 
 def gpu_main() -> None:

@@ -22,20 +22,27 @@ the mass of the tokens ranked before it is below p, a test one pass over the row
    Otherwise every token from j down is outside the nucleus: S becomes the tokens ranked before j
    (whose per-lane masses that pass just produced) and the next round draws from it.
 
+Most rounds need no pass: the lane maxima bound the ranked-before mass (``_bounds``: at least the
+weights of the lane maxima ranked before j, at most S's masses of the lanes whose max reaches j,
+less j's own weight), and a round is decided without reading the row when the bounds fall on one
+side of p. On peaked rows (z ~ N(0, 3²), V = 50257) that settles ~97% of the rounds of p = 0.4 and
+~85% of p = 0.9, so top-p costs about one read; a round the bounds reject leaves S as it was.
+
 Conditioned on landing in the nucleus, a draw from S ⊇ nucleus is a draw from the renormalized
-nucleus, so every accepted round gives an exact sample. A round accepts with probability
-mass(nucleus) / mass(S) ≥ p, and S shrinks with each rejection (≈ log₂(1/p) rounds on a flat row),
-so top-p 0.9 usually costs two reads (the second from L2 on a GPU: one program per row) where
-``kernels/nucleus.py``'s cut takes ~6. A row still drawing after ``MAX_ROUNDS`` is flagged
-(flags[1]); the caller then draws it from the cut (exact as well: the fallback's uniform comes
-from another Philox stream, independent of the rejected rounds).
+nucleus, so every accepted round gives an exact sample, whichever way S shrank or did not. A round
+accepts with probability mass(nucleus) / mass(S) ≥ p, and S shrinks with each pass-decided
+rejection (≈ log₂(1/p) rounds on a flat row), where ``kernels/nucleus.py``'s cut takes ~6 reads.
+A row still drawing after ``MAX_ROUNDS`` is flagged (flags[1]); the caller then draws it from the
+cut (exact as well: the fallback's uniform comes from another Philox stream, independent of the
+rejected rounds).
 
 The acceptance test sums fp32 exponentials along each lane in column order, then float64 across
 lanes and with eos, and keeps by the cut's float64 rule ("mass before < p; the first token
-always"); the fixed summation order makes it monotone along the ranking (rounding is monotone): the accepted tokens are exactly a prefix, so
-the rejection is exact for the nucleus those sums define (within ~1e-7 of p it may differ from
-the float64 torch cut by one token, as the cut may). Eos ranks by its float64 ζ_eos: as a pivot
-it becomes the largest fp32 value ≤ ζ_eos, with the column rule only when ζ_eos is exact in fp32.
+always"); the fixed summation order makes it monotone along the ranking (rounding is monotone):
+the accepted tokens are exactly a prefix, so the rejection is exact for the nucleus those sums
+define (within ~1e-7 of p it may differ from the float64 torch cut by one token, as the cut may).
+Eos ranks by its float64 ζ_eos: as a pivot it becomes the largest fp32 value ≤ ζ_eos, with the
+column rule only when ζ_eos is exact in fp32.
 """
 
 from __future__ import annotations
@@ -52,7 +59,9 @@ from .lanes import LOG2E, fold_row_lanes, lane_pointers, merge_lanes, ranked_lan
 from .row_scan import first_crossing
 from .row_select import HEAD_CODES, Selection, _Outputs, _split_f64, _uniform_f64_stream
 
-MAX_ROUNDS = 32  # P(all rejected) ≤ (1 − p)^32 per row; in practice rounds ≈ 1 + log₂(1/p)
+# A round the bounds reject leaves S as it was (a pass-rejected one shrinks it), so a row takes
+# about 1/p rounds at worst: P(all rejected) ≤ (1 − p)^64 per row.
+MAX_ROUNDS = 64
 UNIFORM_STREAM = 2  # Philox stream of the rounds' uniforms (the cut's draw uses 1, the scan 0)
 
 
@@ -75,19 +84,42 @@ def _ranked_before(x, cols, pivot_value, pivot_col):
 
 
 @triton.jit
+def _bounds(lane_top, lane_top_e, lane_e, cand_value, cand_e, w, eos_term, slack, threshold):
+    """Per row, whether the candidate (fp32 pivot ``cand_value``) is surely in the nucleus, or surely
+    out, from the lane maxima alone — no pass over the row.
+
+    The mass ranked before the candidate is at least the weights of the lane maxima above it (each
+    such max ranks before it; a pass adds exactly those terms, and more), and at most S's masses
+    of the lanes whose max reaches it (a lane whose max is below holds nothing ranked before it)
+    less the candidate's own weight ``cand_e`` (0 for eos, which no lane holds).
+    Both are taken with ``slack`` against the pass's own rounding; an undecided candidate takes the
+    pass. On peaked rows the bounds settle most rounds (RESULTS.md)."""
+    lower = tl.sum(tl.where(lane_top > cand_value[:, None], lane_top_e, 0.0).to(tl.float64), axis=1)
+    upper = tl.sum(tl.where(lane_top >= cand_value[:, None], lane_e, 0.0).to(tl.float64), axis=1)
+    upper = tl.maximum(upper - cand_e * (1.0 - slack), 0.0)
+    # 2^-100: the weights one fp32 path flushes to 0 and the other keeps (V · 2^-126 at most).
+    sure_in = w * upper * (1.0 + slack) + 7.888609052210118e-31 + eos_term < threshold
+    sure_out = w * lower * (1.0 - slack) + eos_term >= threshold
+    return sure_in, sure_out
+
+
+@triton.jit
 def _row_draw_kernel(
     z_ptr, z_row_stride, n_rows, V, eos_index, inv_temp,
     log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr, state_stride,
     top_p_hi, top_p_lo, seed_ptr,
     token_ptr, log_prob_ptr,  # (rows,) int64 / fp64: the draw and its untruncated log-prob
     rounds_ptr,  # (rows,) int32: rounds this row took (for tuning and tests)
+    # (rows,) int32: rounds whose acceptance test read the row (VERIFY: bound decisions the pass
+    # contradicted); stored only when store_passes is non-zero.
+    passes_ptr, store_passes,
     new_state_ptr, flags_ptr, no_row,  # flags: first bad / unresolved row; no_row (the batch size): none
     # A runtime bound, not a constexpr: Triton 3.6's TritonGPUCoalesce pass crashed on the loop a
     # bound of 0 (tests: every row to the fallback) constant-folds away.
     max_rounds,
     HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr,
     STREAM: tl.constexpr, TRUNCATE: tl.constexpr, NTILES: tl.constexpr, BLOCK_B: tl.constexpr,
-    BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr, BOUNDS: tl.constexpr, VERIFY: tl.constexpr,
 ):
     HAS_EOS: tl.constexpr = HEAD != 0
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -122,6 +154,14 @@ def _row_draw_kernel(
     token = tl.zeros((BLOCK_B,), tl.int64)
     zeta = tl.zeros((BLOCK_B,), tl.float64)
     rounds = tl.zeros((BLOCK_B,), tl.int32)
+    passes = tl.zeros((BLOCK_B,), tl.int32)
+    # The bounds' inputs (see _bounds): each lane's max x and its weight e^(x − M), computed as the
+    # acceptance pass computes a weight; and the relative slack that covers the difference between
+    # pass 1's lane masses and a pass's sums (both fp32 over ≤ NTILES terms per lane, exponents of
+    # magnitude ≤ |M| + 150 rounded at 2^-24: generous, so a bound never decides against the pass).
+    lane_top = lane_max * inv_temp
+    lane_top_e = tl.exp2((lane_top - m[:, None]) * LOG2E)
+    slack = (NTILES + 2) * (tl.abs(m).to(tl.float64) + 256.0) * 9.5367431640625e-07  # · 2^-20
     steps_of_lane = tl.arange(0, NTILES)[None, :] * BLOCK_V
     r = 0
     while (tl.max(pending.to(tl.int32), axis=0) > 0) & (r < max_rounds):
@@ -147,17 +187,42 @@ def _row_draw_kernel(
         eos_before = eos_in & ~is_eos & ((eos_zeta > x64) | ((eos_zeta == x64) & (eos_index < col)))
 
         accept = drawn  # plain sampling: the first draw is the answer
+        shrink = drawn & False
         mass_before = total
         next_e = lane_e
         if TRUNCATE:
-            # One pass: the mass ranked before the candidate, per lane (S's tables if it is rejected).
-            next_e = ranked_lane_mass(lane_ptrs, 0, V, eos_index, inv_temp, m, cand_value, cand_col, PREFETCH,
-                                      HAS_EOS, BLOCK_B, BLOCK_V)
-            mass_before = w * tl.sum(next_e.to(tl.float64), axis=1) + tl.where(eos_before, p_eos, 0.0)
-            accept = drawn & ((mass_before < threshold) | (mass_before == 0.0))  # the first token is always kept
+            eos_term = tl.where(eos_before, p_eos, 0.0)
+            cand_e = tl.where(is_eos, 0.0, tl.exp2((col_x - m) * LOG2E)).to(tl.float64)  # as a pass weighs it
+            sure_in, sure_out = _bounds(lane_top, lane_top_e, lane_e, cand_value, cand_e, w, eos_term, slack,
+                                        threshold)
+            if not BOUNDS:
+                sure_in, sure_out = drawn & False, drawn & False
+            decided_in = drawn & sure_in & ~sure_out
+            decided_out = drawn & sure_out & ~sure_in
+            need_pass = drawn & ~decided_in & ~decided_out
+            pass_accept = drawn & False
+            run_pass = tl.max(need_pass.to(tl.int32), axis=0) > 0
+            if VERIFY:
+                run_pass = tl.max(drawn.to(tl.int32), axis=0) >= 0  # every round (to audit the bounds)
+            if run_pass:
+                # One pass: the mass ranked before the candidate, per lane (S's tables if it is rejected).
+                next_e = ranked_lane_mass(lane_ptrs, 0, V, eos_index, inv_temp, m, cand_value, cand_col, PREFETCH,
+                                          HAS_EOS, BLOCK_B, BLOCK_V)
+                mass_before = w * tl.sum(next_e.to(tl.float64), axis=1) + eos_term
+                pass_accept = (mass_before < threshold) | (mass_before == 0.0)  # the first token is always kept
+            accept = decided_in | (need_pass & pass_accept)
+            # A pass-rejected candidate shrinks S to the tokens ranked before it (the pass gave their
+            # tables); one the bounds rejected leaves S as it was: the next round draws from S again.
+            shrink = need_pass & ~pass_accept
+            if VERIFY:
+                passes += ((decided_in & ~pass_accept) | (decided_out & pass_accept)).to(tl.int32)
+            else:
+                passes += need_pass.to(tl.int32)
         reject = drawn & ~accept
         token = tl.where(accept, tl.where(is_eos, eos_index, col).to(tl.int64), token)
         zeta = tl.where(accept, tl.where(is_eos, eos_zeta, x64), zeta)
+        if TRUNCATE:
+            reject = shrink
         pivot_value = tl.where(reject, cand_value, pivot_value)
         pivot_col = tl.where(reject, cand_col, pivot_col)
         lane_e = tl.where(reject[:, None], next_e, lane_e)
@@ -170,6 +235,8 @@ def _row_draw_kernel(
     tl.store(token_ptr + rows, token, mask=row_ok)
     tl.store(log_prob_ptr + rows, zeta - log_norm, mask=row_ok)
     tl.store(rounds_ptr + rows, rounds, mask=row_ok)
+    if store_passes != 0:
+        tl.store(passes_ptr + rows, passes, mask=row_ok)
     tl.atomic_min(flags_ptr, tl.min(tl.where(bad & row_ok, rows, no_row), axis=0))
     tl.atomic_min(flags_ptr + 1, tl.min(tl.where(pending, rows, no_row), axis=0))
 
@@ -216,6 +283,9 @@ def draw_rows(
     seed: torch.Tensor,
     top_p_threshold: Optional[float] = None,
     launch: Optional[dict] = None,
+    bounds: bool = True,
+    passes: Optional[torch.Tensor] = None,
+    verify: bool = False,
 ) -> tuple[Selection, torch.Tensor]:
     """Draw one token per row from each row's step distribution, or from its top-p truncation.
 
@@ -229,6 +299,11 @@ def draw_rows(
             while the mass ranked before them is below this (top_p minus the caller's rounding slack).
         launch: block sizes, PREFETCH and num_warps, for tuning sweeps (``benchmarks.profile_decoding``);
             None: :func:`default_launch`.
+        bounds: top-p: decide a round from the lane maxima when they settle it (no pass over the
+            row); False: every round reads the row (the earlier kernel, for comparisons).
+        passes: an optional (B,) int32 output: per row, the rounds that read the row.
+        verify: tests: every round also reads the row, and ``passes`` counts the rounds whose
+            bound decision the pass contradicted (there must be none); the draws are unchanged.
     Returns:
         (:class:`kernels.row_select.Selection`, rounds: (B,) int32 rounds per row). ``flags[0]`` < B
         names a row with no distribution (NaN); ``flags[1]`` < B a row still without a token after
@@ -246,8 +321,9 @@ def draw_rows(
         _row_draw_kernel[(cdiv(B, launch["BLOCK_B"]),)](
             z, z.stride(0), B, V, eos_index, 1.0 / temperature, *out.head_args,
             *_split_f64(top_p_threshold if truncate else 2.0), seed,
-            out.tokens, out.log_probs, rounds, out.state, out.flags, B, MAX_ROUNDS,
+            out.tokens, out.log_probs, rounds, rounds if passes is None else passes, int(passes is not None),
+            out.state, out.flags, B, MAX_ROUNDS,
             HEAD=HEAD_CODES[head], STEPS_PER_ROW=out.steps_per_row, HAS_STATE=out.has_state,
-            STREAM=UNIFORM_STREAM, TRUNCATE=truncate, **launch,
+            STREAM=UNIFORM_STREAM, TRUNCATE=truncate, BOUNDS=bounds, VERIFY=verify, **launch,
         )
     return out.selection(head), rounds

@@ -294,7 +294,12 @@ def test_launch_sweep_runs_every_variant():
 
     rows = split_sweep(logits, 0.9, launches, lambda step, z: timed.append(step(z)) or 1.0)
     assert [launch for launch, _ in rows] == [(0, 0)] + launches
-    assert len(timed) == 2 * len(variants()) + 12
+    from benchmarks.profile_decoding import bounds_sweep
+
+    rows = bounds_sweep(logits, lambda step, z: timed.append(step(z)) or 1.0)
+    assert [(p, b) for p, b, _, _ in rows] == [(0.4, True), (0.4, False), (0.9, True), (0.9, False)]
+    assert all(passes >= 0 for *_, passes in rows)
+    assert len(timed) == 2 * len(variants()) + 16
 
 
 def _eos_pivot_row() -> tuple[torch.Tensor, int, float, int, float]:
@@ -465,3 +470,63 @@ def test_row_draw_takes_logits_near_the_fp32_limit(top_p):
                                             top_p_threshold=top_p)
         assert picked.flags.tolist() == [4, 4] and (rounds == 1).all()
         assert (picked.tokens == 1).all()
+
+
+@pytest.mark.parametrize("block_v", [16, 64, None])
+def test_bounds_never_contradict_the_pass(block_v):
+    """The rounds the lane-maxima bounds decide without reading the row (top-p): ``verify`` reads it
+    anyway and counts every bound decision the pass would have made the other way — there must be
+    none — over fresh random cases (ties, bf16 values, a flat half, −inf runs, every head, eos
+    anywhere, temperatures, magnitudes up to 1e4 and near the fp32 limit, p from 0.001 to 1), with
+    16- and 64-column tiles (many columns per lane, as at V = 50257) and the default. The draws
+    are the same with and without the audit, and every draw lies in the float64 nucleus."""
+    seed = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(12):
+        case = _random_case(gen)
+        z = case["z"]
+        if bool(torch.rand(1, generator=gen) < 0.3):  # large magnitudes: the slack must cover their rounding
+            z = (z.float() * 100 + float(torch.randn(1, generator=gen)) * 1e4).to(z.dtype)
+        rows = z.repeat_interleave(40, dim=0).to(DEVICE)
+        B, V = rows.shape
+        args = dict(head=case["head"], eos_index=case["eos"], eps=case["eps"], temperature=case["temperature"],
+                    steps=case["t"], top_p_threshold=case["top_p"] - TOP_P_SLACK,
+                    state=None if case["state"] is None else case["state"].repeat_interleave(40).to(DEVICE),
+                    seed=torch.tensor([seed], device=DEVICE))
+        launch = None if block_v is None else dict(row_draw._interpreter_launch(B, V), BLOCK_V=block_v,
+                                                   NTILES=nucleus.tile_table_width(V, block_v))
+        contradicted = torch.zeros(B, dtype=torch.int32, device=DEVICE)
+        audited, _ = row_draw.draw_rows(rows, launch=launch, passes=contradicted, verify=True, **args)
+        plain, _ = row_draw.draw_rows(rows, launch=launch, **args)
+        assert int(contradicted.sum()) == 0, f"seed={seed} {case['head']} p={case['top_p']}"
+        assert torch.equal(audited.tokens, plain.tokens) and torch.equal(audited.flags, plain.flags)
+        served = plain.flags[1] == B  # a row left after MAX_ROUNDS (flags[1]) is the caller's to redraw
+        dist = effective_logits(z.float(), **{k: case[k] for k in ("head", "eps", "temperature")},
+                                eos_index=case["eos"], steps=case["t"], state=case["state"])
+        tokens, probs = truncated_candidates(dist, None, case["top_p"])
+        allowed = torch.zeros(z.shape, dtype=torch.float64).scatter_add(1, tokens, probs).repeat_interleave(40, dim=0)
+        ok = allowed.gather(1, plain.tokens.cpu()[:, None])[:, 0] > 0
+        if served and plain.flags[0] == B:
+            # Within ~1e-7 of p the fp32 sums may place the cut one token off the float64 one.
+            assert float(ok.double().mean()) > 0.97, f"seed={seed}"
+
+
+def test_bounds_settle_most_rounds_of_peaked_rows():
+    """Without a pass for most rounds, top-p costs about one read: on rows like the benchmark's
+    (z ~ N(0, 3²)) with 64-column tiles (25 columns per lane, as at V = 50257 with 2048-column
+    tiles), few rounds read the row; with ``bounds=False`` every round does. (The draws' distribution
+    with the bounds: every G-test of the row draw runs with them.)"""
+    seed = torch.seed() % 2**31
+    z = torch.randn(2000, 1600, generator=torch.Generator().manual_seed(seed)).to(DEVICE) * 3
+    launch = dict(row_draw._interpreter_launch(2000, 1600), BLOCK_V=64, NTILES=nucleus.tile_table_width(1600, 64))
+    for top_p, most in ((0.4, 0.1), (0.9, 0.3)):
+        args = dict(head="nmst", eos_index=7, eps=1e-3, temperature=1.0, steps=30, state=None,
+                    top_p_threshold=top_p - TOP_P_SLACK, seed=torch.tensor([seed], device=DEVICE), launch=launch)
+        for bounds in (True, False):
+            passes = torch.zeros(2000, dtype=torch.int32, device=DEVICE)
+            picked, rounds = row_draw.draw_rows(z, bounds=bounds, passes=passes, **args)
+            assert picked.flags.tolist() == [2000, 2000]
+            if bounds:
+                assert float(passes.double().mean()) < most, f"seed={seed} p={top_p}"
+            else:
+                assert torch.equal(passes, rounds)  # every round read the row

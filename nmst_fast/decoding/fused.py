@@ -15,7 +15,8 @@ float64: L, the head's log(1 − α_t), eos's effective logit
   the truncation, and an inverse-CDF draw;
 * top-p alone: rejection rounds — draw a token, accept it when the mass ranked before it is
   below p, else redraw from the tokens ranked before it (about two reads of the row). From
-  ROW_DRAW_MIN_ROWS rows ``kernels/row_draw.py`` runs them in one program per row (one launch);
+  ROW_DRAW_MIN_ROWS rows ``kernels/row_draw.py`` runs them in one program per row (one launch;
+  bounds from the lane maxima settle most rounds without a read: about one read on peaked rows);
   fewer rows spread each row over V-split programs (``kernels/split_top_p.py``: the drawing
   scan, then one launch per round); ``kernels/nucleus.py`` narrows the nucleus cut down by value
   for repeated rows and as the fallback.
@@ -181,7 +182,7 @@ def _split_rounds(logits: torch.Tensor, args: dict) -> Optional[FusedSelection]:
 
 def _nucleus(logits: torch.Tensor, **args) -> Optional[FusedSelection]:
     """Top-p alone. Rows repeated with stride 0 (one prompt, several continuations): one cut serves
-    them all. Otherwise rejection rounds (about two reads per row): one program per row from
+    them all. Otherwise rejection rounds (one to two reads per row): one program per row from
     ROW_DRAW_MIN_ROWS rows (``kernels/row_draw.py``), else each row spread over V-split programs
     (``kernels/split_top_p.py``); a batch with a row still rejected after the rounds' limit is
     drawn from the cut instead (a further host sync, only then). None: the cut did not converge
