@@ -67,26 +67,15 @@ def test_gpt2_fine_tuning_command_end_to_end(tokenizer_dir, tmp_path):
 
     from train.gpt2 import main
 
-    tok = load_gpt2_tokenizer(tokenizer_dir)
-    config = transformers.GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=1, n_head=2,
-                                     bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
-    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
-    rng = random.Random(2)
-    data = tmp_path / "wikitext"
-    data.mkdir()
-    for split, n in (("train", 40), ("valid", 10), ("test", 10)):
-        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(14, 30))) for _ in range(n)]
-        (data / f"{split}.txt").write_text("\n".join(lines) + "\n")
-    out = main(["--model-dir", str(tmp_path / "gpt2"), "--tokenizer-dir", str(tokenizer_dir), "--data-dir", str(data),
-                "--head", "nmst", "--eps", "0.05", "--max-length", "20", "--eval-contexts", "6", "--quiet",
-                "--out", str(tmp_path / "run")])
+    files = _gpt2_run_files(tokenizer_dir, tmp_path)
+    out = main(files + ["--head", "nmst", "--eps", "0.05", "--max-length", "20", "--eval-contexts", "6",
+                        "--out", str(tmp_path / "run")])
     results = json.loads((out / "results.json").read_text())["nmst"]
     assert results["perplexity"] > 1 and set(results["r_nt"]) >= {"greedy", "top-k 2", "nucleus 0.4", "beam 4"}
     saved = transformers.GPT2LMHeadModel.from_pretrained(out / "model").config
     assert saved.nmst == dict(head="nmst", eps=0.05, context_length=10)
     # Interrupted after one of two epochs, then resumed: the same model as an uninterrupted run.
-    common = ["--model-dir", str(tmp_path / "gpt2"), "--tokenizer-dir", str(tokenizer_dir), "--data-dir", str(data),
-              "--head", "st", "--eps", "0.05", "--epochs", "2", "--max-length", "5", "--eval-contexts", "2", "--quiet"]
+    common = files + ["--head", "st", "--eps", "0.05", "--epochs", "2"]
     full = main(common + ["--out", str(tmp_path / "full")])
     main(common + ["--out", str(tmp_path / "cut"), "--stop-after", "1"])
     resumed = main(common + ["--out", str(tmp_path / "cut")])
@@ -95,8 +84,7 @@ def test_gpt2_fine_tuning_command_end_to_end(tokenizer_dir, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((full / "results.json").read_text()) == json.loads((resumed / "results.json").read_text())
     with pytest.raises(SystemExit):
-        main(["--model-dir", str(tmp_path / "gpt2"), "--tokenizer-dir", str(tokenizer_dir), "--data-dir",
-              str(data), "--max-length", "60", "--out", str(tmp_path / "run2")])  # 10 + 60 > 64 positions
+        main(files + ["--max-length", "60", "--out", str(tmp_path / "run2")])  # 10 + 60 - 1 > 64 positions
 
 
 def _gpt2_run_files(tokenizer_dir, tmp_path, n_positions=64):
