@@ -43,7 +43,9 @@ def _split_lse_kernel(
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
         running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
         running_max = new_max
-    tl.store(lse_ptr + row, running_max + tl.log(running_sum))
+    # L in float64 from the fp32 (max, sum): rounding m + log(sum) to fp32 cost ulp(|L|) (1e-3 at
+    # |L| = 1e4) in the loss L − z_target; this keeps it at the sum's own ~1e-7.
+    tl.store(lse_ptr + row, running_max.to(tl.float64) + tl.log(running_sum.to(tl.float64)))
     target = tl.load(targets_ptr + row)
     tl.store(z_target_ptr + row, tl.load(z_row + target).to(tl.float32))
 
@@ -104,11 +106,11 @@ def split_lse(z: torch.Tensor, targets: torch.Tensor, eos_index: int) -> tuple[t
         targets: (rows,) int64 in [0, V) (callers clamp ignored targets).
         eos_index: column excluded from the logsumexp.
     Returns:
-        (lse, z_target), each (rows,) float32.
+        (lse float64, z_target float32), each (rows,).
     """
     _check_rows(z, targets)
     rows, V = z.shape
-    lse = torch.empty(rows, device=z.device, dtype=torch.float32)
+    lse = torch.empty(rows, device=z.device, dtype=torch.float64)
     z_target = torch.empty(rows, device=z.device, dtype=torch.float32)
     if rows:
         _split_lse_kernel[(rows,)](z, z.stride(0), targets, lse, z_target, V, eos_index, **_launch_args("lse", V))
@@ -124,11 +126,12 @@ def split_softmax_grad_(
     grad_target: torch.Tensor,
     eos_index: int,
 ) -> torch.Tensor:
-    """Overwrite ``z`` (rows, V) with its logit gradient; every other argument is (rows,) float32."""
+    """Overwrite ``z`` (rows, V) with its logit gradient; every other argument is (rows,) float32
+    (``lse`` may come as :func:`split_lse` gives it, float64: the kernel takes it in fp32)."""
     _check_rows(z, targets)
     rows, V = z.shape
     if rows:
         _split_softmax_grad_kernel[(rows,)](
-            z, z.stride(0), targets, lse, coef, grad_eos, grad_target, V, eos_index, **_launch_args("grad", V)
+            z, z.stride(0), targets, lse.float(), coef, grad_eos, grad_target, V, eos_index, **_launch_args("grad", V)
         )
     return z

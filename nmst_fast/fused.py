@@ -44,7 +44,7 @@ def default_chunk_rows(num_rows: int, vocab_size: int, dtype: torch.dtype, devic
     """
     budget = _CHUNK_BYTES["cuda" if device.type == "cuda" else "cpu"]
     max_rows = max(1, budget // (vocab_size * torch.empty((), dtype=dtype).element_size()))
-    num_chunks = -(-num_rows // max_rows)
+    num_chunks = max(1, -(-num_rows // max_rows))  # 0 rows (an empty batch): one empty chunk
     return max(1, -(-num_rows // num_chunks))
 
 
@@ -143,7 +143,10 @@ def _chunk_loop(
     V = weight.shape[0]
     acc_dtype = dw_accumulator_dtype(weight.dtype)
     dh = torch.empty_like(hidden) if need_dh else None
-    dw = torch.empty(weight.shape, dtype=acc_dtype, device=weight.device) if need_dw else None
+    # The first chunk initializes dW (no zero fill); with no rows there is no first chunk.
+    dw = None
+    if need_dw:
+        dw = (torch.empty if N else torch.zeros)(weight.shape, dtype=acc_dtype, device=weight.device)
     db = torch.zeros(V, dtype=torch.promote_types(weight.dtype, torch.float32), device=weight.device) if need_db else None
     # One flat buffer, reused: each chunk views a contiguous prefix in its own shape.
     buffer = torch.empty(min(chunk_rows, N) * V, dtype=hidden.dtype, device=hidden.device)
@@ -240,7 +243,7 @@ def fused_forward(
 
     N = hidden.shape[0]
     stats_dtype = torch.promote_types(hidden.dtype, torch.float32)
-    lse = torch.empty(N, dtype=stats_dtype, device=hidden.device)
+    lse = torch.empty(N, dtype=torch.float64, device=hidden.device)  # O(N): L − z_target needs its digits
     z_target = torch.empty(N, dtype=stats_dtype, device=hidden.device)
     row_ops = row_ops_for(backend)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Optional
 
@@ -27,11 +28,15 @@ from .validation import (
 )
 
 
-def resolve_impl(impl: str, device: torch.device) -> str:
-    """Map ``impl`` to the backend that will run: "reference", "chunked" or "triton"."""
+def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """Map ``impl`` to the backend that will run: "reference", "chunked" or "triton". The Triton
+    kernels compute in fp32, so float64 inputs take the chunked torch path under "auto" and are
+    refused by "triton" (they would silently lose float64's precision)."""
     if impl == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "chunked"
+        return "triton" if device.type == "cuda" and dtype != torch.float64 and triton_available() else "chunked"
     if impl == "triton":
+        if dtype == torch.float64:
+            raise ValueError("impl='triton' computes in fp32: float64 inputs take impl='chunked' (or 'auto')")
         if not triton_available():
             raise ValueError("impl='triton' needs the triton package; use impl='chunked' or 'auto'")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -42,7 +47,7 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     return impl
 
 
-def _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduction, impl) -> None:
+def _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduction, impl, ignore_index) -> None:
     check_choice("head", head, HEADS)
     check_choice("reduction", reduction, REDUCTIONS)
     check_choice("impl", impl, IMPLS)
@@ -72,6 +77,8 @@ def _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduct
             raise TypeError(f"bias dtype {bias.dtype} differs from hidden dtype {hidden.dtype}")
     check_same_device([("hidden", hidden), ("weight", weight), ("targets", targets), ("bias", bias)])
     check_index("eos_index", eos_index, V, "V")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     if head == "st" and hidden.dim() != 3:
         raise ValueError("head='st' needs (B, T, H) hidden states: its running sum goes along T")
 
@@ -109,8 +116,8 @@ def linear_nmst_loss(
         bias: (V,) or None.
         reduction: "mean" (over non-ignored targets; 0 if there are none), "sum",
             or "none" (per-position NLL in ``targets``' shape, 0 where ignored).
-        impl: "auto" (Triton on CUDA, chunked torch elsewhere), "triton",
-            "chunked" or "reference" (materializes logits; the spec).
+        impl: "auto" (Triton on CUDA, chunked torch elsewhere and for fp64), "triton" (fp32
+            math: not for fp64), "chunked" or "reference" (materializes logits; the spec).
         chunk_size: rows per chunk for the fused backends (default: a fixed
             byte budget for the (chunk, V) logits buffer).
         validate: run the data checks (target range, step signs, NaN/inf), one
@@ -118,7 +125,7 @@ def linear_nmst_loss(
     Returns:
         Scalar loss (or per-position losses) in ``hidden``'s dtype.
     """
-    _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduction, impl)
+    _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduction, impl, ignore_index)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     layout_3d = hidden.dim() == 3
@@ -132,7 +139,7 @@ def linear_nmst_loss(
             steps=full_steps,
             tensors=[("hidden", hidden), ("weight", weight), ("bias", bias)],
         )
-    backend = resolve_impl(impl, hidden.device)
+    backend = resolve_impl(impl, hidden.device, hidden.dtype)
     if backend == "reference":
         return reference_linear_nmst_loss(
             hidden, weight, targets, eos_index=eos_index, eps=eps, head=head, steps=full_steps,
@@ -155,9 +162,9 @@ def linear_nmst_loss(
         flat_steps,
         seq_len,
         head,
-        eos_index,
+        int(eos_index),
         float(eps),
-        ignore_index,
+        int(ignore_index),
         reduction,
         backend,
         chunk_rows,

@@ -46,7 +46,7 @@ def linear_loss(
     need_grad_weight: bool,
     need_grad_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns (loss, lse (N,) in at least fp32, dh, dW, db); grads are empty unless computed in this pass.
+    """Returns (loss, lse (N,) float64, dh, dW, db); grads are empty unless computed in this pass.
 
     dW and db come in at least fp32 (the accumulators): backward scales and casts them."""
     cfg = HeadConfig(head, eos_index, eps, ignore_index, seq_len)
@@ -65,7 +65,7 @@ def _(hidden, weight, bias, targets, steps, seq_len, head, eos_index, eps, ignor
     N = hidden.shape[0]
     in_forward = reduction != "none"
     loss = hidden.new_empty((N,) if reduction == "none" else ())
-    lse = hidden.new_empty(N, dtype=torch.promote_types(hidden.dtype, torch.float32))
+    lse = hidden.new_empty(N, dtype=torch.float64)
     acc = torch.promote_types(weight.dtype, torch.float32)
     dh = torch.empty_like(hidden) if (need_grad_hidden and in_forward) else hidden.new_empty(0)
     dw = torch.empty_like(weight, dtype=acc) if (need_grad_weight and in_forward) else weight.new_empty(0)

@@ -103,7 +103,8 @@ def reference_linear_nmst_loss(
     logits = F.linear(hidden, weight, bias)
     log_p = nmst_log_probs(logits, eos_index=eos_index, eps=eps, head=head, steps=steps)
     active = targets != ignore_index
-    safe_targets = torch.where(active, targets, torch.zeros_like(targets))
+    # gather takes int64 indices; targets may come in any integer dtype.
+    safe_targets = torch.where(active, targets, torch.zeros_like(targets)).long()
     nll = -log_p.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1)
     nll = torch.where(active, nll, torch.zeros_like(nll))
     if reduction == "none":

@@ -8,8 +8,9 @@ implementations share one contract so the chunk driver is backend-agnostic:
 * :class:`TritonRowOps` — the kernels in ``kernels/split_softmax.py``.
 
 Contract:
-  ``lse_and_grad_(z, targets, eos_index, coefficients)`` returns (L, z_target)
-  (rows,) in at least float32 (float64 for float64 logits), L = logsumexp over non-eos columns. If ``coefficients``
+  ``lse_and_grad_(z, targets, eos_index, coefficients)`` returns (L, z_target), each (rows,):
+  L = logsumexp over non-eos columns in float64 (the loss L − z_target keeps its digits at large
+  |L|), z_target in at least float32. If ``coefficients``
   is given it is called with L and must return :class:`GradCoefficients`;
   z is then overwritten with dz (see :mod:`nmst_fast.head_math`).
   ``grad_from_lse_(z, lse, targets, eos_index, coefficients)`` writes dz when
@@ -66,7 +67,7 @@ class TorchRowOps:
         if coefficients is not None:
             coefs = coefficients(lse)
             self._finish_grad_(z, coefs.coef_lse / sum_exp, coefs, targets, eos_index)
-        return lse.to(stats_dtype), z_target
+        return lse, z_target  # float64: L − z_target stays exact to the sum's rounding at any |L|
 
     def grad_from_lse_(
         self, z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, eos_index: int, coefs: GradCoefficients
@@ -104,7 +105,7 @@ class TritonRowOps:
         self._kernels.split_softmax_grad_(
             z,
             targets,
-            lse.float(),
+            lse,
             coefs.coef_lse.float(),
             coefs.grad_eos.float(),
             coefs.grad_target.float(),

@@ -39,9 +39,10 @@ def test_flat_layout_with_explicit_steps(impl, head):
     N = 23
     steps = torch.randint(0, 40, (N,), generator=gen).to(DEVICE) if head == "nmst" else None
     case = make_case(gen, head=head, shape=(N,), H=9, V=77, bias=True, steps=steps)
-    fast = run(case, impl, torch.float64, chunk_size=5)
+    dtype = torch.float64 if impl == "chunked" else torch.float32  # Triton computes in fp32: fp64 is refused
+    fast = run(case, impl, dtype, chunk_size=5)
     truth = run(case, "reference", torch.float64)
-    tol = 1e-10 if impl == "chunked" else 1e-5  # Triton computes in fp32 whatever the storage dtype
+    tol = 1e-10 if impl == "chunked" else 1e-5
     for f, t in zip(fast, truth):
         torch.testing.assert_close(f, t, rtol=tol, atol=tol)
 
@@ -49,14 +50,63 @@ def test_flat_layout_with_explicit_steps(impl, head):
 @pytest.mark.parametrize("impl", FAST_IMPLS)
 @pytest.mark.parametrize("head", HEADS)
 def test_float64_is_exact(impl, head):
-    """In float64 the fused paths agree with the spec to rounding (Triton works in fp32: looser)."""
+    """In float64 the chunked path agrees with the spec to rounding; Triton computes in fp32, so it
+    refuses float64 inputs rather than return fp32-accurate results for them (as it did)."""
     gen = torch.Generator().manual_seed(3)
     case = make_case(gen, head=head, shape=(3, 8), H=16, V=129, bias=True)
+    if impl == "triton":
+        with pytest.raises(ValueError, match="float64"):
+            run(case, impl, torch.float64, reduction="none", chunk_size=7)
+        return
     fast = run(case, impl, torch.float64, reduction="none", chunk_size=7)
     truth = run(case, "reference", torch.float64, reduction="none")
-    tol = 1e-10 if impl == "chunked" else 1e-5
     for f, t in zip(fast, truth):
-        torch.testing.assert_close(f, t, rtol=tol, atol=tol)
+        torch.testing.assert_close(f, t, rtol=1e-10, atol=1e-10)
+
+
+def test_auto_takes_the_chunked_path_for_float64_on_cuda():
+    from nmst_fast.loss import resolve_impl
+
+    assert resolve_impl("auto", torch.device("cuda"), torch.float64) == "chunked"
+    assert resolve_impl("auto", torch.device("cpu"), torch.float32) == "chunked"
+
+
+@pytest.mark.parametrize("impl", FAST_IMPLS + ("reference",))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_an_empty_batch_has_zero_loss_and_zero_gradients(impl, reduction):
+    """No rows: the chunk count divided by zero, and with an explicit chunk size the weight
+    gradient came back uninitialized (no chunk ever wrote it)."""
+    for chunk_size in (None, 4):
+        hidden = torch.zeros(0, 8, device=DEVICE, requires_grad=True)
+        weight = torch.randn(11, 8, device=DEVICE, requires_grad=True)
+        bias = torch.randn(11, device=DEVICE, requires_grad=True)
+        loss = nmst_fast.linear_nmst_loss(hidden, weight, torch.zeros(0, dtype=torch.long, device=DEVICE),
+                                          eos_index=3, head="va", bias=bias, reduction=reduction, impl=impl,
+                                          chunk_size=None if impl == "reference" else chunk_size)
+        assert loss.shape == ((0,) if reduction == "none" else ())
+        loss.sum().backward()
+        assert float(loss.sum()) == 0.0
+        assert torch.equal(weight.grad, torch.zeros_like(weight)) and torch.equal(bias.grad, torch.zeros_like(bias))
+        assert hidden.grad is None or hidden.grad.numel() == 0
+
+
+@pytest.mark.parametrize("impl", FAST_IMPLS)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fp32_loss_keeps_its_digits_at_large_logits(impl, reduction):
+    """Logits shifted by 1e4: L rounded to fp32 before L − z_target cost ~1e-4 of the loss (ulp of
+    1e4); L is kept in float64 now, so the loss is as accurate as F.cross_entropy's (the gradient of
+    "none", rebuilt from L in fp32 by the Triton kernel, keeps its earlier accuracy)."""
+    gen = torch.Generator().manual_seed(17)
+    hidden = torch.randn(6, 8, generator=gen)
+    weight = torch.randn(40, 8, generator=gen)
+    targets = torch.randint(0, 40, (6,), generator=gen)
+    for shift in (100.0, 1e4):
+        bias = torch.full((40,), shift)
+        exact = F.cross_entropy(hidden.double() @ weight.double().T + bias.double(), targets, reduction=reduction)
+        ce32 = F.cross_entropy(hidden @ weight.T + bias, targets, reduction=reduction).double()
+        ours = nmst_fast.linear_nmst_loss(hidden.to(DEVICE), weight.to(DEVICE), targets.to(DEVICE), eos_index=0,
+                                          head="va", bias=bias.to(DEVICE), reduction=reduction, impl=impl).double().cpu()
+        assert float((ours - exact).abs().max()) <= 4 * float((ce32 - exact).abs().max()) + 1e-6, shift
 
 
 @pytest.mark.parametrize("impl", FAST_IMPLS)
@@ -163,13 +213,15 @@ def test_all_targets_ignored(impl, head, reduction):
 def test_va_equals_cross_entropy(impl):
     gen = torch.Generator().manual_seed(29)
     case = make_case(gen, head="va", shape=(5, 7), H=10, V=211, bias=True)
-    h, W, b = (t.to(DEVICE).requires_grad_() for t in (case.hidden, case.weight, case.bias))
+    dtype = torch.float64 if impl == "chunked" else torch.float32  # Triton's math is fp32: it refuses fp64
+    h, W, b = (t.to(DEVICE, dtype).requires_grad_() for t in (case.hidden, case.weight, case.bias))
     expected = F.cross_entropy((h @ W.T + b).reshape(-1, 211), case.targets.reshape(-1), ignore_index=-100)
     got = nmst_fast.linear_nmst_loss(h, W, case.targets, eos_index=case.eos_index, head="va", bias=b, impl=impl,
                                      chunk_size=8)
-    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    tol = 1e-6 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
     for g_got, g_exp in zip(torch.autograd.grad(got, (h, W, b)), torch.autograd.grad(expected, (h, W, b))):
-        torch.testing.assert_close(g_got, g_exp, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(g_got, g_exp, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("head", HEADS)
@@ -225,3 +277,19 @@ def test_loss_used_twice_scales_gradients():
                                      impl="reference")
     (g_ref,) = torch.autograd.grad(3.0 * ref + ref**2, (h,))
     torch.testing.assert_close(g_twice, g_ref)
+
+
+def test_targets_of_any_integer_dtype_and_ignore_index_checked():
+    """int16 / uint8 targets pass validation, so every backend takes them (the reference's gather
+    needed int64); a non-integer ignore_index is a TypeError naming it, before any kernel runs."""
+    gen = torch.Generator().manual_seed(19)
+    hidden, weight = torch.randn(2, 5, 8, generator=gen), torch.randn(30, 8, generator=gen)
+    targets = torch.randint(0, 30, (2, 5), generator=gen)
+    want = nmst_fast.linear_nmst_loss(hidden, weight, targets, eos_index=4, impl="reference")
+    for impl in ("chunked", "reference"):
+        for dtype in (torch.int16, torch.uint8):
+            got = nmst_fast.linear_nmst_loss(hidden, weight, targets.to(dtype), eos_index=4, impl=impl)
+            torch.testing.assert_close(got, want)
+    for bad in (-100.0, None, True):
+        with pytest.raises(TypeError, match="ignore_index"):
+            nmst_fast.linear_nmst_loss(hidden, weight, targets, eos_index=4, ignore_index=bad)

@@ -27,7 +27,8 @@ class RecurrentLM(nn.Module):
         eos_index: vocabulary index of eos.
         arch: "rnn" (tanh) or "lstm"; sizes default to :data:`PAPER_CONFIGS`.
         head, eps, impl: the output head (see :class:`nmst_fast.NMSTHead`).
-        pad_index: embedding padding index (its embedding stays zero), or None.
+        pad_index: embedding padding index (nn.Embedding's padding_idx: its lookups get no
+            gradient; the tied head's weight row still does, since the loss scores every token), or None.
     """
 
     def __init__(
