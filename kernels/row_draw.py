@@ -187,7 +187,7 @@ def _row_draw_kernel(
         eos_before = eos_in & ~is_eos & ((eos_zeta > x64) | ((eos_zeta == x64) & (eos_index < col)))
 
         accept = drawn  # plain sampling: the first draw is the answer
-        shrink = drawn & False
+        shrink = drawn & False  # rows whose S narrows to the tokens ranked before the candidate (top-p only)
         mass_before = total
         next_e = lane_e
         if TRUNCATE:
@@ -218,16 +218,13 @@ def _row_draw_kernel(
                 passes += ((decided_in & ~pass_accept) | (decided_out & pass_accept)).to(tl.int32)
             else:
                 passes += need_pass.to(tl.int32)
-        reject = drawn & ~accept
         token = tl.where(accept, tl.where(is_eos, eos_index, col).to(tl.int64), token)
         zeta = tl.where(accept, tl.where(is_eos, eos_zeta, x64), zeta)
-        if TRUNCATE:
-            reject = shrink
-        pivot_value = tl.where(reject, cand_value, pivot_value)
-        pivot_col = tl.where(reject, cand_col, pivot_col)
-        lane_e = tl.where(reject[:, None], next_e, lane_e)
-        total = tl.where(reject, mass_before, total)
-        eos_in = tl.where(reject, eos_before, eos_in)
+        pivot_value = tl.where(shrink, cand_value, pivot_value)
+        pivot_col = tl.where(shrink, cand_col, pivot_col)
+        lane_e = tl.where(shrink[:, None], next_e, lane_e)
+        total = tl.where(shrink, mass_before, total)
+        eos_in = tl.where(shrink, eos_before, eos_in)
         rounds += pending.to(tl.int32)
         pending = pending & ~accept
         r += 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -38,6 +38,17 @@ def save_atomic(obj: Any, path: str | Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def refuse_another_run(path: str | Path, saved: Mapping[str, Any], now: Mapping[str, Any]) -> None:
+    """Raise ValueError when the run saved at ``path`` (its run-defining settings ``saved``) is not the
+    one asked for (``now``, the same keys): resuming it would continue another run's trajectory,
+    or report its weights under the new settings. A missing setting (an older file) differs too."""
+    differ = [f"{name}={saved.get(name, '(unrecorded)')!r} (now {value!r})" for name, value in now.items()
+              if name not in saved or saved[name] != value]
+    if differ:
+        raise ValueError(f"{path} holds a run with {', '.join(differ)}: resume it with its own settings, "
+                         "or write the new run to another --out")
 
 
 def build_model(config: TrainConfig, vocab: Vocabulary) -> RecurrentLM:

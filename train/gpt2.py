@@ -30,7 +30,7 @@ from nmst_fast.data.wikitext import find_split_file, read_lines
 from nmst_fast.integrations.hf_gpt2 import GPT2Decoder, apply_nmst_to_gpt2
 from nmst_fast.validation import HEADS
 
-from .checkpoint import save_atomic
+from .checkpoint import refuse_another_run, save_atomic
 from .runner import check_device
 from .evaluate import non_termination
 
@@ -163,10 +163,10 @@ def main(argv: list[str] | None = None) -> Path:
     recover_model_dir(out / "last")
     if state_path.exists():  # an interrupted run: continue from its last finished epoch
         state = torch.load(state_path, weights_only=False)
-        differ = [f"{k}={v!r} (now {settings[k]!r})" for k, v in state.get("settings", {}).items() if settings[k] != v]
-        if "settings" not in state or differ:
-            parser.error(f"{out} holds a run with {', '.join(differ) or 'unrecorded settings'}: resume it with its "
-                         "own flags, or write the new run to another --out")
+        try:
+            refuse_another_run(state_path, state.get("settings", {}), settings)
+        except ValueError as err:
+            parser.error(str(err))
         # The weights come from the state file itself, written in one piece with the optimizer and
         # epoch (``last/`` is a copy for users): a crash can never pair one epoch's weights with
         # another's optimizer.

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from nmst_fast import metrics
 from nmst_fast.data.wikitext import CONTEXT_LENGTH, Vocabulary, collate
 
-from .checkpoint import FORMAT, build_model, load_checkpoint, save_atomic
+from .checkpoint import FORMAT, build_model, load_checkpoint, refuse_another_run, save_atomic
 from .config import TrainConfig
 
 
@@ -69,15 +69,6 @@ def perplexity(model, sequences: list[list[int]], vocab: Vocabulary, batch_size:
 RUN_DEFINING = ("arch", "head", "eps", "size", "seed", "batch_size", "lr", "betas", "weight_decay", "clip")
 
 
-def check_resumable(saved: TrainConfig, config: TrainConfig, checkpoint: Path) -> None:
-    """Raise ValueError when ``checkpoint`` (trained as ``saved``) is not a run of ``config``."""
-    differ = [f"{name}={getattr(saved, name)!r} (now {getattr(config, name)!r})" for name in RUN_DEFINING
-              if getattr(saved, name) != getattr(config, name)]
-    if differ:
-        raise ValueError(f"{checkpoint} holds a run with {', '.join(differ)}: resume it with its own settings, "
-                         "or write the new run to another --out")
-
-
 def _epoch_order(config: TrainConfig, epoch: int, n: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(config.seed * 1_000_003 + epoch))
 
@@ -111,7 +102,8 @@ def train(
     checkpoint = Path(checkpoint)
     if checkpoint.exists():
         ckpt = load_checkpoint(checkpoint, vocab)
-        check_resumable(ckpt["config"], config, checkpoint)
+        refuse_another_run(checkpoint, {k: getattr(ckpt["config"], k) for k in RUN_DEFINING},
+                           {k: getattr(config, k) for k in RUN_DEFINING})
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         state = TrainState(**ckpt["state"])
