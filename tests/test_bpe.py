@@ -27,10 +27,22 @@ def test_lines_become_eos_terminated_sequences_of_11_to_1024_tokens(tokenizer_di
     tok = load_gpt2_tokenizer(tokenizer_dir)
     lines = ["", " = Heading = ", "the river", " ".join(["harbor bells ring"] * 5), " ".join(["stone"] * 2000)]
     seqs = encode_bpe_lines(lines, tok)
-    lengths = [len(tok(line, add_special_tokens=False)["input_ids"]) + 1 for line in lines if line.strip()]
+    lengths = [len(tok(" " + line.strip(), add_special_tokens=False)["input_ids"]) + 1 for line in lines if line.strip()]
     expected = [n for n in lengths if 11 <= n <= 1024]
     assert [len(s) for s in seqs] == expected and len(expected) < len(lengths)  # short and long lines dropped
     assert all(s[-1] == tok.eos_token_id for s in seqs)
+
+
+def test_lines_are_stripped_and_take_one_prefix_space(tokenizer_dir):
+    """WikiText lines start and end with a space: the trailing one must not become a bare-space
+    token before every eos; the text between survives the round trip."""
+    tok = load_gpt2_tokenizer(tokenizer_dir)
+    line = " the river flows past stone and reed while bells ring out over the harbor \n"
+    (seq,) = encode_bpe_lines([line], tok)
+    assert tok.decode(seq[:-1]) == " " + line.strip()
+    assert tok.convert_ids_to_tokens(seq[-2]) != "Ġ" and seq[-1] == tok.eos_token_id
+    assert encode_bpe_lines(["the river flows past stone and reed while bells ring out"], tok)[0][:-1] == \
+        encode_bpe_lines(["  the river flows past stone and reed while bells ring out  "], tok)[0][:-1]
 
 
 def test_bucketing_bounds_tokens_per_batch_and_covers_every_sequence_once():

@@ -246,3 +246,110 @@ def test_generate_refuses_more_positions_than_gpt2_has(strategy):
     if strategy == "greedy":  # greedy NMST is over by t½ = 7 at ε = 0.1: any max_length fits
         nmst = generate(GPT2Decoder(model, head="nmst", eps=0.1), contexts, max_length=10**5)
         assert nmst.terminated.all() and int(nmst.lengths.max()) <= 7
+
+
+def _left_padded(seed: int, lengths=(3, 6, 9)):
+    """Prompts of different lengths, left-padded with eos, with their attention mask."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 49, (n,), generator=gen) for n in lengths]
+    width = max(lengths)
+    ids = torch.full((len(prompts), width), 49)
+    mask = torch.zeros_like(ids)
+    for b, prompt in enumerate(prompts):
+        ids[b, width - len(prompt):], mask[b, width - len(prompt):] = prompt, 1
+    return prompts, ids, mask
+
+
+@pytest.mark.parametrize("generation_logits", [False, True])
+def test_patched_model_generates_left_padded_prompts_as_each_alone(generation_logits):
+    """HF generate() passes attention_mask and position_ids only to a forward whose signature lists
+    them: the patched forward advertises the original's, so a left-padded batch decodes each prompt
+    exactly as it would alone (it was off by ~0.5 in log p)."""
+    from nmst_fast.decoding import step_log_probs
+
+    model = apply_nmst_to_gpt2(_model(3, scale=4.0, eos_tilt=1.0), head="nmst", eps=0.05,
+                               generation_logits=generation_logits)
+    plain = _model(3, scale=4.0, eos_tilt=1.0)
+    prompts, ids, mask = _left_padded(3)
+    processors = [] if generation_logits else [NMSTLogitsProcessor(eos_token_id=49, head="nmst", eps=0.05)]
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4, eos_token_id=49,
+                             pad_token_id=49, logits_processor=processors, output_scores=True,
+                             return_dict_in_generate=True)
+        for b, prompt in enumerate(prompts):
+            sequence = prompt
+            for t, scores in enumerate(out.scores, start=1):
+                want, _ = step_log_probs(plain(sequence[None]).logits[:, -1], head="nmst", eos_index=49, eps=0.05,
+                                         steps=t)
+                torch.testing.assert_close(scores[b].double(), want[0], rtol=0, atol=2e-5, msg=f"row {b} t {t}")
+                token = out.sequences[b, ids.shape[1] + t - 1]
+                if int(token) == 49:
+                    break
+                sequence = torch.cat([sequence, token[None]])
+    # Positional calls bind as the original forward's do (input_ids, cache, attention_mask, ...).
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, None, mask).logits[:, :-1], plain(ids, None, mask).logits[:, :-1])
+
+
+def test_generation_logits_score_a_plain_forward_as_the_first_step():
+    """Without a cache object, model(ids) scores the token after ids (t = 1), as HF's prefill."""
+    from nmst_fast.decoding import step_log_probs
+
+    model = apply_nmst_to_gpt2(_model(2), head="nmst", eps=0.05, generation_logits=True)
+    ids = torch.randint(0, 49, (2, 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for kwargs in ({}, dict(use_cache=False)):
+            got = model(ids, **kwargs).logits[:, -1]
+            want, _ = step_log_probs(_model(2)(ids).logits[:, -1], head="nmst", eos_index=49, eps=0.05, steps=1)
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("head", ["nmst", "va"])
+def test_processor_keeps_hf_eos_bans_and_forced_eos(head):
+    """HF's own processors run first: min_new_tokens bans eos (score −inf), which the head read as a
+    logit (NMST: p(eos) = α_t > 0 at step 1); forced_eos_token_id leaves eos the only finite score
+    (it was refused as beam scores). A ban renormalizes the non-eos tokens; a force emits eos."""
+    from nmst_fast.decoding import step_log_probs
+
+    model = _model(5, eos_tilt=-3.0)  # decisive, eos unlikely: the rows run until the force ends them
+    contexts = torch.randint(0, 49, (2, 5), generator=torch.Generator().manual_seed(5))
+    processor = NMSTLogitsProcessor(eos_token_id=49, head=head, eps=0.02)
+    with torch.no_grad():
+        out = model.generate(contexts, attention_mask=torch.ones_like(contexts), do_sample=False, max_new_tokens=6,
+                             min_new_tokens=3, forced_eos_token_id=49, eos_token_id=49, pad_token_id=49,
+                             logits_processor=[processor], output_scores=True, return_dict_in_generate=True)
+        scores = torch.stack(out.scores).double()  # (steps, B, V)
+        assert scores.shape[0] == 6 and (out.sequences[:, -1] == 49).all()  # the forced eos at the last step
+        for t in range(1, 4):  # min_new_tokens: eos at 0, the rest the non-eos softmax
+            assert (scores[t - 1, :, 49] == float("-inf")).all()
+            sequence = out.sequences[:, : 5 + t - 1]
+            z = model(sequence).logits[:, -1].double()
+            want = torch.log_softmax(z[:, :49], dim=-1)
+            torch.testing.assert_close(scores[t - 1, :, :49], want, rtol=0, atol=2e-5)
+        for t in (4, 5):  # free steps: the head's own distribution
+            z = model(out.sequences[:, : 5 + t - 1]).logits[:, -1]
+            want, _ = step_log_probs(z, head=head, eos_index=49, eps=0.02, steps=t)
+            torch.testing.assert_close(scores[t - 1], want, rtol=0, atol=2e-5)
+        assert scores[5, :, 49].tolist() == [0.0, 0.0] and (scores[5, :, :49] == float("-inf")).all()
+
+
+def test_processor_refuses_an_eos_ban_for_st():
+    """ST's running sum needs the real eos logit at every step: a ban cannot be served."""
+    model = _model(5)
+    contexts = torch.randint(0, 49, (2, 5), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), pytest.raises(ValueError, match="min_new_tokens"):
+        model.generate(contexts, attention_mask=torch.ones_like(contexts), do_sample=False, max_new_tokens=4,
+                       min_new_tokens=2, eos_token_id=49, pad_token_id=49,
+                       logits_processor=[NMSTLogitsProcessor(eos_token_id=49, head="st", eps=0.3)])
+
+
+def test_decoder_takes_the_head_the_model_recorded(tmp_path):
+    model = apply_nmst_to_gpt2(_model(6), head="st", eps=0.01, context_length=3)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    decoder = GPT2Decoder(loaded)
+    assert (decoder.nmst_head.head, decoder.nmst_head.eps) == ("st", 0.01)
+    with pytest.raises(ValueError, match="eps"):
+        GPT2Decoder(loaded, eps=1e-5)
+    plain = GPT2Decoder(_model(6))  # nothing recorded: the documented defaults
+    assert (plain.nmst_head.head, plain.nmst_head.eps) == ("nmst", 1e-5)

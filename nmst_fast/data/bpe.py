@@ -1,7 +1,9 @@
 """WikiText with GPT-2 BPE for GPT-2 fine-tuning (the paper's WikiText-103 setup).
 
-Each non-empty line is tokenized with the GPT-2 tokenizer (read from local files) and
-gets eos appended; sequences of 11 to 1024 tokens are kept (the first 10 tokens are the
+Each non-empty line is stripped and tokenized with the GPT-2 tokenizer (read from local files)
+after one leading space, as GPT-2 sees a word inside running text (the paper's preprocessing:
+strip, then a prefix space), and gets eos appended — WikiText's trailing space would otherwise put a
+bare-space token before every eos; sequences of 11 to 1024 tokens are kept (the first 10 tokens are the
 context, so at least one token is generated; longer lines are dropped rather than cut,
 which would lose their eos). Batches are bucketed by length with at most ``max_tokens``
 tokens (rows × longest row) per batch, so padding stays small and memory is bounded.
@@ -35,11 +37,13 @@ def load_gpt2_tokenizer(path: str | Path):
 
 def encode_bpe_lines(lines: Iterable[str], tokenizer, *, min_tokens: int = MIN_TOKENS,
                      max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    """Token ids + eos of every non-empty line whose length (eos included) is in [min_tokens, max_tokens]."""
+    """Token ids + eos of every non-empty line whose length (eos included) is in [min_tokens, max_tokens].
+
+    A line is tokenized as ``" " + line.strip()`` (module docstring)."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no eos token")
-    texts = [line for line in lines if line.strip()]
+    texts = [" " + line.strip() for line in lines if line.strip()]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     return [seq + [eos] for seq in ids if min_tokens <= len(seq) + 1 <= max_tokens]
 

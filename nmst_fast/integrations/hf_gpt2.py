@@ -31,15 +31,18 @@ class GPT2Decoder(nn.Module):
 
     Args:
         model: a ``transformers.GPT2LMHeadModel`` (random-init or ``from_pretrained(local_dir)``).
-        head, eps: the head to decode with; eos is ``model.config.eos_token_id``.
+        head, eps: the head to decode with; eos is ``model.config.eos_token_id``. None: what
+            ``model.config.nmst`` recorded (:func:`apply_nmst_to_gpt2`, kept by ``save_pretrained``),
+            else "nmst" and 1e-5. A value that contradicts the recorded one raises ValueError.
     """
 
-    def __init__(self, model: nn.Module, *, head: str = "nmst", eps: float = 1e-5) -> None:
+    def __init__(self, model: nn.Module, *, head: Optional[str] = None, eps: Optional[float] = None) -> None:
         super().__init__()
         self.model = model
         config = model.config
-        self.nmst_head = NMSTHead(config.n_embd, config.vocab_size, eos_index=config.eos_token_id, head=head, eps=eps,
-                                  weight=model.lm_head.weight)
+        settings = _nmst_settings(model, head, eps, None)
+        self.nmst_head = NMSTHead(config.n_embd, config.vocab_size, eos_index=config.eos_token_id,
+                                  head=settings["head"], eps=settings["eps"], weight=model.lm_head.weight)
         # transformers renamed the KV-cache argument (past_key_values -> cache); use what this version takes.
         params = inspect.signature(model.transformer.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -120,13 +123,14 @@ def apply_nmst_to_gpt2(model: nn.Module, *, head: Optional[str] = None, eps: Opt
                          "follow HF's beam reordering; use NMSTLogitsProcessor or GPT2Decoder for ST")
     model.config.nmst = settings
     original_forward = model.forward
+    signature = inspect.signature(original_forward)  # bound: without self
     eos_index = model.config.eos_token_id
     prompt = {}  # length of the prompt of the generation in progress (set at its prefill call)
 
     def step_distribution(out, cache, new_tokens: int):
-        if cache is None:
-            raise ValueError("generation_logits=True needs the KV cache (use_cache=True) to count steps")
-        total = cache.get_seq_length()  # the cache already holds this call's tokens
+        # A call without a cache scores the token after its input (t = 1), as a prefill does;
+        # with one, the cache already holds this call's tokens.
+        total = new_tokens if cache is None else cache.get_seq_length()
         if total == new_tokens:  # prefill: a new generation starts
             prompt["length"] = total
         t = total - prompt["length"] + 1
@@ -135,14 +139,18 @@ def apply_nmst_to_gpt2(model: nn.Module, *, head: Optional[str] = None, eps: Opt
         out.logits[:, -1] = log_p.to(out.logits.dtype)
         return out
 
-    def forward(self, input_ids=None, labels=None, num_items_in_batch=None, logits_to_keep=0, **kwargs):
+    def forward(self, *args, num_items_in_batch=None, **kwargs):
+        kwargs = _named_arguments(signature, args, kwargs)
+        labels = kwargs.pop("labels", None)
         if labels is None:
-            out = original_forward(input_ids=input_ids, logits_to_keep=logits_to_keep, **kwargs)
+            out = original_forward(**kwargs)
             if not generation_logits:
                 return out
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
-            return step_distribution(out, cache, input_ids.shape[1])
+            return step_distribution(out, cache, kwargs["input_ids"].shape[1])
+        kwargs.pop("logits_to_keep", None)
         kwargs["use_cache"] = False
+        input_ids = kwargs.pop("input_ids", None)
         out = self.transformer(input_ids, **kwargs)
         hidden = out.last_hidden_state
         T = hidden.shape[1]
@@ -157,8 +165,34 @@ def apply_nmst_to_gpt2(model: nn.Module, *, head: Optional[str] = None, eps: Opt
         return CausalLMOutputWithCrossAttentions(loss=loss, logits=None, hidden_states=out.hidden_states,
                                                  attentions=out.attentions)
 
+    # HF generate() reads the forward's signature to decide whether to pass attention_mask and
+    # position_ids (left-padded prompts need both): advertise the original's, plus Trainer's
+    # num_items_in_batch.
+    forward.__signature__ = _with_self_and(signature, "num_items_in_batch")
     model.forward = types.MethodType(forward, model)
     return model
+
+
+def _named_arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+    """Positional and keyword arguments of a call, by name, as ``signature`` binds them
+    (its ``**kwargs`` flattened in): the patched forward takes calls exactly as the original."""
+    named = dict(signature.bind(*args, **kwargs).arguments)
+    for parameter in signature.parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(named.pop(parameter.name, {}))
+    return named
+
+
+def _with_self_and(signature: inspect.Signature, keyword: str) -> inspect.Signature:
+    """``signature`` of a bound method as its function's (``self`` first), with a keyword-only
+    ``keyword=None`` before any ``**kwargs`` when it lacks one."""
+    parameters = list(signature.parameters.values())
+    if keyword not in signature.parameters:
+        extra = inspect.Parameter(keyword, inspect.Parameter.KEYWORD_ONLY, default=None)
+        at = next((i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.VAR_KEYWORD), len(parameters))
+        parameters.insert(at, extra)
+    self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return signature.replace(parameters=[self_parameter, *parameters])
 
 
 class NMSTLogitsProcessor(LogitsProcessor):
@@ -203,12 +237,37 @@ class NMSTLogitsProcessor(LogitsProcessor):
                              "before reusing a processor")
         if not grown:  # a new generate() call: t = 1 at its first generated token
             self._prompt_length, self._state = input_ids.shape[1], None
-        if torch.allclose(torch.logsumexp(scores.double(), dim=-1), torch.zeros((), dtype=torch.float64), atol=1e-4):
+        # HF runs its own processors first. min_new_tokens / min_length / suppress_tokens ban eos
+        # (score −inf), which the head would read as a logit making p(eos) = α_t > 0 (NMST) or 1
+        # (ST); forced_eos_token_id leaves eos the only finite score. A ban keeps eos at 0 and
+        # renormalizes the rest, a force keeps eos at 1; ST, whose running sum needs every step's
+        # real eos logit, refuses a ban.
+        banned = forced = None
+        if isinstance(self.eos, int) and 0 <= self.eos < scores.shape[-1]:
+            eos_score = scores[:, self.eos]
+            banned = eos_score == float("-inf")
+            others = scores.index_fill(-1, torch.tensor([self.eos], device=scores.device), float("-inf"))
+            forced = torch.isfinite(eos_score) & (others.amax(dim=-1) == float("-inf"))
+        free = None if forced is None else ~forced
+        if torch.allclose(torch.logsumexp(scores[free].double(), dim=-1), torch.zeros((), dtype=torch.float64),
+                          atol=1e-4) and (free is None or bool(free.any())):
             raise ValueError("NMSTLogitsProcessor got normalized log-probs (HF beam search): the raw eos logit "
                              "is gone; use apply_nmst_to_gpt2(model, generation_logits=True) without the processor, "
                              "or nmst_fast.generate(GPT2Decoder(model, head=...), strategy='beam')")
+        if banned is not None and self.head == "st" and bool(banned.any()):
+            raise ValueError("NMSTLogitsProcessor: eos arrives as -inf (HF's min_new_tokens / min_length / "
+                             "suppress_tokens ran first and banned it); head 'st' needs the raw eos logit at every "
+                             "step for its running sum: drop those options, or decode with head 'nmst'")
+        any_forced = forced is not None and bool(forced.any())
+        # A forced row has no non-eos logit to normalize: the head reads zeros there (its row ends now).
+        logits = scores.masked_fill(forced[:, None], 0.0) if any_forced else scores
         t = input_ids.shape[1] - self._prompt_length + 1
-        log_p, state = step_log_probs(scores, head=self.head, eos_index=self.eos, eps=self.eps, steps=t,
+        log_p, state = step_log_probs(logits, head=self.head, eos_index=self.eos, eps=self.eps, steps=t,
                                       state=self._state, temperature=self.temperature)
+        if banned is not None and bool(banned.any()):
+            # The head's distribution conditioned on "not eos": the non-eos softmax, eos at 0.
+            log_p[banned] = torch.log_softmax(scores[banned].to(log_p.dtype) / self.temperature, dim=-1)
+        if any_forced:
+            log_p[forced] = torch.where(torch.isfinite(scores[forced]), 0.0, float("-inf")).to(log_p.dtype)
         self._state, self._previous = state, input_ids
         return log_p.to(scores.dtype)
