@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
@@ -47,7 +48,16 @@ class NMSTHead(nn.Module):
         check_choice("head", head, HEADS)
         check_choice("impl", impl, IMPLS)
         check_eps(eps)
+        for name, value, least in (("hidden_size", hidden_size, 1), ("vocab_size", vocab_size, 2)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < least:
+                raise ValueError(f"{name} must be >= {least}" + (" (eos and one other token)" if least == 2 else "")
+                                 + f", got {value}")
         check_index("eos_index", eos_index, vocab_size, "vocab_size")
+        if weight is not None and not isinstance(weight, nn.Parameter):
+            # A plain tensor would stay out of parameters(), state_dict() and .to(): never trained or saved.
+            raise TypeError(f"weight must be an nn.Parameter (e.g. embedding.weight), got {type(weight).__name__}")
         if weight is None:
             weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
             nn.init.normal_(weight, std=hidden_size**-0.5)

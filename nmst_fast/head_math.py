@@ -41,7 +41,8 @@ class GradCoefficients:
 
 
 def _along_time(x: torch.Tensor, seq_len: int) -> torch.Tensor:
-    return x.view(-1, seq_len)
+    # (B·T,) → (B, T); explicit rows, since view(-1, 0) is ambiguous for an empty T.
+    return x.view(x.numel() // seq_len if seq_len else 0, seq_len)
 
 
 def nmst_log_survival(s: torch.Tensor, steps: torch.Tensor, eps: float) -> torch.Tensor:

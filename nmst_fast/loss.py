@@ -47,6 +47,22 @@ def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype = torch.flo
     return impl
 
 
+def _autocast_inputs(hidden, weight, bias):
+    """Under ``torch.autocast`` the projection is a matmul, which autocast runs in its low dtype:
+    fp32 ``hidden`` / ``weight`` / ``bias`` go to that dtype as ``F.linear`` would take them (so
+    AMP's bf16 hidden states meet an fp32 head weight); float64 stays, as autocast leaves it. The
+    op then runs with autocast off (``ops``), in the inputs' dtype throughout."""
+    if not isinstance(hidden, torch.Tensor) or not torch.is_autocast_enabled(hidden.device.type):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(hidden.device.type)
+
+    def cast(t):
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.float16,
+                                                                              torch.bfloat16) else t
+
+    return cast(hidden), cast(weight), cast(bias)
+
+
 def _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduction, impl, ignore_index) -> None:
     check_choice("head", head, HEADS)
     check_choice("reduction", reduction, REDUCTIONS)
@@ -105,7 +121,8 @@ def linear_nmst_loss(
 
     Args:
         hidden: (B, T, H) or flat (N, H); fp32, bf16, fp16 or fp64.
-        weight: (V, H), same dtype and device as ``hidden``.
+        weight: (V, H), same dtype and device as ``hidden`` (under ``torch.autocast``, both
+            are first cast to its dtype, as ``F.linear`` would; float64 is left alone).
         targets: (B, T) or (N,) integer; ``ignore_index`` entries add nothing.
         eos_index: vocabulary index of eos.
         eps: ε in (0, 1) of the NMST/ST heads.
@@ -125,7 +142,10 @@ def linear_nmst_loss(
     Returns:
         Scalar loss (or per-position losses) in ``hidden``'s dtype.
     """
+    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduction, impl, ignore_index)
+    # One integer dtype from here on: in uint8, `targets != -100` compares with -100 wrapped to 156.
+    targets = targets.long()
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     layout_3d = hidden.dim() == 3

@@ -53,9 +53,13 @@ def linear_loss(
     need = (need_grad_hidden, need_grad_weight, need_grad_bias)
     if reduction == "none":
         need = (False, False, False)  # per-row upstream grads are only known in backward
-    loss, lse, dh, dw, db = fused_forward(
-        hidden, weight, bias, targets, steps, cfg, reduction=reduction, backend=backend, chunk_rows=chunk_rows, need=need
-    )
+    # The caller cast the inputs for autocast (loss._autocast_inputs); inside, autocast would
+    # re-cast the driver's own small matmuls (the eos GEMV) while its out= GEMMs keep the inputs' dtype.
+    with torch.autocast(hidden.device.type, enabled=False):
+        loss, lse, dh, dw, db = fused_forward(
+            hidden, weight, bias, targets, steps, cfg, reduction=reduction, backend=backend, chunk_rows=chunk_rows,
+            need=need,
+        )
     return loss, lse, _empty_like_none(dh, hidden), _empty_like_none(dw, weight), _empty_like_none(db, weight)
 
 
@@ -95,10 +99,11 @@ def linear_loss_backward(
     need_grad_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     cfg = HeadConfig(head, eos_index, eps, ignore_index, seq_len)
-    dh, dw, db = fused_backward_from_lse(
-        grad_rows, hidden, weight, bias, targets, steps, lse, cfg,
-        backend=backend, chunk_rows=chunk_rows, need=(need_grad_hidden, need_grad_weight, need_grad_bias),
-    )
+    with torch.autocast(hidden.device.type, enabled=False):  # as in linear_loss
+        dh, dw, db = fused_backward_from_lse(
+            grad_rows, hidden, weight, bias, targets, steps, lse, cfg,
+            backend=backend, chunk_rows=chunk_rows, need=(need_grad_hidden, need_grad_weight, need_grad_bias),
+        )
     return _empty_like_none(dh, hidden), _empty_like_none(dw, weight), _empty_like_none(db, weight)
 
 

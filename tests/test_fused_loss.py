@@ -293,3 +293,60 @@ def test_targets_of_any_integer_dtype_and_ignore_index_checked():
     for bad in (-100.0, None, True):
         with pytest.raises(TypeError, match="ignore_index"):
             nmst_fast.linear_nmst_loss(hidden, weight, targets, eos_index=4, ignore_index=bad)
+
+
+def test_uint8_targets_keep_the_token_ignore_index_wraps_to():
+    """In uint8, -100 wraps to 156: `targets != ignore_index` dropped every target 156 from the
+    loss, and an out-of-range 156 passed the range check."""
+    gen = torch.Generator().manual_seed(23)
+    hidden, weight = torch.randn(1, 4, 8, generator=gen), torch.randn(200, 8, generator=gen)
+    targets = torch.tensor([[156, 3, 156, 5]])
+    for impl in ("chunked", "reference"):
+        want = nmst_fast.linear_nmst_loss(hidden, weight, targets, eos_index=0, impl=impl, reduction="none")
+        got = nmst_fast.linear_nmst_loss(hidden, weight, targets.to(torch.uint8), eos_index=0, impl=impl,
+                                         reduction="none")
+        assert float(got[0, 0]) > 0.0
+        torch.testing.assert_close(got, want)
+        with pytest.raises(ValueError, match="outside"):
+            nmst_fast.linear_nmst_loss(hidden, weight[:100], targets.to(torch.uint8), eos_index=0, impl=impl)
+
+
+@pytest.mark.parametrize("impl", FAST_IMPLS + ("reference",))
+@pytest.mark.parametrize("head", HEADS)
+def test_empty_sequences_have_zero_loss(impl, head):
+    """(B, 0, H): ST's view of the rows along T was ambiguous for T = 0 (a RuntimeError)."""
+    hidden = torch.zeros(2, 0, 8, device=DEVICE, requires_grad=True)
+    weight = torch.randn(11, 8, device=DEVICE, requires_grad=True)
+    loss = nmst_fast.linear_nmst_loss(hidden, weight, torch.zeros(2, 0, dtype=torch.long, device=DEVICE),
+                                      eos_index=3, head=head, impl=impl)
+    loss.backward()
+    assert float(loss) == 0.0 and torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+@pytest.mark.parametrize("impl", FAST_IMPLS)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_autocast_casts_the_projection_inputs_as_f_linear_would(impl, reduction):
+    """Under torch.autocast the loss is the loss of the autocast-dtype inputs (the projection is a
+    matmul), whole: the op's eos GEMV was re-cast alone (fp32 inputs got a bf16 eos logit, the
+    gradients of "mean" ~1e-3 off); AMP's bf16 hidden states with an fp32 head weight were refused."""
+    gen = torch.Generator().manual_seed(29)
+    hidden = torch.randn(2, 7, 16, generator=gen).to(DEVICE)
+    weight = torch.randn(70, 16, generator=gen).to(DEVICE).requires_grad_()
+    targets = torch.randint(0, 70, (2, 7), generator=gen).to(DEVICE)
+    low = torch.get_autocast_dtype(DEVICE)
+    for h in (hidden, hidden.to(low)):  # fp32 (a final LayerNorm's output) or already low (a Linear's)
+        h = h.detach().requires_grad_()
+        with torch.autocast(h.device.type):
+            got = nmst_fast.linear_nmst_loss(h, weight, targets, eos_index=5, head="nmst", impl=impl,
+                                             reduction=reduction)
+        got.sum().backward()
+        got_dh, got_dw = h.grad, weight.grad
+        weight.grad = None
+        h2 = h.detach().to(low).requires_grad_()
+        w2 = weight.detach().to(low).requires_grad_()
+        want = nmst_fast.linear_nmst_loss(h2, w2, targets, eos_index=5, head="nmst", impl=impl, reduction=reduction)
+        want.sum().backward()
+        assert got.dtype == low and got_dw.dtype == torch.float32 and got_dh.dtype == h.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(got_dw, w2.grad.float(), rtol=0, atol=0)
+        torch.testing.assert_close(got_dh, h2.grad.to(h.dtype), rtol=0, atol=0)

@@ -122,3 +122,15 @@ def test_log_probs_validates():
         nmst_fast.nmst_log_probs(torch.randn(2, 3, 5), eos_index=0, eps=2.0)
     with pytest.raises(ValueError, match="head"):
         nmst_fast.nmst_log_probs(torch.randn(2, 3, 5), eos_index=0, head="x")
+
+
+@pytest.mark.parametrize("kwargs, exc, name", [
+    (dict(hidden_size=0), ValueError, "hidden_size"), (dict(hidden_size=-1), ValueError, "hidden_size"),
+    (dict(hidden_size=4.0), TypeError, "hidden_size"), (dict(vocab_size=1), ValueError, "vocab_size"),
+    (dict(vocab_size=True), TypeError, "vocab_size"),
+    (dict(weight=torch.randn(10, 4)), TypeError, "weight"),  # a plain tensor: never trained nor saved
+])
+def test_head_constructor_checks_its_arguments(kwargs, exc, name):
+    args = dict(hidden_size=4, vocab_size=10) | kwargs
+    with pytest.raises(exc, match=name):
+        nmst_fast.NMSTHead(args.pop("hidden_size"), args.pop("vocab_size"), eos_index=0, **args)
