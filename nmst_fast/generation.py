@@ -14,12 +14,15 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
+import warnings
+
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from .decoding.beam import beam_step
-from .decoding.distribution import effective_logits
-from .decoding.selection import select, try_fused_sample
+from .decoding.distribution import check_temperature, effective_logits
+from .decoding.selection import _check_truncation, select, try_fused_sample
 from .logmath import termination_bound
 from .head import NMSTHead
 
@@ -53,7 +56,8 @@ class GenerationOutput:
             (T = the longest continuation; empty when ``keep_tokens=False``).
         lengths: (B,) int64 generated length (eos included when terminated).
         terminated: (B,) bool, whether the continuation ended with eos within ``max_length``.
-        scores: (B,) float64 log-probability of each continuation (beam: its ranking score).
+        scores: (B,) float64 log-probability of each continuation, beam search's too (its
+            ranking score, HF's ``sequences_scores``, is this / length ** ``length_penalty``).
     """
 
     tokens: torch.Tensor
@@ -67,9 +71,20 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check(strategy: str, top_k, top_p, num_beams, max_length) -> None:
+def _check(contexts, strategy: str, top_k, top_p, num_beams, max_length, temperature, impl) -> None:
+    """Every argument, before the model runs (and for an empty batch as for any other)."""
+    if not isinstance(contexts, torch.Tensor):
+        raise TypeError(f"contexts must be a (B, Tc) integer tensor, got {type(contexts).__name__}")
+    if contexts.dim() != 2:
+        raise ValueError(f"contexts must be (B, Tc), got shape {tuple(contexts.shape)}")
+    if contexts.dtype.is_floating_point or contexts.dtype.is_complex or contexts.dtype == torch.bool:
+        raise TypeError(f"contexts must hold integer token ids, got {contexts.dtype}")
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    _check_truncation(top_k if strategy in ("top_k", "nucleus") else None, top_p if strategy == "nucleus" else None)
+    check_temperature(temperature)
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
     if not _is_int(max_length) or max_length < 1:
         raise ValueError(f"max_length must be a positive int, got {max_length!r}")
     if strategy == "top_k" and top_k is None:
@@ -87,6 +102,21 @@ def _check_beam_ranking(length_penalty, early_stopping) -> None:
         raise ValueError(f"length_penalty must be finite, got {length_penalty!r}")
     if early_stopping not in (True, False, "never") or not isinstance(early_stopping, (bool, str)):
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+
+
+def _warn_if_dropout_is_on(model) -> None:
+    """A module left in training mode decodes with dropout: greedy turns random and ``generator``
+    does not control it (PyTorch modules start in training mode; HF's from_pretrained returns eval)."""
+    if not isinstance(model, nn.Module):
+        return
+    for module in model.modules():
+        active = module.training and (
+            (isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0)
+            or (isinstance(module, nn.RNNBase) and module.dropout > 0 and module.num_layers > 1))
+        if active:
+            warnings.warn(f"generate(): the model is in training mode, so its dropout ({type(module).__name__}) "
+                          "is on while decoding; call model.eval() first", stacklevel=3)
+            return
 
 
 def _check_positions(model, context_length: int, max_length: int, strategy: str) -> None:
@@ -147,7 +177,7 @@ def generate(
         impl: token selection backend, see :func:`nmst_fast.decoding.sample` ("auto" uses the
             one-read Triton scan on CUDA; beam search takes its ranked candidates).
     """
-    _check(strategy, top_k, top_p, num_beams, max_length)
+    _check(contexts, strategy, top_k, top_p, num_beams, max_length, temperature, impl)
     max_length = int(max_length)
     num_beams = int(num_beams) if strategy == "beam" else num_beams
     if strategy == "beam":
@@ -155,6 +185,7 @@ def generate(
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     _check_positions(model, contexts.shape[1], max_length, strategy)
+    _warn_if_dropout_is_on(model)
     if contexts.shape[0] == 0:  # nothing to continue
         empty = torch.zeros(0, dtype=torch.long, device=contexts.device)
         return GenerationOutput(empty.reshape(0, 0), empty, empty.bool(), empty.double())

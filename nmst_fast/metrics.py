@@ -63,8 +63,13 @@ def non_termination_curve(lengths, Ls: Iterable[int], terminated=None) -> dict[i
 
 
 def log_grid(max_length: int, points_per_decade: int = 4) -> list[int]:
-    """Roughly log-spaced horizons 1 … max_length for r_nt(L) plots."""
-    decades = math.log10(max(max_length, 1))
+    """Roughly log-spaced horizons 1 … max_length for r_nt(L) plots (both ends included)."""
+    if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral) or max_length < 1:
+        raise ValueError(f"max_length must be a positive int, got {max_length!r}")
+    if isinstance(points_per_decade, bool) or not isinstance(points_per_decade, numbers.Integral) \
+            or points_per_decade < 1:
+        raise ValueError(f"points_per_decade must be a positive int, got {points_per_decade!r}")
+    decades = math.log10(max_length)
     grid = np.unique(np.round(np.logspace(0, decades, int(decades * points_per_decade) + 1)).astype(int))
     return [int(x) for x in grid if 1 <= x <= max_length]
 

@@ -212,6 +212,54 @@ def test_generate_rejects_bad_arguments():
         generate(model, _contexts(), strategy="top_k", top_k=3, generator=3)
 
 
+def test_generate_checks_every_argument_before_the_model_runs():
+    """contexts that are not a (B, Tc) integer tensor were an IndexError / AttributeError / an error
+    inside nn.Embedding; top_k / top_p / temperature / impl were first read at step 1, after the
+    prefill, and never for an empty batch (top_k=0 returned an empty result there)."""
+    model = TinyRNN()
+    for contexts, exc in ((_contexts()[0], ValueError), (_contexts().tolist(), TypeError),
+                          (_contexts().float(), TypeError), (_contexts().bool(), TypeError)):
+        with pytest.raises(exc, match="contexts"):
+            generate(model, contexts)
+    for contexts in (_contexts(), _contexts()[:0]):
+        for kw, name in [(dict(strategy="top_k", top_k=0), "top_k"), (dict(strategy="nucleus", top_p=1.5), "top_p"),
+                         (dict(strategy="nucleus", top_p=0.5, top_k=-2), "top_k"),
+                         (dict(temperature=-1.0), "temperature"), (dict(impl="bogus"), "impl")]:
+            model.rows_seen.clear()
+            with pytest.raises(ValueError, match=name):
+                generate(model, contexts, **kw)
+            assert model.rows_seen == []
+    # Arguments a strategy does not read stay unread, as before.
+    assert generate(model, _contexts(), strategy="greedy", top_k=0, top_p=7.0, max_length=3).lengths.numel() == 5
+
+
+def test_generate_warns_when_dropout_is_on():
+    """A module starts in training mode: decoding with dropout on is random whatever the generator."""
+    from nmst_fast.models import RecurrentLM
+
+    model = RecurrentLM(30, eos_index=29, arch="lstm", embedding_dim=8, hidden_size=8)
+    contexts = torch.randint(0, 29, (3, 4), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match="eval"):
+        generate(model, contexts, max_length=3)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        generate(model.eval(), contexts, max_length=3)
+
+
+def test_beam_scores_are_log_probabilities_whatever_the_length_penalty():
+    model = TinyRNN(head="nmst").double()
+    contexts = _contexts(B=3)
+    for penalty in (0.0, 1.0):
+        out = generate(model, contexts, strategy="beam", num_beams=3, max_length=8, length_penalty=penalty)
+        for b in range(3):
+            continuation = out.tokens[b, : out.lengths[b]]
+            want = sum(float(model.sequence_log_probs(contexts[b], continuation[:i])[continuation[i]])
+                       for i in range(len(continuation)))
+            assert float(out.scores[b]) == pytest.approx(want, rel=1e-9, abs=1e-9)
+
+
 def test_empty_batch_generates_nothing():
     model = TinyRNN()
     for kw in (dict(), dict(strategy="nucleus", top_p=0.9), dict(strategy="beam", num_beams=2)):
@@ -283,6 +331,11 @@ def test_metrics():
     assert metrics.non_termination_ratio(lengths, 100, terminated) == 0.25
     assert metrics.non_termination_curve(lengths, [1, 5, 10], terminated) == {1: 1.0, 5: 0.5, 10: 0.25}
     assert metrics.log_grid(1000)[0] == 1 and metrics.log_grid(1000)[-1] == 1000
+    assert metrics.log_grid(1) == [1]
+    for bad in (dict(max_length=0), dict(max_length=2.5), dict(max_length=True), dict(max_length=10, points_per_decade=0),
+                dict(max_length=10, points_per_decade=-1)):
+        with pytest.raises(ValueError, match="max_length|points_per_decade"):
+            metrics.log_grid(**bad)
     counts, edges = metrics.length_histogram(lengths, bins=[0, 10, 1000])
     assert counts.tolist() == [2, 2]
     assert metrics.perplexity(0.0, 10) == 1.0

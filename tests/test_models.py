@@ -37,6 +37,19 @@ def test_paper_sizes_and_tying():
         RecurrentLM(100, eos_index=99, arch="gru")
 
 
+def test_sizes_and_pad_index_are_checked_with_clear_errors():
+    """A smaller LSTM than its embedding was torch's "proj_size has to be smaller than hidden_size"
+    (an argument the user never gave); an out-of-range pad_index an AssertionError."""
+    with pytest.raises(ValueError, match="hidden_size >= embedding_dim"):
+        RecurrentLM(20, eos_index=19, arch="lstm", embedding_dim=16, hidden_size=8)
+    with pytest.raises(ValueError, match="hidden_size == embedding_dim"):
+        RecurrentLM(20, eos_index=19, arch="rnn", embedding_dim=16, hidden_size=8)
+    for bad in (25, 20, -1, True):
+        with pytest.raises(ValueError, match="pad_index"):
+            RecurrentLM(20, eos_index=19, embedding_dim=8, hidden_size=8, pad_index=bad)
+    assert RecurrentLM(20, eos_index=19, embedding_dim=8, hidden_size=12).rnn.proj_size == 8
+
+
 @pytest.mark.parametrize("arch", ["rnn", "lstm"])
 def test_generate_with_recurrent_lm(arch):
     torch.manual_seed(1)

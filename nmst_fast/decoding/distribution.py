@@ -103,6 +103,10 @@ def check_step_args(logits: torch.Tensor, head: str, eos_index: int, eps: float,
         raise ValueError(f"logits must have V >= 2 (eos and one other token), got V={logits.shape[1]}")
     check_index("eos_index", eos_index, logits.shape[1], "V")
     check_eps(eps)
+    check_temperature(temperature)
+
+
+def check_temperature(temperature: object) -> None:
     if (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature > 0
             or not math.isfinite(temperature)):
         raise ValueError(f"temperature must be a positive finite float, got {temperature!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Optional
 
 import torch
@@ -20,12 +21,15 @@ class RecurrentLM(nn.Module):
     """Embedding → 2-layer RNN/LSTM → dropout → tied :class:`NMSTHead`.
 
     Implements :class:`nmst_fast.generation.DecodingModel`, so :func:`nmst_fast.generate`
-    decodes it directly.
+    decodes it directly (call ``.eval()`` first: like any module it starts in training mode, with
+    dropout on; ``generate`` warns).
 
     Args:
         vocab_size: V (eos included).
         eos_index: vocabulary index of eos.
-        arch: "rnn" (tanh) or "lstm"; sizes default to :data:`PAPER_CONFIGS`.
+        arch: "rnn" (tanh) or "lstm"; sizes default to :data:`PAPER_CONFIGS`. The head is tied to
+            the embedding, so the RNN needs hidden_size == embedding_dim and the LSTM hidden_size >=
+            embedding_dim (a larger LSTM projects its states back to embedding_dim).
         head, eps, impl: the output head (see :class:`nmst_fast.NMSTHead`).
         pad_index: embedding padding index (nn.Embedding's padding_idx: its lookups get no
             gradient; the tied head's weight row still does, since the loss scores every token), or None.
@@ -55,6 +59,15 @@ class RecurrentLM(nn.Module):
             if value is not None:
                 cfg[key] = value
         E, Hd = cfg["embedding_dim"], cfg["hidden_size"]
+        if arch == "lstm" and Hd < E:
+            # The LSTM projects its states back to E for the tied head: torch allows only proj_size < hidden.
+            raise ValueError(f"the tied LSTM needs hidden_size >= embedding_dim, got hidden_size={Hd}, "
+                             f"embedding_dim={E}")
+        if arch == "rnn" and Hd != E:
+            raise ValueError("the tied tanh-RNN needs hidden_size == embedding_dim")
+        if pad_index is not None and (isinstance(pad_index, bool) or not isinstance(pad_index, numbers.Integral)
+                                      or not 0 <= pad_index < vocab_size):
+            raise ValueError(f"pad_index must be None or an int in [0, vocab_size={vocab_size}), got {pad_index!r}")
         self.arch = arch
         self.embedding = nn.Embedding(vocab_size, E, padding_idx=pad_index)
         rnn_dropout = cfg["dropout"] if cfg["num_layers"] > 1 else 0.0
@@ -64,8 +77,6 @@ class RecurrentLM(nn.Module):
                                proj_size=E if Hd != E else 0)
         else:
             self.rnn = nn.RNN(E, Hd, cfg["num_layers"], nonlinearity="tanh", dropout=rnn_dropout, batch_first=True)
-            if Hd != E:
-                raise ValueError("the tied tanh-RNN needs hidden_size == embedding_dim")
         self.drop = nn.Dropout(cfg["dropout"])
         self.nmst_head = NMSTHead(E, vocab_size, eos_index=eos_index, head=head, eps=eps,
                                   weight=self.embedding.weight, impl=impl)
