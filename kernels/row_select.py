@@ -140,7 +140,8 @@ def _log_survival(
     new_state_ptr, HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
-    """a = log(1 − α_t) per row (fp64) from the raw eos logit s; stores ST's new state."""
+    """a = log(1 − α_t) per row (fp64) from the raw eos logit s; stores ST's new state.
+    Context rows (t <= 0): a = 0 (p(eos) = 0) for both heads; ST's state passes through."""
     if STEPS_PER_ROW:
         t = tl.load(steps_ptr + rows.to(tl.int64) * steps_stride, mask=row_ok, other=1)
     else:
@@ -155,8 +156,10 @@ def _log_survival(
             prev = tl.where(prev > 0.0, float("nan"), prev)  # not a log(1 − α): the row is flagged
         else:
             prev = tl.zeros((BLOCK_B,), tl.float64)
-        a = tl.where(t >= 1, prev + _log_sigmoid(s) + log1m_eps, prev)
-        tl.store(new_state_ptr + rows, a, mask=row_ok)
+        running = prev + _log_sigmoid(s) + log1m_eps
+        tl.store(new_state_ptr + rows, tl.where(t >= 1, running, prev), mask=row_ok)
+        # A NaN state (flagged) stays NaN on a context row too: the row is reported, not decoded.
+        a = tl.where(t >= 1, running, tl.where(prev != prev, prev, 0.0))
     return a
 
 

@@ -55,7 +55,9 @@ def _torch_head_math(z, head, eos, eps, steps, state, temperature):
     lse = torch.logsumexp(parts["max"].double() + parts["sum"].double().log(), dim=1)
     if head == "va":
         return lse, None, None
-    return eos_terms(lse, z[:, eos].double(), head=head, eps=eps, steps=steps, state=state)
+    log_norm, eos_zeta, _eos_log_prob, next_state = eos_terms(lse, z[:, eos].double(), head=head, eps=eps,
+                                                              steps=steps, state=state)
+    return log_norm, eos_zeta, next_state
 
 
 @pytest.mark.parametrize("head", HEADS)

@@ -41,6 +41,9 @@ class StepDistribution:
         eos_index: the eos column.
         eos_zeta: (B,) float64 ζ_eos (None for "va", whose eos is an ordinary logit): every
             reader ranks and weighs eos by it, exactly, never by ``zeta``'s eos column.
+        eos_log_prob: (B,) float64 log p(eos) = log(1 − e^a), taken as is (None for "va"):
+            ζ_eos − log_norm equals it but for L's rounding, which broke exact ties between rows
+            with the same p(eos) (beam search ranks rows against each other).
         state: (B,) float64 running log(1−α_t) for "st" (None for other heads).
     """
 
@@ -48,13 +51,14 @@ class StepDistribution:
     log_norm: torch.Tensor
     eos_index: int
     eos_zeta: Optional[torch.Tensor]
+    eos_log_prob: Optional[torch.Tensor]
     state: Optional[torch.Tensor]
 
     def token_log_probs(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B,) float64 log p of one token per row, without forming the (B, V) table."""
         log_p = self.zeta.gather(1, tokens.unsqueeze(1)).squeeze(1).to(torch.float64) - self.log_norm
-        if self.eos_zeta is not None:
-            log_p = torch.where(tokens == self.eos_index, self.eos_zeta - self.log_norm, log_p)
+        if self.eos_log_prob is not None:
+            log_p = torch.where(tokens == self.eos_index, self.eos_log_prob, log_p)
         return log_p
 
     def take(self, rows: Union[torch.Tensor, slice]) -> "StepDistribution":
@@ -62,30 +66,37 @@ class StepDistribution:
         def pick(values: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return None if values is None else values[rows]
         return StepDistribution(self.zeta[rows], self.log_norm[rows], self.eos_index, pick(self.eos_zeta),
-                                pick(self.state))
+                                pick(self.eos_log_prob), pick(self.state))
 
     def probs(self) -> torch.Tensor:
         """(B, V) float64 p, bit for bit exp(log_probs()) in one (B, V) buffer."""
         if self.zeta.dtype == torch.float64:
             return self.log_probs().exp_()
         probs = self.zeta.to(torch.float64).sub_(self.log_norm.unsqueeze(1)).exp_()
-        if self.eos_zeta is not None:
-            probs[:, self.eos_index] = torch.exp(self.eos_zeta - self.log_norm)
+        if self.eos_log_prob is not None:
+            probs[:, self.eos_index] = torch.exp(self.eos_log_prob)
         return probs
 
     def log_probs(self) -> torch.Tensor:
         """(B, V) float64 log p."""
         log_p = self.zeta.to(torch.float64) - self.log_norm.unsqueeze(1)
-        if self.eos_zeta is not None:
-            log_p[:, self.eos_index] = self.eos_zeta - self.log_norm
+        if self.eos_log_prob is not None:
+            log_p[:, self.eos_index] = self.eos_log_prob
         return log_p
+
+
+def int64_steps(steps: numbers.Integral) -> int:
+    """An integer t as the kernels and tensors hold it (int64), or a ValueError naming steps."""
+    if not -(2**63) <= int(steps) < 2**63:
+        raise ValueError(f"steps must fit in int64, got {int(steps)}")
+    return int(steps)
 
 
 def steps_tensor(steps: Steps, batch: int, device: torch.device) -> torch.Tensor:
     if isinstance(steps, bool):
         raise TypeError("steps must be an int or an integer tensor")
     if isinstance(steps, numbers.Integral):
-        return torch.full((batch,), int(steps), dtype=torch.long, device=device)
+        return torch.full((batch,), int64_steps(steps), dtype=torch.long, device=device)
     if not isinstance(steps, torch.Tensor) or steps.dtype.is_floating_point or steps.dtype == torch.bool:
         raise TypeError(f"steps must be an int or an integer tensor, got {type(steps).__name__}")
     try:
@@ -114,22 +125,25 @@ def check_temperature(temperature: object) -> None:
 
 def step_log_survival(
     eos_logit: torch.Tensor, *, head: str, eps: float, steps: Steps, state: Optional[torch.Tensor]
-) -> torch.Tensor:
-    """log(1 − α_t) of one step (B,) float64 from the raw eos logits s (B,).
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(a, ST's next state): a = log(1 − α_t) of one step, (B,) float64, from the raw eos logits s (B,).
 
     NMST: logσ(−s) + t·log1p(−ε). ST: state + logσ(s) + log1p(−ε) (state: the previous
-    step's value, 0 at the start). Context rows (t <= 0): p(eos) = 0, so 0 for NMST and the
-    unchanged state for ST. For ST the result is also the next step's state.
+    step's value, 0 at the start), which is also the next state. Context rows (t <= 0):
+    p(eos) = 0, so a = 0 for both heads, and ST's state passes through unchanged. The next
+    state is None for NMST.
     """
     B = eos_logit.shape[0]
     t = steps_tensor(steps, B, eos_logit.device)
     if head == "nmst":
-        return nmst_log_survival(eos_logit, t, eps)
+        return nmst_log_survival(eos_logit, t, eps), None
     if state is None:
         prev = torch.zeros(B, dtype=torch.float64, device=eos_logit.device)
     else:
         prev = check_state(state, B, eos_logit.device).to(torch.float64)
-    return torch.where(t >= 1, prev + st_step_term(eos_logit, eps), prev)
+    live = t >= 1
+    running = prev + st_step_term(eos_logit, eps)
+    return torch.where(live, running, 0.0), torch.where(live, running, prev)
 
 
 def check_state(state: object, batch: int, device: torch.device, *, values: bool = True) -> torch.Tensor:
@@ -156,16 +170,18 @@ LOG_SURVIVAL_FLOOR = -1e300
 def eos_terms(
     non_eos_lse: torch.Tensor, eos_logit: torch.Tensor, *, head: str, eps: float, steps: Steps,
     state: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The NMST/ST head's per-row scalars from L and s (both (B,) float64), rows checked first.
 
-    Returns (log_norm = L − a, ζ_eos = L + log(1 − e^a) − a, a = log(1 − α_t)): log p(v) = ζ_v − log_norm,
-    ζ_eos being eos's logit on the scale of the raw non-eos logits.
+    Returns (log_norm = L − a, ζ_eos = L + log(1 − e^a) − a, log p(eos) = log(1 − e^a), ST's next
+    state or None), a = log(1 − α_t): log p(v) = ζ_v − log_norm, ζ_eos being eos's logit on the
+    scale of the raw non-eos logits.
     """
     check_rows(non_eos_lse, eos_logit)
-    log_surv = step_log_survival(eos_logit, head=head, eps=eps, steps=steps, state=state)
+    log_surv, next_state = step_log_survival(eos_logit, head=head, eps=eps, steps=steps, state=state)
     floored = log_surv.clamp(min=LOG_SURVIVAL_FLOOR)
-    return non_eos_lse - floored, non_eos_lse + log1mexp(log_surv) - floored, log_surv
+    eos_log_prob = log1mexp(log_surv)
+    return non_eos_lse - floored, non_eos_lse + eos_log_prob - floored, eos_log_prob, next_state
 
 
 def check_rows(non_eos_lse: torch.Tensor, eos_logit: Optional[torch.Tensor] = None) -> None:
@@ -208,21 +224,31 @@ def effective_logits(
     if head == "va":
         lse = _row_logsumexp(zeta)
         check_rows(lse)
-        return StepDistribution(zeta, lse, eos_index, None, None)
+        return StepDistribution(zeta, lse, eos_index, None, None, None)
 
     s = logits[:, eos_index].to(torch.float64)  # the raw eos logit: temperature leaves it alone
     lse = _row_logsumexp(zeta, without=eos_index)
-    log_norm, eos_zeta, log_surv = eos_terms(lse, s, head=head, eps=eps, steps=steps, state=state)
-    return StepDistribution(zeta, log_norm, eos_index, eos_zeta, log_surv if head == "st" else None)
+    log_norm, eos_zeta, eos_log_prob, next_state = eos_terms(lse, s, head=head, eps=eps, steps=steps, state=state)
+    return StepDistribution(zeta, log_norm, eos_index, eos_zeta, eos_log_prob, next_state)
 
 
 def _row_logsumexp(values: torch.Tensor, without: Optional[int] = None) -> torch.Tensor:
     """(B,) float64 logsumexp of each row of ``values`` (B, V), over every column but ``without``
     if given: then one logsumexp per side of it (views, no masked copy), combined in float64.
-    By the row blocks of :func:`row_blocks_of`."""
+    By the row blocks of :func:`row_blocks_of`.
+
+    Each side is max + log Σ e^(x − max) with the max kept apart in float64: a float32
+    ``torch.logsumexp`` rounds L itself to float32, an error of ulp(L) that grows with the logits
+    (1e-3 at |z| ~ 1e4) and broke exact top-p cuts (V equal logits: each p a little below 1/V,
+    so a nucleus of mass exactly p took one token more)."""
+    def side(part: torch.Tensor) -> torch.Tensor:
+        top = part.amax(dim=1)
+        shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # −inf / NaN / +inf rows stay so
+        return shift.to(torch.float64) + torch.exp(part - shift[:, None]).sum(dim=1).to(torch.float64).log()
+
     def one_block(block: torch.Tensor) -> torch.Tensor:
         parts = (block,) if without is None else (block[:, :without], block[:, without + 1:])
-        sides = [torch.logsumexp(part, dim=1).to(torch.float64) for part in parts if part.shape[1]]
+        sides = [side(part) for part in parts if part.shape[1]]
         return sides[0] if len(sides) == 1 else torch.logaddexp(sides[0], sides[1])
 
     blocks = row_blocks_of(values)

@@ -36,7 +36,7 @@ from typing import Optional, Union
 import torch
 
 from ..backends import triton_available
-from .distribution import Steps, check_rows, check_state, check_step_args, eos_terms, steps_tensor
+from .distribution import Steps, check_rows, check_state, check_step_args, eos_terms, int64_steps, steps_tensor
 from .truncation import TOP_P_SLACK, insert_eos, untruncated
 
 
@@ -77,7 +77,7 @@ def _seed(generator: Optional[torch.Generator], device: torch.device) -> torch.T
 def _kernel_steps(steps: Steps, batch: int, device: torch.device) -> Union[int, torch.Tensor]:
     """An int stays a kernel scalar; a tensor is checked and broadcast to (B,) int64 (stride 0 kept)."""
     if isinstance(steps, numbers.Integral) and not isinstance(steps, bool):
-        return int(steps)
+        return int64_steps(steps)
     return steps_tensor(steps, batch, device)
 
 
@@ -283,10 +283,12 @@ def fused_ranked_candidates(
     if head == "va":
         check_rows(lse)
         return tokens[:, :k], zeta[:, :k] - lse.unsqueeze(1), None
-    log_norm, eos_zeta, log_surv = eos_terms(lse, logits[:, eos_index].to(torch.float64), head=head, eps=eps,
-                                             steps=kernel_steps, state=kernel_state)
+    log_norm, eos_zeta, eos_log_prob, next_state = eos_terms(
+        lse, logits[:, eos_index].to(torch.float64), head=head, eps=eps, steps=kernel_steps, state=kernel_state)
     tokens, zeta = insert_eos(tokens, zeta, eos_index, eos_zeta)
-    return tokens[:, :k], zeta[:, :k] - log_norm.unsqueeze(1), log_surv if head == "st" else None
+    tokens = tokens[:, :k]
+    log_p = torch.where(tokens == eos_index, eos_log_prob.unsqueeze(1), zeta[:, :k] - log_norm.unsqueeze(1))
+    return tokens, log_p, next_state
 
 
 def fused_sample(

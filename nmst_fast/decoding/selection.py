@@ -28,6 +28,7 @@ from .distribution import StepDistribution, Steps, effective_logits, row_blocks_
 from .fused import FusedSelection, fused_available, fused_sample, fused_truncation_available
 from .rejection import nucleus_by_rejection
 from .truncation import draw, insert_eos, truncate, untruncated
+from ..validation import check_float_tensor
 
 _FIRST_CANDIDATES = 64
 
@@ -98,9 +99,12 @@ def ranked_candidates(dist: StepDistribution, k: int) -> tuple[torch.Tensor, tor
         return _stable_top(dist.log_probs(), k)
     tokens, values = top_tokens(dist.zeta, k, exclude=dist.eos_index if has_special_eos else None)
     zeta = values.to(torch.float64)
+    log_p = zeta - dist.log_norm.unsqueeze(1)
     if has_special_eos:
         tokens, zeta = insert_eos(tokens, zeta, dist.eos_index, dist.eos_zeta)
-    return tokens[:, :k], zeta[:, :k] - dist.log_norm.unsqueeze(1)
+        log_p = torch.where(tokens == dist.eos_index, dist.eos_log_prob.unsqueeze(1),
+                            zeta - dist.log_norm.unsqueeze(1))
+    return tokens[:, :k], log_p[:, :k]
 
 
 def greedy(dist: StepDistribution) -> torch.Tensor:
@@ -281,6 +285,7 @@ def sample(
     Returns:
         (tokens (B,) int64, new state).
     """
+    check_float_tensor("logits", logits)  # before the backend choice reads logits.is_cuda
     _check_truncation(top_k, top_p)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
