@@ -92,6 +92,7 @@ def test_ranking_is_by_probability_ties_to_lower_index(head, dtype):
     if head != "va":  # make eos tie exactly with a token on one row, before and after it
         d.eos_zeta[0] = d.zeta[0, 3].double()
         d.eos_zeta[1] = d.zeta[1, 30].double()
+        d.eos_log_prob = d.eos_zeta - d.log_norm  # the tie in log p too, as the edited ζ_eos gives it
     full = d.log_probs()
     expected = torch.sort(full, dim=1, descending=True, stable=True).indices
     for k in (1, 7, 18, 19, 20, 33, 40):  # partial selection below V/2, one stable sort from there
@@ -203,6 +204,7 @@ def test_greedy_ties_with_eos_go_to_the_lower_index(eos):
     non_eos = torch.cat([d.zeta[:, :eos], d.zeta[:, eos + 1:]], dim=1)
     d.eos_zeta[:32] = non_eos[:32].amax(dim=1).double()  # eos ties the best token on half the rows
     d.zeta[:, eos] = d.eos_zeta.float()
+    d.eos_log_prob = d.eos_zeta - d.log_norm
     expected = torch.sort(d.log_probs(), dim=1, descending=True, stable=True).indices[:, 0]
     assert torch.equal(greedy(d), expected)
     assert torch.equal(greedy(d), ranked_candidates(d, 1)[0].squeeze(1))

@@ -43,6 +43,7 @@ def test_ranked_before_is_exact_for_every_candidate(head, dtype):
             if nudge:
                 value = torch.nextafter(value, value + nudge)
             d.eos_zeta[row] = value
+            d.eos_log_prob[row] = value - d.log_norm[row]
             d.zeta[row, eos] = value.float()
     keys = _rank_keys(d)
     columns = torch.arange(keys.shape[1])
