@@ -11,6 +11,7 @@ setup(
         "triton": ["triton>=3.0"],
         "hf": ["transformers>=4.45"],
         "train": ["matplotlib>=3.5"],
+        "hub": ["datasets"],  # --dataset: WikiText from the Hugging Face hub (network)
         "test": ["pytest", "scipy", "triton>=3.0", "transformers>=4.45", "matplotlib>=3.5"],
         "bench": ["pytest-benchmark", "tqdm"],
     },

@@ -140,7 +140,8 @@ def linear_nmst_loss(
         validate: run the data checks (target range, step signs, NaN/inf), one
             host sync; they are skipped automatically under ``torch.compile``.
     Returns:
-        Scalar loss (or per-position losses) in ``hidden``'s dtype.
+        Scalar loss (or per-position losses) in the dtype the op runs in: ``hidden``'s, or
+        autocast's under ``torch.autocast`` (float64 unchanged).
     """
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduction, impl, ignore_index)

@@ -1,4 +1,4 @@
-"""The readable reference: the NMST / ST / VA math of DEVELOPERS.md on materialized logits.
+"""The readable reference: the NMST / ST / VA math (README, "How it works"; Conventions below) on materialized logits.
 
 This module is the spec every fast path is tested against. It is written for
 clarity, works in any floating dtype (float64 for tests), and is differentiable

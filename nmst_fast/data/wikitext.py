@@ -140,7 +140,8 @@ def encode_lines(lines: Iterable[str], vocab: Vocabulary, context_length: int = 
 
 
 class LMSequences(Dataset):
-    """(input, target) id lists of encoded sequences: input = seq[:-1], target = seq[1:]."""
+    """Encoded sequences, one id list each (``<bos> <cpad>… words… <eos>``); :func:`collate`
+    forms input = seq[:-1] and target = seq[1:]."""
 
     def __init__(self, sequences: list[list[int]]) -> None:
         self.sequences = sequences
