@@ -382,3 +382,29 @@ def test_sample_names_bad_logits_and_steps_out_of_int64():
         for call in (sample, step_log_probs):
             with pytest.raises(ValueError, match="steps"):
                 call(z, head="nmst", eos_index=0, steps=steps)
+
+
+@pytest.mark.parametrize("top_k", [4, 8])
+def test_rows_with_fewer_finite_tokens_than_k_list_eos_once(top_k):
+    """Three finite logits (eos among them), the rest −inf: the tie redo of the top-k selection
+    masked eos to −inf and took it back among the −inf entries, so eos was listed twice and drawn
+    with twice its mass (0.67 for 0.505); beam search got two finished copies of one hypothesis."""
+    from nmst_fast.decoding import beam_step
+
+    V = 50
+    z = torch.full((1, V), float("-inf"))
+    z[0, 10], z[0, 20], z[0, 0] = 1.0, 0.5, 0.0
+    d = effective_logits(z, head="nmst", eos_index=0, eps=1e-2, steps=1)
+    tokens, log_p = ranked_candidates(d, top_k)
+    assert int((tokens == 0).sum()) == 1 and tokens[0, :3].tolist() == [0, 10, 20]
+    assert torch.isinf(log_p[0, 3:]).all()
+    draws, _ = sample(z.expand(200_000, -1), head="nmst", eos_index=0, eps=1e-2, steps=1, top_k=top_k,
+                      impl="torch", generator=torch.Generator().manual_seed(top_k))
+    want = step_log_probs(z, head="nmst", eos_index=0, eps=1e-2, steps=1)[0][0, [0, 10, 20]].exp()
+    counts = torch.bincount(draws, minlength=V)[[0, 10, 20]].double()
+    assert int(counts.sum()) == draws.numel()
+    assert stats.chisquare(counts.numpy(), (want * draws.numel()).numpy()).pvalue > 1e-4
+    c = beam_step(z.expand(4, -1), torch.tensor([0.0, float("-inf"), 0.0, float("-inf")], dtype=torch.float64),
+                  num_beams=2, head="nmst", eos_index=0, eps=1e-2, steps=1, num_candidates=top_k, impl="torch")
+    finite = torch.isfinite(c.scores)
+    assert [sorted(c.tokens[i][finite[i]].tolist()) for i in range(2)] == [[0, 10, 20]] * 2

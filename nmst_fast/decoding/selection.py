@@ -33,9 +33,14 @@ from ..validation import check_float_tensor
 _FIRST_CANDIDATES = 64
 
 
-def _stable_top(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-k by a full stable sort: (value desc, index asc)."""
-    order = torch.sort(values, dim=1, descending=True, stable=True).indices[:, :k]
+def _stable_top(values: torch.Tensor, k: int, exclude: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k by a full stable sort: (value desc, index asc), column ``exclude`` left out
+    (moved past every other column, not masked to −inf: a row with fewer than k finite values
+    would take it back among its −inf entries)."""
+    order = torch.sort(values, dim=1, descending=True, stable=True).indices
+    if exclude is not None:
+        order = order.gather(1, torch.sort((order == exclude).to(torch.int8), dim=1, stable=True).indices)
+    order = order[:, :k]
     return order, values.gather(1, order)
 
 
@@ -52,11 +57,7 @@ def top_tokens(values: torch.Tensor, k: int, exclude: Optional[int] = None) -> t
     available = V - (exclude is not None)
     k = min(k, available)
     if 2 * k >= available:  # most is selected: one stable sort is the simplest exact answer, and no slower
-        tokens, vals = _stable_top(values, V)
-        if exclude is not None:
-            order = torch.sort((tokens == exclude).to(torch.int8), dim=1, stable=True).indices[:, :k]
-            tokens, vals = tokens.gather(1, order), vals.gather(1, order)
-        return tokens[:, :k], vals[:, :k]
+        return _stable_top(values, k, exclude)
     extra = 1 if exclude is not None else 0
     # One entry past the selection (it exists: 2k < available) shows whether a tie crosses its
     # boundary, without a pass over the row.
@@ -77,10 +78,7 @@ def top_tokens(values: torch.Tensor, k: int, exclude: Optional[int] = None) -> t
     # where the best token left out ties with the worst one taken.
     redo = (past == boundary).nonzero().squeeze(1)
     if redo.numel():
-        row_values = values[redo].clone()
-        if exclude is not None:
-            row_values[:, exclude] = float("-inf")
-        tokens[redo], vals[redo] = _stable_top(row_values, k)
+        tokens[redo], vals[redo] = _stable_top(values[redo], k, exclude)
     return tokens, vals
 
 
