@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
-
-import warnings
 
 import torch
 from torch import nn
@@ -22,9 +21,10 @@ from tqdm.auto import tqdm
 
 from .decoding.beam import beam_step
 from .decoding.distribution import check_temperature, effective_logits
-from .decoding.selection import _check_truncation, select, try_fused_sample
+from .decoding.selection import _check_truncation, check_impl, select, try_fused_sample
 from .logmath import termination_bound
 from .head import NMSTHead
+from .validation import check_int_tensor
 
 STRATEGIES = ("greedy", "top_k", "nucleus", "beam")
 
@@ -73,18 +73,14 @@ def _is_int(value) -> bool:
 
 def _check(contexts, strategy: str, top_k, top_p, num_beams, max_length, temperature, impl) -> None:
     """Every argument, before the model runs (and for an empty batch as for any other)."""
-    if not isinstance(contexts, torch.Tensor):
-        raise TypeError(f"contexts must be a (B, Tc) integer tensor, got {type(contexts).__name__}")
+    check_int_tensor("contexts", contexts)
     if contexts.dim() != 2:
         raise ValueError(f"contexts must be (B, Tc), got shape {tuple(contexts.shape)}")
-    if contexts.dtype.is_floating_point or contexts.dtype.is_complex or contexts.dtype == torch.bool:
-        raise TypeError(f"contexts must hold integer token ids, got {contexts.dtype}")
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     _check_truncation(top_k if strategy in ("top_k", "nucleus") else None, top_p if strategy == "nucleus" else None)
     check_temperature(temperature)
-    if impl not in ("auto", "triton", "torch"):
-        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    check_impl(impl)
     if not _is_int(max_length) or max_length < 1:
         raise ValueError(f"max_length must be a positive int, got {max_length!r}")
     if strategy == "top_k" and top_k is None:

@@ -97,11 +97,11 @@ def ranked_candidates(dist: StepDistribution, k: int) -> tuple[torch.Tensor, tor
         return _stable_top(dist.log_probs(), k)
     tokens, values = top_tokens(dist.zeta, k, exclude=dist.eos_index if has_special_eos else None)
     zeta = values.to(torch.float64)
-    log_p = zeta - dist.log_norm.unsqueeze(1)
     if has_special_eos:
         tokens, zeta = insert_eos(tokens, zeta, dist.eos_index, dist.eos_zeta)
-        log_p = torch.where(tokens == dist.eos_index, dist.eos_log_prob.unsqueeze(1),
-                            zeta - dist.log_norm.unsqueeze(1))
+    log_p = zeta - dist.log_norm.unsqueeze(1)
+    if has_special_eos:
+        log_p = torch.where(tokens == dist.eos_index, dist.eos_log_prob.unsqueeze(1), log_p)
     return tokens[:, :k], log_p[:, :k]
 
 
@@ -227,6 +227,11 @@ def _by_row_blocks(dist: StepDistribution, pick: Callable[[StepDistribution, sli
     return torch.cat([pick(dist.take(rows), rows) for rows in blocks])
 
 
+def check_impl(impl: object) -> None:
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+
+
 def use_fused(impl: str, logits: torch.Tensor, top_k: Optional[int], top_p: Optional[float], *,
               ranked: bool = False) -> bool:
     """Whether the Triton kernels serve this call.
@@ -236,8 +241,7 @@ def use_fused(impl: str, logits: torch.Tensor, top_k: Optional[int], top_p: Opti
     caller wants the ``top_k`` best tokens in rank order (beam search), which always takes the
     candidate list.
     """
-    if impl not in ("auto", "triton", "torch"):
-        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    check_impl(impl)
     if impl == "torch" or (impl == "auto" and not logits.is_cuda):
         return False
     servable = (not ranked and untruncated(top_k, top_p)) or fused_truncation_available(top_k)
