@@ -206,14 +206,14 @@ def main(argv: list[str] | None = None) -> None:
         for top_k in (4, 50):
             for part, ms in top_k_parts(logits, top_k, timer):
                 print(f"| {V} | {top_k} | {part} | {ms:.4f} | {ms / floor_ms:.2f} |", flush=True)
-    # B = 32: the default shape moved from 4096-column tiles x 4 programs per SM to 2048 x 7 on the
-    # B = 256 sweep above, and the H100 report then put greedy and sampling at B = 32 1-4 µs slower.
+    # B = 32: the layout rule (``row_scan.cuda_launch_shape``) is meant for every batch size, so the
+    # sweep checks it away from B = 256 too (the H200 check of 2026-11-27 chose it from B = 1-256).
     print("\nsplit-V scan + select at B = 32, NMST head, fp32 logits, V = 128256; * = default")
     print("| mode | BLOCK_V | splits | programs | ms | x floor |\n|---|---:|---:|---:|---:|---:|")
     logits = make_logits(32, 128256, device="cuda")
     floor_ms = logits.numel() * 4 / bandwidth * 1e3
     _, default_block_v, default_splits = launch_shape(logits, 0)
-    launches = sorted({(block_v, splits) for block_v in (1024, 2048) for splits in (4, 8, 17, 32)}
+    launches = sorted({(block_v, splits) for block_v in (1024, 2048) for splits in (4, 8, 16, 32)}
                       | {(default_block_v, default_splits)})
     for draw in (False, True):
         for (block_v, splits), ms in scan_sweep(logits, launches, timer, draw=draw):

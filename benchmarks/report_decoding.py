@@ -4,6 +4,7 @@
     python -m benchmarks.report_decoding --quick    # B = 256, V = 50257 only
     python -m benchmarks.report_decoding --gpu      # the grid on CUDA, with the one-read floor
     python -m benchmarks.report_decoding --gpu --flashinfer   # only the VA table against FlashInfer
+    python -m benchmarks.report_decoding --gpu --flashinfer --build-only   # only build FlashInfer's samplers
 
 Both paths are timed alternately in one process (median of ``--repeats``), and the
 table gives their ratio: ratios, not absolute CPU times, are the claim. On a GPU
@@ -165,6 +166,18 @@ def split_paths():
         fused.ROW_DRAW_MIN_ROWS = saved
 
 
+def build_flashinfer(gen: torch.Generator) -> float:
+    """Call each FlashInfer sampler the table times once (the first call JIT-builds it with nvcc,
+    minutes on a fresh machine; later processes load the build from FlashInfer's cache). Seconds taken."""
+    t0 = time.perf_counter()
+    warm = make_logits(2, 1000, device="cuda")
+    for k, p in STRATEGIES.values():
+        if k != 1:
+            flashinfer_sampler(k, p)(warm, gen)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def flashinfer_table(gen: torch.Generator) -> None:
     """The VA head (plain softmax) against FlashInfer's samplers, when flashinfer is installed."""
     import triton.testing
@@ -173,13 +186,7 @@ def flashinfer_table(gen: torch.Generator) -> None:
         print("\n(flashinfer is not installed: no VA comparison)")
         return
     # The first call of each FlashInfer sampler JIT-compiles it: keep that out of the timings.
-    t0 = time.perf_counter()
-    warm = make_logits(2, 1000, device="cuda")
-    for k, p in STRATEGIES.values():
-        if k != 1:
-            flashinfer_sampler(k, p)(warm, gen)
-    torch.cuda.synchronize()
-    print(f"\n(FlashInfer's samplers loaded/compiled in {time.perf_counter() - t0:.1f} s)")
+    print(f"\n(FlashInfer's samplers loaded/compiled in {build_flashinfer(gen):.1f} s)")
     print("\nVA head (plain softmax) vs FlashInfer, do_bench medians")
     print("| B | V | strategy | fast VA (ms) | FlashInfer (ms) | FlashInfer / fast |")
     print("|---:|---:|---|---:|---:|---:|")
@@ -200,14 +207,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="only B=256, V=50257")
     parser.add_argument("--gpu", action="store_true", help="the grid on CUDA, against the one-read floor")
     parser.add_argument("--flashinfer", action="store_true", help="with --gpu: only the VA table against FlashInfer")
+    parser.add_argument("--build-only", action="store_true",
+                        help="with --flashinfer: only build FlashInfer's samplers (gpu_check runs it beside the tests)")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
+    if args.build_only and not args.flashinfer:
+        parser.error("--build-only goes with --flashinfer")
     if args.flashinfer and not args.gpu:
         parser.error("--flashinfer needs --gpu (FlashInfer runs on CUDA only)")
     if args.gpu:
         if not torch.cuda.is_available():
             parser.error("--gpu needs a CUDA device")
-        if args.flashinfer:
+        if args.flashinfer and args.build_only:
+            if flashinfer_sampler(None, None) is None:
+                parser.error("--build-only: flashinfer is not installed")
+            print(f"FlashInfer's samplers built in {build_flashinfer(torch.Generator(device='cuda').manual_seed(0)):.1f} s")
+        elif args.flashinfer:
             flashinfer_table(torch.Generator(device="cuda").manual_seed(0))
         else:
             gpu_main()

@@ -323,25 +323,32 @@ def interpreter_block_rows(rows: int, block_v: int) -> int:
     return max(1, min((1 << 18) // block_v, next_power_of_2(rows)))
 
 
-# Programs per SM the split-V layout aims for on a GPU. The plain and drawing scans: the H100 sweep
-# at B = 256 (``benchmarks.profile_decoding``, RESULTS.md) put 4 splits per row (1024 programs)
-# ahead of 3 and 6 for greedy and sampling at V = 50257 and 128256 with the kernels that reduced
-# every tile; 7 per SM gives 4 splits at B = 256 on 132 SMs, and the lane scans' 72 registers
-# (1024-column tiles, 4 warps) let 7 reside. Candidate scans of K <= EXTRACT_MAX_K (the lanes'
-# maxima, 96 registers: 5 resident) aim for 5; larger K keep the 4 they were timed with.
-SCAN_PROGRAMS_PER_SM = 7
+# The split-V layout on a GPU: tile width and how many programs the split count aims for.
+#
+# Plain and drawing scans (greedy; sampling below ROW_DRAW_MIN_ROWS rows): 2048-column tiles and
+# ⌊4·SMs / B⌋ splits per row (about 4 programs per SM, rounded down: B = 256 → 2 splits, 32 → 16,
+# 64 → 8 on 132 SMs). Measured on an H200 (RESULTS.md, fourteenth session; each cell twice, within
+# 1%): that count was the best of those timed for greedy at B = 1, 32, 64 and 256 and for sampling
+# at 256 × 128256 and 32 × 128256, and within 12% of the best elsewhere; the earlier rule (1024
+# columns, ⌈7·SMs / B⌉, from the H100 sweep of the kernels that reduced every tile) took 1.15–1.4x
+# as long (greedy 256 × 50257: 2.25x → 1.89x the one-read floor; 256 × 128256: 1.67x → 1.31x).
+SCAN_BLOCK_V = 2048
+SCAN_PROGRAMS_PER_SM = 4
+# Candidate scans keep four fp32 values per lane column (95 registers at 1024 columns, 4 warps; at
+# 2048 ~190 and spills for K = 128), so they keep 1024-column tiles and ⌈per_sm·SMs / B⌉ splits:
+# K <= EXTRACT_MAX_K (the lanes' maxima, 5 resident per SM) aim for 5, larger K for the 4 they
+# were timed with.
+CANDIDATE_BLOCK_V = 1024
 LANE_CANDIDATE_PROGRAMS_PER_SM = 5
 CANDIDATE_PROGRAMS_PER_SM = 4
-
-# Tile width on a GPU. The scans keep three or four fp32 values of per-lane state per column of the
-# tile: 1024 columns at 4 warps is 8 per thread (72-96 registers in sm_90 code; 2048 columns: 128-168,
-# and 48 bytes of spills for 128 candidates).
-SCAN_BLOCK_V = 1024
+# The split top-p rounds (a tile width of their own, ``split_top_p.ROUND_BLOCK_V``) keep the H100
+# rule they were timed with: ⌈7·SMs / B⌉ splits.
+ROUND_PROGRAMS_PER_SM = 7
 
 
 def launch_shape(z: torch.Tensor, candidates: int, block_v: int | None = None) -> tuple[int, int, int]:
-    """(BLOCK_B, BLOCK_V, splits): enough programs to fill a GPU even for one row. ``block_v``: a
-    tile width other than the scan's own (the split top-p rounds keep theirs)."""
+    """(BLOCK_B, BLOCK_V, splits): enough programs to fill a GPU even for one row. ``block_v``: the
+    split top-p rounds' tile width (they keep their own layout rule)."""
     B, V = z.shape
     if not z.is_cuda:
         # The interpreter: one split, many rows per program.
@@ -354,13 +361,17 @@ def launch_shape(z: torch.Tensor, candidates: int, block_v: int | None = None) -
 def cuda_launch_shape(B: int, V: int, candidates: int, multi_processors: int,
                       block_v: int | None = None) -> tuple[int, int, int]:
     """:func:`launch_shape` on a GPU of ``multi_processors`` SMs (also what ``compile_check`` compiles)."""
-    block_v = min(block_v or SCAN_BLOCK_V, next_power_of_2(V))
-    if not candidates:
-        per_sm = SCAN_PROGRAMS_PER_SM
+    if block_v is not None:  # the split top-p rounds
+        block_v = min(block_v, next_power_of_2(V))
+        splits = cdiv(ROUND_PROGRAMS_PER_SM * multi_processors, B)
+    elif not candidates:
+        block_v = min(SCAN_BLOCK_V, next_power_of_2(V))
+        splits = SCAN_PROGRAMS_PER_SM * multi_processors // B
     else:
+        block_v = min(CANDIDATE_BLOCK_V, next_power_of_2(V))
         per_sm = LANE_CANDIDATE_PROGRAMS_PER_SM if candidates <= EXTRACT_MAX_K.value else CANDIDATE_PROGRAMS_PER_SM
-    splits = max(1, min(cdiv(per_sm * multi_processors, B), cdiv(V, block_v)))
-    return 1, block_v, splits
+        splits = cdiv(per_sm * multi_processors, B)
+    return 1, block_v, max(1, min(splits, cdiv(V, block_v)))
 
 
 @dataclass
@@ -409,12 +420,12 @@ def _as_seed(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _num_warps(K: int) -> int:
-    """Warps per program, from ptxas register counts at 1024-column tiles (sm_90, ``python -m
-    kernels.compile_check --resources``, Triton 3.6), not yet from timings: the plain and drawing
-    scans 72 and 60 registers at 4 warps (7-8 resident programs = 28-32 KB of fp32 loads in flight
-    per SM, where an H100 needs ≈ 23 KB); candidates K <= 16 (the lanes' maxima) 96; K = 32
-    (tl.topk of entering tiles) 167 at 4 warps, 125 at 8 (12 vs 16 warps resident);
-    K = 64 168 at 4, 128 with 12 bytes spilled at 8; K = 128 212 at 4, no spills.
+    """Warps per program, from ptxas register counts (sm_90, ``python -m kernels.compile_check
+    --resources``, Triton 3.6): the plain and drawing scans (2048-column tiles) 126-128 registers at
+    4 warps, 4 resident programs (timed on an H200: the launch rule above); candidate scans
+    (1024-column tiles, not timed per warp count) K <= 16 (the lanes' maxima) 95; K = 32 (tl.topk
+    of entering tiles) 167 at 4 warps, 125 at 8 (12 vs 16 warps resident); K = 64 168 at 4, 128
+    with 12 bytes spilled at 8; K = 128 222 at 4, no spills.
     """
     return 8 if EXTRACT_MAX_K.value < K <= 32 else 4
 

@@ -423,6 +423,19 @@ def test_flashinfer_benchmark_wiring(monkeypatch):
     assert calls == [("sampling_from_logits", ()), ("top_k_sampling_from_probs", (4,)),
                      ("top_p_sampling_from_probs", (0.4,)), ("top_k_top_p_sampling_from_probs", (4, 0.4))]
 
+    # gpu_check's background build: the flag goes with --flashinfer and --gpu, and builds every sampler once.
+    from benchmarks import report_decoding
+
+    for argv in (["--build-only"], ["--gpu", "--build-only"]):
+        with pytest.raises(SystemExit):
+            report_decoding.main(argv)
+    calls.clear()
+    monkeypatch.setattr(report_decoding, "make_logits", lambda B, V, device: torch.randn(B, V))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    assert report_decoding.build_flashinfer(None) >= 0
+    assert calls == [("top_k_sampling_from_probs", (4,)), ("top_p_sampling_from_probs", (0.4,)),
+                     ("top_p_sampling_from_probs", (0.9,)), ("sampling_from_logits", ())]
+
 
 @pytest.mark.parametrize("sampling_path", ["split scan", "row draw"])
 @pytest.mark.parametrize("head,eos_logit", [("st", float("-inf")), ("nmst", float("inf"))])
@@ -575,3 +588,31 @@ def test_greedy_pick_does_not_depend_on_the_split_layout():
     for head in ("va", "nmst"):
         picked = fused_select(z.to(DEVICE), head=head, eos_index=15, steps=1, temperature=3.0, greedy=True)
         assert int(picked.tokens) == 9
+
+
+@pytest.mark.parametrize("sms", [132, 78, 16])
+def test_cuda_launch_shapes(sms):
+    """The GPU split-V layouts (pure functions of B, V and the SM count): the plain and drawing scans
+    fill about one wave of SCAN_PROGRAMS_PER_SM programs per SM and never more (their 128 registers
+    let 4 reside, ``compile_check --resources``); candidate scans and the split top-p rounds keep
+    their own rules; every split holds at least one tile and every launch at least one split."""
+    from kernels import row_scan
+    from kernels.split_top_p import ROUND_BLOCK_V
+    from kernels.host_math import cdiv
+
+    assert row_scan.SCAN_PROGRAMS_PER_SM == 4  # the 4 resident programs the registers allow
+    for B in (1, 2, 31, 32, 64, 256, 4096):
+        for V in (257, 33278, 50257, 128256):
+            _, block_v, splits = row_scan.cuda_launch_shape(B, V, 0, sms)
+            assert block_v == min(2048, 1 << (V - 1).bit_length())
+            assert 1 <= splits <= cdiv(V, block_v)
+            assert splits == 1 or B * splits <= 4 * sms < B * (splits + 1) or splits == cdiv(V, block_v)
+            for K, per_sm in ((4, 5), (128, 4)):
+                _, block_v, splits = row_scan.cuda_launch_shape(B, V, K, sms)
+                assert block_v == min(1024, 1 << (V - 1).bit_length())
+                assert splits == max(1, min(cdiv(per_sm * sms, B), cdiv(V, block_v)))
+            _, block_v, splits = row_scan.cuda_launch_shape(B, V, 0, sms, ROUND_BLOCK_V)
+            assert block_v == min(ROUND_BLOCK_V, 1 << (V - 1).bit_length())
+            assert splits == max(1, min(cdiv(7 * sms, B), cdiv(V, block_v)))
+    # The shapes the H200 sweep measured best (132 SMs): B = 256 → 2 splits, 64 → 8, 32 → 16, 1 → all 63 tiles.
+    assert [row_scan.cuda_launch_shape(B, 128256, 0, 132)[2] for B in (256, 64, 32, 1)] == [2, 8, 16, 63]
