@@ -433,6 +433,10 @@ def test_flashinfer_benchmark_wiring(monkeypatch):
     monkeypatch.setattr(report_decoding, "make_logits", lambda B, V, device: torch.randn(B, V))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     assert report_decoding.build_flashinfer(None) >= 0
+    # The loop timing calls the step back to back: once to warm up, then calls × repeats.
+    seen = []
+    assert report_decoding.loop_ms(lambda z, g: seen.append(z), logits, None, calls=3, repeats=2) >= 0
+    assert len(seen) == 1 + 3 * 2
     assert calls == [("top_k_sampling_from_probs", (4,)), ("top_p_sampling_from_probs", (0.4,)),
                      ("top_p_sampling_from_probs", (0.9,)), ("sampling_from_logits", ())]
 
