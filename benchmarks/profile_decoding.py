@@ -2,6 +2,7 @@
 
     python -m benchmarks.profile_decoding            # B = 256, V in {50257, 128256}
     python -m benchmarks.profile_decoding --quick    # V = 50257 only
+    python -m benchmarks.profile_decoding --tables split-parts,bounds   # chosen tables, in that order
 
 The H100 run of 2026-11-26 measured the row draw at 2.5–3.5× one read of the logits for plain
 sampling and 8.5–12.6× for top-p 0.9 (predicted 1.2–2× and 2–4×): one program per row keeps
@@ -155,10 +156,46 @@ def split_sweep(logits: torch.Tensor, top_p: float, launches: Iterable[tuple[int
     return rows
 
 
+def split_round_parts(logits: torch.Tensor, top_p: float, timer: Timer) -> list[tuple[str, float]]:
+    """(part, ms) of top-p by split rounds at the default launch (NMST head, t = 100): the drawing
+    scan alone, then with 1, 2 and FIRST_ROUNDS rounds (each launch decides the round before and
+    passes over the row; a last launch decides). The differences are each round's cost, which the
+    H200 run put at ~30-50 µs at B = 32 against 13-18 µs for the whole drawing scan."""
+    from kernels.split_top_p import FIRST_ROUNDS, ROUND_BLOCK_V, SplitTopP
+
+    seed = torch.tensor([1234], device=logits.device)
+    _, block_v, splits = launch_shape(logits, 0, ROUND_BLOCK_V)
+    eos = logits.shape[1] - 1
+    rows = []
+
+    def scan_only(z: torch.Tensor) -> None:
+        scan_partials(z, eos_index=eos, seed=seed, launch=(block_v, splits))
+
+    scan_only(logits)
+    rows.append(("drawing scan", timer(scan_only, logits)))
+    for rounds in sorted({1, 2, FIRST_ROUNDS}):
+        def step(z: torch.Tensor, rounds=rounds) -> None:
+            SplitTopP(z, head="nmst", eos_index=eos, eps=1e-5, temperature=1.0, steps=100, state=None, seed=seed,
+                      top_p_threshold=top_p, rounds=rounds)
+
+        step(logits)
+        rows.append((f"scan + {rounds} round{'s' if rounds > 1 else ''} + decision", timer(step, logits)))
+    return rows
+
+
+TABLES = ("row-draw", "bounds", "scan", "top-k-parts", "scan-b32", "split", "split-parts")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="V = 50257 only")
+    parser.add_argument("--tables", default=",".join(TABLES),
+                        help=f"comma-separated tables to run, in this order (default: all): {','.join(TABLES)}")
     args = parser.parse_args(argv)
+    tables = args.tables.split(",")
+    unknown = sorted(set(tables) - set(TABLES))
+    if unknown:
+        parser.error(f"--tables: unknown {unknown}; choose from {','.join(TABLES)}")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device (the interpreter's times say nothing about a GPU)")
 
@@ -166,10 +203,17 @@ def main(argv: list[str] | None = None) -> None:
 
     bandwidth = copy_bandwidth()
     timer = cold_graph_ms
-    print(f"row draw launch sweep, NMST head, fp32 logits, B = 256, {torch.cuda.get_device_name()}; "
-          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write); floor = one read at that rate; * = default")
+    vocabs = (50257,) if args.quick else (50257, 128256)
+    print(f"decoding launch sweeps, NMST head, fp32 logits, {torch.cuda.get_device_name()}; copy bandwidth "
+          f"{bandwidth / 1e12:.2f} TB/s (read+write); floor = one read at that rate; * = default")
+    for table in tables:
+        _TABLE_RUNNERS[table](vocabs, bandwidth, timer, args.quick)
+
+
+def _row_draw_table(vocabs, bandwidth, timer, quick) -> None:
+    print("\nrow draw launch sweep, B = 256")
     print("| V | mode | BLOCK_V | warps | prefetch | ms | read TB/s | x floor |\n|---:|---|---:|---:|---|---:|---:|---:|")
-    for V in (50257,) if args.quick else (50257, 128256):
+    for V in vocabs:
         logits = make_logits(256, V, device="cuda")
         floor_ms = logits.numel() * 4 / bandwidth * 1e3
         for mode, top_p in (("sampling", None), ("top-p 0.9", 0.9)):
@@ -179,17 +223,23 @@ def main(argv: list[str] | None = None) -> None:
                 mark = "*" if all(launch[key] == default[key] for key in default) else ""
                 print(f"| {V} | {mode} | {launch['BLOCK_V']}{mark} | {variant.num_warps} | {variant.prefetch} | "
                       f"{ms:.4f} | {logits.numel() * 4 / (ms * 1e-3) / 1e12:.2f} | {ms / floor_ms:.2f} |", flush=True)
+
+
+def _bounds_table(vocabs, bandwidth, timer, quick) -> None:
     print("\nrow draw top-p, bounds on (default) and off (every round reads the row), B = 256")
     print("| V | top-p | bounds | ms | x floor | passes per row |\n|---:|---:|---|---:|---:|---:|")
-    for V in (50257,) if args.quick else (50257, 128256):
+    for V in vocabs:
         logits = make_logits(256, V, device="cuda")
         floor_ms = logits.numel() * 4 / bandwidth * 1e3
         for top_p, bounds, ms, passes in bounds_sweep(logits, timer):
             print(f"| {V} | {top_p} | {bounds} | {ms:.4f} | {ms / floor_ms:.2f} | {passes:.2f} |", flush=True)
-    print("\nsplit-V scan + select, NMST head, fp32 logits, B = 256; * = default")
+
+
+def _scan_table(vocabs, bandwidth, timer, quick) -> None:
+    print("\nsplit-V scan + select, B = 256")
     print("| V | mode | BLOCK_V | splits | programs | ms | read TB/s | x floor |\n"
           "|---:|---|---:|---:|---:|---:|---:|---:|")
-    for V, draw in [(V, False) for V in ((50257,) if args.quick else (50257, 128256))] + [(50257, True)]:
+    for V, draw in [(V, False) for V in vocabs] + [(50257, True)]:
         logits = make_logits(256, V, device="cuda")
         floor_ms = logits.numel() * 4 / bandwidth * 1e3
         _, default_block_v, default_splits = launch_shape(logits, 0)
@@ -198,17 +248,23 @@ def main(argv: list[str] | None = None) -> None:
             mark = "*" if (block_v, splits) == (default_block_v, default_splits) else ""
             print(f"| {V} | {'sampling' if draw else 'greedy'} | {block_v} | {splits}{mark} | {256 * splits} | "
                   f"{ms:.4f} | {logits.numel() * 4 / (ms * 1e-3) / 1e12:.2f} | {ms / floor_ms:.2f} |", flush=True)
-    print("\ntop-k device step in parts, NMST head, fp32 logits, B = 256")
+
+
+def _top_k_parts_table(vocabs, bandwidth, timer, quick) -> None:
+    print("\ntop-k device step in parts, B = 256")
     print("| V | top-k | part | ms | x floor |\n|---:|---:|---|---:|---:|")
-    for V in (50257,) if args.quick else (50257, 128256):
+    for V in vocabs:
         logits = make_logits(256, V, device="cuda")
         floor_ms = logits.numel() * 4 / bandwidth * 1e3
         for top_k in (4, 50):
             for part, ms in top_k_parts(logits, top_k, timer):
                 print(f"| {V} | {top_k} | {part} | {ms:.4f} | {ms / floor_ms:.2f} |", flush=True)
-    # B = 32: the layout rule (``row_scan.cuda_launch_shape``) is meant for every batch size, so the
-    # sweep checks it away from B = 256 too (the H200 check of 2026-11-27 chose it from B = 1-256).
-    print("\nsplit-V scan + select at B = 32, NMST head, fp32 logits, V = 128256; * = default")
+
+
+def _scan_b32_table(vocabs, bandwidth, timer, quick) -> None:
+    # The layout rule (``row_scan.cuda_launch_shape``) is meant for every batch size, so the sweep
+    # checks it away from B = 256 too (the H200 check of 2026-11-27 chose it from B = 1-256).
+    print("\nsplit-V scan + select at B = 32, V = 128256")
     print("| mode | BLOCK_V | splits | programs | ms | x floor |\n|---|---:|---:|---:|---:|---:|")
     logits = make_logits(32, 128256, device="cuda")
     floor_ms = logits.numel() * 4 / bandwidth * 1e3
@@ -220,21 +276,41 @@ def main(argv: list[str] | None = None) -> None:
             mark = "*" if (block_v, splits) == (default_block_v, default_splits) else ""
             print(f"| {'sampling' if draw else 'greedy'} | {block_v} | {splits}{mark} | {32 * splits} | {ms:.4f} | "
                   f"{ms / floor_ms:.2f} |", flush=True)
-    print("\ntop-p 0.9 by split rounds (scan + first rounds), NMST head, fp32 logits; BLOCK_V 0 = the row draw; "
-          "* = default")
+
+
+def _split_table(vocabs, bandwidth, timer, quick) -> None:
+    from kernels.split_top_p import ROUND_BLOCK_V
+
+    print("\ntop-p 0.9 by split rounds (scan + first rounds); BLOCK_V 0 = the row draw")
     print("| B | V | BLOCK_V | splits | ms | read TB/s | x floor |\n|---:|---:|---:|---:|---:|---:|---:|")
     for B in (1, 32):
-        V = 50257 if args.quick else 128256
+        V = 50257 if quick else 128256
         logits = make_logits(B, V, device="cuda")
         floor_ms = logits.numel() * 4 / bandwidth * 1e3
-        _, default_block_v, default_splits = launch_shape(logits, 0)
-        # A few shapes (each FIRST/PASS variant compiles per BLOCK_V and padded split count, and the
-        # whole sweep shares one gpu_check step): the split count at 4096 columns, 2048 at 32.
+        _, default_block_v, default_splits = launch_shape(logits, 0, ROUND_BLOCK_V)
+        # A few shapes (each FIRST/PASS variant compiles per BLOCK_V and padded split count): the
+        # split count at 4096 columns, 2048 at 32.
         launches = sorted({(4096, 8), (4096, 16), (4096, 32), (2048, 32), (default_block_v, default_splits)})
         for (block_v, splits), ms in split_sweep(logits, 0.9, launches, timer):
             mark = "*" if (block_v, splits) == (default_block_v, default_splits) else ""
             print(f"| {B} | {V} | {block_v} | {splits}{mark} | {ms:.4f} | "
                   f"{logits.numel() * 4 / (ms * 1e-3) / 1e12:.2f} | {ms / floor_ms:.2f} |", flush=True)
+
+
+def _split_parts_table(vocabs, bandwidth, timer, quick) -> None:
+    print("\ntop-p by split rounds in parts (default launch)")
+    print("| B | V | top-p | part | ms | x floor |\n|---:|---:|---:|---|---:|---:|")
+    for B, V in ((32, 50257), (1, 50257)) if quick else ((32, 50257), (32, 128256), (1, 50257)):
+        logits = make_logits(B, V, device="cuda")
+        floor_ms = logits.numel() * 4 / bandwidth * 1e3
+        for top_p in (0.4, 0.9):
+            for part, ms in split_round_parts(logits, top_p, timer):
+                print(f"| {B} | {V} | {top_p} | {part} | {ms:.4f} | {ms / floor_ms:.2f} |", flush=True)
+
+
+_TABLE_RUNNERS = {"row-draw": _row_draw_table, "bounds": _bounds_table, "scan": _scan_table,
+                  "top-k-parts": _top_k_parts_table, "scan-b32": _scan_b32_table, "split": _split_table,
+                  "split-parts": _split_parts_table}
 
 
 if __name__ == "__main__":

@@ -300,6 +300,14 @@ def test_launch_sweep_runs_every_variant():
     assert [(p, b) for p, b, _, _ in rows] == [(0.4, True), (0.4, False), (0.9, True), (0.9, False)]
     assert all(passes >= 0 for *_, passes in rows)
     assert len(timed) == 2 * len(variants()) + 16
+    from benchmarks.profile_decoding import TABLES, _TABLE_RUNNERS, main, split_round_parts
+
+    parts = split_round_parts(logits, 0.4, lambda step, z: timed.append(step(z)) or 1.0)
+    assert [name for name, _ in parts] == ["drawing scan", "scan + 1 round + decision", "scan + 2 rounds + decision",
+                                           "scan + 3 rounds + decision"]
+    assert set(_TABLE_RUNNERS) == set(TABLES)
+    with pytest.raises(SystemExit):  # an unknown table is refused before anything runs
+        main(["--tables", "scan,nonsense"])
 
 
 def _eos_pivot_row() -> tuple[torch.Tensor, int, float, int, float]:
