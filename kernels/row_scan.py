@@ -361,6 +361,7 @@ def launch_shape(z: torch.Tensor, candidates: int, block_v: int | None = None) -
 def cuda_launch_shape(B: int, V: int, candidates: int, multi_processors: int,
                       block_v: int | None = None) -> tuple[int, int, int]:
     """:func:`launch_shape` on a GPU of ``multi_processors`` SMs (also what ``compile_check`` compiles)."""
+    B = max(B, 1)  # an empty batch launches nothing; its shape only has to exist
     if block_v is not None:  # the split top-p rounds
         block_v = min(block_v, next_power_of_2(V))
         splits = cdiv(ROUND_PROGRAMS_PER_SM * multi_processors, B)

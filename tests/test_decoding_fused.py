@@ -618,5 +618,7 @@ def test_cuda_launch_shapes(sms):
             _, block_v, splits = row_scan.cuda_launch_shape(B, V, 0, sms, ROUND_BLOCK_V)
             assert block_v == min(ROUND_BLOCK_V, 1 << (V - 1).bit_length())
             assert splits == max(1, min(cdiv(7 * sms, B), cdiv(V, block_v)))
+    for K, block_v in ((0, None), (4, None), (0, ROUND_BLOCK_V)):  # an empty batch: a shape, not a ZeroDivisionError
+        assert row_scan.cuda_launch_shape(0, 50257, K, sms, block_v) == row_scan.cuda_launch_shape(1, 50257, K, sms, block_v)
     # The shapes the H200 sweep measured best (132 SMs): B = 256 → 2 splits, 64 → 8, 32 → 16, 1 → all 63 tiles.
     assert [row_scan.cuda_launch_shape(B, 128256, 0, 132)[2] for B in (256, 64, 32, 1)] == [2, 8, 16, 63]
