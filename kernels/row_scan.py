@@ -330,12 +330,14 @@ def interpreter_block_rows(rows: int, block_v: int) -> int:
 # 64 → 8 on 132 SMs). Measured on an H200 (RESULTS.md, fourteenth session; each cell twice, within
 # 1%): that count was the best of those timed for greedy at B = 1, 32, 64 and 256 and for sampling
 # at 256 × 128256 and 32 × 128256, and within 12% of the best elsewhere; the earlier rule (1024
-# columns, ⌈7·SMs / B⌉, from the H100 sweep of the kernels that reduced every tile) took 1.15–1.4x
-# as long (greedy 256 × 50257: 2.25x → 1.89x the one-read floor; 256 × 128256: 1.67x → 1.31x).
+# columns, ⌈7·SMs / B⌉, from the H100 sweep of the kernels that reduced every tile) took 1.1–1.43x
+# as long at B = 32-256 (greedy 256 × 50257: 2.25x → 1.89x the one-read floor; 256 × 128256: 1.67x
+# → 1.31x) and the same at B = 1 (sampling there: 0.95x).
 SCAN_BLOCK_V = 2048
 SCAN_PROGRAMS_PER_SM = 4
-# Candidate scans keep four fp32 values per lane column (95 registers at 1024 columns, 4 warps; at
-# 2048 ~190 and spills for K = 128), so they keep 1024-column tiles and ⌈per_sm·SMs / B⌉ splits:
+# Candidate scans keep four fp32 values per lane column (95 registers at 1024 columns, 4 warps; the
+# eleventh session's ptxas at 2048: 128-168, and 48 bytes spilled for K = 128), so they keep
+# 1024-column tiles (not re-timed at 2048) and ⌈per_sm·SMs / B⌉ splits:
 # K <= EXTRACT_MAX_K (the lanes' maxima, 5 resident per SM) aim for 5, larger K for the 4 they
 # were timed with.
 CANDIDATE_BLOCK_V = 1024
