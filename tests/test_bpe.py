@@ -157,3 +157,32 @@ def test_gpt2_command_resumes_only_its_own_run_and_survives_a_cut_swap(tokenizer
     os.replace(out / "model", out / "model.old")
     resumed = main(common + ["--head", "nmst", "--out", str(out), "--epochs", "2"])  # recovers `model` itself
     assert (resumed / "results.json").is_file() and not (out / "model.old").exists()
+
+
+def test_gpt2_command_stops_on_divergence_and_resumes_only_on_its_data(tokenizer_dir, tmp_path, capsys, monkeypatch):
+    """The GPT-2 path: a perplexity past exp(709) raised OverflowError (after the epoch had trained,
+    before its state was saved), a NaN went on into the weights, and a rerun on other data resumed."""
+    import types
+
+    import train.gpt2
+    from train.gpt2 import main, perplexity
+
+    class Huge(torch.nn.Module):  # a model whose summed NLL overflows exp
+        def forward(self, input_ids, **kwargs):
+            return types.SimpleNamespace(loss=torch.tensor(1e6))
+
+    assert perplexity(Huge(), [[1] * 12], 10, 64, 0, "cpu") == float("inf")
+    common = _gpt2_run_files(tokenizer_dir, tmp_path) + ["--head", "nmst", "--eps", "0.05", "--epochs", "2"]
+    out = main(common + ["--out", str(tmp_path / "run"), "--stop-after", "1"])
+    valid = tmp_path / "wikitext" / "valid.txt"
+    valid.write_text(valid.read_text().replace("a", "b"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(common + ["--out", str(out)])
+    assert exit_info.value.code == 2
+    assert "data=" in capsys.readouterr().err
+    monkeypatch.setattr(train.gpt2, "perplexity", lambda *args: float("nan"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(common + ["--out", str(tmp_path / "nan")])
+    message = str(exit_info.value.code)
+    assert message.startswith("python -m train.gpt2: the validation perplexity (epoch 1) is nan")
+    assert not (tmp_path / "nan" / "train_state.pt").exists()  # nothing non-finite saved

@@ -244,3 +244,95 @@ def test_sweep_counts_a_repeated_value_once(tmp_path):
                  "--max-length", "10", "--builtin-lines", "60", "--quiet", "--out", str(tmp_path / "sweep")])
     runs = json.loads((out / "sweep.json").read_text())["runs"]
     assert len(runs) == 1
+
+
+def test_training_stops_when_the_loss_or_the_gradient_turns_non_finite(tmp_path, monkeypatch):
+    """A NaN loss went through backward and AdamW into every weight, and the run went on (or failed
+    later on 'hidden contains NaN'); now the step stops first, and the checkpoint keeps the last
+    finished epoch."""
+    from dataclasses import replace
+
+    from nmst_fast.models.recurrent import RecurrentLM
+    from train.checkpoint import Diverged
+
+    vocab, tr, va = _data(30, 10)
+    config = TrainConfig(head="nmst", eps=0.05, size="tiny", max_epochs=1, seed=0, batch_size=8)
+    train(config, tr, va, vocab, tmp_path / "c.pt", progress=False)
+    before = load_checkpoint(tmp_path / "c.pt", vocab)
+    real_loss, calls = RecurrentLM.loss, []
+
+    def nan_on_the_second_call(self, *args, **kwargs):
+        calls.append(1)
+        loss = real_loss(self, *args, **kwargs)
+        return loss * float("nan") if len(calls) == 2 else loss
+
+    longer = replace(config, max_epochs=2)
+    with monkeypatch.context() as patch:
+        patch.setattr(RecurrentLM, "loss", nan_on_the_second_call)
+        with pytest.raises(Diverged, match=r"training loss \(nmst: epoch 2, batch 2\) is nan"):
+            train(longer, tr, va, vocab, tmp_path / "c.pt", progress=False)
+    after = load_checkpoint(tmp_path / "c.pt", vocab)
+    assert after["state"]["epoch"] == 1 and all(torch.equal(after["model"][k], before["model"][k]) for k in after["model"])
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.nn.utils, "clip_grad_norm_", lambda parameters, clip: torch.tensor(float("inf")))
+        with pytest.raises(Diverged, match=r"gradient norm \(nmst: epoch 2, batch 1\) is inf"):
+            train(longer, tr, va, vocab, tmp_path / "c.pt", progress=False)
+    # Through the command: a learning rate that diverges ends with one line and exit status 1 (not a
+    # usage error, and not a report of the untrained weights).
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--heads", "nmst", "--lr", "1e10", "--builtin-lines", "20", "--max-epochs", "2", "--max-length", "5",
+              "--eval-contexts", "2", "--quiet", "--out", str(tmp_path / "run")])
+    assert str(exit_info.value.code).startswith("python -m train: ") and "diverged" in str(exit_info.value.code)
+    assert not (tmp_path / "run" / "results.json").exists()
+
+
+def test_cli_resumes_only_on_its_own_data_and_directory(tmp_path, capsys):
+    """A rerun on other data continued the run (early stopping compared two validation sets); a
+    refused resume still rewrote config.json; another command's directory had its results.json
+    overwritten; a --out that cannot be a directory gave a traceback."""
+    common = ["--heads", "va", "--max-epochs", "1", "--max-length", "10", "--eval-contexts", "2", "--quiet"]
+    out = tmp_path / "run"
+    main(common + ["--builtin-lines", "40", "--out", str(out)])
+    config = (out / "config.json").read_text()
+    for change, message in ((["--builtin-lines", "50"], "data="), (["--builtin-lines", "40", "--lr", "0.005"], "lr=")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(common + change + ["--out", str(out)])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+        assert (out / "config.json").read_text() == config  # nothing written
+    main(common + ["--builtin-lines", "40", "--max-epochs", "2", "--out", str(out)])  # training longer resumes
+    (tmp_path / "a_file").write_text("x")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "results.json").write_text("{}")
+    other_command = tmp_path / "gpt2_run"
+    other_command.mkdir()
+    (other_command / "run.json").write_text(json.dumps(dict(entry="train.gpt2", data="0123")))
+    for bad, message in ((tmp_path / "a_file", "cannot be made a directory"), (foreign, "no run.json"),
+                         (other_command, "entry='train.gpt2'")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(common + ["--builtin-lines", "40", "--out", str(bad)])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+    assert (foreign / "results.json").read_text() == "{}"
+
+
+def test_sweep_tables_take_an_infinite_perplexity():
+    import math
+
+    from train.sweep import _mean_std
+
+    assert _mean_std([1.0, 3.0]) == "2.000 ± 1.414"
+    assert _mean_std([math.inf, 5.0]) == "inf (a seed's value is inf)"
+    assert _mean_std([math.nan, 5.0]).endswith("(a seed's value is NaN)")
+
+
+def test_data_fingerprint_sees_tokens_order_and_boundaries():
+    from train.checkpoint import data_fingerprint
+
+    base = data_fingerprint([[1, 2], [3]], [[4]])
+    assert base == data_fingerprint([[1, 2], [3]], [[4]])
+    for other in (([[1, 2, 3]], [[4]]), ([[3], [1, 2]], [[4]]), ([[1, 2], [3]], [[5]]), ([[1, 2], [3], [4]], [])):
+        assert data_fingerprint(*other) != base

@@ -7,8 +7,12 @@
 
 Writes to ``--out`` (default ``runs/<time>``): ``results.json`` (per head: test ``perplexity``
 and ``r_nt`` per decoder as L → ratio, plus p(eos) vs t, lengths and examples),
-``report.md``, ``r_nt.png``, ``p_eos.png``, ``lengths.png``, ``config.json``, and one
-checkpoint per head (``<head>/checkpoint.pt``); rerunning with the same ``--out`` resumes.
+``report.md``, ``r_nt.png``, ``p_eos.png``, ``lengths.png``, ``config.json``, ``run.json`` (the
+command and a fingerprint of its data), and one checkpoint per head (``<head>/checkpoint.pt``);
+rerunning with the same ``--out`` resumes. A ``--out`` holding another run — other settings, other
+data, another command's files — is refused before anything is written. A run whose loss, gradient
+or validation perplexity turns non-finite stops with an error naming the epoch and batch (exit
+status 1); its checkpoint keeps the last finished epoch.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from pathlib import Path
 
 from nmst_fast.validation import HEADS
 
+from .checkpoint import Diverged, claim_directory
 from .report import write_report
-from .runner import add_arguments, base_config, check_arguments, load_data, max_length, run_one
+from .runner import add_arguments, base_config, check_arguments, check_resumes, load_data, max_length, run_one
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,16 +45,17 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> Path:
     parser = _parser()
     args = parser.parse_args(argv)
-    try:  # bad arguments and missing data end in one clear line, not a traceback
+    try:  # bad arguments, missing data and a --out holding another run end in one clear line, not a traceback
         check_arguments(args)
         base = base_config(args, arch=args.arch, eps=args.eps, seed=args.seed)
         configs = [replace(base, head=h).validate() for h in args.heads]
         L = max_length(args)
         data = load_data(args, args.seed)
+        out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+        claim_directory(out, dict(entry="train", source=data.source, data=data.fingerprint))
+        check_resumes([(config, out / config.head) for config in configs], data)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         parser.error(str(err))
-    out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(dict(source=data.source, max_length=L, vocab_size=len(data.vocab),
                                                      runs=[c.to_dict() for c in configs]), indent=1))
     results = {}
@@ -57,8 +63,8 @@ def main(argv: list[str] | None = None) -> Path:
         try:
             results[config.head] = run_one(config, data, out / config.head, L, progress=not args.quiet,
                                            eval_contexts=args.eval_contexts)
-        except ValueError as err:  # e.g. a checkpoint in --out from another vocabulary
-            parser.error(str(err))
+        except Diverged as err:  # not a usage error: the run itself failed
+            sys.exit(f"python -m train: {err}")
     notes = [f"Data: {data.source}; vocabulary {len(data.vocab)} words. Model: {base.arch}, size {base.size}; "
              f"ε = {base.eps}; seed {base.seed}.",
              "Reproduce: `" + " ".join(["python -m train", *(sys.argv[1:] if argv is None else argv)]) + "`"]

@@ -7,10 +7,15 @@ continues the same trajectory (optimizer, LR schedule state, RNG state).
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import json
+import math
 import os
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 
 from nmst_fast.data.wikitext import Vocabulary
@@ -38,6 +43,58 @@ def save_atomic(obj: Any, path: str | Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+class Diverged(RuntimeError):
+    """Training produced a non-finite loss, gradient or validation perplexity: the run cannot go on
+    (a lower learning rate usually helps). The checkpoint keeps the last epoch that finished finite."""
+
+
+def require_finite(value: float, what: str) -> float:
+    """``value`` if finite, else :class:`Diverged` naming ``what`` (e.g. "the training loss at epoch 2, batch 5")."""
+    if not math.isfinite(value):
+        raise Diverged(f"{what} is {value}: training diverged (try a lower --lr); the checkpoint, if any, "
+                       "keeps the last epoch that finished")
+    return value
+
+
+def data_fingerprint(*splits: Sequence[Sequence[int]]) -> str:
+    """A short hash of encoded splits (token ids and sequence lengths, in order): a resumed run must
+    see the data it was trained on, and a changed corpus, split or tokenizer changes this."""
+    digest = hashlib.sha256()
+    for sequences in splits:
+        lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
+        tokens = np.fromiter(itertools.chain.from_iterable(sequences), dtype=np.int64, count=int(lengths.sum()))
+        digest.update(lengths.tobytes())
+        digest.update(tokens.tobytes())
+        digest.update(b"|")
+    return digest.hexdigest()[:16]
+
+
+def claim_directory(out: Path, identity: Mapping[str, Any]) -> None:
+    """Make ``out`` the home of the run ``identity`` describes (its entry point and data), or refuse.
+
+    A new or empty directory is claimed (``run.json``, written atomically); one that already holds
+    this run is resumed; one holding another kind of run, or a run on other data, raises ValueError
+    before anything is written, so its results are never overwritten. A path that cannot be a
+    directory raises ValueError naming it."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--out {str(out)!r} cannot be made a directory: {err.strerror or err}") from None
+    marker = out / "run.json"
+    if marker.exists():
+        try:
+            saved = json.loads(marker.read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{marker} is unreadable ({err}): write the run to another --out") from None
+        refuse_another_run(marker, saved, identity)
+    elif any(out.iterdir()):
+        raise ValueError(f"--out {str(out)!r} already holds files but no run.json: it is not a run this "
+                         "command wrote; write the run to another --out")
+    tmp = marker.with_name(f".{marker.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(dict(identity), indent=1))
+    os.replace(tmp, marker)
 
 
 def refuse_another_run(path: str | Path, saved: Mapping[str, Any], now: Mapping[str, Any]) -> None:

@@ -8,7 +8,9 @@ one (:func:`nmst_fast.integrations.hf_gpt2.apply_nmst_to_gpt2`), so the (B, T, V
 formed. Recipe: AdamW, lr 5e-5 decaying linearly to 0, gradient clipping 1.0, length-bucketed
 batches of at most 1024 tokens; the best model by validation perplexity is saved (atomically)
 to ``--out/model`` with its head settings in the config; after every epoch the latest weights and
-the optimizer / schedule / RNG state are saved too, and rerunning with the same ``--out`` resumes. Evaluation as ``python -m train``:
+the optimizer / schedule / RNG state are saved too, and rerunning with the same ``--out`` resumes
+(``run.json`` binds the directory to this command, its data and model shape: another run there is
+refused; a non-finite loss, gradient or validation perplexity stops with an error). Evaluation as ``python -m train``:
 perplexity after the 10-token context and r_nt(L) for every decoder, in ``results.json``.
 """
 
@@ -19,18 +21,20 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from nmst_fast import metrics
 from nmst_fast.data.bpe import bucket_batches, collate_bpe, encode_bpe_lines, load_gpt2_tokenizer
 from nmst_fast.data.wikitext import find_split_file, read_lines
 from nmst_fast.integrations.hf_gpt2 import GPT2Decoder, apply_nmst_to_gpt2
 from nmst_fast.validation import HEADS
 
-from .checkpoint import refuse_another_run, save_atomic
+from .checkpoint import Diverged, claim_directory, data_fingerprint, refuse_another_run, require_finite, save_atomic
 from .runner import check_device
 from .evaluate import non_termination
 
@@ -77,7 +81,7 @@ def perplexity(model, seqs: list[list[int]], context_length: int, max_tokens: in
                     labels=labels.to(device), num_items_in_batch=1)  # = the summed NLL
         total += float(out.loss)
         count += int((labels[:, 1:] != -100).sum())
-    return math.exp(total / max(count, 1))
+    return metrics.perplexity(total, count)  # inf, not OverflowError, past a mean NLL of ~709.8
 
 
 def recover_model_dir(path: Path) -> None:
@@ -121,6 +125,47 @@ def _check_arguments(args) -> None:
     check_device(args.device)
 
 
+# The model settings a run directory is bound to (a resumed state must fit the model it came from).
+MODEL_DEFINING = ("n_embd", "n_layer", "n_head", "n_positions", "vocab_size")
+
+
+def _train_epochs(args, model, optimizer, schedule, seqs, pad, steps_per_epoch, out, settings, best, history,
+                  start_epoch):
+    """The epochs from ``start_epoch``: AdamW steps, then the validation perplexity, the best model and
+    the resumable state, each saved atomically. Returns (best valid perplexity, history, whether every
+    epoch ran: False when ``--stop-after`` interrupted). Raises Diverged on a non-finite loss,
+    gradient norm or validation perplexity, before anything non-finite is saved."""
+    for epoch in range(start_epoch, args.epochs):
+        if args.stop_after is not None and epoch - start_epoch >= args.stop_after:
+            return best, history, False
+        model.train()
+        bar = tqdm(_batches(seqs["train"], args.max_tokens, args.seed * 1_000_003 + epoch, pad),
+                   total=steps_per_epoch, disable=args.quiet, desc=f"gpt2 {args.head} epoch {epoch + 1}")
+        for batch_no, batch in enumerate(bar, start=1):
+            where = f"epoch {epoch + 1}, batch {batch_no}"
+            loss = model(batch.input_ids.to(args.device), attention_mask=batch.attention_mask.to(args.device),
+                         labels=batch.labels.to(args.device)).loss
+            value = require_finite(loss.item(), f"the training loss ({where})")  # before a NaN reaches the weights
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            require_finite(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)), f"the gradient norm ({where})")
+            optimizer.step()
+            schedule.step()
+            bar.set_postfix(loss=f"{value:.3f}")
+        valid = require_finite(perplexity(model, seqs["valid"], args.context_length, args.max_tokens, pad, args.device),
+                               f"the validation perplexity (epoch {epoch + 1})")
+        history.append(dict(epoch=epoch + 1, valid_perplexity=valid))
+        if valid < best:
+            best = valid
+            save_model_atomic(model, out / "model")
+        save_atomic(dict(epoch=epoch + 1, best=best, history=history, settings=settings, model=model.state_dict(),
+                         optimizer=optimizer.state_dict(), schedule=schedule.state_dict(), rng=torch.get_rng_state(),
+                         cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None),
+                    out / "train_state.pt")
+        save_model_atomic(model, out / "last")  # the latest weights, loadable with from_pretrained
+    return best, history, True
+
+
 def main(argv: list[str] | None = None) -> Path:
     from transformers import GPT2LMHeadModel
 
@@ -151,14 +196,19 @@ def main(argv: list[str] | None = None) -> Path:
                      f"{', '.join(empty)} split(s)")
     pad = tokenizer.eos_token_id
     out = args.out or Path("runs") / ("gpt2-" + time.strftime("%Y%m%d-%H%M%S"))
-    out.mkdir(parents=True, exist_ok=True)
+    data_id = data_fingerprint(seqs["train"], seqs["valid"])  # the corpus, splits and tokenizer
+    try:
+        claim_directory(out, dict(entry="train.gpt2", data=data_id,
+                                  model={k: getattr(model.config, k) for k in MODEL_DEFINING}))
+    except ValueError as err:
+        parser.error(str(err))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     steps_per_epoch = len(bucket_batches([len(s) for s in seqs["train"]], max_tokens=args.max_tokens))
     total_steps = max(1, args.epochs * steps_per_epoch)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / total_steps))
     best, history, start_epoch = math.inf, [], 0
     state_path = out / "train_state.pt"
-    settings = {name: getattr(args, name) for name in RUN_DEFINING}
+    settings = {name: getattr(args, name) for name in RUN_DEFINING} | dict(data=data_id)
     recover_model_dir(out / "model")
     recover_model_dir(out / "last")
     if state_path.exists():  # an interrupted run: continue from its last finished epoch
@@ -179,30 +229,13 @@ def main(argv: list[str] | None = None) -> Path:
         if state.get("cuda_rng") is not None and torch.device(args.device).type == "cuda":
             torch.cuda.set_rng_state_all(state["cuda_rng"])
         best, history, start_epoch = state["best"], state["history"], state["epoch"]
-    for epoch in range(start_epoch, args.epochs):
-        if args.stop_after is not None and epoch - start_epoch >= args.stop_after:
-            return out
-        model.train()
-        bar = tqdm(_batches(seqs["train"], args.max_tokens, args.seed * 1_000_003 + epoch, pad),
-                   total=steps_per_epoch, disable=args.quiet, desc=f"gpt2 {args.head} epoch {epoch + 1}")
-        for batch in bar:
-            loss = model(batch.input_ids.to(args.device), attention_mask=batch.attention_mask.to(args.device),
-                         labels=batch.labels.to(args.device)).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-        valid = perplexity(model, seqs["valid"], args.context_length, args.max_tokens, pad, args.device)
-        history.append(dict(epoch=epoch + 1, valid_perplexity=valid))
-        if valid < best:
-            best = valid
-            save_model_atomic(model, out / "model")
-        save_atomic(dict(epoch=epoch + 1, best=best, history=history, settings=settings, model=model.state_dict(),
-                         optimizer=optimizer.state_dict(), schedule=schedule.state_dict(), rng=torch.get_rng_state(),
-                         cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None), state_path)
-        save_model_atomic(model, out / "last")  # the latest weights, loadable with from_pretrained
+    try:
+        best, history, finished = _train_epochs(args, model, optimizer, schedule, seqs, pad, steps_per_epoch, out,
+                                                settings, best, history, start_epoch)
+    except Diverged as err:  # not a usage error: the run itself failed
+        sys.exit(f"python -m train.gpt2: {err}")
+    if not finished:  # --stop-after (tests)
+        return out
     model = apply_nmst_to_gpt2(GPT2LMHeadModel.from_pretrained(out / "model")).to(args.device).eval()
     contexts = torch.tensor([s[: args.context_length] for s in seqs["eval"][: args.eval_contexts]], dtype=torch.long)
     decoding = non_termination(GPT2Decoder(model, head=args.head, eps=args.eps), contexts, args.max_length,

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from nmst_fast import metrics
 from nmst_fast.data.wikitext import CONTEXT_LENGTH, Vocabulary, collate
 
-from .checkpoint import FORMAT, build_model, load_checkpoint, refuse_another_run, save_atomic
+from .checkpoint import FORMAT, build_model, load_checkpoint, refuse_another_run, require_finite, save_atomic
 from .config import TrainConfig
 
 
@@ -69,6 +69,23 @@ def perplexity(model, sequences: list[list[int]], vocab: Vocabulary, batch_size:
 RUN_DEFINING = ("arch", "head", "eps", "size", "seed", "batch_size", "lr", "betas", "weight_decay", "clip")
 
 
+def check_resume(config: TrainConfig, vocab: Vocabulary, checkpoint: str | Path, data_id: Optional[str]) -> Optional[dict]:
+    """The checkpoint at ``checkpoint`` (None if there is none) after checking it holds this run: the
+    same vocabulary, run-defining settings and, when ``data_id`` is given, the same data
+    (:func:`~train.checkpoint.data_fingerprint`); else ValueError. Entry points call it for every run
+    before writing anything, so a refused resume changes no file."""
+    checkpoint = Path(checkpoint)
+    if not checkpoint.exists():
+        return None
+    ckpt = load_checkpoint(checkpoint, vocab)
+    saved = {k: getattr(ckpt["config"], k) for k in RUN_DEFINING}
+    now = {k: getattr(config, k) for k in RUN_DEFINING}
+    if data_id is not None:
+        saved["data"], now["data"] = ckpt.get("data"), data_id
+    refuse_another_run(checkpoint, saved, now)
+    return ckpt
+
+
 def _epoch_order(config: TrainConfig, epoch: int, n: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(config.seed * 1_000_003 + epoch))
 
@@ -82,6 +99,7 @@ def train(
     *,
     progress: bool = True,
     stop_after: Optional[int] = None,
+    data_id: Optional[str] = None,
 ):
     """Train (or resume, if ``checkpoint`` exists) and return (model with its best weights, state).
 
@@ -91,6 +109,11 @@ def train(
         checkpoint: file written after every epoch; an existing one is resumed (it must
             hold the same vocabulary).
         stop_after: return after this many epochs in this call (tests use it to interrupt).
+        data_id: the data's fingerprint (:func:`~train.checkpoint.data_fingerprint`), saved in the
+            checkpoint; a resume on other data is refused (None: not checked, not saved).
+    Raises:
+        Diverged: a non-finite training loss, gradient norm or validation perplexity; the
+            checkpoint keeps the last finished epoch (nothing non-finite is saved).
     """
     config.validate()
     torch.manual_seed(config.seed)
@@ -100,10 +123,8 @@ def train(
     state = TrainState(lr=config.lr)
     best_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     checkpoint = Path(checkpoint)
-    if checkpoint.exists():
-        ckpt = load_checkpoint(checkpoint, vocab)
-        refuse_another_run(checkpoint, {k: getattr(ckpt["config"], k) for k in RUN_DEFINING},
-                           {k: getattr(config, k) for k in RUN_DEFINING})
+    ckpt = check_resume(config, vocab, checkpoint, data_id)
+    if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         state = TrainState(**ckpt["state"])
@@ -123,16 +144,21 @@ def train(
         bar = tqdm(batches(train_sequences, vocab, config.batch_size, order), disable=not progress,
                    total=math.ceil(len(train_sequences) / config.batch_size),
                    desc=f"{config.head} epoch {state.epoch + 1}", leave=False)
-        for batch in bar:
+        for batch_no, batch in enumerate(bar, start=1):
+            where = f"{config.head}: epoch {state.epoch + 1}, batch {batch_no}"
             loss = model.loss(batch.inputs.to(config.device), batch.targets.to(config.device),
                               steps=batch.steps.to(config.device))
+            # Checked before the step: a NaN would reach every weight through AdamW.
+            value = require_finite(loss.item(), f"the training loss ({where})")
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+            require_finite(float(norm), f"the gradient norm ({where})")
             optimizer.step()
-            total, count = total + loss.item(), count + 1
+            total, count = total + value, count + 1
             bar.set_postfix(loss=f"{total / count:.3f}")
-        valid_ppl = perplexity(model, valid_sequences, vocab, device=config.device)
+        valid_ppl = require_finite(perplexity(model, valid_sequences, vocab, device=config.device),
+                                   f"the validation perplexity ({config.head}: epoch {state.epoch + 1})")
         state.history.append(dict(epoch=state.epoch + 1, train_loss=total / max(count, 1),
                                   valid_perplexity=valid_ppl, lr=state.lr))
         if valid_ppl < state.best_perplexity:
@@ -144,6 +170,7 @@ def train(
         state.epoch += 1
         epochs_run += 1
         save_atomic(dict(format=FORMAT, config=config.to_dict(), vocab=vocab.to_json(), context_length=CONTEXT_LENGTH,
+                         data=data_id,
                          model=model.state_dict(), best_model=best_weights, optimizer=optimizer.state_dict(),
                          state=asdict(state), rng=torch.get_rng_state(),
                          cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None), checkpoint)

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
 
 from nmst_fast.data.wikitext import Vocabulary, encode_lines, find_split_file, hub_lines, read_lines
 
+from .checkpoint import data_fingerprint
 from .config import SIZES, TrainConfig
 from .corpus import builtin_splits
 from .evaluate import evaluate
-from .loop import train
+from .loop import check_resume, train
 
 # The built-in run: small enough for about a minute on 2 CPU cores, long enough to separate
 # the heads (ε = 0.01: NMST's greedy bound t½ = 69 sits well inside L = 1000).
@@ -104,6 +106,12 @@ class Data:
     eval: list[list[int]]
     source: str
 
+    @cached_property
+    def fingerprint(self) -> str:
+        """What a checkpoint records of the data it was trained and early-stopped on (train and
+        valid as encoded, so the vocabulary too): a resume on other data is refused."""
+        return data_fingerprint(self.train, self.valid)
+
 
 def load_data(args, seed: int = 0) -> Data:
     """Encoded train / valid / eval sequences; the vocabulary comes from the training lines."""
@@ -147,10 +155,18 @@ def _hold_out(lines: list[str]) -> tuple[list[str], list[str]]:
     return [line for i, line in enumerate(lines) if i % 10], lines[::10]
 
 
+def check_resumes(runs: list[tuple[TrainConfig, Path]], data: Data) -> None:
+    """ValueError if some run directory holds a checkpoint of another run (settings, vocabulary or
+    data): checked for every run before anything is written."""
+    for config, run_dir in runs:
+        check_resume(config, data.vocab, run_dir / "checkpoint.pt", data.fingerprint)
+
+
 def run_one(config: TrainConfig, data: Data, run_dir: Path, L: int, *, progress: bool,
             eval_contexts: int | None = None) -> dict:
     """Train (resuming from ``run_dir/checkpoint.pt`` if present) and evaluate one model."""
-    model, state = train(config, data.train, data.valid, data.vocab, run_dir / "checkpoint.pt", progress=progress)
+    model, state = train(config, data.train, data.valid, data.vocab, run_dir / "checkpoint.pt", progress=progress,
+                         data_id=data.fingerprint)
     print(f"{config.arch}/{config.head}/eps={config.eps}/seed={config.seed}: {state.epoch} epochs, "
           f"best valid perplexity {state.best_perplexity:.3f}", flush=True)
     return dict(evaluate(model, data.vocab, valid=data.valid, test=data.eval, max_length=L, seed=config.seed,

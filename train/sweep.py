@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 from nmst_fast.validation import HEADS
 
+from .checkpoint import Diverged, claim_directory
 from .report import HEAD_COLORS, plt
-from .runner import add_arguments, base_config, check_arguments, load_data, max_length, run_one
+from .runner import add_arguments, base_config, check_arguments, check_resumes, load_data, max_length, run_one
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
 def _mean_std(values: list[float]) -> str:
     if len(values) == 1:
         return f"{values[0]:.3f}"
+    if not all(math.isfinite(v) for v in values):  # statistics' exact arithmetic refuses inf and NaN
+        return f"{math.fsum(values) / len(values):.3f} (a seed's value is {'NaN' if any(map(math.isnan, values)) else 'inf'})"
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
@@ -109,17 +114,19 @@ def main(argv: list[str] | None = None) -> Path:
                         plan.append((config, eps))
         L = max_length(args)
         data = load_data(args, 0)  # one corpus; seeds vary the models
+        out = args.out or Path("runs") / ("sweep-" + time.strftime("%Y%m%d-%H%M%S"))
+        claim_directory(out, dict(entry="train.sweep", source=data.source, data=data.fingerprint))
+        plan = [(config, eps, out / config.arch / config.head / ("any" if eps is None else f"eps{eps:g}")
+                 / f"seed{config.seed}") for config, eps in plan]
+        check_resumes([(config, run_dir) for config, _, run_dir in plan], data)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         parser.error(str(err))
-    out = args.out or Path("runs") / ("sweep-" + time.strftime("%Y%m%d-%H%M%S"))
-    out.mkdir(parents=True, exist_ok=True)
     runs = []
-    for config, eps in plan:
-        run_dir = out / config.arch / config.head / ("any" if eps is None else f"eps{eps:g}") / f"seed{config.seed}"
+    for config, eps, run_dir in plan:
         try:
             result = run_one(config, data, run_dir, L, progress=not args.quiet, eval_contexts=args.eval_contexts)
-        except ValueError as err:
-            parser.error(str(err))
+        except Diverged as err:  # not a usage error: the run itself failed
+            sys.exit(f"python -m train.sweep: {err}")
         runs.append(dict(arch=config.arch, head=config.head, eps=eps, seed=config.seed,
                          perplexity=result["perplexity"], r_nt=result["r_nt"]))
     (out / "sweep.json").write_text(json.dumps(dict(source=data.source, max_length=L, runs=runs), indent=1))
