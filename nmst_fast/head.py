@@ -58,15 +58,26 @@ class NMSTHead(nn.Module):
         if weight is not None and not isinstance(weight, nn.Parameter):
             # A plain tensor would stay out of parameters(), state_dict() and .to(): never trained or saved.
             raise TypeError(f"weight must be an nn.Parameter (e.g. embedding.weight), got {type(weight).__name__}")
+        self._owns_weight = weight is None
         if weight is None:
             weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
-            nn.init.normal_(weight, std=hidden_size**-0.5)
         elif tuple(weight.shape) != (vocab_size, hidden_size):
             raise ValueError(f"weight must be (vocab_size, hidden_size)=({vocab_size}, {hidden_size}), got {tuple(weight.shape)}")
         self.weight = weight
-        self.bias = nn.Parameter(torch.zeros(vocab_size)) if bias else None
+        # A tied weight sets the bias's dtype and device: a bf16 or CUDA embedding gets a bias it can be added to.
+        self.bias = nn.Parameter(torch.empty(vocab_size, dtype=weight.dtype, device=weight.device)) if bias else None
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.eos_index, self.head, self.eps, self.impl = eos_index, head, eps, impl
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialize the head's own parameters: its weight ~ N(0, 1/hidden_size) (a tied weight is
+        its owner's to initialize and is left alone) and the bias 0. Also what ``to_empty`` after a
+        meta-device construction needs."""
+        if self._owns_weight:
+            nn.init.normal_(self.weight, std=self.hidden_size**-0.5)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, eos_index={self.eos_index}, "

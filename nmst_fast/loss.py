@@ -52,7 +52,8 @@ def _autocast_inputs(hidden, weight, bias):
     fp32 ``hidden`` / ``weight`` / ``bias`` go to that dtype as ``F.linear`` would take them (so
     AMP's bf16 hidden states meet an fp32 head weight); float64 stays, as autocast leaves it. The
     op then runs with autocast off (``ops``), in the inputs' dtype throughout."""
-    if not isinstance(hidden, torch.Tensor) or not torch.is_autocast_enabled(hidden.device.type):
+    if (not isinstance(hidden, torch.Tensor) or not torch.amp.is_autocast_available(hidden.device.type)
+            or not torch.is_autocast_enabled(hidden.device.type)):  # "meta" has no autocast (shape dry runs)
         return hidden, weight, bias
     dtype = torch.get_autocast_dtype(hidden.device.type)
 

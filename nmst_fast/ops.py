@@ -50,7 +50,7 @@ def linear_loss(
 
     dW and db come in at least fp32 (the accumulators): backward scales and casts them."""
     cfg = HeadConfig(head, eos_index, eps, ignore_index, seq_len)
-    need = (need_grad_hidden, need_grad_weight, need_grad_bias)
+    need = (need_grad_hidden, need_grad_weight, need_grad_bias and bias is not None)  # as the fake kernel
     if reduction == "none":
         need = (False, False, False)  # per-row upstream grads are only known in backward
     # The caller cast the inputs for autocast (loss._autocast_inputs); inside, autocast would
@@ -102,7 +102,8 @@ def linear_loss_backward(
     with torch.autocast(hidden.device.type, enabled=False):  # as in linear_loss
         dh, dw, db = fused_backward_from_lse(
             grad_rows, hidden, weight, bias, targets, steps, lse, cfg,
-            backend=backend, chunk_rows=chunk_rows, need=(need_grad_hidden, need_grad_weight, need_grad_bias),
+            backend=backend, chunk_rows=chunk_rows,
+            need=(need_grad_hidden, need_grad_weight, need_grad_bias and bias is not None),
         )
     return _empty_like_none(dh, hidden), _empty_like_none(dw, weight), _empty_like_none(db, weight)
 
@@ -161,6 +162,12 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db):
     st = ctx.static
     if grad_loss is None:  # grads are not materialized: None means the loss got no gradient
         return (None,) * 16
+    if torch.is_grad_enabled():
+        # create_graph=True: the gradients come from the forward (or a recomputation) as constants,
+        # so their own derivatives would be silently zero. Refuse rather than give wrong Hessians.
+        raise RuntimeError("the fused loss (impl='chunked'/'triton') has no second derivatives: backward "
+                           "with create_graph=True (double backward, Hessians, gradient penalties through "
+                           "the loss) needs impl='reference'")
     if ctx.reduction == "none":
         hidden, weight, bias, targets, steps, lse = ctx.saved_tensors
         dh, dw, db = linear_loss_backward(grad_loss, hidden, weight, bias, targets, steps, lse, **st)

@@ -350,3 +350,52 @@ def test_autocast_casts_the_projection_inputs_as_f_linear_would(impl, reduction)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         torch.testing.assert_close(got_dw, w2.grad.float(), rtol=0, atol=0)
         torch.testing.assert_close(got_dh, h2.grad.to(h.dtype), rtol=0, atol=0)
+
+
+def test_double_backward_is_refused_not_silently_zero():
+    """The fused paths hand back gradients computed in the forward: their own derivatives were zero
+    (a zero Hessian, with no error). create_graph=True is now refused; the reference differentiates twice."""
+    torch.manual_seed(0)
+    h = torch.randn(1, 3, 3, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([[0, 2, 1]])
+
+    def loss(x, impl):
+        return nmst_fast.linear_nmst_loss(x, W, y, eos_index=1, eps=0.2, head="nmst", impl=impl)
+
+    assert torch.autograd.functional.hessian(lambda x: loss(x, "reference"), h).abs().max() > 0.1
+    h32 = h.detach().float().requires_grad_()
+    W = W.detach().float().requires_grad_()  # the Triton kernels compute in fp32
+    for impl in FAST_IMPLS:
+        with pytest.raises(RuntimeError, match="no second derivatives"):
+            torch.autograd.grad(loss(h32, impl), h32, create_graph=True)
+        first, = torch.autograd.grad(loss(h32, impl), h32)  # first order still works
+        torch.testing.assert_close(first, torch.autograd.grad(loss(h32, "reference"), h32)[0])
+
+
+def test_the_op_computes_a_bias_gradient_only_for_a_bias():
+    """Called directly with need_grad_bias and no bias, the op's real and fake kernels disagreed
+    (a (V,) zero gradient vs an empty one) and its backward raised AttributeError."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    N, H, V = 6, 4, 7
+    h, W = torch.randn(N, H), torch.randn(V, H)
+    y, s = torch.randint(0, V, (N,)), torch.arange(1, N + 1)
+    args = (h, W, None, y, s, 1, "nmst", 2, 0.1, -100, "mean", "chunked", 4, True, True, True)
+    real = torch.ops.nmst_fast.linear_loss(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = torch.ops.nmst_fast.linear_loss(*args)
+    assert real[4].shape == fake[4].shape == (0,)
+    back = (torch.ones(N), h, W, None, y, s, real[1], 1, "nmst", 2, 0.1, -100, "chunked", 4, True, True, True)
+    assert torch.ops.nmst_fast.linear_loss_backward(*back)[2].shape == (0,)
+
+
+def test_the_loss_runs_on_meta_tensors():
+    """Shape dry runs of a model built on the meta device: the autocast probe raised for "meta"."""
+    V, H = 7, 4
+    h = torch.randn(2, 3, H, device="meta", requires_grad=True)
+    W = torch.randn(V, H, device="meta", requires_grad=True)
+    y = torch.zeros(2, 3, dtype=torch.long, device="meta")
+    for impl in ("chunked", "reference"):
+        loss = nmst_fast.linear_nmst_loss(h, W, y, eos_index=2, impl=impl, validate=False)
+        assert loss.shape == () and loss.device.type == "meta"

@@ -63,6 +63,26 @@ def test_nmst_head_module_tied_weight():
     assert "eps=0.001" in repr(head)
 
 
+def test_a_tied_bf16_weight_gets_a_bf16_bias_and_meta_heads_initialize():
+    """The bias was fp32 on the CPU whatever the tied weight was: a bf16 embedding's head could not
+    compute its loss. And a head built on the meta device had no reset_parameters for to_empty."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(7, 4, dtype=torch.bfloat16)
+    head = nmst_fast.NMSTHead(4, 7, eos_index=2, weight=emb.weight, bias=True, impl="chunked")
+    assert head.bias.dtype == torch.bfloat16 and head.bias.device == emb.weight.device
+    h, y = torch.randn(2, 3, 4, dtype=torch.bfloat16), torch.randint(0, 7, (2, 3))
+    assert head.loss(h, y).dtype == torch.bfloat16 and head(h).dtype == torch.bfloat16
+    assert head.log_probs(h).shape == (2, 3, 7)
+    before = emb.weight.detach().clone()
+    head.reset_parameters()  # a tied weight belongs to its owner: left alone
+    assert torch.equal(emb.weight, before) and not head.bias.any()
+    with torch.device("meta"):
+        lazy = nmst_fast.NMSTHead(16, 9, eos_index=0, bias=True)
+    lazy.to_empty(device="cpu")
+    lazy.reset_parameters()
+    assert torch.isfinite(lazy.weight).all() and 0.1 < float(lazy.weight.std()) < 0.5 and not lazy.bias.any()
+
+
 def test_nmst_head_with_bias_and_flat_steps():
     head = nmst_fast.NMSTHead(6, 12, eos_index=0, head="va", bias=True, impl="chunked")
     h, y = torch.randn(9, 6), torch.randint(0, 12, (9,))
