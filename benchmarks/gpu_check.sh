@@ -39,7 +39,8 @@ for step in $steps; do
     loss) timeout 180 python3 -m benchmarks.report --gpu --json "$OUT/loss.json" 2>"$OUT/loss.err" | tee "$OUT/loss.md"; tail -5 "$OUT/loss.err" ;;
     profile) timeout 150 python3 -m benchmarks.profile_loss 2>&1 | tee "$OUT/profile.md" | tail -60 ;;
     decoding) timeout 200 python3 -m benchmarks.report_decoding --gpu 2>&1 | tee "$OUT/decoding.md" ;;
-    draw-sweep) timeout 200 python3 -m benchmarks.profile_decoding 2>&1 | tee "$OUT/draw_sweep.md" ;;
+    # DRAW_TABLES=split-parts,bounds (profile_decoding --tables) runs chosen tables, in that order.
+    draw-sweep) timeout 200 python3 -m benchmarks.profile_decoding ${DRAW_TABLES:+--tables "$DRAW_TABLES"} 2>&1 | tee "$OUT/draw_sweep.md" ;;
     # The decoding step's host time alone (kernels stubbed, CUDA tensors): the wrapper's share of small-batch steps.
     host) timeout 60 python3 -m benchmarks.host_overhead 2>&1 | tee "$OUT/host.md" ;;
     generation) timeout 150 python3 -m benchmarks.report_generation --device cuda 2>&1 | tee "$OUT/generation.md" ;;
