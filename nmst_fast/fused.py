@@ -221,9 +221,10 @@ def fused_forward(
         targets: (N,) int; steps: (N,) int64 (None for "va").
         need: which of (dh, dW, db) to compute in this pass; must be all False for "none".
     Returns:
-        loss (() or (N,), hidden's dtype), L (N,) in at least float32, dh (hidden's dtype),
+        loss (() or (N,), in at least float32), L (N,) in at least float32, dh (hidden's dtype),
         dW, db (or None). dW and db stay in at least fp32 (their accumulators): backward scales
-        them by the upstream gradient and casts to the parameters' dtype in one pass.
+        them by the upstream gradient and casts to the parameters' dtype in one pass. For "mean"
+        the three are the gradients of the *sum*: backward divides by the active-row count.
     """
     want_grad = any(need)
 
@@ -235,7 +236,10 @@ def fused_forward(
         rows = _RowTargets.build(targets, cfg)
         s = eos_logits(hidden, weight, bias, cfg.eos_index)
         log_surv = None if cfg.head == "va" else head_math.log_survival(cfg.head, s, steps, cfg.eps, cfg.seq_len)
-        row_weight = _row_weights(rows, reduction)
+        # "mean" forms the gradients of the sum (unit row weights) and backward divides by the row
+        # count with the upstream gradient, in fp32 or wider: dz = p_v / N in fp16 underflowed before
+        # a GradScaler's loss scale could reach it (20-80% error on rarely-targeted rows' dW).
+        row_weight = _row_weights(rows, "sum" if reduction == "mean" else reduction)
         eos_grads = None
         if want_grad and cfg.head != "va":
             eos_grads = head_math.eos_logit_grads(cfg.head, s, log_surv, rows.is_eos, row_weight, steps, cfg.seq_len)
@@ -271,7 +275,9 @@ def fused_forward(
     z_target_exact = torch.where(p.rows.is_eos, p.s.to(stats_dtype), z_target)
     losses = head_math.row_losses(cfg.head, lse, p.s, z_target_exact, p.rows.is_eos, p.log_surv)
     losses = torch.where(p.rows.active, losses, 0.0)
-    loss = _reduce(losses, p.rows, reduction).to(hidden.dtype)
+    # At least fp32 (the caller casts it back to hidden's dtype outside autocast): under AMP the loss
+    # stays fp32, so a GradScaler's 65536 reaches backward as a finite fp32 upstream gradient.
+    loss = _reduce(losses, p.rows, reduction).to(stats_dtype)
     return loss, lse, dh, dw, db
 
 

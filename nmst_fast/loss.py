@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numbers
 import os
 from typing import Optional
@@ -141,9 +143,11 @@ def linear_nmst_loss(
         validate: run the data checks (target range, step signs, NaN/inf), one
             host sync; they are skipped automatically under ``torch.compile``.
     Returns:
-        Scalar loss (or per-position losses) in the dtype the op runs in: ``hidden``'s, or
-        autocast's under ``torch.autocast`` (float64 unchanged).
+        Scalar loss (or per-position losses) in ``hidden``'s dtype; under ``torch.autocast`` in
+        float32 (as AMP's losses; float64 unchanged), with the op itself in autocast's dtype.
     """
+    autocasting = (isinstance(hidden, torch.Tensor) and torch.amp.is_autocast_available(hidden.device.type)
+                   and torch.is_autocast_enabled(hidden.device.type))
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduction, impl, ignore_index)
     # One integer dtype from here on: in uint8, `targets != -100` compares with -100 wrapped to 156.
@@ -163,10 +167,14 @@ def linear_nmst_loss(
         )
     backend = resolve_impl(impl, hidden.device, hidden.dtype)
     if backend == "reference":
-        return reference_linear_nmst_loss(
-            hidden, weight, targets, eos_index=eos_index, eps=eps, head=head, steps=full_steps,
-            bias=bias, ignore_index=ignore_index, reduction=reduction,
-        )
+        # Under autocast: the projection in autocast's dtype (the inputs were cast), the log-probs
+        # and the loss in fp32 as AMP computes losses — with autocast off, as the fused op runs.
+        with torch.autocast(hidden.device.type, enabled=False) if autocasting else contextlib.nullcontext():
+            return reference_linear_nmst_loss(
+                hidden, weight, targets, eos_index=eos_index, eps=eps, head=head, steps=full_steps,
+                bias=bias, ignore_index=ignore_index, reduction=reduction,
+                logits_dtype=torch.promote_types(hidden.dtype, torch.float32) if autocasting else None,
+            )
 
     H = hidden.shape[-1]
     flat_hidden = hidden.reshape(-1, H).contiguous()
@@ -194,4 +202,8 @@ def linear_nmst_loss(
         grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad,
     )
+    # The op's loss is at least fp32. Under autocast it stays so (AMP's losses are fp32: a GradScaler's
+    # 65536 would be inf as an fp16 upstream gradient); otherwise it takes hidden's dtype, as F.cross_entropy.
+    if not autocasting:
+        loss = loss.to(hidden.dtype)
     return loss.view(targets.shape) if reduction == "none" else loss

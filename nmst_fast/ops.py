@@ -5,8 +5,9 @@ that uses it without graph breaks (the driver's Python loop and the row
 kernels stay outside the graph), and keeps the gradient-in-forward trick
 inside an ordinary autograd formula:
 
-* reduction "mean"/"sum": the forward already computed dh, dW, db for a unit
-  upstream gradient; backward only scales them by the incoming scalar.
+* reduction "mean"/"sum": the forward already computed dh, dW, db of the summed loss for a
+  unit upstream gradient; backward only scales them by the incoming scalar (divided by the
+  active-row count for "mean", in fp32 or wider, so fp16's range never sees 1/N alone).
 * reduction "none": the upstream gradient is per row, so backward recomputes
   each chunk's logits from the saved per-row L (one extra GEMM per chunk).
 """
@@ -46,7 +47,7 @@ def linear_loss(
     need_grad_weight: bool,
     need_grad_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns (loss, lse (N,) float64, dh, dW, db); grads are empty unless computed in this pass.
+    """Returns (loss in at least fp32, lse (N,) float64, dh, dW, db); grads are empty unless computed in this pass.
 
     dW and db come in at least fp32 (the accumulators): backward scales and casts them."""
     cfg = HeadConfig(head, eos_index, eps, ignore_index, seq_len)
@@ -68,7 +69,7 @@ def _(hidden, weight, bias, targets, steps, seq_len, head, eos_index, eps, ignor
       chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias):
     N = hidden.shape[0]
     in_forward = reduction != "none"
-    loss = hidden.new_empty((N,) if reduction == "none" else ())
+    loss = hidden.new_empty((N,) if reduction == "none" else (), dtype=torch.promote_types(hidden.dtype, torch.float32))
     lse = hidden.new_empty(N, dtype=torch.float64)
     acc = torch.promote_types(weight.dtype, torch.float32)
     dh = torch.empty_like(hidden) if (need_grad_hidden and in_forward) else hidden.new_empty(0)
@@ -126,11 +127,13 @@ def scale_cast(acc: Tensor, scale: Tensor, dtype: torch.dtype, backend: str) -> 
     """acc · scale (a one-element tensor) in ``dtype``: one pass by the Triton kernel (fp32
     accumulator to bf16 dW, the scale read on the device: no host sync); torch elsewhere (its
     cast is a no-op when the dtypes already match). An op, so backward stays traceable."""
-    if backend == "triton" and acc.dtype == torch.float32 and dtype != torch.float64:
+    if backend == "triton" and acc.dtype == torch.float32 and dtype != torch.float64 and acc.is_contiguous():
         from kernels.scale_cast import scale_cast as kernel  # lazily: triton decides interpret mode at import
 
         return kernel(acc, scale, dtype)
-    return (acc * scale.to(acc.dtype)).to(dtype)
+    # The product in fp32 or wider: an fp16 scale such as 1/N would be subnormal or zero.
+    wide = torch.promote_types(acc.dtype, torch.float32)
+    return (acc.to(wide) * scale.to(wide)).to(dtype)
 
 
 @scale_cast.register_fake
@@ -154,8 +157,9 @@ def _setup_context(ctx, inputs, output):
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, bias, targets, steps, lse)
     else:
-        # Only the finished gradients are kept: no activations outlive the forward.
-        ctx.save_for_backward(dh, dw, db)
+        # Only the finished gradients are kept (and "mean"'s targets, for its row count): no
+        # activations outlive the forward.
+        ctx.save_for_backward(dh, dw, db, targets if reduction == "mean" else None)
 
 
 def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db):
@@ -172,13 +176,17 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db):
         hidden, weight, bias, targets, steps, lse = ctx.saved_tensors
         dh, dw, db = linear_loss_backward(grad_loss, hidden, weight, bias, targets, steps, lse, **st)
     else:
-        dh, dw, db = ctx.saved_tensors
+        dh, dw, db, targets = ctx.saved_tensors
         weight_dtype, bias_dtype = ctx.dtypes
-        dh = dh * grad_loss.to(dh.dtype)
+        scale = grad_loss
+        if ctx.reduction == "mean":  # the forward's gradients are the sum's
+            scale = grad_loss.to(torch.float64) / (targets != st["ignore_index"]).sum().clamp(min=1)
+        if st["need_grad_hidden"]:
+            dh = scale_cast(dh, scale, dh.dtype, st["backend"])
         if st["need_grad_weight"]:
-            dw = scale_cast(dw, grad_loss, weight_dtype, st["backend"])
+            dw = scale_cast(dw, scale, weight_dtype, st["backend"])
         if st["need_grad_bias"] and ctx.has_bias:
-            db = scale_cast(db, grad_loss, bias_dtype, st["backend"])
+            db = scale_cast(db, scale, bias_dtype, st["backend"])
     grads = (
         dh if st["need_grad_hidden"] else None,
         dw if st["need_grad_weight"] else None,

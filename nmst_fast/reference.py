@@ -95,12 +95,16 @@ def reference_linear_nmst_loss(
     bias: Optional[torch.Tensor],
     ignore_index: int,
     reduction: str,
+    logits_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """NLL of ``targets`` under :func:`nmst_log_probs` of ``hidden @ weight.T + bias``.
 
-    Arguments are already validated by the public entry point.
+    Arguments are already validated by the public entry point. ``logits_dtype``: the dtype the
+    log-probabilities are computed in (default: the projection's own; autocast's caller takes fp32).
     """
     logits = F.linear(hidden, weight, bias)
+    if logits_dtype is not None:
+        logits = logits.to(logits_dtype)
     log_p = nmst_log_probs(logits, eos_index=eos_index, eps=eps, head=head, steps=steps)
     active = targets != ignore_index
     # gather takes int64 indices; targets may come in any integer dtype.
