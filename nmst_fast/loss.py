@@ -98,6 +98,8 @@ def _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduct
     check_index("eos_index", eos_index, V, "V")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not -2**63 <= ignore_index < 2**63:  # the targets are int64
+        raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
     if head == "st" and hidden.dim() != 3:
         raise ValueError("head='st' needs (B, T, H) hidden states: its running sum goes along T")
 

@@ -293,6 +293,8 @@ def test_targets_of_any_integer_dtype_and_ignore_index_checked():
     for bad in (-100.0, None, True):
         with pytest.raises(TypeError, match="ignore_index"):
             nmst_fast.linear_nmst_loss(hidden, weight, targets, eos_index=4, ignore_index=bad)
+    with pytest.raises(ValueError, match="ignore_index must fit in int64"):  # was a bare OverflowError
+        nmst_fast.linear_nmst_loss(hidden, weight, targets, eos_index=4, ignore_index=2**70)
 
 
 def test_uint8_targets_keep_the_token_ignore_index_wraps_to():
