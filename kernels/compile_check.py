@@ -137,10 +137,14 @@ def launches() -> list[Launch]:
     out.append(_record(split_softmax, "_split_softmax_grad_kernel",
                        lambda: split_softmax.split_softmax_grad_(zb, targets, torch.zeros(4), *stats, 5),
                        "split_softmax_grad bf16", {}))
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    # fp32 accumulators to every parameter dtype; the loss's bf16 / fp16 dh to its own dtype.
+    for src_dtype, dtype in [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                             (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                             (torch.float16, torch.float16)]:
         out.append(_record(scale_cast, "_scale_cast_kernel",
-                           lambda: scale_cast.scale_cast(torch.zeros(4, 3), torch.ones((), dtype=torch.bfloat16), dtype),
-                           f"scale_cast fp32 -> {str(dtype)[6:]}", {}))
+                           lambda: scale_cast.scale_cast(torch.zeros(4, 3, dtype=src_dtype),
+                                                         torch.ones((), dtype=torch.float64), dtype),
+                           f"scale_cast {str(src_dtype)[6:]} -> {str(dtype)[6:]}", {}))
     return out
 
 

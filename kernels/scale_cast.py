@@ -36,18 +36,23 @@ def _scale_cast_kernel(src_ptr, scale_ptr, dst_ptr, n, TO_BF16: tl.constexpr, BL
         tl.store(dst_ptr + offsets, y.to(dst_ptr.dtype.element_ty), mask=inside)
 
 
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def scale_cast(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``(src * scale).to(dtype)`` in one pass, the product in fp32.
 
     Args:
-        src: contiguous fp32 tensor of any shape (a gradient accumulator).
+        src: contiguous fp32 / bf16 / fp16 tensor of any shape (a gradient accumulator, or the
+            loss's dh in the input dtype: scaled in fp32, so a scale like 1/N is never rounded to
+            16 bits first, and with no fp32 copy of it).
         scale: one-element tensor on ``src``'s device, any float dtype.
         dtype: the output dtype (fp32, bf16 or fp16), rounded to nearest even.
     Returns:
         A new contiguous tensor shaped like ``src``.
     """
-    if src.dtype != torch.float32 or dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"scale_cast maps an fp32 accumulator to fp32/bf16/fp16, got {src.dtype} -> {dtype}")
+    if src.dtype not in _DTYPES or dtype not in _DTYPES:
+        raise TypeError(f"scale_cast maps fp32/bf16/fp16 to fp32/bf16/fp16, got {src.dtype} -> {dtype}")
     if not src.is_contiguous():
         raise ValueError("scale_cast needs a contiguous src")
     if scale.numel() != 1 or scale.device != src.device:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-
 import numbers
 import os
 from typing import Optional

@@ -124,14 +124,16 @@ _STATIC_ARGS = ("seq_len", "head", "eos_index", "eps", "ignore_index", "backend"
 
 @torch.library.custom_op("nmst_fast::scale_cast", mutates_args=())
 def scale_cast(acc: Tensor, scale: Tensor, dtype: torch.dtype, backend: str) -> Tensor:
-    """acc · scale (a one-element tensor) in ``dtype``: one pass by the Triton kernel (fp32
-    accumulator to bf16 dW, the scale read on the device: no host sync); torch elsewhere (its
-    cast is a no-op when the dtypes already match). An op, so backward stays traceable."""
-    if backend == "triton" and acc.dtype == torch.float32 and dtype != torch.float64 and acc.is_contiguous():
+    """acc · scale (a one-element tensor) in ``dtype``, the product in fp32 or wider: one pass by the
+    Triton kernel (an fp32 accumulator to bf16 dW, or a bf16 dh scaled; the scale read on the
+    device: no host sync); torch elsewhere. An op, so backward stays traceable."""
+    low = (torch.float32, torch.bfloat16, torch.float16)
+    if backend == "triton" and acc.dtype in low and dtype in low and acc.is_contiguous():
         from kernels.scale_cast import scale_cast as kernel  # lazily: triton decides interpret mode at import
 
         return kernel(acc, scale, dtype)
-    # The product in fp32 or wider: an fp16 scale such as 1/N would be subnormal or zero.
+    # The product in fp32 or wider: an fp16 scale such as 1/N would be subnormal or zero, and a bf16
+    # one 0.4% off (a CUDA kernel casts a 0-dim operand to the common dtype before multiplying).
     wide = torch.promote_types(acc.dtype, torch.float32)
     return (acc.to(wide) * scale.to(wide)).to(dtype)
 

@@ -76,6 +76,10 @@ def test_scale_cast_matches_one_rounding(dst_dtype, scale_dtype):
         scale_cast(v.t(), torch.tensor(2.0, device=DEVICE), torch.bfloat16)
     with pytest.raises(ValueError, match="scale"):
         scale_cast(v, torch.ones(2, device=DEVICE), torch.bfloat16)
-    for src, dtype in [(v.double(), torch.float64), (v.bfloat16(), torch.bfloat16)]:
-        with pytest.raises(TypeError, match="fp32 accumulator"):
+    for src_dtype in (torch.bfloat16, torch.float16):  # the loss's dh, scaled in its own dtype
+        src = (torch.randn(5000, generator=gen) * 100).to(DEVICE, src_dtype)
+        scale = torch.tensor(1 / 3000.0, device=DEVICE, dtype=torch.float64)
+        assert torch.equal(scale_cast(src, scale, src_dtype), (src.float() * scale.float()).to(src_dtype))
+    for src, dtype in [(v.double(), torch.float64), (v.bfloat16(), torch.float64), (v.double(), torch.bfloat16)]:
+        with pytest.raises(TypeError, match="fp32/bf16/fp16"):
             scale_cast(src, torch.tensor(2.0, device=DEVICE), dtype)
