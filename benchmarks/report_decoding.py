@@ -55,7 +55,7 @@ def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
     ROW_DRAW_MIN_ROWS rows: the one-program-per-row inverse CDF kernel. Top-k (then top-p):
     the candidate scan + the candidate select kernel. Top-p alone: the rejection rounds (what
     distinct rows take; repeated rows and the rare unresolved row take the cut + draw kernels):
-    the row-draw kernel from ROW_DRAW_MIN_ROWS rows, else the drawing scan and the split rounds'
+    the row-draw kernel from TOP_P_ROW_DRAW_MIN_ROWS rows, else the drawing scan and the split rounds'
     first FIRST_ROUNDS launches (the rare row needing more costs a host sync and more launches).
     """
     from kernels.row_draw import draw_rows
@@ -76,7 +76,7 @@ def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
             draw = None if k == 1 else seed  # sampling draws in the scan; greedy does not
             scan = scan_partials(logits, eos_index=eos, seed=draw)
             select_from_scan(logits, scan, eos_index=eos, temperature=1.0, seed=draw, **head)
-        elif k is None and samples_by_row_draw(logits.shape[0]):
+        elif k is None and samples_by_row_draw(logits.shape[0], top_p=True):
             draw_rows(logits, eos_index=eos, temperature=1.0, top_p_threshold=p, seed=seed, **head)
         elif k is None:
             SplitTopP(logits, eos_index=eos, temperature=1.0, top_p_threshold=p, seed=seed, **head)
@@ -98,7 +98,7 @@ def _top_p_rounds(logits: torch.Tensor, k: Optional[int], p: Optional[float]) ->
 
     args = dict(head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100, state=None,
                 top_p_threshold=p, seed=torch.tensor([1234], device=logits.device))
-    if samples_by_row_draw(logits.shape[0]):
+    if samples_by_row_draw(logits.shape[0], top_p=True):
         passes = torch.zeros(logits.shape[0], dtype=torch.int32, device=logits.device)
         _, rounds = draw_rows(logits, passes=passes, **args)
         read = f"; {float(passes.double().mean()):.2f} read the row"  # the others the bounds settled
@@ -110,7 +110,7 @@ def _top_p_rounds(logits: torch.Tensor, k: Optional[int], p: Optional[float]) ->
 
 
 def gpu_main() -> None:
-    from nmst_fast.decoding.fused import ROW_DRAW_MIN_ROWS, samples_by_row_draw
+    from nmst_fast.decoding.fused import ROW_DRAW_MIN_ROWS, TOP_P_ROW_DRAW_MIN_ROWS, samples_by_row_draw
 
     bandwidth = copy_bandwidth()
     print(f"per-step selection, NMST head, fp32 logits, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
@@ -118,8 +118,9 @@ def gpu_main() -> None:
           "floor = B*V*4 bytes / that bandwidth; loop = ms per call of 50 back-to-back calls, one sync after; "
           "kernels = the strategy's whole device step as a CUDA graph, each "
           "step on a copy of the logits not in L2 "
-          f"(greedy, top-k, sampling of < {ROW_DRAW_MIN_ROWS} rows: scan + select; top-p of fewer rows: the "
-          "drawing scan + the split rounds; top-p and sampling of more rows: the row-draw kernel)")
+          f"(greedy, top-k, sampling of < {ROW_DRAW_MIN_ROWS} rows: scan + select; top-p of < "
+          f"{TOP_P_ROW_DRAW_MIN_ROWS} rows: the drawing scan + the split rounds; top-p and sampling of more rows: "
+          "the row-draw kernel; the rows named 'split …' / 'row draw' take the other path, to check the switches)")
     print("| B | V | strategy | fast (ms) | sort-based (ms) | speed-up | fast, loop (ms) | kernels (ms) | floor (ms) "
           "| kernels / floor | top-p rounds (mean / max) |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -131,11 +132,15 @@ def gpu_main() -> None:
             sort_ms: dict = {}  # the comparison rows reuse their strategy's sort-based time
             for name, (k, p) in STRATEGIES.items():
                 _gpu_row(name, k, p, logits, gen, floor_ms, sort_ms)
-            if samples_by_row_draw(B):  # the split-V paths these batches do not take, to check the switch
-                with split_paths():
-                    _gpu_row("sampling, split scan", None, None, logits, gen, floor_ms, sort_ms)
-                    for p in (0.4, 0.9):
-                        _gpu_row(f"top-p {p}, split rounds", None, p, logits, gen, floor_ms, sort_ms)
+            # The path each switch does not give this batch, to check the switches.
+            plain_row_draw, top_p_row_draw = samples_by_row_draw(B), samples_by_row_draw(B, top_p=True)
+            with split_paths() if plain_row_draw else row_draw_paths():
+                _gpu_row(f"sampling, {'split scan' if plain_row_draw else 'row draw'}", None, None, logits, gen,
+                         floor_ms, sort_ms)
+            with split_paths() if top_p_row_draw else row_draw_paths():
+                for p in (0.4, 0.9):
+                    _gpu_row(f"top-p {p}, {'split rounds' if top_p_row_draw else 'row draw'}", None, p, logits, gen,
+                             floor_ms, sort_ms)
 
 
 def _gpu_row(name: str, k: Optional[int], p: Optional[float], logits: torch.Tensor, gen: torch.Generator,
@@ -155,17 +160,30 @@ def _gpu_row(name: str, k: Optional[int], p: Optional[float], logits: torch.Tens
 
 
 @contextmanager
+def row_draw_paths():
+    """Plain sampling and top-p alone through the row draw whatever the batch size."""
+    from nmst_fast.decoding import fused
+
+    saved = fused.ROW_DRAW_MIN_ROWS, fused.TOP_P_ROW_DRAW_MIN_ROWS
+    fused.ROW_DRAW_MIN_ROWS = fused.TOP_P_ROW_DRAW_MIN_ROWS = 0
+    try:
+        yield
+    finally:
+        fused.ROW_DRAW_MIN_ROWS, fused.TOP_P_ROW_DRAW_MIN_ROWS = saved
+
+
+@contextmanager
 def split_paths():
     """Plain sampling through the split-V scan's draw and top-p through the split rounds whatever
     the batch size (``samples_by_row_draw`` reads the threshold when called)."""
     from nmst_fast.decoding import fused
 
-    saved = fused.ROW_DRAW_MIN_ROWS
-    fused.ROW_DRAW_MIN_ROWS = sys.maxsize
+    saved = fused.ROW_DRAW_MIN_ROWS, fused.TOP_P_ROW_DRAW_MIN_ROWS
+    fused.ROW_DRAW_MIN_ROWS = fused.TOP_P_ROW_DRAW_MIN_ROWS = sys.maxsize
     try:
         yield
     finally:
-        fused.ROW_DRAW_MIN_ROWS = saved
+        fused.ROW_DRAW_MIN_ROWS, fused.TOP_P_ROW_DRAW_MIN_ROWS = saved
 
 
 def build_flashinfer(gen: torch.Generator) -> float:

@@ -1,9 +1,11 @@
-"""Top-p by rejection with every row spread over V-split programs: the row draw's rounds for few rows.
+"""Top-p by rejection with every row spread over V-split programs: the row draw's rounds for one row.
 
-``kernels/row_draw.py`` runs top-p's rejection rounds in one program per row. With fewer rows than
-SMs that leaves most of a GPU idle, and one program streams a row at a few GB/s (the H100 run:
-≈ 2.3 µs per 2048-column tile), so a step at B = 32, V = 128256 took ≈ 0.27 ms. Here the same
-rounds run on the split-V layout of ``row_scan`` (several programs per row, each one slice of V):
+``kernels/row_draw.py`` runs top-p's rejection rounds in one program per row. For a single row that
+leaves all but one SM idle, and one program streams a row at a few GB/s. Here the same rounds run
+on the split-V layout of ``row_scan`` (several programs per row, each one slice of V). Since the
+H200 run (RESULTS.md, fourteenth session) only one-row steps take this path
+(``nmst_fast.decoding.fused.TOP_P_ROW_DRAW_MIN_ROWS``): at B = 32 its launches took 115-185 µs
+where the lane row draw needs at most what 256 rows took, 38-91 µs.
 
 * round 0 is the drawing scan (``row_scan.scan_partials`` with a seed): per split, the online
   (max, Σ e^(x − max)) and one column drawn ∝ e^x;

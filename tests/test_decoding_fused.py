@@ -7,7 +7,7 @@ import nmst_fast.decoding
 from nmst_fast.decoding import effective_logits, sample
 from kernels.row_scan import MAX_CANDIDATES
 import nmst_fast.decoding.fused as fused
-from nmst_fast.decoding.fused import fused_select, fused_truncated
+from nmst_fast.decoding.fused import fused_select, fused_truncated, samples_by_row_draw
 from nmst_fast.generation import generate
 
 from helpers import DEVICE
@@ -332,7 +332,9 @@ def test_gpu_report_device_steps_run(monkeypatch):
     for k, p in STRATEGIES.values():
         _device_step(k, p, device=DEVICE)(logits)
     mean, most = _top_p_rounds(logits, None, 0.9).split(" / ")
-    assert 1.0 <= float(mean) <= int(most) and _top_p_rounds(logits, 4, None) == "—"
+    most, _, read = most.partition("; ")  # the row draw (4 rows take it) adds the rounds that read the row
+    assert 1.0 <= float(mean) <= int(most) and read.endswith("read the row")
+    assert _top_p_rounds(logits, 4, None) == "—"
     # The comparison rows: plain sampling and top-p of a large batch through the split-V paths, then
     # the switch restored.
     from benchmarks.report_decoding import split_paths
@@ -352,6 +354,20 @@ def test_gpu_report_device_steps_run(monkeypatch):
             assert 1.0 <= float(mean) <= int(most)
         assert calls == []
     assert fused.ROW_DRAW_MIN_ROWS == threshold
+    # And the other way: one row through the row draw (plain and top-p), then both switches restored.
+    from benchmarks.report_decoding import row_draw_paths
+
+    switches = fused.ROW_DRAW_MIN_ROWS, fused.TOP_P_ROW_DRAW_MIN_ROWS
+    with monkeypatch.context() as patch:
+        import kernels.split_top_p as split_top_p
+
+        patch.setattr(split_top_p, "SplitTopP", lambda *a, **k: calls.append("split"))
+        with row_draw_paths():
+            _device_step(None, None, device=DEVICE)(rows[:1])
+            _device_step(None, 0.9, device=DEVICE)(rows[:1])
+            assert samples_by_row_draw(1) and samples_by_row_draw(1, top_p=True)
+        assert calls == []
+    assert (fused.ROW_DRAW_MIN_ROWS, fused.TOP_P_ROW_DRAW_MIN_ROWS) == switches
 
 
 @pytest.mark.parametrize("head", HEADS)

@@ -119,18 +119,18 @@ def test_rounds_stay_few(drawer):
         assert int(rounds.max()) < row_draw.MAX_ROUNDS
 
 
-@pytest.mark.parametrize("rows", [16, ROW_DRAW_MIN_ROWS])
+@pytest.mark.parametrize("rows", [1, 16])
 def test_rows_left_rejected_are_drawn_from_the_cut(monkeypatch, rows):
     """With one round allowed, a flat row and p = 0.05 leave rows rejected: the step draws the batch
     from the nucleus cut; with the cut also unable to converge, the torch path (None here). Fewer
-    than ROW_DRAW_MIN_ROWS rows take the split rounds, more the row draw."""
+    than TOP_P_ROW_DRAW_MIN_ROWS rows take the split rounds, more the row draw."""
     z = torch.randn(rows, 400, generator=torch.Generator().manual_seed(0)).to(DEVICE) * 0.1
     monkeypatch.setattr(row_draw, "MAX_ROUNDS", 1)
     monkeypatch.setattr(split_top_p, "MAX_ROUNDS", 1)
     monkeypatch.setattr(split_top_p, "FIRST_ROUNDS", 1)
-    drawer = _draw if samples_by_row_draw(rows) else _split_draw
+    drawer = _draw if samples_by_row_draw(rows, top_p=True) else _split_draw
     picked, rounds = drawer(z, head="va", eos=0, top_p=0.05, seed=3)
-    assert picked.flags[1] < rows and int(rounds.max()) == 1
+    assert picked.flags[1] < rows and int(rounds.max()) <= 1  # a rejected row records no round
     paths = []
     real = nucleus.nucleus_select
     monkeypatch.setattr(nucleus, "nucleus_select", lambda *a, **k: paths.append("cut") or real(*a, **k))
@@ -140,7 +140,7 @@ def test_rows_left_rejected_are_drawn_from_the_cut(monkeypatch, rows):
                             paths.append(name) or real_drawer(*a, **k))
     served = fused_truncated(z, head="va", eos_index=0, top_p=0.05, generator=torch.Generator().manual_seed(0))
     assert served is not None
-    assert paths == ["draw_rows" if samples_by_row_draw(rows) else "SplitTopP", "cut"]
+    assert paths == ["draw_rows" if samples_by_row_draw(rows, top_p=True) else "SplitTopP", "cut"]
     dist = effective_logits(z.cpu(), head="va", eos_index=0)
     tokens, probs = truncated_candidates(dist, None, 0.05)
     expected = torch.zeros(rows, 400, dtype=torch.float64).scatter_add(1, tokens, probs)
@@ -377,25 +377,27 @@ def test_split_rounds_chain_across_launches():
     assert torch.equal(together.rounds, stepwise.rounds)
 
 
-def test_small_batches_take_the_split_rounds(monkeypatch):
-    """Top-p alone below ROW_DRAW_MIN_ROWS rows: the split rounds serve the step, and its draws are
-    in the float64 nucleus with the untruncated log-probs; repeated rows still take the cut."""
+def test_one_row_takes_the_split_rounds(monkeypatch):
+    """Top-p alone of one row (below TOP_P_ROW_DRAW_MIN_ROWS): the split rounds serve the step, and
+    its draws are in the float64 nucleus with the untruncated log-probs; a few distinct rows take
+    the row draw, repeated rows the cut."""
     paths = []
     for module, name in ((row_draw, "draw_rows"), (split_top_p, "SplitTopP"), (nucleus, "nucleus_select")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, name=name, real=real, **k: paths.append(name) or real(*a, **k))
     z = (torch.randn(5, 3000, generator=torch.Generator().manual_seed(4)) * 3).to(DEVICE)
-    served = fused_truncated(z, head="nmst", eos_index=3, eps=0.01, steps=4, top_p=0.6,
-                             generator=torch.Generator().manual_seed(1))
-    assert paths == ["SplitTopP"]
-    dist = effective_logits(z.cpu(), head="nmst", eos_index=3, eps=0.01, steps=4)
-    tokens, probs = truncated_candidates(dist, None, 0.6)
-    expected = torch.zeros(5, 3000, dtype=torch.float64).scatter_add(1, tokens, probs)
-    assert bool((expected.gather(1, served.tokens.cpu()[:, None]) > 0).all())
-    torch.testing.assert_close(served.log_probs.cpu(), dist.token_log_probs(served.tokens.cpu()), rtol=1e-6,
-                               atol=1e-5)
+    for rows, path in ((1, "SplitTopP"), (5, "draw_rows")):
+        served = fused_truncated(z[:rows], head="nmst", eos_index=3, eps=0.01, steps=4, top_p=0.6,
+                                 generator=torch.Generator().manual_seed(1))
+        assert paths.pop() == path and not paths
+        dist = effective_logits(z[:rows].cpu(), head="nmst", eos_index=3, eps=0.01, steps=4)
+        tokens, probs = truncated_candidates(dist, None, 0.6)
+        nucleus_mass = torch.zeros(rows, 3000, dtype=torch.float64).scatter_add(1, tokens, probs)
+        assert bool((nucleus_mass.gather(1, served.tokens.cpu()[:, None]) > 0).all())
+        torch.testing.assert_close(served.log_probs.cpu(), dist.token_log_probs(served.tokens.cpu()), rtol=1e-6,
+                                   atol=1e-5)
     fused_truncated(z[:1].expand(5, -1), head="nmst", eos_index=3, eps=0.01, steps=4, top_p=0.6)
-    assert paths == ["SplitTopP", "nucleus_select"]
+    assert paths == ["nucleus_select"]
 
 
 def test_split_rounds_reject_a_round_count_out_of_range():

@@ -15,7 +15,7 @@ float64: L, the head's log(1 − α_t), eos's effective logit
   the truncation, and an inverse-CDF draw;
 * top-p alone: rejection rounds — draw a token, accept it when the mass ranked before it is
   below p, else redraw from the tokens ranked before it (about two reads of the row). From
-  ROW_DRAW_MIN_ROWS rows ``kernels/row_draw.py`` runs them in one program per row (one launch;
+  TOP_P_ROW_DRAW_MIN_ROWS rows ``kernels/row_draw.py`` runs them in one program per row (one launch;
   bounds from the lane maxima settle most rounds without a read: about one read on peaked rows);
   fewer rows spread each row over V-split programs (``kernels/split_top_p.py``: the drawing
   scan, then one launch per round); ``kernels/nucleus.py`` narrows the nucleus cut down by value
@@ -47,20 +47,26 @@ class FusedSelection:
     state: Optional[torch.Tensor]  # ST's running log(1−α) after this step
 
 
-# Plain sampling and top-p of at least this many rows: one program per row drawing by inverse CDF
-# (``kernels/row_draw.py``: one launch) instead of the split-V scan's draw plus the select kernel
-# (top-p: plus the rounds of ``kernels/split_top_p.py``), which needs the split over V to fill a
-# GPU when there are few rows. 128: about one row per SM of an H100 (132 SMs). Measured (H100,
-# 256 rows) against the Gumbel race the scan drew with before: 2.5-3.5x the floor vs 3.9-5.2x;
-# the scan's draw now does the greedy scan's per-element work (no noise, no logarithms), and
-# top-p's split rounds are untimed, so the switch is to re-measure (``benchmarks.report_decoding``
-# times both paths of both at B = 256).
+# Plain sampling of at least this many rows: one program per row drawing by inverse CDF
+# (``kernels/row_draw.py``: one launch) instead of the split-V scan's draw plus the select kernel,
+# which needs the split over V to fill a GPU when there are few rows. 128: about one row per SM.
+# H200 (RESULTS.md, fourteenth session): at B = 256 the row draw and the split scan take the same
+# time (2.23x / 2.24x the floor at V = 50257); a row-draw program streams its row at a rate of its
+# own, so a few rows would leave most SMs idle for as long as a full batch takes.
 ROW_DRAW_MIN_ROWS = 128
+# Top-p alone of at least this many rows: the row draw's rejection rounds (one launch; the lane
+# bounds settle most rounds without a read) instead of the split rounds (the drawing scan, then one
+# launch per round, each over every split of every row). Why 2: on the H200 the split rounds took
+# 115-185 µs at B = 32 (3 to 5 launches of ~30 µs), while the row draw served 256 rows in 38-91 µs —
+# and fewer rows cannot take the row draw longer (the same per-row work, one wave instead of two,
+# less contention). One row keeps the split rounds (31 µs at B = 1), which spread it over the GPU.
+TOP_P_ROW_DRAW_MIN_ROWS = 2
 
 
-def samples_by_row_draw(rows: int) -> bool:
-    """Whether sampling ``rows`` rows (plain or top-p alone) takes the row-draw kernel (else the split-V paths)."""
-    return rows >= ROW_DRAW_MIN_ROWS
+def samples_by_row_draw(rows: int, top_p: bool = False) -> bool:
+    """Whether sampling ``rows`` rows — plain, or top-p alone (``top_p``) — takes the row-draw
+    kernel (else the split-V paths: the scan's draw, or the split rounds)."""
+    return rows >= (TOP_P_ROW_DRAW_MIN_ROWS if top_p else ROW_DRAW_MIN_ROWS)
 
 
 def fused_available(logits: torch.Tensor) -> bool:
@@ -183,7 +189,7 @@ def _split_rounds(logits: torch.Tensor, args: dict) -> Optional[FusedSelection]:
 def _nucleus(logits: torch.Tensor, **args) -> Optional[FusedSelection]:
     """Top-p alone. Rows repeated with stride 0 (one prompt, several continuations): one cut serves
     them all. Otherwise rejection rounds (one to two reads per row): one program per row from
-    ROW_DRAW_MIN_ROWS rows (``kernels/row_draw.py``), else each row spread over V-split programs
+    TOP_P_ROW_DRAW_MIN_ROWS rows (``kernels/row_draw.py``), else the row spread over V-split programs
     (``kernels/split_top_p.py``); a batch with a row still rejected after the rounds' limit is
     drawn from the cut instead (a further host sync, only then). None: the cut did not converge
     either."""
@@ -192,7 +198,7 @@ def _nucleus(logits: torch.Tensor, **args) -> Optional[FusedSelection]:
 
     B = logits.shape[0]
     if not shares_one_cut(logits, args["steps"], args["state"]):
-        if samples_by_row_draw(B):
+        if samples_by_row_draw(B, top_p=True):
             picked, _ = draw_rows(logits, **args)
             if _check_flags(picked.flags, B):
                 return FusedSelection(picked.tokens, picked.log_probs, picked.state)
