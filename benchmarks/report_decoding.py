@@ -160,30 +160,28 @@ def _gpu_row(name: str, k: Optional[int], p: Optional[float], logits: torch.Tens
 
 
 @contextmanager
+def _row_draw_from(rows: int):
+    """Both row-draw switches (plain sampling, top-p alone) set to ``rows``, restored on exit
+    (``samples_by_row_draw`` reads them when called)."""
+    from nmst_fast.decoding import fused
+
+    saved = fused.ROW_DRAW_MIN_ROWS, fused.TOP_P_ROW_DRAW_MIN_ROWS
+    fused.ROW_DRAW_MIN_ROWS = fused.TOP_P_ROW_DRAW_MIN_ROWS = rows
+    try:
+        yield
+    finally:
+        fused.ROW_DRAW_MIN_ROWS, fused.TOP_P_ROW_DRAW_MIN_ROWS = saved
+
+
 def row_draw_paths():
     """Plain sampling and top-p alone through the row draw whatever the batch size."""
-    from nmst_fast.decoding import fused
-
-    saved = fused.ROW_DRAW_MIN_ROWS, fused.TOP_P_ROW_DRAW_MIN_ROWS
-    fused.ROW_DRAW_MIN_ROWS = fused.TOP_P_ROW_DRAW_MIN_ROWS = 0
-    try:
-        yield
-    finally:
-        fused.ROW_DRAW_MIN_ROWS, fused.TOP_P_ROW_DRAW_MIN_ROWS = saved
+    return _row_draw_from(0)
 
 
-@contextmanager
 def split_paths():
     """Plain sampling through the split-V scan's draw and top-p through the split rounds whatever
-    the batch size (``samples_by_row_draw`` reads the threshold when called)."""
-    from nmst_fast.decoding import fused
-
-    saved = fused.ROW_DRAW_MIN_ROWS, fused.TOP_P_ROW_DRAW_MIN_ROWS
-    fused.ROW_DRAW_MIN_ROWS = fused.TOP_P_ROW_DRAW_MIN_ROWS = sys.maxsize
-    try:
-        yield
-    finally:
-        fused.ROW_DRAW_MIN_ROWS, fused.TOP_P_ROW_DRAW_MIN_ROWS = saved
+    the batch size."""
+    return _row_draw_from(sys.maxsize)
 
 
 def build_flashinfer(gen: torch.Generator) -> float:

@@ -183,22 +183,20 @@ class _HeadPrep:
     rows: _RowTargets
     s: torch.Tensor  # eos logit per row, at least fp32
     log_surv: Optional[torch.Tensor]  # log(1 − α_t) per row (None for "va")
-    row_weight: torch.Tensor  # float64 weight of each row in the reduction
+    row_weight: torch.Tensor  # float64 weight of each row: 1 if active, else 0
     eos_grads: Optional[torch.Tensor]  # d loss / d s per row (None for "va" or without grads)
 
 
-def _row_weights(rows: _RowTargets, reduction: str) -> torch.Tensor:
-    w = rows.active.to(torch.float64)
-    if reduction == "mean":
-        w = w / rows.active.sum().clamp(min=1)
-    return w
+def mean_divisor(active: torch.Tensor) -> torch.Tensor:
+    """What "mean" divides by: the number of active (non-ignored) rows, at least 1."""
+    return active.sum().clamp(min=1)
 
 
 def _reduce(losses: torch.Tensor, rows: _RowTargets, reduction: str) -> torch.Tensor:
     if reduction == "none":
         return losses
     total = losses.sum()
-    return total if reduction == "sum" else total / rows.active.sum().clamp(min=1)
+    return total if reduction == "sum" else total / mean_divisor(rows.active)
 
 
 def fused_forward(
@@ -236,10 +234,11 @@ def fused_forward(
         rows = _RowTargets.build(targets, cfg)
         s = eos_logits(hidden, weight, bias, cfg.eos_index)
         log_surv = None if cfg.head == "va" else head_math.log_survival(cfg.head, s, steps, cfg.eps, cfg.seq_len)
-        # "mean" forms the gradients of the sum (unit row weights) and backward divides by the row
-        # count with the upstream gradient, in fp32 or wider: dz = p_v / N in fp16 underflowed before
-        # a GradScaler's loss scale could reach it (20-80% error on rarely-targeted rows' dW).
-        row_weight = _row_weights(rows, "sum" if reduction == "mean" else reduction)
+        # Unit row weights for every reduction: "mean" forms the gradients of the sum and backward
+        # divides by the row count with the upstream gradient, in fp32 or wider: dz = p_v / N in fp16
+        # underflowed before a GradScaler's loss scale could reach it (20-80% error on rarely-targeted
+        # rows' dW).
+        row_weight = rows.active.to(torch.float64)
         eos_grads = None
         if want_grad and cfg.head != "va":
             eos_grads = head_math.eos_logit_grads(cfg.head, s, log_surv, rows.is_eos, row_weight, steps, cfg.seq_len)

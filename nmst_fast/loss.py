@@ -48,13 +48,18 @@ def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype = torch.flo
     return impl
 
 
+def _autocasting(hidden) -> bool:
+    """Whether ``torch.autocast`` is on for ``hidden``'s device ("meta" has no autocast: shape dry runs)."""
+    return (isinstance(hidden, torch.Tensor) and torch.amp.is_autocast_available(hidden.device.type)
+            and torch.is_autocast_enabled(hidden.device.type))
+
+
 def _autocast_inputs(hidden, weight, bias):
     """Under ``torch.autocast`` the projection is a matmul, which autocast runs in its low dtype:
     fp32 ``hidden`` / ``weight`` / ``bias`` go to that dtype as ``F.linear`` would take them (so
     AMP's bf16 hidden states meet an fp32 head weight); float64 stays, as autocast leaves it. The
     op then runs with autocast off (``ops``), in the inputs' dtype throughout."""
-    if (not isinstance(hidden, torch.Tensor) or not torch.amp.is_autocast_available(hidden.device.type)
-            or not torch.is_autocast_enabled(hidden.device.type)):  # "meta" has no autocast (shape dry runs)
+    if not _autocasting(hidden):
         return hidden, weight, bias
     dtype = torch.get_autocast_dtype(hidden.device.type)
 
@@ -147,8 +152,7 @@ def linear_nmst_loss(
         Scalar loss (or per-position losses) in ``hidden``'s dtype; under ``torch.autocast`` in
         float32 (as AMP's losses; float64 unchanged), with the op itself in autocast's dtype.
     """
-    autocasting = (isinstance(hidden, torch.Tensor) and torch.amp.is_autocast_available(hidden.device.type)
-                   and torch.is_autocast_enabled(hidden.device.type))
+    autocasting = _autocasting(hidden)
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduction, impl, ignore_index)
     # One integer dtype from here on: in uint8, `targets != -100` compares with -100 wrapped to 156.

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .fused import HeadConfig, fused_backward_from_lse, fused_forward
+from .fused import HeadConfig, fused_backward_from_lse, fused_forward, mean_divisor
 
 
 
@@ -182,7 +182,7 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db):
         weight_dtype, bias_dtype = ctx.dtypes
         scale = grad_loss
         if ctx.reduction == "mean":  # the forward's gradients are the sum's
-            scale = grad_loss.to(torch.float64) / (targets != st["ignore_index"]).sum().clamp(min=1)
+            scale = grad_loss.to(torch.float64) / mean_divisor(targets != st["ignore_index"])
         if st["need_grad_hidden"]:
             dh = scale_cast(dh, scale, dh.dtype, st["backend"])
         if st["need_grad_weight"]:
