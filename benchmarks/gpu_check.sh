@@ -38,7 +38,8 @@ for step in $steps; do
              2>&1 | tee "$OUT/tests.log" | grep -E "FAILED|ERROR|passed|failed|^[0-9.]+s " | tail -40 ;;
     loss) timeout 180 python3 -m benchmarks.report --gpu --json "$OUT/loss.json" 2>"$OUT/loss.err" | tee "$OUT/loss.md"; tail -5 "$OUT/loss.err" ;;
     profile) timeout 150 python3 -m benchmarks.profile_loss 2>&1 | tee "$OUT/profile.md" | tail -60 ;;
-    decoding) timeout 200 python3 -m benchmarks.report_decoding --gpu 2>&1 | tee "$OUT/decoding.md" ;;
+    # DECODING_VOCABS=50257,128256: a part of the grid.
+    decoding) timeout 200 python3 -m benchmarks.report_decoding --gpu ${DECODING_VOCABS:+--vocabs "$DECODING_VOCABS"} 2>&1 | tee "$OUT/decoding.md" ;;
     # DRAW_TABLES=split-parts,bounds (profile_decoding --tables) runs chosen tables, in that order.
     draw-sweep) timeout 200 python3 -m benchmarks.profile_decoding ${DRAW_TABLES:+--tables "$DRAW_TABLES"} 2>&1 | tee "$OUT/draw_sweep.md" ;;
     # The decoding step's host time alone (kernels stubbed, CUDA tensors): the wrapper's share of small-batch steps.

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import torch
+import triton
+import triton.language as tl
 
 from kernels.row_draw import cuda_launch, draw_rows
 from kernels.row_scan import launch_shape, scan_partials
@@ -183,7 +185,73 @@ def split_round_parts(logits: torch.Tensor, top_p: float, timer: Timer) -> list[
     return rows
 
 
-TABLES = ("row-draw", "bounds", "scan", "top-k-parts", "scan-b32", "split", "split-parts")
+@triton.jit
+def _read_kernel(z_ptr, z_row_stride, V, split_width, out_ptr, BLOCK_V: tl.constexpr):
+    """The least a split-V scan can do: sum its slice of one row (unmasked whole tiles, a masked last
+    one) and store one number. A practical one-launch floor for the decoding steps."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    lo = split * split_width
+    hi = tl.minimum(lo + split_width, V)
+    base = z_ptr + row.to(tl.int64) * z_row_stride + tl.arange(0, BLOCK_V)
+    acc = tl.zeros((BLOCK_V,), tl.float32)
+    whole_end = lo + (hi - lo) // BLOCK_V * BLOCK_V
+    for start in range(lo, whole_end, BLOCK_V):
+        acc += tl.load(base + start)
+    acc += tl.load(base + whole_end, mask=whole_end + tl.arange(0, BLOCK_V) < hi, other=0.0)
+    tl.store(out_ptr + row * tl.num_programs(1) + split, tl.sum(acc, axis=0))
+
+
+def bare_read(z: torch.Tensor, block_v: int, splits: int) -> torch.Tensor:
+    """(B, splits) fp32 sums of the row slices: ``_read_kernel`` over ``splits`` slices of whole tiles."""
+    B, V = z.shape
+    split_width = -(-(-(-V // splits)) // block_v) * block_v
+    splits = -(-V // split_width)
+    out = torch.empty(B, splits, device=z.device)
+    _read_kernel[(B, splits)](z, z.stride(0), V, split_width, out, BLOCK_V=block_v, num_warps=4)
+    return out
+
+
+def read_floor_parts(logits: torch.Tensor, timer: Timer) -> list[tuple[str, float]]:
+    """(part, ms) at the greedy scan's default launch: a bare read in that layout, torch's row max,
+    the greedy scan alone, the greedy step (scan + select), and the plain-sampling step the batch
+    takes. The bare read is what one launch costs at best; the rest is each part's share."""
+    from nmst_fast.decoding.fused import samples_by_row_draw
+
+    B, V = logits.shape
+    eos = V - 1
+    _, block_v, splits = launch_shape(logits, 0)
+    seed = torch.tensor([1234], device=logits.device)
+    head = dict(head="nmst", eos_index=eos, eps=1e-5, temperature=1.0, steps=100, state=None)
+
+    def read(z: torch.Tensor) -> None:
+        bare_read(z, block_v, splits)
+
+    def row_max(z: torch.Tensor) -> None:
+        torch.amax(z, dim=1)
+
+    def scan_only(z: torch.Tensor) -> None:
+        scan_partials(z, eos_index=eos)
+
+    def greedy(z: torch.Tensor) -> None:
+        select_from_scan(z, scan_partials(z, eos_index=eos), seed=None, **head)
+
+    def sampling(z: torch.Tensor) -> None:
+        if samples_by_row_draw(B):
+            draw_rows(z, seed=seed, **head)
+        else:
+            select_from_scan(z, scan_partials(z, eos_index=eos, seed=seed), seed=seed, **head)
+
+    rows = []
+    for name, fn in ((f"bare read ({block_v} x {splits} splits)", read), ("torch.amax(dim=1)", row_max),
+                     ("greedy scan alone", scan_only), ("greedy step (scan + select)", greedy),
+                     ("sampling step", sampling)):
+        fn(logits)
+        rows.append((name, timer(fn, logits)))
+    return rows
+
+
+TABLES = ("row-draw", "bounds", "scan", "top-k-parts", "scan-b32", "split", "split-parts", "read-floor")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -308,9 +376,19 @@ def _split_parts_table(vocabs, bandwidth, timer, quick) -> None:
                 print(f"| {B} | {V} | {top_p} | {part} | {ms:.4f} | {ms / floor_ms:.2f} |", flush=True)
 
 
+def _read_floor_table(vocabs, bandwidth, timer, quick) -> None:
+    print("\nthe greedy and sampling steps against a bare read in their layout (default launch)")
+    print("| B | V | part | ms | x floor |\n|---:|---:|---|---:|---:|")
+    for B, V in ((256, 50257), (32, 50257)) if quick else ((256, 50257), (256, 128256), (32, 50257)):
+        logits = make_logits(B, V, device="cuda")
+        floor_ms = logits.numel() * 4 / bandwidth * 1e3
+        for part, ms in read_floor_parts(logits, timer):
+            print(f"| {B} | {V} | {part} | {ms:.4f} | {ms / floor_ms:.2f} |", flush=True)
+
+
 _TABLE_RUNNERS = {"row-draw": _row_draw_table, "bounds": _bounds_table, "scan": _scan_table,
                   "top-k-parts": _top_k_parts_table, "scan-b32": _scan_b32_table, "split": _split_table,
-                  "split-parts": _split_parts_table}
+                  "split-parts": _split_parts_table, "read-floor": _read_floor_table}
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ def _top_p_rounds(logits: torch.Tensor, k: Optional[int], p: Optional[float]) ->
     return f"{float(rounds.double().mean()):.2f} / {int(rounds.max())}{read}"
 
 
-def gpu_main() -> None:
+def gpu_main(vocabs: tuple[int, ...] = VOCABS) -> None:
     from nmst_fast.decoding.fused import ROW_DRAW_MIN_ROWS, TOP_P_ROW_DRAW_MIN_ROWS, samples_by_row_draw
 
     bandwidth = copy_bandwidth()
@@ -125,7 +125,7 @@ def gpu_main() -> None:
           "| kernels / floor | top-p rounds (mean / max) |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for V in VOCABS:
+    for V in vocabs:
         for B in BATCHES:
             logits = make_logits(B, V, device="cuda")
             floor_ms = B * V * 4 / bandwidth * 1e3
@@ -228,7 +228,7 @@ def flashinfer_table(gen: torch.Generator) -> None:
     print("| B | V | strategy | fast VA (ms) | FlashInfer (ms) | FlashInfer / fast | fast VA, loop (ms) | "
           "FlashInfer, loop (ms) | FlashInfer / fast, loop |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
-    for V in VOCABS:
+    for V in vocabs:
         for B in BATCHES:
             logits = make_logits(B, V, device="cuda")
             for name, (k, p) in STRATEGIES.items():
@@ -249,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--flashinfer", action="store_true", help="with --gpu: only the VA table against FlashInfer")
     parser.add_argument("--build-only", action="store_true",
                         help="with --flashinfer: only build FlashInfer's samplers (gpu_check runs it beside the tests)")
+    parser.add_argument("--vocabs", type=lambda text: tuple(int(v) for v in text.split(",")), default=VOCABS,
+                        help=f"with --gpu: comma-separated V of the grid (default: {','.join(map(str, VOCABS))})")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
     if args.build_only and not args.flashinfer:
@@ -265,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.flashinfer:
             flashinfer_table(torch.Generator(device="cuda").manual_seed(0))
         else:
-            gpu_main()
+            gpu_main(args.vocabs)
         return
     grid = [(256, 50257)] if args.quick else [(B, V) for V in VOCABS for B in BATCHES]
     print(f"per-step selection, NMST head, fp32 logits, torch {torch.__version__}, {torch.get_num_threads()} threads; "

@@ -305,6 +305,14 @@ def test_launch_sweep_runs_every_variant():
     parts = split_round_parts(logits, 0.4, lambda step, z: timed.append(step(z)) or 1.0)
     assert [name for name, _ in parts] == ["drawing scan", "scan + 1 round + decision", "scan + 2 rounds + decision",
                                            "scan + 3 rounds + decision"]
+    from benchmarks.profile_decoding import bare_read, read_floor_parts
+
+    parts = read_floor_parts(logits, lambda step, z: timed.append(step(z)) or 1.0)
+    assert [name.split(" (")[0] for name, _ in parts] == ["bare read", "torch.amax(dim=1)", "greedy scan alone",
+                                                          "greedy step", "sampling step"]
+    for block_v, splits in ((1024, 1), (1024, 3), (512, 2)):  # the read floor's kernel reads every column once
+        sums = bare_read(logits, block_v, splits)
+        torch.testing.assert_close(sums.sum(dim=1).double(), logits.double().sum(dim=1), rtol=1e-5, atol=1e-3)
     assert set(_TABLE_RUNNERS) == set(TABLES)
     with pytest.raises(SystemExit):  # an unknown table is refused before anything runs
         main(["--tables", "scan,nonsense"])
