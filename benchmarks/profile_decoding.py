@@ -112,10 +112,11 @@ def scan_sweep(logits: torch.Tensor, launches: Iterable[tuple[int, int]], timer:
 
 
 def top_k_parts(logits: torch.Tensor, top_k: int, timer: Timer) -> list[tuple[str, float]]:
-    """(part, ms) of a top-k device step (NMST head, t = 100): the candidate scan alone, then the
-    scan with the candidate select kernel, the step ``sample(top_k=...)`` runs on a GPU. Their
-    difference is the select kernel's share."""
+    """(part, ms) of a top-k device step (NMST head, t = 100): the candidate scan alone, the scan
+    with the candidate select kernel (two launches), and the one-launch step (``scan_select``, what
+    ``sample(top_k=...)`` runs on a GPU when its finish holds the candidates)."""
     from kernels.row_select import select_candidates_from_scan
+    from kernels.scan_select import scan_select
 
     eos = logits.shape[1] - 1
     seed = torch.tensor([1234], device=logits.device)
@@ -128,8 +129,12 @@ def top_k_parts(logits: torch.Tensor, top_k: int, timer: Timer) -> list[tuple[st
         select_candidates_from_scan(z, scan, head="nmst", eos_index=eos, eps=1e-5, steps=100, state=None,
                                     top_k=top_k, top_p_threshold=None, seed=seed)
 
+    def one_launch(z: torch.Tensor) -> None:
+        scan_select(z, head="nmst", eos_index=eos, eps=1e-5, temperature=1.0, steps=100, state=None, seed=seed,
+                    top_k=top_k)
+
     rows = []
-    for name, fn in (("candidate scan", scan_only), ("scan + select", step)):
+    for name, fn in (("candidate scan", scan_only), ("scan + select", step), ("one launch", one_launch)):
         fn(logits)
         rows.append((name, timer(fn, logits)))
     return rows
@@ -214,9 +219,10 @@ def bare_read(z: torch.Tensor, block_v: int, splits: int) -> torch.Tensor:
 
 def read_floor_parts(logits: torch.Tensor, timer: Timer) -> list[tuple[str, float]]:
     """(part, ms) at the greedy scan's default launch: a bare read in that layout, torch's row max,
-    the greedy scan alone, the greedy step (scan + select), and the plain-sampling step the batch
-    takes. The bare read is what one launch costs at best; the rest is each part's share."""
-    from nmst_fast.decoding.fused import samples_by_row_draw
+    the greedy scan alone, the greedy step as two launches (scan + select) and as one
+    (``scan_select``), and plain sampling by the row draw and by the one-launch drawing scan. The bare
+    read is what one launch costs at best; the rest is each part's share."""
+    from kernels.scan_select import scan_select
 
     B, V = logits.shape
     eos = V - 1
@@ -236,16 +242,21 @@ def read_floor_parts(logits: torch.Tensor, timer: Timer) -> list[tuple[str, floa
     def greedy(z: torch.Tensor) -> None:
         select_from_scan(z, scan_partials(z, eos_index=eos), seed=None, **head)
 
-    def sampling(z: torch.Tensor) -> None:
-        if samples_by_row_draw(B):
-            draw_rows(z, seed=seed, **head)
-        else:
-            select_from_scan(z, scan_partials(z, eos_index=eos, seed=seed), seed=seed, **head)
+    def greedy_one_launch(z: torch.Tensor) -> None:
+        scan_select(z, seed=None, **head)
+
+    def sampling_row_draw(z: torch.Tensor) -> None:
+        draw_rows(z, seed=seed, **head)
+
+    def sampling_one_launch(z: torch.Tensor) -> None:
+        scan_select(z, seed=seed, **head)
 
     rows = []
     for name, fn in ((f"bare read ({block_v} x {splits} splits)", read), ("torch.amax(dim=1)", row_max),
-                     ("greedy scan alone", scan_only), ("greedy step (scan + select)", greedy),
-                     ("sampling step", sampling)):
+                     ("greedy scan alone", scan_only), ("greedy, scan + select (two launches)", greedy),
+                     ("greedy, one launch (fill + scan_select)", greedy_one_launch),
+                     ("sampling, row draw (fill + draw_rows)", sampling_row_draw),
+                     ("sampling, one launch (fill + drawing scan_select)", sampling_one_launch)):
         fn(logits)
         rows.append((name, timer(fn, logits)))
     return rows

@@ -51,9 +51,10 @@ def copy_bandwidth() -> float:
 def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
     """A strategy's whole device step — kernels only, no Python or host sync (timed as a CUDA graph).
 
-    Greedy and sampling: the scan + the select kernel (head math and draw); sampling from
-    ROW_DRAW_MIN_ROWS rows: the one-program-per-row inverse CDF kernel. Top-k (then top-p):
-    the candidate scan + the candidate select kernel. Top-p alone: the rejection rounds (what
+    Greedy and sampling: the one-launch scan whose last split per row does the head math and draw
+    (``kernels/scan_select.py``; its flags' fill before it); sampling from ROW_DRAW_MIN_ROWS rows:
+    the one-program-per-row inverse CDF kernel. Top-k (then top-p): the candidate scan with the
+    same finish (the two-launch candidate scan + select where the finish cannot hold the candidates). Top-p alone: the rejection rounds (what
     distinct rows take; repeated rows and the rare unresolved row take the cut + draw kernels):
     the row-draw kernel from TOP_P_ROW_DRAW_MIN_ROWS rows, else the drawing scan and the split rounds'
     first FIRST_ROUNDS launches (the rare row needing more costs a host sync and more launches).
@@ -61,7 +62,8 @@ def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
     from kernels.row_draw import draw_rows
     from kernels.split_top_p import SplitTopP
     from kernels.row_scan import scan_partials
-    from kernels.row_select import select_candidates_from_scan, select_from_scan
+    from kernels.row_select import select_candidates_from_scan
+    from kernels.scan_select import fits_one_launch, scan_select
     from nmst_fast.decoding.fused import samples_by_row_draw
 
     plain = untruncated(k, p)
@@ -74,12 +76,13 @@ def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
             draw_rows(logits, eos_index=eos, temperature=1.0, seed=seed, **head)
         elif plain:
             draw = None if k == 1 else seed  # sampling draws in the scan; greedy does not
-            scan = scan_partials(logits, eos_index=eos, seed=draw)
-            select_from_scan(logits, scan, eos_index=eos, temperature=1.0, seed=draw, **head)
+            scan_select(logits, eos_index=eos, temperature=1.0, seed=draw, **head)
         elif k is None and samples_by_row_draw(logits.shape[0], top_p=True):
             draw_rows(logits, eos_index=eos, temperature=1.0, top_p_threshold=p, seed=seed, **head)
         elif k is None:
             SplitTopP(logits, eos_index=eos, temperature=1.0, top_p_threshold=p, seed=seed, **head)
+        elif fits_one_launch(logits, k):
+            scan_select(logits, eos_index=eos, temperature=1.0, top_k=k, top_p_threshold=p, seed=seed, **head)
         else:
             scan = scan_partials(logits, eos_index=eos, candidates=k)
             select_candidates_from_scan(logits, scan, eos_index=eos, top_k=k, top_p_threshold=p, seed=seed, **head)

@@ -35,7 +35,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from . import nucleus, row_draw, row_scan, row_select, scale_cast, split_softmax, split_top_p
+from . import nucleus, row_draw, row_scan, row_select, scale_cast, scan_select, split_softmax, split_top_p
 from .host_math import cdiv, scan_width
 
 H100_SMS = 132  # the lent GPUs' multiprocessors (H100 and H200 alike): split counts follow from it
@@ -95,6 +95,30 @@ def launches() -> list[Launch]:
             out.append(_record(row_scan, "_row_scan_kernel",
                                lambda: row_scan.scan_partials(z.to(dtype), eos_index=5, seed=seed, candidates=K),
                                label, dict(BLOCK_B=1, BLOCK_V=block_v, LANE_TILES=lane_tiles)))
+    # The one-launch step (scan + each row's finish by its last split): every head, greedy and the
+    # draw, at the GPU layout of 256 x 50257 (2 splits: BLOCK_S 2) and of B = 1 (64 splits).
+    for head, seed, dtype, splits in (("va", None, torch.float32, 2), ("nmst", None, torch.float32, 2),
+                                      ("st", None, torch.float32, 2), ("nmst", 7, torch.float32, 2),
+                                      ("st", 7, torch.bfloat16, 2), ("nmst", 7, torch.float32, 64)):
+        label = f"scan_select {head} {'draw' if seed else 'greedy'} {str(dtype)[6:]} splits={splits}"
+        seed_tensor = None if seed is None else torch.tensor([seed])
+        _, block_v, _ = row_scan.cuda_launch_shape(256, 50257, 0, H100_SMS)
+        lane_tiles = scan_width(cdiv(cdiv(50257, splits), block_v)) if seed else 1
+        out.append(_record(scan_select, "_scan_select_kernel", lambda: scan_select.scan_select(
+            z.to(dtype), head=head, eos_index=5, eps=1e-5, temperature=0.7, steps=3,
+            state=torch.zeros(4, dtype=torch.float64) if head == "st" else None, seed=seed_tensor),
+            label, dict(BLOCK_B=1, BLOCK_V=block_v, LANE_TILES=lane_tiles, BLOCK_S=splits)))
+    # Its top-k finish: small K at B = 256 (4 splits) and B = 1 (64), the largest K its finish holds.
+    for head, top_k, top_p, splits in (("nmst", 4, None, 4), ("st", 3, 0.5, 4), ("va", 4, 0.9, 64),
+                                       ("nmst", 100, 0.9, 4)):
+        K = max(2, 1 << (top_k - 1).bit_length())
+        label = f"scan_select {head} top_k={top_k} top_p={top_p} splits={splits}"
+        _, block_v, _ = row_scan.cuda_launch_shape(256, 50257, K, H100_SMS)
+        out.append(_record(scan_select, "_scan_select_kernel", lambda: scan_select.scan_select(
+            z, head=head, eos_index=5, eps=1e-5, temperature=1.0, steps=3,
+            state=torch.zeros(4, dtype=torch.float64) if head == "st" else None, seed=torch.tensor([3]),
+            top_k=top_k, top_p_threshold=top_p),
+            label, dict(BLOCK_B=1, BLOCK_V=block_v, BLOCK_S=splits), dict(num_warps=row_scan._num_warps(K))))
     scan = _fake_scan(z, 0)
     steps = torch.arange(4)
     state = torch.zeros(4, dtype=torch.float64)

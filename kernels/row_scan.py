@@ -223,28 +223,12 @@ def _lane_candidates(lane_max, lane_start, lane_second, inv_temp, K: tl.constexp
 
 
 @triton.jit
-def _row_scan_kernel(
-    z_ptr,
-    z_row_stride,
-    n_rows,
-    V,
-    split_width,
-    eos_index,
-    inv_temp,
-    seed_ptr,
-    max_ptr,
-    sum_ptr,
-    top_val_ptr,
-    top_idx_ptr,
-    draw_idx_ptr,
-    key_ptr,
-    HAS_EOS: tl.constexpr,
-    DRAW: tl.constexpr,
-    K: tl.constexpr,  # candidates per row and split; 0: none
-    BLOCK_B: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    LANE_TILES: tl.constexpr,  # the drawing scan's tiles per split, padded (scan_width): a lane's columns
-):
+def scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp, seed_ptr, max_ptr, sum_ptr,
+               top_val_ptr, top_idx_ptr, draw_idx_ptr, key_ptr, HAS_EOS: tl.constexpr, DRAW: tl.constexpr,
+               K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, LANE_TILES: tl.constexpr):
+    """This program's share of the scan: its BLOCK_B rows × split ``program_id(1)`` of V, read once,
+    its partials stored at (row, split) (arguments as ``_row_scan_kernel``). Also the first half of
+    ``kernels/scan_select.py``'s one-launch step."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
@@ -301,6 +285,33 @@ def _row_scan_kernel(
     tl.store(top_idx_ptr + out, top_idx, mask=row_ok)
     if DRAW:
         tl.store(draw_idx_ptr + out, draw_idx, mask=row_ok)
+
+
+@triton.jit
+def _row_scan_kernel(
+    z_ptr,
+    z_row_stride,
+    n_rows,
+    V,
+    split_width,
+    eos_index,
+    inv_temp,
+    seed_ptr,
+    max_ptr,
+    sum_ptr,
+    top_val_ptr,
+    top_idx_ptr,
+    draw_idx_ptr,
+    key_ptr,
+    HAS_EOS: tl.constexpr,
+    DRAW: tl.constexpr,
+    K: tl.constexpr,  # candidates per row and split; 0: none
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    LANE_TILES: tl.constexpr,  # the drawing scan's tiles per split, padded (scan_width): a lane's columns
+):
+    scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp, seed_ptr, max_ptr, sum_ptr,
+               top_val_ptr, top_idx_ptr, draw_idx_ptr, key_ptr, HAS_EOS, DRAW, K, BLOCK_B, BLOCK_V, LANE_TILES)
 
 
 def decode_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -433,22 +444,20 @@ def _num_warps(K: int) -> int:
     return 8 if EXTRACT_MAX_K.value < K <= 32 else 4
 
 
-def scan_partials(
-    z: torch.Tensor,
-    *,
-    eos_index: int | None,
-    temperature: float = 1.0,
-    seed: int | torch.Tensor | None = None,
-    candidates: int = 0,
-    launch: tuple[int, int] | None = None,
-) -> ScanPartials:
-    """Launch the scan and return the unmerged per-split results.
+@dataclass
+class ScanLaunch:
+    """What one launch of the scan takes: its grid, its arguments in ``scan_split``'s order (the
+    partials' buffers included), its compile-time flags, and the partials it will leave."""
 
-    Arguments as :func:`row_scan`, plus ``seed``: draw one column per split with this Philox seed
-    (an int or a one-element integer tensor on any device; None: no draw), which
-    ``kernels.row_select.select_from_scan`` turns into one exact sample per row; a drawing scan
-    leaves "top_val"/"top_idx" at their initial (−inf, 0).
-    """
+    grid: tuple[int, int]
+    args: tuple
+    meta: dict
+    scan: ScanPartials
+
+
+def scan_launch(z: torch.Tensor, *, eos_index: int | None, temperature: float, seed: int | torch.Tensor | None,
+                candidates: int, launch: tuple[int, int] | None) -> ScanLaunch:
+    """Check the arguments of :func:`scan_partials` and lay out its launch (buffers allocated)."""
     if z.dim() != 2 or z.stride(1) != 1:
         raise ValueError("z must be a 2-D tensor with unit stride along V")
     if not 0 <= candidates <= MAX_CANDIDATES or (candidates and not HAS_TOPK):
@@ -467,16 +476,35 @@ def scan_partials(
     parts = empty_partials(B, splits, K, z.device, draws=seed is not None)
     unused = parts["top_idx"]  # the pointer the kernel gets for outputs it does not write
     seed_tensor = unused if seed is None else _as_seed(seed, z.device)
-    if B:
-        _row_scan_kernel[(cdiv(B, block_b), splits)](
-            z, z.stride(0), B, V, split_width, -1 if eos_index is None else eos_index, 1.0 / temperature,
-            seed_tensor,
+    args = (z, z.stride(0), B, V, split_width, -1 if eos_index is None else eos_index, 1.0 / temperature, seed_tensor,
             parts["max"], parts["sum"], parts["top_val"], parts["top_idx"], parts.get("draw_idx", unused),
-            parts.get("keys", unused),
-            HAS_EOS=eos_index is not None, DRAW=seed is not None, K=K, BLOCK_B=block_b, BLOCK_V=block_v,
-            LANE_TILES=scan_width(split_width // block_v) if seed is not None else 1, num_warps=_num_warps(K),
-        )
-    return ScanPartials(parts, V, K)
+            parts.get("keys", unused))
+    meta = dict(HAS_EOS=eos_index is not None, DRAW=seed is not None, K=K, BLOCK_B=block_b, BLOCK_V=block_v,
+                LANE_TILES=scan_width(split_width // block_v) if seed is not None else 1, num_warps=_num_warps(K))
+    return ScanLaunch((cdiv(B, block_b), splits), args, meta, ScanPartials(parts, V, K))
+
+
+def scan_partials(
+    z: torch.Tensor,
+    *,
+    eos_index: int | None,
+    temperature: float = 1.0,
+    seed: int | torch.Tensor | None = None,
+    candidates: int = 0,
+    launch: tuple[int, int] | None = None,
+) -> ScanPartials:
+    """Launch the scan and return the unmerged per-split results.
+
+    Arguments as :func:`row_scan`, plus ``seed``: draw one column per split with this Philox seed
+    (an int or a one-element integer tensor on any device; None: no draw), which
+    ``kernels.row_select.select_from_scan`` turns into one exact sample per row; a drawing scan
+    leaves "top_val"/"top_idx" at their initial (−inf, 0).
+    """
+    launch_args = scan_launch(z, eos_index=eos_index, temperature=temperature, seed=seed, candidates=candidates,
+                              launch=launch)
+    if z.shape[0]:
+        _row_scan_kernel[launch_args.grid](*launch_args.args, **launch_args.meta)
+    return launch_args.scan
 
 
 def row_scan(

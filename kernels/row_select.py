@@ -96,9 +96,11 @@ def _uniform_f64_stream(seed, offsets, STREAM: tl.constexpr):
 
 @triton.jit
 def _merged_lse(max_ptr, sum_ptr, part, part_ok, row_ok):
-    """L = logsumexp over non-eos per row, in fp64 from the scan's fp32 per-split (max, sum)."""
-    m = tl.load(max_ptr + part, mask=part_ok, other=float("-inf"))
-    total = tl.load(sum_ptr + part, mask=part_ok, other=0.0).to(tl.float64)
+    """L = logsumexp over non-eos per row, in fp64 from the scan's fp32 per-split (max, sum). The
+    partials load through L2 only (.cg): a scan program finishing a row reads what other programs
+    stored during the same kernel, which an L1 line loaded earlier on its SM would not show."""
+    m = tl.load(max_ptr + part, mask=part_ok, other=float("-inf"), cache_modifier=".cg")
+    total = tl.load(sum_ptr + part, mask=part_ok, other=0.0, cache_modifier=".cg").to(tl.float64)
     row_max = tl.where(row_ok, tl.max(m, axis=1), 0.0)  # padding rows: finite junk, no log(0)
     shift = tl.where(row_max == float("-inf"), 0.0, row_max)
     row_sum = tl.sum(total * tl.exp((m - shift[:, None]).to(tl.float64)), axis=1)
@@ -106,15 +108,14 @@ def _merged_lse(max_ptr, sum_ptr, part, part_ok, row_ok):
 
 
 @triton.jit
-def _row_block(n_rows, n_splits, part_row_stride, max_ptr, sum_ptr, BLOCK_B: tl.constexpr,
-               BLOCK_S: tl.constexpr):
-    """This program's rows, their (row, split) partial offsets, and L per row."""
+def _row_block(n_rows, n_splits, part_row_stride, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr):
+    """This program's rows and their (row, split) partial offsets."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     row_ok = rows < n_rows
     split = tl.arange(0, BLOCK_S)
     part = rows.to(tl.int64)[:, None] * part_row_stride + split[None, :]
     part_ok = row_ok[:, None] & (split[None, :] < n_splits)
-    return rows, row_ok, part, part_ok, _merged_lse(max_ptr, sum_ptr, part, part_ok, row_ok)
+    return rows, row_ok, part, part_ok
 
 
 @triton.jit
@@ -164,6 +165,68 @@ def _log_survival(
 
 
 @triton.jit
+def select_rows(
+    rows, row_ok, part, part_ok, z_ptr, z_row_stride, n_rows, V, max_ptr, sum_ptr, pick_val_ptr, pick_idx_ptr,
+    eos_index, temp_hi, temp_lo, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr,
+    state_stride, seed_ptr, token_ptr, log_prob_ptr, new_state_ptr,
+    HEAD: tl.constexpr, GREEDY: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """Greedy or sampling for ``rows`` (those with ``row_ok``) from the scan's per-split partials at
+    ``part`` (rows × splits offsets, ``part_ok``): merges L, does the head math, stores each row's token
+    and log-probability. Returns the first row whose distribution is undefined (``n_rows``: none).
+    Shared by ``_select_kernel`` and the scan's own finish (``kernels/scan_select.py``)."""
+    lse = _merged_lse(max_ptr, sum_ptr, part, part_ok, row_ok)
+    z_row = z_ptr + rows.to(tl.int64) * z_row_stride
+    bad = ~(tl.abs(lse) < float("inf"))  # NaN, +inf, or no finite non-eos logit
+    if HEAD == 0:
+        log_norm = lse
+        eos_zeta = tl.full((BLOCK_B,), float("-inf"), tl.float64)
+    else:
+        log_norm, eos_zeta, eos_nan = _eos_terms(
+            lse, z_row, rows, row_ok, eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value,
+            state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
+        bad = bad | eos_nan
+    temperature = tl.cast(temp_hi, tl.float64) + tl.cast(temp_lo, tl.float64)
+    if GREEDY:
+        # The largest raw non-eos logit over the splits (the scan ranks raw z, so no fp32 rounding of
+        # z / T can make the pick depend on the split layout), ties → first index. Its value is the
+        # raw z exactly (fp16/bf16 logits widen to fp32 exactly): no load of z[idx].
+        pick_vals = tl.load(pick_val_ptr + part, mask=part_ok, other=float("-inf"), cache_modifier=".cg")
+        pick_idxs = tl.load(pick_idx_ptr + part, mask=part_ok, other=V, cache_modifier=".cg")
+        best = tl.max(pick_vals, axis=1)
+        idx = tl.min(tl.where(pick_vals == best[:, None], pick_idxs, V), axis=1)
+        chosen = tl.where(best == float("-inf"), 0.0, best.to(tl.float64)) / temperature
+        # Eos against the pick's z / T in float64; eos wins a tie when its index is lower.
+        best64 = tl.where(best == float("-inf"), float("-inf"), chosen)
+        eos_wins = (eos_zeta > best64) | ((eos_zeta == best64) & (eos_index < idx))
+    else:
+        # Inverse CDF over eos (its exact mass) and the splits (each by its mass); a split's own
+        # draw is then a draw from the whole row: P(split) · P(column | split) = P(column).
+        split_max = tl.load(max_ptr + part, mask=part_ok, other=float("-inf"), cache_modifier=".cg").to(tl.float64)
+        split_sum = tl.load(sum_ptr + part, mask=part_ok, other=0.0, cache_modifier=".cg").to(tl.float64)
+        split_mass = tl.where(split_sum > 0.0, split_sum * tl.exp(split_max - log_norm[:, None]), 0.0)
+        p_eos = tl.exp(eos_zeta - log_norm)  # 0 for VA (ζ_eos = −inf)
+        goal = _uniform_f64(tl.load(seed_ptr), rows) * (p_eos + tl.sum(split_mass, axis=1))
+        eos_wins = goal < p_eos
+        split_no = tl.arange(0, part.shape[1])[None, :]
+        split, _ = first_crossing(split_mass, goal - p_eos, split_no, part.shape[1])
+        eos_wins = eos_wins | (split < 0)  # no non-eos mass (a certain eos)
+        draws = tl.load(pick_idx_ptr + part, mask=part_ok, other=0, cache_modifier=".cg")
+        idx = tl.sum(tl.where(split_no == split[:, None], draws, 0), axis=1)
+        chosen = tl.load(z_row + idx, mask=row_ok & (idx < V), other=0.0).to(tl.float64) / temperature
+    if HEAD == 0:
+        token = idx.to(tl.int64)
+        log_prob = chosen - lse
+    else:
+        token = tl.where(eos_wins, eos_index, idx).to(tl.int64)
+        log_prob = tl.where(eos_wins, eos_zeta, chosen) - log_norm
+    tl.store(token_ptr + rows, token, mask=row_ok)
+    tl.store(log_prob_ptr + rows, log_prob, mask=row_ok)
+    return tl.min(tl.where(bad & row_ok, rows, n_rows), axis=0)
+
+
+@triton.jit
 def _select_kernel(
     z_ptr,
     z_row_stride,
@@ -198,54 +261,11 @@ def _select_kernel(
     BLOCK_S: tl.constexpr,
     STORE_FLAGS: tl.constexpr,  # the grid is one program: it writes the flags (no fill launched before)
 ):
-    rows, row_ok, part, part_ok, lse = _row_block(n_rows, n_splits, part_row_stride, max_ptr, sum_ptr, BLOCK_B,
-                                                  BLOCK_S)
-    z_row = z_ptr + rows.to(tl.int64) * z_row_stride
-    bad = ~(tl.abs(lse) < float("inf"))  # NaN, +inf, or no finite non-eos logit
-    if HEAD == 0:
-        log_norm = lse
-        eos_zeta = tl.full((BLOCK_B,), float("-inf"), tl.float64)
-    else:
-        log_norm, eos_zeta, eos_nan = _eos_terms(
-            lse, z_row, rows, row_ok, eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value,
-            state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
-        bad = bad | eos_nan
-    if GREEDY:
-        # The largest raw non-eos logit over the splits (the scan ranks raw z, so no fp32 rounding of
-        # z / T can make the pick depend on the split layout), ties → first index.
-        pick_vals = tl.load(pick_val_ptr + part, mask=part_ok, other=float("-inf"))
-        pick_idxs = tl.load(pick_idx_ptr + part, mask=part_ok, other=V)
-        best = tl.max(pick_vals, axis=1)
-        idx = tl.min(tl.where(pick_vals == best[:, None], pick_idxs, V), axis=1)
-    else:
-        # Inverse CDF over eos (its exact mass) and the splits (each by its mass); a split's own
-        # draw is then a draw from the whole row: P(split) · P(column | split) = P(column).
-        split_max = tl.load(max_ptr + part, mask=part_ok, other=float("-inf")).to(tl.float64)
-        split_sum = tl.load(sum_ptr + part, mask=part_ok, other=0.0).to(tl.float64)
-        split_mass = tl.where(split_sum > 0.0, split_sum * tl.exp(split_max - log_norm[:, None]), 0.0)
-        p_eos = tl.exp(eos_zeta - log_norm)  # 0 for VA (ζ_eos = −inf)
-        goal = _uniform_f64(tl.load(seed_ptr), rows) * (p_eos + tl.sum(split_mass, axis=1))
-        eos_wins = goal < p_eos
-        split_no = tl.arange(0, BLOCK_S)[None, :]
-        split, _ = first_crossing(split_mass, goal - p_eos, split_no, BLOCK_S)
-        eos_wins = eos_wins | (split < 0)  # no non-eos mass (a certain eos)
-        draws = tl.load(pick_idx_ptr + part, mask=part_ok, other=0)
-        idx = tl.sum(tl.where(split_no == split[:, None], draws, 0), axis=1)
-    temperature = tl.cast(temp_hi, tl.float64) + tl.cast(temp_lo, tl.float64)
-    chosen = tl.load(z_row + idx, mask=row_ok & (idx < V), other=0.0).to(tl.float64) / temperature
-    if GREEDY:
-        # Eos against the pick's z / T in float64; eos wins a tie when its index is lower.
-        best64 = tl.where(best == float("-inf"), float("-inf"), chosen)
-        eos_wins = (eos_zeta > best64) | ((eos_zeta == best64) & (eos_index < idx))
-    if HEAD == 0:
-        token = idx.to(tl.int64)
-        log_prob = chosen - lse
-    else:
-        token = tl.where(eos_wins, eos_index, idx).to(tl.int64)
-        log_prob = tl.where(eos_wins, eos_zeta, chosen) - log_norm
-    tl.store(token_ptr + rows, token, mask=row_ok)
-    tl.store(log_prob_ptr + rows, log_prob, mask=row_ok)
-    first_bad = tl.min(tl.where(bad & row_ok, rows, n_rows), axis=0)
+    rows, row_ok, part, part_ok = _row_block(n_rows, n_splits, part_row_stride, BLOCK_B, BLOCK_S)
+    first_bad = select_rows(rows, row_ok, part, part_ok, z_ptr, z_row_stride, n_rows, V, max_ptr, sum_ptr,
+                            pick_val_ptr, pick_idx_ptr, eos_index, temp_hi, temp_lo, log1m_eps_hi, log1m_eps_lo,
+                            steps_ptr, steps_stride, steps_value, state_ptr, state_stride, seed_ptr, token_ptr,
+                            log_prob_ptr, new_state_ptr, HEAD, GREEDY, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
     if STORE_FLAGS:
         tl.store(flags_ptr, first_bad)
         tl.store(flags_ptr + 1, n_rows)  # every row has its token
@@ -254,42 +274,18 @@ def _select_kernel(
 
 
 @triton.jit
-def _select_candidates_kernel(
-    z_ptr,
-    z_row_stride,
-    n_rows,
-    n_splits,
-    part_row_stride,
-    max_ptr,
-    sum_ptr,
-    key_ptr,
-    eos_index,
-    log1m_eps_hi,
-    log1m_eps_lo,
-    steps_ptr,
-    steps_stride,
-    steps_value,
-    state_ptr,
-    state_stride,
-    top_k,
-    top_p_hi,
-    top_p_lo,
-    seed_ptr,
-    token_ptr,
-    log_prob_ptr,
-    new_state_ptr,
-    flags_ptr,
-    HEAD: tl.constexpr,
-    STEPS_PER_ROW: tl.constexpr,
-    HAS_STATE: tl.constexpr,
-    HAS_TOP_P: tl.constexpr,
-    K: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+def select_candidate_rows(
+    rows, row_ok, part, part_ok, z_ptr, z_row_stride, n_rows, n_splits, part_row_stride, max_ptr, sum_ptr, key_ptr,
+    eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr, state_stride, top_k,
+    top_p_hi, top_p_lo, seed_ptr, token_ptr, log_prob_ptr, new_state_ptr,
+    HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr, HAS_TOP_P: tl.constexpr,
+    K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """Top-k then top-p on the K best non-eos candidates plus eos, and one draw per row."""
-    rows, row_ok, part, part_ok, lse = _row_block(n_rows, n_splits, part_row_stride, max_ptr, sum_ptr, BLOCK_B,
-                                                  BLOCK_S)
+    """Top-k then top-p on the K best non-eos candidates plus eos, and one draw, for ``rows`` (those
+    with ``row_ok``) from the candidate scan's partials (``part``/``part_ok`` as :func:`select_rows`);
+    stores each row's token and log-probability and returns the first row without a distribution
+    (``n_rows``: none). Shared by ``_select_candidates_kernel`` and ``kernels/scan_select.py``."""
+    lse = _merged_lse(max_ptr, sum_ptr, part, part_ok, row_ok)
 
     # The K best keys over all splits, in rank order (keys sort as (value desc, column asc)).
     rank = tl.arange(0, K)
@@ -297,10 +293,10 @@ def _select_candidates_kernel(
     if BLOCK_S > 1:
         slot = tl.arange(0, BLOCK_S * K)
         keys = tl.load(key_row + slot[None, :], mask=row_ok[:, None] & (slot[None, :] < n_splits * K),
-                       other=-9223372036854775808)
+                       other=-9223372036854775808, cache_modifier=".cg")
         keys = tl.topk(keys, K, dim=1)
     else:
-        keys = tl.load(key_row + rank[None, :], mask=row_ok[:, None], other=-9223372036854775808)
+        keys = tl.load(key_row + rank[None, :], mask=row_ok[:, None], other=-9223372036854775808, cache_modifier=".cg")
     zeta, cols = decode_column_keys(keys)
 
     bad = ~(tl.abs(lse) < float("inf"))
@@ -356,7 +352,52 @@ def _select_candidates_kernel(
     log_prob = tl.where(eos_drawn, eos_zeta, pick_zeta) - log_norm
     tl.store(token_ptr + rows, token, mask=row_ok)
     tl.store(log_prob_ptr + rows, log_prob, mask=row_ok)
-    tl.atomic_min(flags_ptr, tl.min(tl.where(bad & row_ok, rows, n_rows), axis=0))
+    return tl.min(tl.where(bad & row_ok, rows, n_rows), axis=0)
+
+
+
+@triton.jit
+def _select_candidates_kernel(
+    z_ptr,
+    z_row_stride,
+    n_rows,
+    n_splits,
+    part_row_stride,
+    max_ptr,
+    sum_ptr,
+    key_ptr,
+    eos_index,
+    log1m_eps_hi,
+    log1m_eps_lo,
+    steps_ptr,
+    steps_stride,
+    steps_value,
+    state_ptr,
+    state_stride,
+    top_k,
+    top_p_hi,
+    top_p_lo,
+    seed_ptr,
+    token_ptr,
+    log_prob_ptr,
+    new_state_ptr,
+    flags_ptr,
+    HEAD: tl.constexpr,
+    STEPS_PER_ROW: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    HAS_TOP_P: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Top-k then top-p on the K best non-eos candidates plus eos, and one draw per row."""
+    rows, row_ok, part, part_ok = _row_block(n_rows, n_splits, part_row_stride, BLOCK_B, BLOCK_S)
+    first_bad = select_candidate_rows(
+        rows, row_ok, part, part_ok, z_ptr, z_row_stride, n_rows, n_splits, part_row_stride, max_ptr, sum_ptr, key_ptr,
+        eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr, state_stride, top_k,
+        top_p_hi, top_p_lo, seed_ptr, token_ptr, log_prob_ptr, new_state_ptr, HEAD, STEPS_PER_ROW, HAS_STATE,
+        HAS_TOP_P, K, BLOCK_B, BLOCK_S)
+    tl.atomic_min(flags_ptr, first_bad)
 
 
 @dataclass
@@ -388,7 +429,7 @@ class _Outputs:
     """Output buffers plus the head arguments every select kernel takes, in kernel order."""
 
     def __init__(self, z: torch.Tensor, head: str, eps: float, steps: int | torch.Tensor,
-                 state: Optional[torch.Tensor], fill_flags: bool = True):
+                 state: Optional[torch.Tensor], fill_flags: bool = True, counters: bool = False):
         B, device = z.shape[0], z.device
         self.tokens = torch.empty(B, dtype=torch.int64, device=device)
         self.log_probs = torch.empty(B, dtype=torch.float64, device=device)
@@ -396,8 +437,14 @@ class _Outputs:
         self.state = torch.empty(B, dtype=torch.float64, device=device) if head == "st" else self.log_probs
         # (first bad row, first row without a token), B for none: a fill (no copy from the host),
         # unless a one-program kernel writes them itself (``fill_flags=False``: one launch less).
-        self.flags = (torch.full((2,), B, dtype=torch.int32, device=device) if fill_flags or not B
-                      else torch.empty(2, dtype=torch.int32, device=device))
+        # ``counters``: one arrival counter per row after the flags, filled with B too (the one-launch
+        # step, ``kernels/scan_select.py``); ``counted_flags`` is the whole buffer.
+        if counters:
+            self.counted_flags = torch.full((2 + B,), B, dtype=torch.int32, device=device)
+            self.flags = self.counted_flags[:2]
+        else:
+            self.flags = (torch.full((2,), B, dtype=torch.int32, device=device) if fill_flags or not B
+                          else torch.empty(2, dtype=torch.int32, device=device))
         self.steps_per_row = isinstance(steps, torch.Tensor)
         self.has_state = head == "st" and state is not None
         steps_tensor = steps if self.steps_per_row else self.tokens  # any pointer when unused

@@ -280,6 +280,143 @@ def test_split_scan_draw_is_reproducible_and_never_picks_masked_columns():
         assert 290 <= int(picked.tokens[1]) or int(picked.tokens[1]) == 5
 
 
+def _two_launch_step(z, head, eos, eps, t, state, seed, launch, temperature):
+    from kernels.row_scan import scan_partials
+    from kernels.row_select import select_from_scan
+
+    scan = scan_partials(z, eos_index=None if head == "va" else eos, temperature=temperature, seed=seed, launch=launch)
+    return select_from_scan(z, scan, head=head, eos_index=eos, eps=eps, temperature=temperature, steps=t, state=state,
+                            seed=seed)
+
+
+# (BLOCK_V, splits) forced in the interpreter; None: the automatic layout (on a GPU, split-V: 2 splits
+# per row at B = 256, more below).
+SCAN_SELECT_LAUNCHES = [None, (64, 1), (64, 3), (32, 7), (16, 13)]
+
+
+@pytest.mark.parametrize("launch", SCAN_SELECT_LAUNCHES)
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("draw", [False, True])
+def test_scan_select_equals_two_launches(head, draw, launch):
+    """The one-launch step (each row finished by the last of its splits) picks exactly the tokens,
+    log-probabilities and ST states of the scan + select kernels it fuses, for every head, greedy and
+    the draw, one to 13 splits: same partials, same code. On a GPU the batch is large (the rows' last
+    arrivals race each other: a row finished from a split's partials not yet visible would differ),
+    with ties, −inf columns, per-row steps, context rows, and a NaN row and a row without a finite
+    non-eos logit, both flagged."""
+    from kernels.scan_select import scan_select
+
+    seed_value = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed_value)
+    B = 2048 if DEVICE == "cuda" else 24
+    V = 50257 if DEVICE == "cuda" and launch is None else 200
+    eos, eps, temperature = 7, 0.01, 0.8
+    z = torch.randn(B, V, generator=gen) * 3
+    z[::3] = z[::3].round()  # ties, across splits too
+    z[1, torch.rand(V, generator=gen) < 0.7] = float("-inf")
+    z[4] = float("-inf")  # no finite logit: flagged (the first bad row)
+    z[9, 17] = float("nan")
+    steps = torch.randint(-1, 40, (B,), generator=gen)
+    state = -torch.rand(B, generator=gen, dtype=torch.float64) if head == "st" else None
+    z, steps = z.to(DEVICE), steps.to(DEVICE)
+    state = None if state is None else state.to(DEVICE)
+    seed = torch.tensor([seed_value + 1], device=DEVICE) if draw else None
+    for dtype in (torch.float32, torch.bfloat16):
+        fused_step = scan_select(z.to(dtype), head=head, eos_index=eos, eps=eps, temperature=temperature, steps=steps,
+                                 state=state, seed=seed, launch=launch)
+        two = _two_launch_step(z.to(dtype), head, eos, eps, steps, state, seed, launch, temperature)
+        assert fused_step.flags.tolist() == two.flags.tolist() == [4, B], f"seed={seed_value}"
+        ok = torch.ones(B, dtype=torch.bool, device=DEVICE)
+        ok[[4, 9]] = False
+        assert torch.equal(fused_step.tokens[ok], two.tokens[ok]), f"seed={seed_value} {dtype}"
+        assert torch.equal(fused_step.log_probs[ok], two.log_probs[ok]), f"seed={seed_value} {dtype}"
+        if head == "st":
+            assert torch.equal(fused_step.state[ok], two.state[ok])
+
+
+@pytest.mark.parametrize("head,launch,top_k,top_p", [  # a forced tile holds the 2..16 candidates
+    (head, launch, k, p) for head in HEADS for launch in SCAN_SELECT_LAUNCHES
+    for k, p in [(1, None), (4, None), (3, 0.6), (10, 0.9)]
+    if launch is None or launch[0] >= max(2, 1 << (k - 1).bit_length()) and launch[1] * k < 100]  # (CI's time)
+    + [("st", (64, 3), 20, 0.9)])  # K = 32: tl.topk per entering tile (slow in the interpreter: once)
+def test_scan_select_top_k_equals_two_launches(head, top_k, top_p, launch):
+    """The one-launch top-k (then top-p) step equals the candidate scan + candidate select kernels
+    it fuses, token for token (same keys, same draw), for every head and one to 13 splits; on a GPU
+    over a large batch, where the rows' last arrivals race."""
+    from kernels.row_scan import scan_partials
+    from kernels.row_select import select_candidates_from_scan
+    from kernels.scan_select import scan_select
+
+    seed_value = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed_value)
+    B = 2048 if DEVICE == "cuda" else 24
+    V = 50257 if DEVICE == "cuda" and launch is None else 200
+    eos, eps = 7, 0.01
+    z = torch.randn(B, V, generator=gen) * 3
+    z[::3] = z[::3].round()
+    z[1, torch.rand(V, generator=gen) < 0.9] = float("-inf")  # fewer finite logits than some k
+    z[5, 11] = float("nan")  # flagged
+    steps = torch.randint(-1, 40, (B,), generator=gen).to(DEVICE)
+    state = -torch.rand(B, generator=gen, dtype=torch.float64).to(DEVICE) if head == "st" else None
+    z = z.to(DEVICE)
+    seed = torch.tensor([seed_value + 1], device=DEVICE)
+    args = dict(head=head, eos_index=eos, eps=eps, steps=steps, state=state, seed=seed, top_p_threshold=top_p)
+    fused_step = scan_select(z, temperature=1.0, top_k=top_k, launch=launch, **args)
+    scan = scan_partials(z, eos_index=None if head == "va" else eos, candidates=top_k, launch=launch)
+    two = select_candidates_from_scan(z, scan, top_k=top_k, **args)
+    assert fused_step.flags.tolist() == two.flags.tolist() == [5, B], f"seed={seed_value}"
+    ok = torch.ones(B, dtype=torch.bool, device=DEVICE)
+    ok[5] = False
+    assert torch.equal(fused_step.tokens[ok], two.tokens[ok]), f"seed={seed_value}"
+    assert torch.equal(fused_step.log_probs[ok], two.log_probs[ok]), f"seed={seed_value}"
+    if head == "st":
+        assert torch.equal(fused_step.state[ok], two.state[ok])
+
+
+def test_scan_select_refuses_bad_truncation():
+    from kernels.scan_select import scan_select
+
+    z = torch.randn(2, 10).to(DEVICE)
+    args = dict(head="nmst", eos_index=1, eps=0.1, temperature=1.0, steps=1, state=None)
+    with pytest.raises(ValueError, match="seed"):
+        scan_select(z, seed=None, top_k=2, **args)
+    with pytest.raises(ValueError, match="top_k"):
+        scan_select(z, seed=torch.tensor([1]), top_k=0, **args)
+
+
+def test_fused_select_takes_one_launch_except_for_shared_rows(monkeypatch):
+    """``fused_select`` runs greedy and split-scan sampling as the one-launch step, except rows repeated
+    with stride 0 under greedy, which one row's scan serves (its two-launch path); ``fused_truncated``
+    likewise for top-k (its candidate scan draws no noise, so shared rows always share it)."""
+    import kernels.scan_select as scan_select_module
+    import kernels.row_select as row_select_module
+
+    calls = []
+    real_one, real_two = scan_select_module.scan_select, row_select_module.select_from_scan
+    monkeypatch.setattr(scan_select_module, "scan_select", lambda *a, **k: calls.append("one") or real_one(*a, **k))
+    monkeypatch.setattr(row_select_module, "select_from_scan",
+                        lambda *a, **k: calls.append("two") or real_two(*a, **k))
+    monkeypatch.setattr(fused, "ROW_DRAW_MIN_ROWS", 10**9)
+    z = torch.randn(6, 50, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    shared = z[:1].expand(6, -1)
+    for rows, greedy in ((z, True), (z, False), (shared, True), (shared, False)):
+        picked = fused_select(rows, head="nmst", eos_index=2, eps=0.05, steps=3, greedy=greedy,
+                              generator=torch.Generator(device=DEVICE).manual_seed(0))
+        expected = effective_logits(rows, head="nmst", eos_index=2, eps=0.05, steps=3).token_log_probs(picked.tokens)
+        torch.testing.assert_close(picked.log_probs, expected, rtol=1e-6, atol=1e-6)
+    assert calls == ["one", "one", "two", "one"]
+    real_candidates = row_select_module.select_candidates_from_scan
+    monkeypatch.setattr(row_select_module, "select_candidates_from_scan",
+                        lambda *a, **k: calls.append("two") or real_candidates(*a, **k))
+    calls.clear()
+    for rows in (z, shared):
+        picked = fused_truncated(rows, head="nmst", eos_index=2, eps=0.05, steps=3, top_k=3, top_p=0.8,
+                                 generator=torch.Generator(device=DEVICE).manual_seed(0))
+        expected = effective_logits(rows, head="nmst", eos_index=2, eps=0.05, steps=3).token_log_probs(picked.tokens)
+        torch.testing.assert_close(picked.log_probs, expected, rtol=1e-6, atol=1e-6)
+    assert calls == ["one", "two"]
+
+
 FUSED_TRUNCATIONS = [(3, None), (None, 0.6), (5, 0.7), (30, None)]
 
 
@@ -505,8 +642,9 @@ def test_lane_scan_matches_float64_on_fresh_rows():
         z[5] *= 1e37  # near the fp32 range: no overflow in the lane sums
         z[6] = float("-inf")
         z[6, -1] = 1.0  # one finite column (eos's, when eos is last)
-        z[7, V // 3] = float("nan")
-        z[8, V // 3] = float("inf")
+        bad_col = V // 3 if V // 3 != eos else (eos + 1) % V  # not eos's column, which the scan leaves out
+        z[7, bad_col] = float("nan")
+        z[8, bad_col] = float("inf")
         scan = row_scan(z.to(DEVICE), eos_index=eos, temperature=temperature, launch=launch)
         x = z.double() / temperature
         if eos is not None:

@@ -289,7 +289,7 @@ def test_launch_sweep_runs_every_variant():
     from benchmarks.profile_decoding import top_k_parts
 
     parts = top_k_parts(logits, 4, lambda step, z: timed.append(step(z)) or 1.0)
-    assert [name for name, _ in parts] == ["candidate scan", "scan + select"]
+    assert [name for name, _ in parts] == ["candidate scan", "scan + select", "one launch"]
     from benchmarks.profile_decoding import split_sweep
 
     rows = split_sweep(logits, 0.9, launches, lambda step, z: timed.append(step(z)) or 1.0)
@@ -299,7 +299,7 @@ def test_launch_sweep_runs_every_variant():
     rows = bounds_sweep(logits, lambda step, z: timed.append(step(z)) or 1.0)
     assert [(p, b) for p, b, _, _ in rows] == [(0.4, True), (0.4, False), (0.9, True), (0.9, False)]
     assert all(passes >= 0 for *_, passes in rows)
-    assert len(timed) == 2 * len(variants()) + 16
+    assert len(timed) == 2 * len(variants()) + 17
     from benchmarks.profile_decoding import TABLES, _TABLE_RUNNERS, main, split_round_parts
 
     parts = split_round_parts(logits, 0.4, lambda step, z: timed.append(step(z)) or 1.0)
@@ -308,8 +308,9 @@ def test_launch_sweep_runs_every_variant():
     from benchmarks.profile_decoding import bare_read, read_floor_parts
 
     parts = read_floor_parts(logits, lambda step, z: timed.append(step(z)) or 1.0)
-    assert [name.split(" (")[0] for name, _ in parts] == ["bare read", "torch.amax(dim=1)", "greedy scan alone",
-                                                          "greedy step", "sampling step"]
+    assert [name.split(" (")[0] for name, _ in parts] == [
+        "bare read", "torch.amax(dim=1)", "greedy scan alone", "greedy, scan + select", "greedy, one launch",
+        "sampling, row draw", "sampling, one launch"]
     for block_v, splits in ((1024, 1), (1024, 3), (512, 2)):  # the read floor's kernel reads every column once
         sums = bare_read(logits, block_v, splits)
         torch.testing.assert_close(sums.sum(dim=1).double(), logits.double().sum(dim=1), rtol=1e-5, atol=1e-3)

@@ -115,13 +115,19 @@ def _served(first_bad: int, first_uncovered: int, batch: int) -> bool:
     return first_uncovered >= batch
 
 
+def _shares_scan(logits: torch.Tensor, seed: Optional[torch.Tensor]) -> bool:
+    """Whether one row's scan serves the batch: rows expanded from one (several continuations of one
+    prompt), and a scan that draws no noise."""
+    return seed is None and logits.shape[0] > 1 and logits.stride(0) == 0
+
+
 def _scan(logits: torch.Tensor, head: str, eos_index: int, temperature: float,
           seed: Optional[torch.Tensor] = None, candidates: int = 0):
-    """The one-read scan of (B, V) logits. Rows expanded from one (several continuations of one
-    prompt) are scanned once when the scan draws no noise; the head math stays per row."""
+    """The one-read scan of (B, V) logits. Rows expanded from one are scanned once when the scan
+    draws no noise (:func:`_shares_scan`); the head math stays per row."""
     from kernels.row_scan import scan_partials  # lazy: Triton picks interpret mode at import
 
-    shared = seed is None and logits.shape[0] > 1 and logits.stride(0) == 0
+    shared = _shares_scan(logits, seed)
     return scan_partials(logits[:1] if shared else logits, eos_index=None if head == "va" else eos_index,
                          temperature=temperature, seed=seed, candidates=candidates)
 
@@ -140,6 +146,7 @@ def fused_select(
 ) -> FusedSelection:
     """Greedy (``greedy=True``) or exact sampling of one token per row of (B, V) ``logits``."""
     from kernels.row_select import select_from_scan
+    from kernels.scan_select import scan_select
 
     logits, kernel_steps, kernel_state = _prepare(logits, head, eos_index, eps, steps, state, temperature)
     seed = None if greedy else _seed(generator, logits.device)
@@ -151,9 +158,12 @@ def fused_select(
         if _check_flags(picked.flags, logits.shape[0]):
             return FusedSelection(picked.tokens, picked.log_probs, picked.state)
         # fp32 rounding left some row without a token 32 times: draw the batch by the split scan.
-    scan = _scan(logits, head, eos_index, temperature, seed=seed)
-    picked = select_from_scan(logits, scan, head=head, eos_index=eos_index, eps=eps, temperature=temperature,
-                              steps=kernel_steps, state=kernel_state, seed=seed)
+    args = dict(head=head, eos_index=eos_index, eps=eps, temperature=temperature, steps=kernel_steps,
+                state=kernel_state, seed=seed)
+    if _shares_scan(logits, seed):
+        picked = select_from_scan(logits, _scan(logits, head, eos_index, temperature, seed=seed), **args)
+    else:
+        picked = scan_select(logits, **args)
     _check_flags(picked.flags, logits.shape[0])
     return FusedSelection(picked.tokens, picked.log_probs, picked.state)
 
@@ -235,6 +245,7 @@ def fused_truncated(
     the caller then takes the torch path.
     """
     from kernels.row_select import select_candidates_from_scan
+    from kernels.scan_select import fits_one_launch, scan_select
 
     logits, kernel_steps, kernel_state = _prepare(logits, head, eos_index, eps, steps, state, temperature)
     threshold = top_p - TOP_P_SLACK if top_p is not None and top_p < 1.0 else None
@@ -245,11 +256,15 @@ def fused_truncated(
     if top_k is None:
         return _nucleus(logits, head=head, eos_index=eos_index, eps=eps, temperature=temperature,
                         steps=kernel_steps, state=kernel_state, top_p_threshold=threshold, seed=seed)
-    # The candidate scan draws no noise (the draw happens in the select kernel), so it can be shared.
-    scan = _scan(logits, head, eos_index, temperature, candidates=top_k)
-    picked = select_candidates_from_scan(logits, scan, head=head, eos_index=eos_index, eps=eps,
-                                         steps=kernel_steps, state=kernel_state, top_k=top_k,
-                                         top_p_threshold=threshold, seed=seed)
+    args = dict(head=head, eos_index=eos_index, eps=eps, steps=kernel_steps, state=kernel_state, top_k=top_k,
+                top_p_threshold=threshold, seed=seed)
+    # The candidate scan draws no noise (the draw happens in the select), so repeated rows share one
+    # scan (two launches); other batches take one launch when the finish can hold their candidates.
+    if not _shares_scan(logits, None) and fits_one_launch(logits, top_k):
+        picked = scan_select(logits, temperature=temperature, **args)
+    else:
+        picked = select_candidates_from_scan(logits, _scan(logits, head, eos_index, temperature, candidates=top_k),
+                                             **args)
     if not _check_flags(picked.flags, logits.shape[0]):
         return None
     return FusedSelection(picked.tokens, picked.log_probs, picked.state)

@@ -1,0 +1,137 @@
+"""Greedy and plain sampling in one launch: the split-V scan, each row finished by its last split.
+
+``kernels/row_scan.py`` reads a row in V-splits (so a small batch fills the GPU) and leaves
+per-split partials; ``kernels/row_select.py`` then merges them and does the head math in a second
+launch. On an H100 (RESULTS.md, fifteenth session) that second launch cost as much as a third
+of the scan at 256 × 50257 (greedy: scan alone 1.24x the one-read floor, with the select 1.75x)
+and doubled it at B = 32: a launch's latency, and a dependent chain of small loads and float64
+math while the memory system idles. Here every scan program, once its partials are stored,
+counts itself in for its row (an atomic add, acquire-release at GPU scope); the program that
+arrives last finishes the row with the select kernel's code (``row_select.select_rows``), so the
+finish of a row overlaps the other rows' reads and no second launch waits for the slowest split.
+
+The counters sit behind the two flags in one int32 buffer the wrapper fills with B (one fill:
+the flags' "none" value doubles as every counter's start), so a row's last arrival is the one
+that reads B + splits − 1. Partials are loaded through L2 only (``cache_modifier=".cg"``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .host_math import cdiv, next_power_of_2
+from .row_scan import _as_seed, scan_launch, scan_split
+from .row_select import HEAD_CODES, Selection, _Outputs, _split_f64, select_candidate_rows, select_rows
+
+
+@triton.jit
+def _scan_select_kernel(
+    z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp, seed_ptr, max_ptr, sum_ptr, top_val_ptr,
+    top_idx_ptr, draw_idx_ptr, key_ptr,  # the scan's arguments (row_scan.scan_split)
+    temp_hi, temp_lo, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr, state_stride,
+    top_k, top_p_hi, top_p_lo,  # K > 0 only: the truncation
+    finish_seed_ptr,  # the draw's seed: the scan's when it draws (K = 0), the candidates' draw's (K > 0)
+    token_ptr, log_prob_ptr, new_state_ptr,
+    flags_ptr,  # (2 + n_rows,) int32 filled with n_rows: the two flags, then one arrival counter per row
+    HAS_EOS: tl.constexpr, DRAW: tl.constexpr, K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+    LANE_TILES: tl.constexpr, HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr,
+    HAS_TOP_P: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp, seed_ptr, max_ptr, sum_ptr,
+               top_val_ptr, top_idx_ptr, draw_idx_ptr, key_ptr, HAS_EOS, DRAW, K, BLOCK_B, BLOCK_V, LANE_TILES)
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    row_ok = rows < n_rows
+    n_splits = tl.num_programs(1)
+    if n_splits > 1:
+        # Every thread's partial stores happen before the barrier, and the barrier before the
+        # release: the program that acquires the last count sees all of this row's partials.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(flags_ptr + 2 + rows, 1, mask=row_ok, sem="acq_rel", scope="gpu")
+        finishes = row_ok & (arrived == n_rows + n_splits - 1)
+    else:
+        finishes = row_ok
+    if tl.max(finishes.to(tl.int32), axis=0) > 0:
+        tl.debug_barrier()
+        split = tl.arange(0, BLOCK_S)
+        part = rows.to(tl.int64)[:, None] * n_splits + split[None, :]
+        part_ok = finishes[:, None] & (split[None, :] < n_splits)
+        if K == 0:
+            first_bad = select_rows(rows, finishes, part, part_ok, z_ptr, z_row_stride, n_rows, V, max_ptr, sum_ptr,
+                                    top_val_ptr, draw_idx_ptr if DRAW else top_idx_ptr, eos_index, temp_hi, temp_lo,
+                                    log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr,
+                                    state_stride, finish_seed_ptr, token_ptr, log_prob_ptr, new_state_ptr, HEAD, not DRAW,
+                                    STEPS_PER_ROW, HAS_STATE, BLOCK_B)
+        else:
+            first_bad = select_candidate_rows(
+                rows, finishes, part, part_ok, z_ptr, z_row_stride, n_rows, n_splits, n_splits, max_ptr, sum_ptr,
+                key_ptr, eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr,
+                state_stride, top_k, top_p_hi, top_p_lo, finish_seed_ptr, token_ptr, log_prob_ptr, new_state_ptr, HEAD,
+                STEPS_PER_ROW, HAS_STATE, HAS_TOP_P, K, BLOCK_B, BLOCK_S)
+        tl.atomic_min(flags_ptr, first_bad)
+
+
+# The finishing program merges splits × K candidate keys of its row in registers (a tl.topk of them):
+# beyond this many (one long row at B = 1 with large K) the two-launch path's select kernel, which
+# takes more warps for them, serves it (``fits_one_launch``).
+MAX_FINISH_KEYS = 512
+
+
+def fits_one_launch(z: torch.Tensor, candidates: int) -> bool:
+    """Whether :func:`scan_select` serves this batch with ``candidates`` (0: greedy or sampling)."""
+    if not candidates:
+        return True
+    from .row_scan import launch_shape
+
+    K = max(2, next_power_of_2(candidates))
+    _, _, splits = launch_shape(z, K)
+    return next_power_of_2(splits) * K <= MAX_FINISH_KEYS
+
+
+def scan_select(
+    z: torch.Tensor,
+    *,
+    head: str,
+    eos_index: int,
+    eps: float,
+    temperature: float,
+    steps: int | torch.Tensor,
+    state: Optional[torch.Tensor],
+    seed: Optional[torch.Tensor],
+    top_k: Optional[int] = None,
+    top_p_threshold: Optional[float] = None,
+    launch: tuple[int, int] | None = None,
+) -> Selection:
+    """One token per row of (B, V) ``z`` in one launch (plus the fill of its flags and counters):
+    greedy (``seed`` None), exact sampling (``seed``), or with ``top_k`` the top-k (then top-p)
+    truncated draw of the candidate scan (``seed`` its draw).
+
+    Args and result as :func:`kernels.row_select.select_from_scan` /
+    :func:`kernels.row_select.select_candidates_from_scan` with the scan folded in (the scan reads
+    every row: rows repeated with stride 0 are better served by scanning one of them and the
+    two-launch path). ``launch``: (BLOCK_V, splits) instead of the automatic layout (tests use it
+    to cover several splits in the interpreter).
+    """
+    B, V = z.shape
+    if top_k is not None and seed is None:
+        raise ValueError("a top-k draw needs a seed")
+    if top_k is not None and not 1 <= top_k <= V:
+        raise ValueError(f"top_k must lie in [1, V={V}], got {top_k}")
+    # The candidate scan draws no noise (its select kernel draws): no seed for the scan itself.
+    scan = scan_launch(z, eos_index=None if head == "va" else eos_index, temperature=temperature,
+                       seed=None if top_k is not None else seed, candidates=top_k or 0, launch=launch)
+    out = _Outputs(z, head, eps, steps, state, counters=True)
+    if B:
+        splits = scan.grid[1]
+        # The finish's seed: the scan's own (a drawing scan), the top-k draw's, or any pointer (greedy).
+        finish_seed = scan.args[7] if top_k is None else _as_seed(seed, z.device)
+        truncation = (top_k or 0, *_split_f64(top_p_threshold if top_p_threshold is not None else 1.0), finish_seed)
+        _scan_select_kernel[scan.grid](
+            *scan.args, *_split_f64(float(temperature)), *out.head_args, *truncation, out.tokens, out.log_probs,
+            out.state, out.counted_flags, **scan.meta, HEAD=HEAD_CODES[head], STEPS_PER_ROW=out.steps_per_row,
+            HAS_STATE=out.has_state, HAS_TOP_P=top_p_threshold is not None, BLOCK_S=next_power_of_2(splits),
+        )
+    return out.selection(head)
