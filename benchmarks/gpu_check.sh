@@ -40,7 +40,7 @@ for step in $steps; do
     profile) timeout 150 python3 -m benchmarks.profile_loss 2>&1 | tee "$OUT/profile.md" | tail -60 ;;
     # DECODING_VOCABS=50257,128256: a part of the grid.
     decoding) timeout 200 python3 -m benchmarks.report_decoding --gpu ${DECODING_VOCABS:+--vocabs "$DECODING_VOCABS"} 2>&1 | tee "$OUT/decoding.md" ;;
-    # DRAW_TABLES=split-parts,bounds (profile_decoding --tables) runs chosen tables, in that order.
+    # DRAW_TABLES=read-floor,bounds (profile_decoding --tables) runs chosen tables, in that order.
     draw-sweep) timeout 200 python3 -m benchmarks.profile_decoding ${DRAW_TABLES:+--tables "$DRAW_TABLES"} 2>&1 | tee "$OUT/draw_sweep.md" ;;
     # The decoding step's host time alone (kernels stubbed, CUDA tensors): the wrapper's share of small-batch steps.
     host) timeout 60 python3 -m benchmarks.host_overhead 2>&1 | tee "$OUT/host.md" ;;

@@ -26,7 +26,7 @@ from .decoding_cases import STRATEGIES, make_logits
 _KERNELS = (("row_scan", "_row_scan_kernel"), ("row_select", "_select_kernel"),
             ("row_select", "_select_candidates_kernel"), ("row_draw", "_row_draw_kernel"),
             ("nucleus", "_nucleus_cut_kernel"), ("nucleus", "_nucleus_draw_kernel"),
-            ("split_top_p", "_round_kernel"))
+            ("scan_select", "_scan_select_kernel"))
 
 
 class _NoLaunch:

@@ -1,21 +1,18 @@
-"""Launch-shape sweeps of the decoding kernels on a GPU: the row draw and the split-V scan.
+"""Launch-shape sweeps and part timings of the decoding kernels on a GPU.
 
     python -m benchmarks.profile_decoding            # B = 256, V in {50257, 128256}
     python -m benchmarks.profile_decoding --quick    # V = 50257 only
-    python -m benchmarks.profile_decoding --tables split-parts,bounds   # chosen tables, in that order
+    python -m benchmarks.profile_decoding --tables read-floor,bounds   # chosen tables, in that order
 
-The H100 run of 2026-11-26 measured the row draw at 2.5–3.5× one read of the logits for plain
-sampling and 8.5–12.6× for top-p 0.9 (predicted 1.2–2× and 2–4×): one program per row keeps
-few loads in flight. The first table sweeps what that kernel exposes — tile width, warps, and
-PREFETCH (the next tile's load issued before this tile's reductions). The greedy step (split-V
-scan + select) measured 2.0–2.4×; its default of ~4 programs per SM makes 768 programs at
-B = 256, about 1.2 waves of the ~5 resident per SM, so the second table sweeps the splits per
-row and the tile width, for greedy and (V = 50257) for plain sampling by the scan's per-split
-draw, which shares the scan's launch shape. The third times top-p by split rounds (the path of
-fewer than 128 rows) at B = 1 and 32 per tile width and split count, next to the row draw; another
-the row draw's top-p with its bounds on and off. Each row gives the device time
+Tables: "row-draw" sweeps the row draw (top-p's kernel, and plain sampling's alternative) over
+tile width, warps and PREFETCH (the next tile's load issued before this tile's folds); "bounds"
+its top-p with the lane-maxima bounds on and off; "scan" the split-V scan with its finish (the
+greedy and sampling step, ``kernels/scan_select.py``) over splits per row and tile width at
+B = 256, "scan-b32" at B = 32; "top-k-parts" the candidate scan alone, with the two-launch
+select, and as one launch; "read-floor" the greedy and sampling steps against a bare read in the
+same layout and torch's row max. Each row gives the device time
 (``triton.testing.do_bench_cudagraph`` median, each step on a copy of the logits not in L2:
-``benchmarks.cold_reads``), the achieved read rate and the ratio to the one-read floor at the copy
+``benchmarks.cold_reads``), the achieved read rate or the ratio to the one-read floor at the copy
 bandwidth measured in the same run; * marks the current default. Pick the next defaults from the tables.
 """
 
@@ -96,15 +93,16 @@ def bounds_sweep(logits: torch.Tensor, timer: Timer) -> list[tuple[float, bool, 
 
 def scan_sweep(logits: torch.Tensor, launches: Iterable[tuple[int, int]], timer: Timer, *, draw: bool = False,
                ) -> list[tuple[tuple[int, int], float]]:
-    """((BLOCK_V, splits), ms) of the greedy (``draw`` False) or sampling device step (the scan,
-    then the select kernel's merge and head math) per launch, NMST head, t = 100."""
+    """((BLOCK_V, splits), ms) of the greedy (``draw`` False) or sampling device step (the one-launch
+    scan whose last split per row merges and does the head math) per launch, NMST head, t = 100."""
+    from kernels.scan_select import scan_select
+
     seed = torch.tensor([1234], device=logits.device) if draw else None
     rows = []
     for launch in launches:
         def step(z: torch.Tensor, launch=launch) -> None:
-            scan = scan_partials(z, eos_index=z.shape[1] - 1, seed=seed, launch=launch)
-            select_from_scan(z, scan, head="nmst", eos_index=z.shape[1] - 1, eps=1e-5, temperature=1.0,
-                             steps=100, state=None, seed=seed)
+            scan_select(z, head="nmst", eos_index=z.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100, state=None,
+                        seed=seed, launch=launch)
 
         step(logits)
         rows.append((launch, timer(step, logits)))
@@ -137,56 +135,6 @@ def top_k_parts(logits: torch.Tensor, top_k: int, timer: Timer) -> list[tuple[st
     for name, fn in (("candidate scan", scan_only), ("scan + select", step), ("one launch", one_launch)):
         fn(logits)
         rows.append((name, timer(fn, logits)))
-    return rows
-
-
-def split_sweep(logits: torch.Tensor, top_p: float, launches: Iterable[tuple[int, int]],
-                timer: Timer) -> list[tuple[tuple[int, int], float]]:
-    """((BLOCK_V, splits), ms) of top-p by split rounds per launch — the drawing scan and the
-    first FIRST_ROUNDS round launches, as a step of fewer than ROW_DRAW_MIN_ROWS rows runs them
-    (NMST head, t = 100); (0, 0) is the row draw at its default launch, for comparison."""
-    from kernels.split_top_p import SplitTopP
-
-    seed = torch.tensor([1234], device=logits.device)
-    args = dict(head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100, state=None,
-                seed=seed, top_p_threshold=top_p)
-    rows = []
-    for launch in [(0, 0)] + list(launches):
-        def step(z: torch.Tensor, launch=launch) -> None:
-            if launch == (0, 0):
-                draw_rows(z, **args)
-            else:
-                SplitTopP(z, launch=launch, **args)
-
-        step(logits)
-        rows.append((launch, timer(step, logits)))
-    return rows
-
-
-def split_round_parts(logits: torch.Tensor, top_p: float, timer: Timer) -> list[tuple[str, float]]:
-    """(part, ms) of top-p by split rounds at the default launch (NMST head, t = 100): the drawing
-    scan alone, then with 1, 2 and FIRST_ROUNDS rounds (each launch decides the round before and
-    passes over the row; a last launch decides). The differences are each round's cost, which the
-    H200 run put at ~30-50 µs at B = 32 against 13-18 µs for the whole drawing scan."""
-    from kernels.split_top_p import FIRST_ROUNDS, ROUND_BLOCK_V, SplitTopP
-
-    seed = torch.tensor([1234], device=logits.device)
-    _, block_v, splits = launch_shape(logits, 0, ROUND_BLOCK_V)
-    eos = logits.shape[1] - 1
-    rows = []
-
-    def scan_only(z: torch.Tensor) -> None:
-        scan_partials(z, eos_index=eos, seed=seed, launch=(block_v, splits))
-
-    scan_only(logits)
-    rows.append(("drawing scan", timer(scan_only, logits)))
-    for rounds in sorted({1, 2, FIRST_ROUNDS}):
-        def step(z: torch.Tensor, rounds=rounds) -> None:
-            SplitTopP(z, head="nmst", eos_index=eos, eps=1e-5, temperature=1.0, steps=100, state=None, seed=seed,
-                      top_p_threshold=top_p, rounds=rounds)
-
-        step(logits)
-        rows.append((f"scan + {rounds} round{'s' if rounds > 1 else ''} + decision", timer(step, logits)))
     return rows
 
 
@@ -262,7 +210,7 @@ def read_floor_parts(logits: torch.Tensor, timer: Timer) -> list[tuple[str, floa
     return rows
 
 
-TABLES = ("row-draw", "bounds", "scan", "top-k-parts", "scan-b32", "split", "split-parts", "read-floor")
+TABLES = ("row-draw", "bounds", "scan", "top-k-parts", "scan-b32", "read-floor")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -315,7 +263,7 @@ def _bounds_table(vocabs, bandwidth, timer, quick) -> None:
 
 
 def _scan_table(vocabs, bandwidth, timer, quick) -> None:
-    print("\nsplit-V scan + select, B = 256")
+    print("\nsplit-V scan with its finish (one launch), B = 256")
     print("| V | mode | BLOCK_V | splits | programs | ms | read TB/s | x floor |\n"
           "|---:|---|---:|---:|---:|---:|---:|---:|")
     for V, draw in [(V, False) for V in vocabs] + [(50257, True)]:
@@ -343,7 +291,7 @@ def _top_k_parts_table(vocabs, bandwidth, timer, quick) -> None:
 def _scan_b32_table(vocabs, bandwidth, timer, quick) -> None:
     # The layout rule (``row_scan.cuda_launch_shape``) is meant for every batch size, so the sweep
     # checks it away from B = 256 too (the H200 check of 2026-11-27 chose it from B = 1-256).
-    print("\nsplit-V scan + select at B = 32, V = 128256")
+    print("\nsplit-V scan with its finish (one launch) at B = 32, V = 128256")
     print("| mode | BLOCK_V | splits | programs | ms | x floor |\n|---|---:|---:|---:|---:|---:|")
     logits = make_logits(32, 128256, device="cuda")
     floor_ms = logits.numel() * 4 / bandwidth * 1e3
@@ -357,36 +305,6 @@ def _scan_b32_table(vocabs, bandwidth, timer, quick) -> None:
                   f"{ms / floor_ms:.2f} |", flush=True)
 
 
-def _split_table(vocabs, bandwidth, timer, quick) -> None:
-    from kernels.split_top_p import ROUND_BLOCK_V
-
-    print("\ntop-p 0.9 by split rounds (scan + first rounds); BLOCK_V 0 = the row draw")
-    print("| B | V | BLOCK_V | splits | ms | read TB/s | x floor |\n|---:|---:|---:|---:|---:|---:|---:|")
-    for B in (1, 32):
-        V = 50257 if quick else 128256
-        logits = make_logits(B, V, device="cuda")
-        floor_ms = logits.numel() * 4 / bandwidth * 1e3
-        _, default_block_v, default_splits = launch_shape(logits, 0, ROUND_BLOCK_V)
-        # A few shapes (each FIRST/PASS variant compiles per BLOCK_V and padded split count): the
-        # split count at 4096 columns, 2048 at 32.
-        launches = sorted({(4096, 8), (4096, 16), (4096, 32), (2048, 32), (default_block_v, default_splits)})
-        for (block_v, splits), ms in split_sweep(logits, 0.9, launches, timer):
-            mark = "*" if (block_v, splits) == (default_block_v, default_splits) else ""
-            print(f"| {B} | {V} | {block_v} | {splits}{mark} | {ms:.4f} | "
-                  f"{logits.numel() * 4 / (ms * 1e-3) / 1e12:.2f} | {ms / floor_ms:.2f} |", flush=True)
-
-
-def _split_parts_table(vocabs, bandwidth, timer, quick) -> None:
-    print("\ntop-p by split rounds in parts (default launch)")
-    print("| B | V | top-p | part | ms | x floor |\n|---:|---:|---:|---|---:|---:|")
-    for B, V in ((32, 50257), (1, 50257)) if quick else ((32, 50257), (32, 128256), (1, 50257)):
-        logits = make_logits(B, V, device="cuda")
-        floor_ms = logits.numel() * 4 / bandwidth * 1e3
-        for top_p in (0.4, 0.9):
-            for part, ms in split_round_parts(logits, top_p, timer):
-                print(f"| {B} | {V} | {top_p} | {part} | {ms:.4f} | {ms / floor_ms:.2f} |", flush=True)
-
-
 def _read_floor_table(vocabs, bandwidth, timer, quick) -> None:
     print("\nthe greedy and sampling steps against a bare read in their layout (default launch)")
     print("| B | V | part | ms | x floor |\n|---:|---:|---|---:|---:|")
@@ -398,8 +316,7 @@ def _read_floor_table(vocabs, bandwidth, timer, quick) -> None:
 
 
 _TABLE_RUNNERS = {"row-draw": _row_draw_table, "bounds": _bounds_table, "scan": _scan_table,
-                  "top-k-parts": _top_k_parts_table, "scan-b32": _scan_b32_table, "split": _split_table,
-                  "split-parts": _split_parts_table, "read-floor": _read_floor_table}
+                  "top-k-parts": _top_k_parts_table, "scan-b32": _scan_b32_table, "read-floor": _read_floor_table}
 
 
 if __name__ == "__main__":

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from contextlib import contextmanager
 from typing import Callable, Optional
 
 import torch
@@ -51,20 +49,16 @@ def copy_bandwidth() -> float:
 def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
     """A strategy's whole device step — kernels only, no Python or host sync (timed as a CUDA graph).
 
-    Greedy and sampling: the one-launch scan whose last split per row does the head math and draw
-    (``kernels/scan_select.py``; its flags' fill before it); sampling from ROW_DRAW_MIN_ROWS rows:
-    the one-program-per-row inverse CDF kernel. Top-k (then top-p): the candidate scan with the
-    same finish (the two-launch candidate scan + select where the finish cannot hold the candidates). Top-p alone: the rejection rounds (what
-    distinct rows take; repeated rows and the rare unresolved row take the cut + draw kernels):
-    the row-draw kernel from TOP_P_ROW_DRAW_MIN_ROWS rows, else the drawing scan and the split rounds'
-    first FIRST_ROUNDS launches (the rare row needing more costs a host sync and more launches).
+    Greedy, sampling and top-k (then top-p): the fill of the flags and counters, then the one
+    launch whose last split per row does the head math and draw (``kernels/scan_select.py``; the
+    two-launch candidate scan + select where the finish cannot hold the candidates). Top-p alone:
+    the row draw's rejection rounds (what distinct rows take; repeated rows and the rare unresolved
+    row take the cut + draw kernels).
     """
     from kernels.row_draw import draw_rows
-    from kernels.split_top_p import SplitTopP
     from kernels.row_scan import scan_partials
     from kernels.row_select import select_candidates_from_scan
     from kernels.scan_select import fits_one_launch, scan_select
-    from nmst_fast.decoding.fused import samples_by_row_draw
 
     plain = untruncated(k, p)
     seed = torch.tensor([1234], device=device)
@@ -72,15 +66,11 @@ def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
 
     def step(logits: torch.Tensor) -> None:
         eos = logits.shape[1] - 1
-        if plain and k != 1 and samples_by_row_draw(logits.shape[0]):  # sampling, as fused_select dispatches
-            draw_rows(logits, eos_index=eos, temperature=1.0, seed=seed, **head)
-        elif plain:
+        if plain:
             draw = None if k == 1 else seed  # sampling draws in the scan; greedy does not
             scan_select(logits, eos_index=eos, temperature=1.0, seed=draw, **head)
-        elif k is None and samples_by_row_draw(logits.shape[0], top_p=True):
-            draw_rows(logits, eos_index=eos, temperature=1.0, top_p_threshold=p, seed=seed, **head)
         elif k is None:
-            SplitTopP(logits, eos_index=eos, temperature=1.0, top_p_threshold=p, seed=seed, **head)
+            draw_rows(logits, eos_index=eos, temperature=1.0, top_p_threshold=p, seed=seed, **head)
         elif fits_one_launch(logits, k):
             scan_select(logits, eos_index=eos, temperature=1.0, top_k=k, top_p_threshold=p, seed=seed, **head)
         else:
@@ -91,39 +81,28 @@ def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
 
 
 def _top_p_rounds(logits: torch.Tensor, k: Optional[int], p: Optional[float]) -> str:
-    """Rejection rounds of top-p alone ("mean / max" over rows; one read of the row per round after
-    the first pass) on the path the batch takes; "—" for other strategies."""
+    """Rejection rounds of top-p alone ("mean / max" over rows; rows that read the row again after
+    the first pass); "—" for other strategies."""
     if k is not None or p is None or p >= 1.0:
         return "—"
     from kernels.row_draw import draw_rows
-    from kernels.split_top_p import SplitTopP
-    from nmst_fast.decoding.fused import samples_by_row_draw
 
     args = dict(head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100, state=None,
                 top_p_threshold=p, seed=torch.tensor([1234], device=logits.device))
-    if samples_by_row_draw(logits.shape[0], top_p=True):
-        passes = torch.zeros(logits.shape[0], dtype=torch.int32, device=logits.device)
-        _, rounds = draw_rows(logits, passes=passes, **args)
-        read = f"; {float(passes.double().mean()):.2f} read the row"  # the others the bounds settled
-    else:
-        draw = SplitTopP(logits, **args)
-        draw.finish()
-        rounds, read = draw.rounds, ""
+    passes = torch.zeros(logits.shape[0], dtype=torch.int32, device=logits.device)
+    _, rounds = draw_rows(logits, passes=passes, **args)
+    read = f"; {float(passes.double().mean()):.2f} read the row"  # the others the bounds settled
     return f"{float(rounds.double().mean()):.2f} / {int(rounds.max())}{read}"
 
 
 def gpu_main(vocabs: tuple[int, ...] = VOCABS) -> None:
-    from nmst_fast.decoding.fused import ROW_DRAW_MIN_ROWS, TOP_P_ROW_DRAW_MIN_ROWS, samples_by_row_draw
-
     bandwidth = copy_bandwidth()
     print(f"per-step selection, NMST head, fp32 logits, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"do_bench medians; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write); "
           "floor = B*V*4 bytes / that bandwidth; loop = ms per call of 50 back-to-back calls, one sync after; "
           "kernels = the strategy's whole device step as a CUDA graph, each "
-          "step on a copy of the logits not in L2 "
-          f"(greedy, top-k, sampling of < {ROW_DRAW_MIN_ROWS} rows: scan + select; top-p of < "
-          f"{TOP_P_ROW_DRAW_MIN_ROWS} rows: the drawing scan + the split rounds; top-p and sampling of more rows: "
-          "the row-draw kernel; the rows named 'split …' / 'row draw' take the other path, to check the switches)")
+          "step on a copy of the logits not in L2 (greedy, sampling, top-k: a fill and the one-launch "
+          "scan + finish; top-p alone: a fill and the row-draw kernel)")
     print("| B | V | strategy | fast (ms) | sort-based (ms) | speed-up | fast, loop (ms) | kernels (ms) | floor (ms) "
           "| kernels / floor | top-p rounds (mean / max) |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -132,18 +111,9 @@ def gpu_main(vocabs: tuple[int, ...] = VOCABS) -> None:
         for B in BATCHES:
             logits = make_logits(B, V, device="cuda")
             floor_ms = B * V * 4 / bandwidth * 1e3
-            sort_ms: dict = {}  # the comparison rows reuse their strategy's sort-based time
+            sort_ms: dict = {}
             for name, (k, p) in STRATEGIES.items():
                 _gpu_row(name, k, p, logits, gen, floor_ms, sort_ms)
-            # The path each switch does not give this batch, to check the switches.
-            plain_row_draw, top_p_row_draw = samples_by_row_draw(B), samples_by_row_draw(B, top_p=True)
-            with split_paths() if plain_row_draw else row_draw_paths():
-                _gpu_row(f"sampling, {'split scan' if plain_row_draw else 'row draw'}", None, None, logits, gen,
-                         floor_ms, sort_ms)
-            with split_paths() if top_p_row_draw else row_draw_paths():
-                for p in (0.4, 0.9):
-                    _gpu_row(f"top-p {p}, {'split rounds' if top_p_row_draw else 'row draw'}", None, p, logits, gen,
-                             floor_ms, sort_ms)
 
 
 def _gpu_row(name: str, k: Optional[int], p: Optional[float], logits: torch.Tensor, gen: torch.Generator,
@@ -160,31 +130,6 @@ def _gpu_row(name: str, k: Optional[int], p: Optional[float], logits: torch.Tens
     B, V = logits.shape
     print(f"| {B} | {V} | {name} | {mf:.4f} | {ms:.4f} | {ms / mf:.2f}x | {mloop:.4f} | {mscan:.4f} | {floor_ms:.4f} | "
           f"{mscan / floor_ms:.2f} | {_top_p_rounds(logits, k, p)} |", flush=True)
-
-
-@contextmanager
-def _row_draw_from(rows: int):
-    """Both row-draw switches (plain sampling, top-p alone) set to ``rows``, restored on exit
-    (``samples_by_row_draw`` reads them when called)."""
-    from nmst_fast.decoding import fused
-
-    saved = fused.ROW_DRAW_MIN_ROWS, fused.TOP_P_ROW_DRAW_MIN_ROWS
-    fused.ROW_DRAW_MIN_ROWS = fused.TOP_P_ROW_DRAW_MIN_ROWS = rows
-    try:
-        yield
-    finally:
-        fused.ROW_DRAW_MIN_ROWS, fused.TOP_P_ROW_DRAW_MIN_ROWS = saved
-
-
-def row_draw_paths():
-    """Plain sampling and top-p alone through the row draw whatever the batch size."""
-    return _row_draw_from(0)
-
-
-def split_paths():
-    """Plain sampling through the split-V scan's draw and top-p through the split rounds whatever
-    the batch size."""
-    return _row_draw_from(sys.maxsize)
 
 
 def build_flashinfer(gen: torch.Generator) -> float:
@@ -231,7 +176,7 @@ def flashinfer_table(gen: torch.Generator) -> None:
     print("| B | V | strategy | fast VA (ms) | FlashInfer (ms) | FlashInfer / fast | fast VA, loop (ms) | "
           "FlashInfer, loop (ms) | FlashInfer / fast, loop |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
-    for V in vocabs:
+    for V in VOCABS:
         for B in BATCHES:
             logits = make_logits(B, V, device="cuda")
             for name, (k, p) in STRATEGIES.items():

@@ -35,7 +35,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from . import nucleus, row_draw, row_scan, row_select, scale_cast, scan_select, split_softmax, split_top_p
+from . import nucleus, row_draw, row_scan, row_select, scale_cast, scan_select, split_softmax
 from .host_math import cdiv, scan_width
 
 H100_SMS = 132  # the lent GPUs' multiprocessors (H100 and H200 alike): split counts follow from it
@@ -151,7 +151,6 @@ def launches() -> list[Launch]:
             label, dict(BLOCK_S=block_s, BLOCK_B=block_b),
             dict(num_warps=row_select.candidate_num_warps(block_b, block_s, K))))
     out += _nucleus_launches(state, seed)
-    out += _split_top_p_launches(state, seed)
     out += _small_vocab_launches(seed)
     zb = z.to(torch.bfloat16)
     targets = torch.zeros(4, dtype=torch.long)
@@ -199,29 +198,6 @@ def _nucleus_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launch]:
     return out
 
 
-def _split_top_p_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launch]:
-    """The split rounds' three variants (deciding the scan and passing, deciding a pass and
-    passing, the last decision) per head, and the first in bf16, at the CUDA launch shape of a
-    row of a 128256-token vocabulary (2048-column tiles, 63 splits: a 64-wide split table)."""
-    V = 128256
-    z = torch.randn(4, V, generator=torch.Generator().manual_seed(3))
-    _, block_v, splits = row_scan.cuda_launch_shape(1, V, 0, H100_SMS, split_top_p.ROUND_BLOCK_V)
-    shape = dict(BLOCK_B=1, BLOCK_V=block_v)
-    out = []
-    for head, dtype in [("va", torch.float32), ("nmst", torch.float32), ("st", torch.float32),
-                        ("nmst", torch.bfloat16)]:
-        sink: list = []
-        with _recording(row_scan, "_row_scan_kernel", []), \
-                _recording(split_top_p, "_round_kernel", sink) as kernel:
-            split_top_p.SplitTopP(z.to(dtype), head=head, eos_index=5, eps=1e-5, temperature=0.7, steps=3,
-                                  state=state if head == "st" else None, seed=seed, top_p_threshold=0.9, rounds=2,
-                                  launch=(block_v, splits))
-        for (args, kwargs), step in zip(sink, ("first round", "later round", "last decision")):
-            if dtype == torch.float32 or step == "first round":
-                out.append(Launch(f"split top-p {step} {head} {str(dtype)[6:]}", kernel, args, kwargs, shape))
-    return out
-
-
 def _small_vocab_launches(seed: torch.Tensor) -> list[Launch]:
     """The row draw and the nucleus draw at vocabularies of one to two tiles (V divisible by 16, so
     the loads are vectorized): Triton 3.6's scan lowering failed there on an H100 until the per-tile
@@ -239,18 +215,16 @@ def _small_vocab_launches(seed: torch.Tensor) -> list[Launch]:
                                    top_p_threshold=0.9, seed=seed)
         shape = nucleus.draw_launch(64, V, cut_shape["BLOCK_V"], cuda=True) | {"BLOCK_V": cut_shape["BLOCK_V"]}
         out.append(Launch(f"nucleus draw V={V} B=64", kernel, *sink[0], *_blocks_and_options(shape)))
-    # The split rounds of a few rows of a small vocabulary: one split, so a one-column split table
-    # (failed the same way on an H100 until padded, ``host_math.scan_width``).
-    for V in (400, 2048):
+    # The one-launch step with one split (a small vocabulary, or a batch of over 4 rows per SM): a
+    # one-column split table in the finish's inverse CDF (``first_crossing``'s cumsum).
+    for V, seed_or_none in ((400, seed), (2048, seed), (2048, None)):
         z = torch.randn(5, V, generator=torch.Generator().manual_seed(4))
-        _, block_v, splits = row_scan.cuda_launch_shape(5, V, 0, H100_SMS, split_top_p.ROUND_BLOCK_V)
-        sink = []
-        with _recording(row_scan, "_row_scan_kernel", []), _recording(split_top_p, "_round_kernel", sink) as kernel:
-            split_top_p.SplitTopP(z, head="nmst", eos_index=3, eps=0.05, temperature=1.0, steps=torch.arange(5),
-                                  state=None, seed=seed, top_p_threshold=0.8, rounds=2, launch=(block_v, splits))
-        for (args, kwargs), step in zip(sink, ("first round", "later round", "last decision")):
-            out.append(Launch(f"split top-p V={V} splits={splits} {step}", kernel, args, kwargs,
-                              dict(BLOCK_B=1, BLOCK_V=block_v)))
+        _, block_v, splits = row_scan.cuda_launch_shape(600, V, 0, H100_SMS)
+        out.append(_record(scan_select, "_scan_select_kernel", lambda: scan_select.scan_select(
+            z, head="nmst", eos_index=3, eps=0.05, temperature=1.0, steps=torch.arange(5), state=None,
+            seed=seed_or_none), f"scan_select V={V} splits={splits} {'draw' if seed_or_none is not None else 'greedy'}",
+            dict(BLOCK_B=1, BLOCK_V=block_v, BLOCK_S=splits,
+                 LANE_TILES=scan_width(cdiv(V, block_v)) if seed_or_none is not None else 1)))
     return out
 
 

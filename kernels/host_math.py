@@ -21,7 +21,7 @@ def next_power_of_2(n: int) -> int:
 
 # Triton 3.6's scan lowering (tl.cumsum) asserts when a table to scan is narrower than the
 # per-thread vector its layout inherits from the kernel's 16-byte-aligned row loads (on an H100:
-# per-tile tables of 1-2 tiles at V = 512-4096, and the split rounds' one-split table; Triton 3.9
+# per-tile tables of 1-2 tiles at V = 512-4096, and one-split tables; Triton 3.9
 # compiles them). Padded columns hold no mass.
 MIN_SCAN_WIDTH = 8
 

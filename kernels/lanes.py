@@ -192,14 +192,14 @@ def ranked_lane_mass(lane_ptrs, lo, hi, eos_index, inv_temp, m, pivot_value, piv
     """Per lane (fp32, summed along the lane in column order): the mass e^(x − M) of the non-eos
     columns in [lo, hi) that rank before the pivot — (x, column) with a larger x, or the same x at
     a lower column; x = z · inv_temp, M = ``m``. One read, no reduction across the tile: top-p's
-    acceptance passes (``row_draw``, ``split_top_p``). The sums are monotone along the ranking
+    acceptance passes (``row_draw``). The sums are monotone along the ranking
     (fixed order, monotone rounding), which keeps the accepted tokens a prefix of it."""
     acc = tl.zeros((BLOCK_B, BLOCK_V), tl.float32)
     m_row = m[:, None]
     pivot_value = pivot_value[:, None]
     # The column rule as one loop-invariant tile: lane < pivot_col − start ⟺ pivot_col − lane > start.
-    # (A per-row pivot_col − start formed in the loop made split_top_p, whose per-row vectors come
-    # from another layout, convert it through shared memory on every tile: 32 barriers per loop.)
+    # (A per-row pivot_col − start formed in the loop made a kernel whose per-row vectors came from
+    # another layout convert it through shared memory on every tile: 32 barriers per loop.)
     pivot_col = pivot_col[:, None] - tl.arange(0, BLOCK_V)[None, :]
     eos_start, eos_end, whole_end = tile_spans(lo, hi, eos_index, HAS_EOS, BLOCK_V)
     acc = _ranked_span(acc, lane_ptrs, lo, eos_start, hi, eos_index, inv_temp, m_row, pivot_value, pivot_col,

@@ -1,9 +1,10 @@
-"""One program per row draws by inverse CDF: plain sampling in one read, top-p by rejection in ~two.
+"""One program per row draws by inverse CDF: top-p by rejection in about one to two reads.
 
-Plain sampling (``draw_rows`` without a threshold): step 1 below, then one draw by inverse CDF from the whole
-distribution (eos by its float64 mass, a lane from the per-lane masses, then a column of that
-lane): one exponential per element, as the split-V scan's draw (``row_scan``), but one program
-per row instead of a split of V per program, so no second launch merges the splits. A lane is a
+Top-p alone on a GPU takes this kernel. Its plain mode (``draw_rows`` without a threshold) is step 1
+below, then one draw by inverse CDF from the whole distribution (eos by its float64 mass, a lane
+from the per-lane masses, then a column of that lane); plain sampling itself takes the split-V
+scan's one launch (``kernels/scan_select.py``), which timed faster at every batch size (RESULTS.md,
+fifteenth session), so the plain mode is the rounds' first step and a benchmarked alternative. A lane is a
 column position of the BLOCK_V-wide tile followed across the row's tiles (columns l, l + BLOCK_V,
 …): the passes keep their sums per lane, so their loops reduce nothing across the tile (no
 barrier; ``row_scan.fold_lanes``), and one reduction per pass merges the lanes.

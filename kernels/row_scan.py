@@ -336,7 +336,7 @@ def interpreter_block_rows(rows: int, block_v: int) -> int:
 
 # The split-V layout on a GPU: tile width and how many programs the split count aims for.
 #
-# Plain and drawing scans (greedy; sampling below ROW_DRAW_MIN_ROWS rows): 2048-column tiles and
+# Plain and drawing scans (greedy, sampling): 2048-column tiles and
 # ⌊4·SMs / B⌋ splits per row (about 4 programs per SM, rounded down: B = 256 → 2 splits, 32 → 16,
 # 64 → 8 on 132 SMs). Measured on an H200 (RESULTS.md, fourteenth session; each cell twice, within
 # 1%): that count was the best of those timed for greedy at B = 1, 32, 64 and 256 and for sampling
@@ -354,31 +354,22 @@ SCAN_PROGRAMS_PER_SM = 4
 CANDIDATE_BLOCK_V = 1024
 LANE_CANDIDATE_PROGRAMS_PER_SM = 5
 CANDIDATE_PROGRAMS_PER_SM = 4
-# The split top-p rounds (a tile width of their own, ``split_top_p.ROUND_BLOCK_V``) keep the H100
-# rule they were timed with: ⌈7·SMs / B⌉ splits.
-ROUND_PROGRAMS_PER_SM = 7
 
 
-def launch_shape(z: torch.Tensor, candidates: int, block_v: int | None = None) -> tuple[int, int, int]:
-    """(BLOCK_B, BLOCK_V, splits): enough programs to fill a GPU even for one row. ``block_v``: the
-    split top-p rounds' tile width (they keep their own layout rule)."""
+def launch_shape(z: torch.Tensor, candidates: int) -> tuple[int, int, int]:
+    """(BLOCK_B, BLOCK_V, splits): enough programs to fill a GPU even for one row."""
     B, V = z.shape
     if not z.is_cuda:
         # The interpreter: one split, many rows per program.
-        width = min(block_v or 2048, next_power_of_2(V))
+        width = min(2048, next_power_of_2(V))
         return interpreter_block_rows(B, width), width, 1
-    return cuda_launch_shape(B, V, candidates, torch.cuda.get_device_properties(z.device).multi_processor_count,
-                             block_v)
+    return cuda_launch_shape(B, V, candidates, torch.cuda.get_device_properties(z.device).multi_processor_count)
 
 
-def cuda_launch_shape(B: int, V: int, candidates: int, multi_processors: int,
-                      block_v: int | None = None) -> tuple[int, int, int]:
+def cuda_launch_shape(B: int, V: int, candidates: int, multi_processors: int) -> tuple[int, int, int]:
     """:func:`launch_shape` on a GPU of ``multi_processors`` SMs (also what ``compile_check`` compiles)."""
     B = max(B, 1)  # an empty batch launches nothing; its shape only has to exist
-    if block_v is not None:  # the split top-p rounds
-        block_v = min(block_v, next_power_of_2(V))
-        splits = cdiv(ROUND_PROGRAMS_PER_SM * multi_processors, B)
-    elif not candidates:
+    if not candidates:
         block_v = min(SCAN_BLOCK_V, next_power_of_2(V))
         splits = SCAN_PROGRAMS_PER_SM * multi_processors // B
     else:

@@ -18,8 +18,10 @@ is O(1) (or O(K)) per row:
   * the chosen token, its log-probability, ST's new state, and a flag: the first row
     whose distribution is undefined (NaN/+inf logits, or no finite non-eos logit).
 
-So a decoding step is two launches with no host sync in between; the caller reads
-the flags once at the end. The math is ``nmst_fast.decoding.distribution``'s (the
+The per-row code (``select_rows``, ``select_candidate_rows``) also finishes each row inside the
+scan's own launch (``kernels/scan_select.py``, the default step); the two select kernels here
+serve rows repeated with stride 0, whose one scan feeds every row. Either way no host sync until
+the caller reads the flags once at the end. The math is ``nmst_fast.decoding.distribution``'s (the
 torch path), to float64 rounding.
 
 Float64 math uses only exp and log (``expm1``/``log1p`` by Kahan's formulas): Triton

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .host_math import cdiv, next_power_of_2
+from .host_math import next_power_of_2
 from .row_scan import _as_seed, scan_launch, scan_split
 from .row_select import HEAD_CODES, Selection, _Outputs, _split_f64, select_candidate_rows, select_rows
 

@@ -6,8 +6,7 @@ import torch
 import nmst_fast.decoding
 from nmst_fast.decoding import effective_logits, sample
 from kernels.row_scan import MAX_CANDIDATES
-import nmst_fast.decoding.fused as fused
-from nmst_fast.decoding.fused import fused_select, fused_truncated, samples_by_row_draw
+from nmst_fast.decoding.fused import fused_select, fused_truncated
 from nmst_fast.generation import generate
 
 from helpers import DEVICE
@@ -35,13 +34,28 @@ def test_fused_greedy_equals_torch_path(head, temperature):
         torch.testing.assert_close(fused_state, torch_state)
 
 
-@pytest.mark.parametrize("sampling_path", ["split scan", "row draw"])
+def _sampled(z, sampling_path, *, generator, **args):
+    """Plain sampling of every row through ``sampling_path``: "one launch" (``fused_select``, what
+    ``sample`` runs on a GPU) or "row draw" (``kernels/row_draw.py``'s plain mode: top-p's kernel
+    with no truncation, the alternative ``benchmarks.profile_decoding`` times against it)."""
+    if sampling_path == "one launch":
+        return fused_select(z, greedy=False, generator=generator, **args)
+    from kernels.row_draw import draw_rows
+    from nmst_fast.decoding.fused import _seed
+
+    args.setdefault("steps", 1)
+    picked, _ = draw_rows(z, temperature=args.pop("temperature", 1.0), state=args.pop("state", None),
+                          seed=_seed(generator, z.device), **args)
+    assert picked.flags.tolist() == [z.shape[0]] * 2
+    return picked
+
+
+@pytest.mark.parametrize("sampling_path", ["one launch", "row draw"])
 @pytest.mark.parametrize("head", HEADS)
-def test_fused_log_probs_of_chosen_tokens(head, sampling_path, monkeypatch):
-    monkeypatch.setattr(fused, "ROW_DRAW_MIN_ROWS", 0 if sampling_path == "row draw" else 10**9)
+def test_fused_log_probs_of_chosen_tokens(head, sampling_path):
     z = (torch.randn(50, 33, generator=torch.Generator().manual_seed(1)) * 2).to(DEVICE)
-    picked = fused_select(z, head=head, eos_index=4, eps=0.1, steps=7, greedy=False,
-                          generator=torch.Generator().manual_seed(2))
+    picked = _sampled(z, sampling_path, head=head, eos_index=4, eps=0.1, steps=7,
+                      generator=torch.Generator().manual_seed(2))
     expected = effective_logits(z, head=head, eos_index=4, eps=0.1, steps=7).token_log_probs(picked.tokens)
     torch.testing.assert_close(picked.log_probs, expected, rtol=1e-6, atol=1e-6)
 
@@ -113,21 +127,25 @@ def test_replicated_rows_share_one_scan_but_not_the_head_math():
             torch.testing.assert_close(fused_state, expected_state, rtol=1e-12, atol=0)
 
 
-@pytest.mark.parametrize("path", ["split scan", "row draw"])
+@pytest.mark.parametrize("path", ["one launch", "row draw"])
 @pytest.mark.parametrize("head,t", [("nmst", 1), ("nmst", 300), ("st", 20), ("va", 1)])
-def test_fused_sampling_distribution(head, t, path, monkeypatch):
-    """10⁶ draws G-tested, through the split-V scan's draw and through the one-program-per-row
-    inverse CDF (the batch size picks one; forced here)."""
-    monkeypatch.setattr(fused, "ROW_DRAW_MIN_ROWS", 0 if path == "row draw" else DRAWS + 1)
+def test_fused_sampling_distribution(head, t, path):
+    """10⁶ draws G-tested, through ``sample`` (the one-launch scan's draw) and through the
+    one-program-per-row inverse CDF (the row draw's plain mode)."""
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
     eos, eps = 2, 0.01
     z = _row(gen, V=19)
     state = _st_state_before(z, eos, eps, t) if head == "st" else None
     reference = torch.exp(_reference_log_probs(z, head, eos, eps, t))
-    tokens, _ = sample(z.to(DEVICE).unsqueeze(0).expand(DRAWS, -1), head=head, eos_index=eos, eps=eps, steps=t,
-                       state=None if state is None else state.to(DEVICE).expand(DRAWS), impl="triton",
-                       generator=torch.Generator().manual_seed(seed + 1))
+    rows = z.to(DEVICE).unsqueeze(0).expand(DRAWS, -1)
+    rows_state = None if state is None else state.to(DEVICE).expand(DRAWS)
+    if path == "one launch":
+        tokens, _ = sample(rows, head=head, eos_index=eos, eps=eps, steps=t, state=rows_state, impl="triton",
+                           generator=torch.Generator().manual_seed(seed + 1))
+    else:
+        tokens = _sampled(rows, path, head=head, eos_index=eos, eps=eps, steps=t, state=rows_state,
+                          generator=torch.Generator().manual_seed(seed + 1)).tokens
     assert _g_test(tokens.cpu(), reference) > 1e-5, f"seed={seed}"
 
 
@@ -298,10 +316,12 @@ SCAN_SELECT_LAUNCHES = [None, (64, 1), (64, 3), (32, 7), (16, 13)]
 @pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("draw", [False, True])
 def test_scan_select_equals_two_launches(head, draw, launch):
-    """The one-launch step (each row finished by the last of its splits) picks exactly the tokens,
-    log-probabilities and ST states of the scan + select kernels it fuses, for every head, greedy and
-    the draw, one to 13 splits: same partials, same code. On a GPU the batch is large (the rows' last
-    arrivals race each other: a row finished from a split's partials not yet visible would differ),
+    """The one-launch step (each row finished by the last of its splits) picks exactly the tokens and
+    ST states of the scan + select kernels it fuses, and their log-probabilities to float64 rounding
+    (L's sum over the splits may associate differently in the two kernels' thread layouts: at 13
+    splits an H100 differed in the last bits), for every head, greedy and the draw, one to 13
+    splits: same partials, same code. On a GPU the batch is large (the rows' last arrivals race
+    each other: a row finished from a split's partials not yet visible would differ),
     with ties, −inf columns, per-row steps, context rows, and a NaN row and a row without a finite
     non-eos logit, both flagged."""
     from kernels.scan_select import scan_select
@@ -329,7 +349,8 @@ def test_scan_select_equals_two_launches(head, draw, launch):
         ok = torch.ones(B, dtype=torch.bool, device=DEVICE)
         ok[[4, 9]] = False
         assert torch.equal(fused_step.tokens[ok], two.tokens[ok]), f"seed={seed_value} {dtype}"
-        assert torch.equal(fused_step.log_probs[ok], two.log_probs[ok]), f"seed={seed_value} {dtype}"
+        torch.testing.assert_close(fused_step.log_probs[ok], two.log_probs[ok], rtol=1e-12, atol=1e-12,
+                                   msg=f"seed={seed_value} {dtype}")
         if head == "st":
             assert torch.equal(fused_step.state[ok], two.state[ok])
 
@@ -341,8 +362,9 @@ def test_scan_select_equals_two_launches(head, draw, launch):
     + [("st", (64, 3), 20, 0.9)])  # K = 32: tl.topk per entering tile (slow in the interpreter: once)
 def test_scan_select_top_k_equals_two_launches(head, top_k, top_p, launch):
     """The one-launch top-k (then top-p) step equals the candidate scan + candidate select kernels
-    it fuses, token for token (same keys, same draw), for every head and one to 13 splits; on a GPU
-    over a large batch, where the rows' last arrivals race."""
+    it fuses, token for token (same keys, same draw; log-probabilities to float64 rounding, as
+    above), for every head and one to 13 splits; on a GPU over a large batch, where the rows' last
+    arrivals race."""
     from kernels.row_scan import scan_partials
     from kernels.row_select import select_candidates_from_scan
     from kernels.scan_select import scan_select
@@ -368,7 +390,8 @@ def test_scan_select_top_k_equals_two_launches(head, top_k, top_p, launch):
     ok = torch.ones(B, dtype=torch.bool, device=DEVICE)
     ok[5] = False
     assert torch.equal(fused_step.tokens[ok], two.tokens[ok]), f"seed={seed_value}"
-    assert torch.equal(fused_step.log_probs[ok], two.log_probs[ok]), f"seed={seed_value}"
+    torch.testing.assert_close(fused_step.log_probs[ok], two.log_probs[ok], rtol=1e-12, atol=1e-12,
+                               msg=f"seed={seed_value}")
     if head == "st":
         assert torch.equal(fused_step.state[ok], two.state[ok])
 
@@ -396,7 +419,6 @@ def test_fused_select_takes_one_launch_except_for_shared_rows(monkeypatch):
     monkeypatch.setattr(scan_select_module, "scan_select", lambda *a, **k: calls.append("one") or real_one(*a, **k))
     monkeypatch.setattr(row_select_module, "select_from_scan",
                         lambda *a, **k: calls.append("two") or real_two(*a, **k))
-    monkeypatch.setattr(fused, "ROW_DRAW_MIN_ROWS", 10**9)
     z = torch.randn(6, 50, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     shared = z[:1].expand(6, -1)
     for rows, greedy in ((z, True), (z, False), (shared, True), (shared, False)):
@@ -460,7 +482,7 @@ def test_fused_top_k_generation_scores_are_model_log_probs():
         assert float(out.scores[b]) == pytest.approx(expected, rel=1e-5, abs=1e-5)
 
 
-def test_gpu_report_device_steps_run(monkeypatch):
+def test_gpu_report_device_steps_run():
     """The decoding report's CUDA-graph step for every strategy (run here in the interpreter)."""
     from benchmarks.decoding_cases import STRATEGIES
     from benchmarks.report_decoding import _device_step, _top_p_rounds
@@ -469,42 +491,9 @@ def test_gpu_report_device_steps_run(monkeypatch):
     for k, p in STRATEGIES.values():
         _device_step(k, p, device=DEVICE)(logits)
     mean, most = _top_p_rounds(logits, None, 0.9).split(" / ")
-    most, _, read = most.partition("; ")  # the row draw (4 rows take it) adds the rounds that read the row
+    most, _, read = most.partition("; ")  # the row draw adds the rows that read the row again
     assert 1.0 <= float(mean) <= int(most) and read.endswith("read the row")
     assert _top_p_rounds(logits, 4, None) == "—"
-    # The comparison rows: plain sampling and top-p of a large batch through the split-V paths, then
-    # the switch restored.
-    from benchmarks.report_decoding import split_paths
-
-    rows = torch.randn(fused.ROW_DRAW_MIN_ROWS, 300, device=DEVICE)
-    threshold = fused.ROW_DRAW_MIN_ROWS
-    calls = []
-    with monkeypatch.context() as patch:
-        import kernels.row_draw as row_draw
-
-        patch.setattr(row_draw, "draw_rows", lambda *a, **k: calls.append(1))
-        with split_paths():
-            _device_step(None, None, device=DEVICE)(rows)
-            _device_step(None, 0.9, device=DEVICE)(rows)
-            fused_select(rows, head="nmst", eos_index=0, greedy=False)
-            mean, most = _top_p_rounds(rows, None, 0.9).split(" / ")
-            assert 1.0 <= float(mean) <= int(most)
-        assert calls == []
-    assert fused.ROW_DRAW_MIN_ROWS == threshold
-    # And the other way: one row through the row draw (plain and top-p), then both switches restored.
-    from benchmarks.report_decoding import row_draw_paths
-
-    switches = fused.ROW_DRAW_MIN_ROWS, fused.TOP_P_ROW_DRAW_MIN_ROWS
-    with monkeypatch.context() as patch:
-        import kernels.split_top_p as split_top_p
-
-        patch.setattr(split_top_p, "SplitTopP", lambda *a, **k: calls.append("split"))
-        with row_draw_paths():
-            _device_step(None, None, device=DEVICE)(rows[:1])
-            _device_step(None, 0.9, device=DEVICE)(rows[:1])
-            assert samples_by_row_draw(1) and samples_by_row_draw(1, top_p=True)
-        assert calls == []
-    assert (fused.ROW_DRAW_MIN_ROWS, fused.TOP_P_ROW_DRAW_MIN_ROWS) == switches
 
 
 @pytest.mark.parametrize("head", HEADS)
@@ -594,12 +583,10 @@ def test_flashinfer_benchmark_wiring(monkeypatch):
                      ("top_p_sampling_from_probs", (0.9,)), ("sampling_from_logits", ())]
 
 
-@pytest.mark.parametrize("sampling_path", ["split scan", "row draw"])
 @pytest.mark.parametrize("head,eos_logit", [("st", float("-inf")), ("nmst", float("inf"))])
-def test_certain_eos_is_drawn_without_nan(head, eos_logit, sampling_path, monkeypatch):
+def test_certain_eos_is_drawn_without_nan(head, eos_logit):
     """An eos logit that makes α_t = 1 (a = log(1 − α) = −inf): every path draws eos with log-prob 0,
     where ζ_eos = L + log(1 − e^a) − a and L − a used to give inf − inf."""
-    monkeypatch.setattr(fused, "ROW_DRAW_MIN_ROWS", 0 if sampling_path == "row draw" else 10**9)
     z = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
     z[:, 4] = eos_logit
     log_p, _ = nmst_fast.decoding.step_log_probs(z, head=head, eos_index=4, eps=0.01, steps=3)
@@ -614,6 +601,8 @@ def test_certain_eos_is_drawn_without_nan(head, eos_logit, sampling_path, monkey
     for greedy in (True, False):
         picked = fused_select(z.to(DEVICE), greedy=greedy, generator=torch.Generator().manual_seed(0), **args)
         assert picked.log_probs.tolist() == [0.0] * 3
+    picked = _sampled(z.to(DEVICE), "row draw", generator=torch.Generator().manual_seed(0), **args)
+    assert picked.tokens.tolist() == [4] * 3 and picked.log_probs.tolist() == [0.0] * 3
     picked = fused_truncated(z.to(DEVICE), top_p=0.5, generator=torch.Generator().manual_seed(0), **args)
     assert picked.log_probs.tolist() == [0.0] * 3
 
@@ -752,10 +741,9 @@ def test_greedy_pick_does_not_depend_on_the_split_layout():
 def test_cuda_launch_shapes(sms):
     """The GPU split-V layouts (pure functions of B, V and the SM count): the plain and drawing scans
     fill about one wave of SCAN_PROGRAMS_PER_SM programs per SM and never more (their 128 registers
-    let 4 reside, ``compile_check --resources``); candidate scans and the split top-p rounds keep
-    their own rules; every split holds at least one tile and every launch at least one split."""
+    let 4 reside, ``compile_check --resources``); candidate scans keep their own rule; every split
+    holds at least one tile and every launch at least one split."""
     from kernels import row_scan
-    from kernels.split_top_p import ROUND_BLOCK_V
     from kernels.host_math import cdiv
 
     assert row_scan.SCAN_PROGRAMS_PER_SM == 4  # the 4 resident programs the registers allow
@@ -769,10 +757,7 @@ def test_cuda_launch_shapes(sms):
                 _, block_v, splits = row_scan.cuda_launch_shape(B, V, K, sms)
                 assert block_v == min(1024, 1 << (V - 1).bit_length())
                 assert splits == max(1, min(cdiv(per_sm * sms, B), cdiv(V, block_v)))
-            _, block_v, splits = row_scan.cuda_launch_shape(B, V, 0, sms, ROUND_BLOCK_V)
-            assert block_v == min(ROUND_BLOCK_V, 1 << (V - 1).bit_length())
-            assert splits == max(1, min(cdiv(7 * sms, B), cdiv(V, block_v)))
-    for K, block_v in ((0, None), (4, None), (0, ROUND_BLOCK_V)):  # an empty batch: a shape, not a ZeroDivisionError
-        assert row_scan.cuda_launch_shape(0, 50257, K, sms, block_v) == row_scan.cuda_launch_shape(1, 50257, K, sms, block_v)
+    for K in (0, 4):  # an empty batch: a shape, not a ZeroDivisionError
+        assert row_scan.cuda_launch_shape(0, 50257, K, sms) == row_scan.cuda_launch_shape(1, 50257, K, sms)
     # The shapes the H200 sweep measured best (132 SMs): B = 256 → 2 splits, 64 → 8, 32 → 16, 1 → all 63 tiles.
     assert [row_scan.cuda_launch_shape(B, 128256, 0, 132)[2] for B in (256, 64, 32, 1)] == [2, 8, 16, 63]

@@ -157,11 +157,8 @@ def test_unresolved_cut_falls_back_to_the_torch_path(monkeypatch):
     import kernels.row_draw as row_draw
     import nmst_fast.decoding.selection as selection
 
-    import nmst_fast.decoding.fused as fused
-
     z = torch.randn(3, 500, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    monkeypatch.setattr(row_draw, "MAX_ROUNDS", 0)  # every row goes to the cut: from 128 rows ...
-    monkeypatch.setattr(fused, "_split_rounds", lambda logits, args: None)  # ... and below (rounds exhausted)
+    monkeypatch.setattr(row_draw, "MAX_ROUNDS", 0)  # every row goes to the cut (rounds exhausted)
     assert fused_truncated(z, head="nmst", eos_index=0, top_p=0.9) is not None  # ~400 tokens: served
     monkeypatch.setattr(nucleus, "MAX_PASSES", 0)
     assert fused_truncated(z, head="nmst", eos_index=0, top_p=0.9) is None

@@ -1,6 +1,5 @@
-"""Top-p by rejection rounds: one program per row (kernels/row_draw.py) and rows spread over V-split
-programs (kernels/split_top_p.py). Draws as a distribution, every draw inside the float64 nucleus,
-reproducibility, the round count, the fallback to the cut. The row draw's plain sampling: its
+"""Top-p by rejection rounds in one program per row (kernels/row_draw.py). Draws as a distribution,
+every draw inside the float64 nucleus, reproducibility, the round count, the fallback to the cut. The row draw's plain sampling: its
 G-tests are test_decoding_fused's (path "row draw"); here the rest."""
 
 import pytest
@@ -9,9 +8,8 @@ import torch
 import kernels.nucleus as nucleus
 import kernels.row_draw as row_draw
 import kernels.row_scan as row_scan
-import kernels.split_top_p as split_top_p
 from nmst_fast.decoding import effective_logits, truncated_candidates
-from nmst_fast.decoding.fused import ROW_DRAW_MIN_ROWS, fused_truncated, samples_by_row_draw
+from nmst_fast.decoding.fused import fused_truncated
 from nmst_fast.decoding.reference import truncated_distribution
 from nmst_fast.decoding.truncation import TOP_P_SLACK
 
@@ -25,23 +23,6 @@ def _draw(z: torch.Tensor, *, head: str, eos: int, eps: float = 1e-3, t=5, state
     return row_draw.draw_rows(z, head=head, eos_index=eos, eps=eps, temperature=temperature, steps=t,
                                     state=state, top_p_threshold=top_p - TOP_P_SLACK,
                                     seed=torch.tensor([seed], device=z.device))
-
-
-# Split rounds in the interpreter: 256-column tiles, 3 splits (a row of V > 512 spans every split).
-SPLIT_LAUNCH = (256, 3)
-
-
-def _split_draw(z: torch.Tensor, *, head: str, eos: int, eps: float = 1e-3, t=5, state=None, top_p: float,
-                temperature: float = 1.0, seed: int = 0, launch=SPLIT_LAUNCH):
-    """Split rounds until every row is drawn (or MAX_ROUNDS), as the fused step chains them."""
-    draw = split_top_p.SplitTopP(z, head=head, eos_index=eos, eps=eps, temperature=temperature, steps=t, state=state,
-                                 seed=torch.tensor([seed], device=z.device), top_p_threshold=top_p - TOP_P_SLACK,
-                                 launch=launch)
-    draw.finish()
-    return draw.selection, draw.rounds
-
-
-DRAWERS = {"row draw": _draw, "split rounds": _split_draw}
 
 
 @pytest.mark.parametrize("head,top_p", [("nmst", 0.3), ("nmst", 0.9), ("st", 0.9), ("va", 0.5)])
@@ -60,8 +41,7 @@ def test_rejection_draw_distribution(head, top_p):
     assert _g_test(picked.tokens.cpu(), reference) > 1e-5, f"seed={seed}"
 
 
-@pytest.mark.parametrize("drawer", DRAWERS)
-def test_draws_lie_in_the_float64_nucleus(drawer):
+def test_draws_lie_in_the_float64_nucleus():
     """Random rows (fresh seeds; ties, bf16, flat halves, −inf, every head, ε, t, temperature, ST
     states), each drawn 64 times: every draw is a token of the float64 torch nucleus (a cut within
     BOUNDARY of p may differ), log-probs are the untruncated ones, ST's state is torch's."""
@@ -74,10 +54,9 @@ def test_draws_lie_in_the_float64_nucleus(drawer):
         B = z.shape[0]
         args = dict(head=head, eos_index=eos, eps=case["eps"], temperature=case["temperature"], steps=case["t"])
         state = None if case["state"] is None else case["state"].repeat_interleave(copies).to(DEVICE)
-        picked, rounds = DRAWERS[drawer](z.repeat_interleave(copies, dim=0).to(DEVICE), head=head, eos=eos,
-                                         eps=case["eps"], t=case["t"], state=state, top_p=case["top_p"],
-                                         temperature=case["temperature"],
-                                         seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+        picked, rounds = _draw(z.repeat_interleave(copies, dim=0).to(DEVICE), head=head, eos=eos, eps=case["eps"],
+                               t=case["t"], state=state, top_p=case["top_p"], temperature=case["temperature"],
+                               seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
         assert picked.flags.tolist() == [B * copies] * 2, (seed, case)
         dist = effective_logits(z.float(), **args, state=case["state"])
         tokens, probs = truncated_candidates(dist, None, case["top_p"])
@@ -97,23 +76,21 @@ def test_draws_lie_in_the_float64_nucleus(drawer):
             torch.testing.assert_close(picked.state.cpu().view(B, copies)[:, 0], dist.state)
 
 
-@pytest.mark.parametrize("drawer", DRAWERS)
-def test_a_seed_reproduces_the_draws(drawer):
+def test_a_seed_reproduces_the_draws():
     z = (torch.randn(200, 700, generator=torch.Generator().manual_seed(1)) * 2).to(DEVICE)
-    first, _ = DRAWERS[drawer](z, head="nmst", eos=4, top_p=0.5, seed=11)
-    again, _ = DRAWERS[drawer](z, head="nmst", eos=4, top_p=0.5, seed=11)
-    other, _ = DRAWERS[drawer](z, head="nmst", eos=4, top_p=0.5, seed=12)
+    first, _ = _draw(z, head="nmst", eos=4, top_p=0.5, seed=11)
+    again, _ = _draw(z, head="nmst", eos=4, top_p=0.5, seed=11)
+    other, _ = _draw(z, head="nmst", eos=4, top_p=0.5, seed=12)
     assert torch.equal(first.tokens, again.tokens)
     assert not torch.equal(first.tokens, other.tokens)
 
 
-@pytest.mark.parametrize("drawer", DRAWERS)
-def test_rounds_stay_few(drawer):
+def test_rounds_stay_few():
     """Each round accepts with probability >= p (the nucleus's share of the set drawn from), so the
     mean round count is at most 1 / p; on peaked N(0, 9) logits at V = 20000 it is close to 1."""
     z = (torch.randn(64, 20000, generator=torch.Generator().manual_seed(3)) * 3).to(DEVICE)
     for top_p in (0.9, 0.4):
-        picked, rounds = DRAWERS[drawer](z, head="nmst", eos=0, t=100, top_p=top_p, seed=5)
+        picked, rounds = _draw(z, head="nmst", eos=0, t=100, top_p=top_p, seed=5)
         assert picked.flags.tolist() == [64, 64]
         assert 1.0 <= float(rounds.double().mean()) <= 1.0 / top_p + 0.25, top_p
         assert int(rounds.max()) < row_draw.MAX_ROUNDS
@@ -122,25 +99,19 @@ def test_rounds_stay_few(drawer):
 @pytest.mark.parametrize("rows", [1, 16])
 def test_rows_left_rejected_are_drawn_from_the_cut(monkeypatch, rows):
     """With one round allowed, a flat row and p = 0.05 leave rows rejected: the step draws the batch
-    from the nucleus cut; with the cut also unable to converge, the torch path (None here). Fewer
-    than TOP_P_ROW_DRAW_MIN_ROWS rows take the split rounds, more the row draw."""
+    from the nucleus cut; with the cut also unable to converge, the torch path (None here)."""
     z = torch.randn(rows, 400, generator=torch.Generator().manual_seed(0)).to(DEVICE) * 0.1
     monkeypatch.setattr(row_draw, "MAX_ROUNDS", 1)
-    monkeypatch.setattr(split_top_p, "MAX_ROUNDS", 1)
-    monkeypatch.setattr(split_top_p, "FIRST_ROUNDS", 1)
-    drawer = _draw if samples_by_row_draw(rows, top_p=True) else _split_draw
-    picked, rounds = drawer(z, head="va", eos=0, top_p=0.05, seed=3)
+    picked, rounds = _draw(z, head="va", eos=0, top_p=0.05, seed=3)
     assert picked.flags[1] < rows and int(rounds.max()) <= 1  # a rejected row records no round
     paths = []
     real = nucleus.nucleus_select
     monkeypatch.setattr(nucleus, "nucleus_select", lambda *a, **k: paths.append("cut") or real(*a, **k))
-    for module, name in ((row_draw, "draw_rows"), (split_top_p, "SplitTopP")):
-        real_drawer = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, name=name, real_drawer=real_drawer, **k:
-                            paths.append(name) or real_drawer(*a, **k))
+    real_drawer = row_draw.draw_rows
+    monkeypatch.setattr(row_draw, "draw_rows", lambda *a, **k: paths.append("draw_rows") or real_drawer(*a, **k))
     served = fused_truncated(z, head="va", eos_index=0, top_p=0.05, generator=torch.Generator().manual_seed(0))
     assert served is not None
-    assert paths == ["draw_rows" if samples_by_row_draw(rows, top_p=True) else "SplitTopP", "cut"]
+    assert paths == ["draw_rows", "cut"]
     dist = effective_logits(z.cpu(), head="va", eos_index=0)
     tokens, probs = truncated_candidates(dist, None, 0.05)
     expected = torch.zeros(rows, 400, dtype=torch.float64).scatter_add(1, tokens, probs)
@@ -290,21 +261,14 @@ def test_launch_sweep_runs_every_variant():
 
     parts = top_k_parts(logits, 4, lambda step, z: timed.append(step(z)) or 1.0)
     assert [name for name, _ in parts] == ["candidate scan", "scan + select", "one launch"]
-    from benchmarks.profile_decoding import split_sweep
-
-    rows = split_sweep(logits, 0.9, launches, lambda step, z: timed.append(step(z)) or 1.0)
-    assert [launch for launch, _ in rows] == [(0, 0)] + launches
     from benchmarks.profile_decoding import bounds_sweep
 
     rows = bounds_sweep(logits, lambda step, z: timed.append(step(z)) or 1.0)
     assert [(p, b) for p, b, _, _ in rows] == [(0.4, True), (0.4, False), (0.9, True), (0.9, False)]
     assert all(passes >= 0 for *_, passes in rows)
-    assert len(timed) == 2 * len(variants()) + 17
-    from benchmarks.profile_decoding import TABLES, _TABLE_RUNNERS, main, split_round_parts
+    assert len(timed) == 2 * len(variants()) + 13
+    from benchmarks.profile_decoding import TABLES, _TABLE_RUNNERS, main
 
-    parts = split_round_parts(logits, 0.4, lambda step, z: timed.append(step(z)) or 1.0)
-    assert [name for name, _ in parts] == ["drawing scan", "scan + 1 round + decision", "scan + 2 rounds + decision",
-                                           "scan + 3 rounds + decision"]
     from benchmarks.profile_decoding import bare_read, read_floor_parts
 
     parts = read_floor_parts(logits, lambda step, z: timed.append(step(z)) or 1.0)
@@ -337,113 +301,34 @@ def _scaled_tiles_row(gen: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("case", ["eos pivot", "st tiles", "va tiles"])
-def test_split_rounds_distribution(case):
-    """10⁶ draws by the split rounds G-tested against the float64 truncated reference (fresh seed):
-    a rejected eos becoming the pivot (NMST, 2 splits of 2 tiles of 4 columns; eos must never be
-    drawn); ST and VA rows whose tiles differ in scale across 2 splits of 2 tiles and 3 splits of
-    3 tiles, with p = 0.3 for VA (several rounds on most rows)."""
+def test_rounds_distribution_on_pivot_and_scaled_rows(case):
+    """10⁶ draws G-tested against the float64 truncated reference (fresh seed): a rejected eos
+    becoming the pivot (NMST; eos must never be drawn); ST and VA rows whose tiles differ in scale
+    across 8- and 16-column tiles, with p = 0.3 for VA (several rounds on most rows)."""
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
     if case == "eos pivot":
-        (z, eos, eps, t, top_p), head, launch = _eos_pivot_row(), "nmst", (4, 2)
+        (z, eos, eps, t, top_p), head, block_v = _eos_pivot_row(), "nmst", 4
     else:
         z, eos, eps, t = _scaled_tiles_row(gen), 2, 0.01, 3
         z[eos] = 3.0  # ST's α_3 ≈ 0.2: eos inside the nucleus, not all of it
-        head, top_p, launch = ("st", 0.9, (16, 2)) if case == "st tiles" else ("va", 0.3, (8, 3))
+        head, top_p, block_v = ("st", 0.9, 16) if case == "st tiles" else ("va", 0.3, 8)
     state = _st_state_before(z, eos, eps, t) if head == "st" else None
     reference = truncated_distribution(_reference_log_probs(z, head, eos, eps, t).unsqueeze(0), None, top_p)[0]
-    picked, rounds = _split_draw(z.to(DEVICE).unsqueeze(0).expand(DRAWS, -1), head=head, eos=eos, eps=eps, t=t,
-                                 state=None if state is None else state.to(DEVICE).expand(DRAWS), top_p=top_p,
-                                 seed=seed + 1, launch=launch)
+    rows = z.to(DEVICE).unsqueeze(0).expand(DRAWS, -1)
+    launch = row_draw.default_launch(rows, top_p=True)
+    if not rows.is_cuda:  # the interpreter: as many elements per program as the default tiles hold
+        launch["BLOCK_B"] *= launch["BLOCK_V"] // block_v
+    launch |= {"BLOCK_V": block_v, "NTILES": row_draw.tile_table_width(z.shape[0], block_v)}
+    picked, rounds = row_draw.draw_rows(rows, head=head, eos_index=eos, eps=eps, temperature=1.0, steps=t,
+                                        state=None if state is None else state.to(DEVICE).expand(DRAWS),
+                                        top_p_threshold=top_p - TOP_P_SLACK,
+                                        seed=torch.tensor([seed + 1], device=DEVICE), launch=launch)
     assert picked.flags.tolist() == [DRAWS, DRAWS]
     assert int(rounds.max()) >= 2
     if case == "eos pivot":
         assert float(reference[eos]) == 0.0 and 0.1 < float(_reference_log_probs(z, head, eos, eps, t)[eos].exp()) < 0.35
     assert _g_test(picked.tokens.cpu(), reference) > 1e-5, f"seed={seed}"
-
-
-def test_split_rounds_chain_across_launches():
-    """Rounds launched one at a time, with a host check in between, draw exactly what the same
-    rounds launched together draw (launch r re-derives round r − 1's decision from its buffers),
-    and a NaN row is flagged without disturbing the others."""
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
-    z = (torch.randn(40, 900, generator=gen) * 0.5).to(DEVICE)
-    z[7, 100] = float("nan")
-    args = dict(head="st", eos_index=5, eps=1e-3, temperature=0.9, steps=3,
-                state=-torch.rand(40, dtype=torch.float64, generator=gen).to(DEVICE),
-                seed=torch.tensor([21], device=DEVICE), top_p_threshold=0.3, launch=SPLIT_LAUNCH)
-    together = split_top_p.SplitTopP(z, rounds=6, **args)
-    stepwise = split_top_p.SplitTopP(z, rounds=1, **args)
-    pending_after_one = int(stepwise.selection.flags[1])
-    for _ in range(5):
-        stepwise.advance(1)
-    assert pending_after_one < 40  # p = 0.3 on flat rows: some row needed a second round
-    for a, b in [(together.selection, stepwise.selection)]:
-        assert a.flags.tolist() == b.flags.tolist() and a.flags[0] == 7
-        ok = torch.arange(40, device=DEVICE) != 7
-        assert torch.equal(a.tokens[ok], b.tokens[ok]) and torch.equal(a.log_probs[ok], b.log_probs[ok])
-        assert torch.equal(a.state[ok], b.state[ok])
-    assert torch.equal(together.rounds, stepwise.rounds)
-
-
-def test_one_row_takes_the_split_rounds(monkeypatch):
-    """Top-p alone of one row (below TOP_P_ROW_DRAW_MIN_ROWS): the split rounds serve the step, and
-    its draws are in the float64 nucleus with the untruncated log-probs; a few distinct rows take
-    the row draw, repeated rows the cut."""
-    paths = []
-    for module, name in ((row_draw, "draw_rows"), (split_top_p, "SplitTopP"), (nucleus, "nucleus_select")):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, name=name, real=real, **k: paths.append(name) or real(*a, **k))
-    z = (torch.randn(5, 3000, generator=torch.Generator().manual_seed(4)) * 3).to(DEVICE)
-    for rows, path in ((1, "SplitTopP"), (5, "draw_rows")):
-        served = fused_truncated(z[:rows], head="nmst", eos_index=3, eps=0.01, steps=4, top_p=0.6,
-                                 generator=torch.Generator().manual_seed(1))
-        assert paths.pop() == path and not paths
-        dist = effective_logits(z[:rows].cpu(), head="nmst", eos_index=3, eps=0.01, steps=4)
-        tokens, probs = truncated_candidates(dist, None, 0.6)
-        nucleus_mass = torch.zeros(rows, 3000, dtype=torch.float64).scatter_add(1, tokens, probs)
-        assert bool((nucleus_mass.gather(1, served.tokens.cpu()[:, None]) > 0).all())
-        torch.testing.assert_close(served.log_probs.cpu(), dist.token_log_probs(served.tokens.cpu()), rtol=1e-6,
-                                   atol=1e-5)
-    fused_truncated(z[:1].expand(5, -1), head="nmst", eos_index=3, eps=0.01, steps=4, top_p=0.6)
-    assert paths == ["nucleus_select"]
-
-
-def test_split_rounds_reject_a_round_count_out_of_range():
-    z = torch.randn(3, 50).to(DEVICE)
-    args = dict(head="va", eos_index=0, eps=1e-3, temperature=1.0, steps=1, state=None,
-                seed=torch.tensor([1], device=DEVICE), top_p_threshold=0.5)
-    for rounds in (0, split_top_p.MAX_ROUNDS + 1):
-        with pytest.raises(ValueError, match="rounds"):
-            split_top_p.SplitTopP(z, rounds=rounds, **args)
-    draw = split_top_p.SplitTopP(z, rounds=split_top_p.MAX_ROUNDS - 1, **args)
-    with pytest.raises(ValueError, match="rounds"):
-        draw.advance(2)
-
-
-def test_a_traced_step_launches_every_split_round_at_once(monkeypatch):
-    """Under torch.compile the step cannot sync between batches of rounds: all MAX_ROUNDS launch
-    at once (the flags are not read), so rows needing more than the first batch still get a draw."""
-    import nmst_fast.decoding.fused as fused
-
-    launched = []
-    real = split_top_p.SplitTopP
-
-    def spy(*args, **kwargs):
-        draw = real(*args, **kwargs)
-        launched.append(draw.launched)
-        return draw
-
-    monkeypatch.setattr(split_top_p, "SplitTopP", spy)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    z = (torch.randn(8, 600, generator=torch.Generator().manual_seed(5)) * 0.2).to(DEVICE)  # flat: many rounds
-    served = fused._split_rounds(z, dict(head="va", eos_index=0, eps=1e-3, temperature=1.0, steps=1, state=None,
-                                         seed=torch.tensor([3], device=DEVICE), top_p_threshold=0.2 - TOP_P_SLACK))
-    assert launched == [split_top_p.MAX_ROUNDS]
-    dist = effective_logits(z.cpu(), head="va", eos_index=0)
-    tokens, probs = truncated_candidates(dist, None, 0.2)
-    expected = torch.zeros(8, 600, dtype=torch.float64).scatter_add(1, tokens, probs)
-    assert bool((expected.gather(1, served.tokens.cpu()[:, None]) > 0).all())
 
 
 @pytest.mark.parametrize("head,top_p,eos", [("nmst", None, 20), ("st", 0.8, 60), ("va", 0.6, 3), ("nmst", 0.95, 99)])

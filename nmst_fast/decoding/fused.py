@@ -1,25 +1,25 @@
-"""Token selection on the logits in Triton: two launches, one host sync, no (B, V) tensor.
+"""Token selection on the logits in Triton: one launch (after a fill), one host sync, no (B, V) tensor.
 
-The scan (``kernels/row_scan.py``) reads the logits once and leaves per row and
-V-split: the running max/sum of the non-eos logits, the first argmax, one non-eos
-column drawn from the split, or the K best non-eos candidates. The
-select kernels (``kernels/row_select.py``) then do the O(1)-per-row rest in
-float64: L, the head's log(1 − α_t), eos's effective logit
-ζ_eos = L + log(1 − e^a) − a, and
+The scan (``kernels/row_scan.py``) reads the logits once, in V-splits, and leaves per row and
+split: the running max/sum of the non-eos logits, the first argmax, one non-eos column drawn
+from the split, or the K best non-eos candidates. The last split of each row to finish then
+does the O(1)-per-row rest in the same launch (``kernels/scan_select.py``, with the select
+kernels' code from ``kernels/row_select.py``), in float64: L, the head's log(1 − α_t), eos's
+effective logit ζ_eos = L + log(1 − e^a) − a, and
 
 * greedy: eos against the top non-eos logit (ties → lower index);
 * sampling: one inverse-CDF draw over eos's mass and the splits' masses; the chosen
-  split's own draw is the token (exact over all V tokens); from ROW_DRAW_MIN_ROWS rows,
-  ``kernels/row_draw.py`` draws by inverse CDF instead, one program per row, one launch;
+  split's own draw is the token (exact over all V tokens);
 * top-k (then top-p): eos merged into the ranked candidates by its exact ζ_eos,
   the truncation, and an inverse-CDF draw;
-* top-p alone: rejection rounds — draw a token, accept it when the mass ranked before it is
-  below p, else redraw from the tokens ranked before it (about two reads of the row). From
-  TOP_P_ROW_DRAW_MIN_ROWS rows ``kernels/row_draw.py`` runs them in one program per row (one launch;
-  bounds from the lane maxima settle most rounds without a read: about one read on peaked rows);
-  fewer rows spread each row over V-split programs (``kernels/split_top_p.py``: the drawing
-  scan, then one launch per round); ``kernels/nucleus.py`` narrows the nucleus cut down by value
-  for repeated rows and as the fallback.
+* top-p alone: rejection rounds in one program per row (``kernels/row_draw.py``) — draw a token,
+  accept it when the mass ranked before it is below p, else redraw from the tokens ranked before
+  it; bounds from the lane maxima settle most rounds without a read (about one read on peaked
+  rows); ``kernels/nucleus.py`` narrows the nucleus cut down by value for repeated rows and as
+  the fallback.
+
+Rows repeated with stride 0 (one prompt, several continuations) are scanned once where the scan
+draws no noise (greedy, top-k), and finished by the two-launch select kernels.
 
 So no (B, V) probability tensor, no sort, and no host sync until the end, where
 one read of two flags reports undefined rows (NaN logits) and nuclei the kernel
@@ -45,28 +45,6 @@ class FusedSelection:
     tokens: torch.Tensor  # (B,) int64
     log_probs: torch.Tensor  # (B,) float64 log p of the chosen tokens (untruncated distribution)
     state: Optional[torch.Tensor]  # ST's running log(1−α) after this step
-
-
-# Plain sampling of at least this many rows: one program per row drawing by inverse CDF
-# (``kernels/row_draw.py``: one launch) instead of the split-V scan's draw plus the select kernel,
-# which needs the split over V to fill a GPU when there are few rows. 128: about one row per SM.
-# H200 (RESULTS.md, fourteenth session): at B = 256 the row draw and the split scan take the same
-# time (2.23x / 2.24x the floor at V = 50257); a row-draw program streams its row at a rate of its
-# own, so a few rows would leave most SMs idle for as long as a full batch takes.
-ROW_DRAW_MIN_ROWS = 128
-# Top-p alone of at least this many rows: the row draw's rejection rounds (one launch; the lane
-# bounds settle most rounds without a read) instead of the split rounds (the drawing scan, then one
-# launch per round, each over every split of every row). Why 2: on the H200 the split rounds took
-# 115-185 µs at B = 32 (3 to 5 launches of ~30 µs), while the row draw served 256 rows in 38-91 µs —
-# and fewer rows cannot take the row draw longer (the same per-row work, one wave instead of two,
-# less contention). One row keeps the split rounds (31 µs at B = 1), which spread it over the GPU.
-TOP_P_ROW_DRAW_MIN_ROWS = 2
-
-
-def samples_by_row_draw(rows: int, top_p: bool = False) -> bool:
-    """Whether sampling ``rows`` rows — plain, or top-p alone (``top_p``) — takes the row-draw
-    kernel (else the split-V paths: the scan's draw, or the split rounds)."""
-    return rows >= (TOP_P_ROW_DRAW_MIN_ROWS if top_p else ROW_DRAW_MIN_ROWS)
 
 
 def fused_available(logits: torch.Tensor) -> bool:
@@ -150,14 +128,6 @@ def fused_select(
 
     logits, kernel_steps, kernel_state = _prepare(logits, head, eos_index, eps, steps, state, temperature)
     seed = None if greedy else _seed(generator, logits.device)
-    if not greedy and samples_by_row_draw(logits.shape[0]):
-        from kernels.row_draw import draw_rows
-
-        picked, _ = draw_rows(logits, head=head, eos_index=eos_index, eps=eps, temperature=temperature,
-                              steps=kernel_steps, state=kernel_state, seed=seed)
-        if _check_flags(picked.flags, logits.shape[0]):
-            return FusedSelection(picked.tokens, picked.log_probs, picked.state)
-        # fp32 rounding left some row without a token 32 times: draw the batch by the split scan.
     args = dict(head=head, eos_index=eos_index, eps=eps, temperature=temperature, steps=kernel_steps,
                 state=kernel_state, seed=seed)
     if _shares_scan(logits, seed):
@@ -180,42 +150,20 @@ def fused_truncation_available(top_k: Optional[int]) -> bool:
     return HAS_TOPK and top_k <= MAX_CANDIDATES
 
 
-def _split_rounds(logits: torch.Tensor, args: dict) -> Optional[FusedSelection]:
-    """Top-p by rejection rounds on the split-V layout (``kernels/split_top_p.py``): a first batch of
-    rounds, then more on the same chain while some row is still rejected (one host sync per batch;
-    top-p 0.9 rarely needs a second). None: a row still rejected after its MAX_ROUNDS."""
-    from kernels.split_top_p import MAX_ROUNDS, SplitTopP
-
-    # A traced step cannot read the flags between batches of rounds: launch them all at once, so a
-    # row is left unresolved only as rarely as in the row draw's one kernel (P ≤ (1 − p)^32).
-    tracing = torch.compiler.is_compiling()
-    draw = SplitTopP(logits, rounds=MAX_ROUNDS if tracing else None, **args)
-    if not tracing and not _served(*draw.finish(), logits.shape[0]):
-        return None
-    picked = draw.selection
-    return FusedSelection(picked.tokens, picked.log_probs, picked.state)
-
-
 def _nucleus(logits: torch.Tensor, **args) -> Optional[FusedSelection]:
     """Top-p alone. Rows repeated with stride 0 (one prompt, several continuations): one cut serves
-    them all. Otherwise rejection rounds (one to two reads per row): one program per row from
-    TOP_P_ROW_DRAW_MIN_ROWS rows (``kernels/row_draw.py``), else the row spread over V-split programs
-    (``kernels/split_top_p.py``); a batch with a row still rejected after the rounds' limit is
-    drawn from the cut instead (a further host sync, only then). None: the cut did not converge
-    either."""
+    them all. Otherwise rejection rounds in one program per row (``kernels/row_draw.py``: one to two
+    reads per row, about one on peaked rows); a batch with a row still rejected after the rounds'
+    limit is drawn from the cut instead (a further host sync, only then). None: the cut did not
+    converge either."""
     from kernels.nucleus import nucleus_select, shares_one_cut
     from kernels.row_draw import draw_rows
 
     B = logits.shape[0]
     if not shares_one_cut(logits, args["steps"], args["state"]):
-        if samples_by_row_draw(B, top_p=True):
-            picked, _ = draw_rows(logits, **args)
-            if _check_flags(picked.flags, B):
-                return FusedSelection(picked.tokens, picked.log_probs, picked.state)
-        else:
-            picked = _split_rounds(logits, args)
-            if picked is not None:
-                return picked
+        picked, _ = draw_rows(logits, **args)
+        if _check_flags(picked.flags, B):
+            return FusedSelection(picked.tokens, picked.log_probs, picked.state)
     picked = nucleus_select(logits, **args)
     if not _check_flags(picked.flags, B):
         return None

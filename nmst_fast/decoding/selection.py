@@ -237,7 +237,7 @@ def use_fused(impl: str, logits: torch.Tensor, top_k: Optional[int], top_p: Opti
     """Whether the Triton kernels serve this call.
 
     They serve greedy, untruncated sampling, top-p alone (any nucleus size: ``kernels/row_draw.py``,
-    ``kernels/split_top_p.py``, ``kernels/nucleus.py``) and top-k (then top-p) with k up to ``kernels.row_scan.MAX_CANDIDATES``. ``ranked``: the
+    ``kernels/nucleus.py``) and top-k (then top-p) with k up to ``kernels.row_scan.MAX_CANDIDATES``. ``ranked``: the
     caller wants the ``top_k`` best tokens in rank order (beam search), which always takes the
     candidate list.
     """
