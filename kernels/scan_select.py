@@ -1,14 +1,16 @@
-"""Greedy and plain sampling in one launch: the split-V scan, each row finished by its last split.
+"""Greedy, sampling and top-k in one launch: the split-V scan, each row finished by its last split.
 
 ``kernels/row_scan.py`` reads a row in V-splits (so a small batch fills the GPU) and leaves
-per-split partials; ``kernels/row_select.py`` then merges them and does the head math in a second
-launch. On an H100 (RESULTS.md, fifteenth session) that second launch cost as much as a third
-of the scan at 256 × 50257 (greedy: scan alone 1.24x the one-read floor, with the select 1.75x)
-and doubled it at B = 32: a launch's latency, and a dependent chain of small loads and float64
-math while the memory system idles. Here every scan program, once its partials are stored,
-counts itself in for its row (an atomic add, acquire-release at GPU scope); the program that
-arrives last finishes the row with the select kernel's code (``row_select.select_rows``), so the
-finish of a row overlaps the other rows' reads and no second launch waits for the slowest split.
+per-split partials; ``kernels/row_select.py``'s kernels merge them and do the head math in a
+second launch. On an H100 (RESULTS.md, fifteenth session) that launch and the flags' fill cost
+0.38x of the one-read floor at 256 × 50257 (greedy: scan alone 1.24x, step 1.62x) and doubled
+the step at B = 32: a launch's latency, then a dependent chain of small loads and float64 math
+while the memory system idles. Here every scan program, once its partials are stored, counts
+itself in for its row (an atomic add, acquire-release at GPU scope); the program that arrives last
+finishes the row with the select kernels' code (``row_select.select_rows`` /
+``select_candidate_rows``), so a row's finish overlaps the other rows' reads and no second launch
+waits for the slowest split. Measured there: greedy 1.55x, sampling 1.76x (the row draw: 1.81x);
+the fill and the last rows' finish chain are what is left (≈ 5 µs).
 
 The counters sit behind the two flags in one int32 buffer the wrapper fills with B (one fill:
 the flags' "none" value doubles as every counter's start), so a row's last arrival is the one
