@@ -95,9 +95,11 @@ def _top_p_rounds(logits: torch.Tensor, k: Optional[int], p: Optional[float]) ->
     return f"{float(rounds.double().mean()):.2f} / {int(rounds.max())}{read}"
 
 
-def gpu_main(vocabs: tuple[int, ...] = VOCABS) -> None:
+def gpu_main(vocabs: tuple[int, ...] = VOCABS, device: str = "cuda") -> None:
+    """The GPU table (``device``: tests run it on the CPU interpreter with the timers stubbed)."""
     bandwidth = copy_bandwidth()
-    print(f"per-step selection, NMST head, fp32 logits, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
+    name = torch.cuda.get_device_name() if device == "cuda" else device
+    print(f"per-step selection, NMST head, fp32 logits, {name}, torch {torch.__version__}; "
           f"do_bench medians; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write); "
           "floor = B*V*4 bytes / that bandwidth; loop = ms per call of 50 back-to-back calls, one sync after; "
           "kernels = the strategy's whole device step as a CUDA graph, each "
@@ -106,25 +108,22 @@ def gpu_main(vocabs: tuple[int, ...] = VOCABS) -> None:
     print("| B | V | strategy | fast (ms) | sort-based (ms) | speed-up | fast, loop (ms) | kernels (ms) | floor (ms) "
           "| kernels / floor | top-p rounds (mean / max) |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     for V in vocabs:
         for B in BATCHES:
-            logits = make_logits(B, V, device="cuda")
+            logits = make_logits(B, V, device=device)
             floor_ms = B * V * 4 / bandwidth * 1e3
-            sort_ms: dict = {}
-            for name, (k, p) in STRATEGIES.items():
-                _gpu_row(name, k, p, logits, gen, floor_ms, sort_ms)
+            for strategy, (k, p) in STRATEGIES.items():
+                _gpu_row(strategy, k, p, logits, gen, floor_ms)
 
 
 def _gpu_row(name: str, k: Optional[int], p: Optional[float], logits: torch.Tensor, gen: torch.Generator,
-             floor_ms: float, sort_ms: dict) -> None:
+             floor_ms: float) -> None:
     import triton.testing
 
-    f, s, device_step = fast(k, p), sort_based(k, p), _device_step(k, p)
+    f, s, device_step = fast(k, p), sort_based(k, p), _device_step(k, p, device=logits.device)
     mf = triton.testing.do_bench(lambda: f(logits, gen), return_mode="median")
-    if (k, p) not in sort_ms:
-        sort_ms[(k, p)] = triton.testing.do_bench(lambda: s(logits, gen), return_mode="median")
-    ms = sort_ms[(k, p)]
+    ms = triton.testing.do_bench(lambda: s(logits, gen), return_mode="median")
     mloop = loop_ms(f, logits, gen)  # back to back, as a generation loop calls it
     mscan = cold_graph_ms(device_step, logits)  # each step on a copy of the logits not in L2
     B, V = logits.shape

@@ -583,6 +583,31 @@ def test_flashinfer_benchmark_wiring(monkeypatch):
                      ("top_p_sampling_from_probs", (0.9,)), ("sampling_from_logits", ())]
 
 
+def test_gpu_report_rows_print_every_strategy(monkeypatch, capsys):
+    """The GPU report's table (``gpu_main``) on the interpreter, its timers stubbed (each runs the
+    timed function once): a row per strategy and batch, each step run."""
+    import triton.testing
+
+    from benchmarks import report_decoding
+    from benchmarks.decoding_cases import BATCHES, STRATEGIES
+
+    ran = []
+
+    def timer(fn, *args, **kwargs):
+        ran.append(1)
+        fn(*args) if args else fn()
+        return 1.0
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: timer(fn))
+    monkeypatch.setattr(report_decoding, "cold_graph_ms", lambda step, z: timer(step, z))
+    monkeypatch.setattr(report_decoding, "loop_ms", lambda f, z, g: timer(f, z, g))
+    monkeypatch.setattr(report_decoding, "copy_bandwidth", lambda: 1e12)
+    report_decoding.gpu_main(vocabs=(300,), device=DEVICE)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 1 + len(BATCHES) * len(STRATEGIES)  # the header, then a row each
+    assert len(ran) == 4 * len(BATCHES) * len(STRATEGIES)  # fast, sort-based, loop, device step
+
+
 @pytest.mark.parametrize("head,eos_logit", [("st", float("-inf")), ("nmst", float("inf"))])
 def test_certain_eos_is_drawn_without_nan(head, eos_logit):
     """An eos logit that makes α_t = 1 (a = log(1 − α) = −inf): every path draws eos with log-prob 0,
