@@ -120,8 +120,8 @@ def scan_select(
     B, V = z.shape
     if top_k is not None and seed is None:
         raise ValueError("a top-k draw needs a seed")
-    if top_k is not None and not 1 <= top_k <= V:
-        raise ValueError(f"top_k must lie in [1, V={V}], got {top_k}")
+    if top_k is not None and top_k < 1:  # (k >= V keeps every token: the candidates then cover the row)
+        raise ValueError(f"top_k must be at least 1, got {top_k}")
     # The candidate scan draws no noise (its select kernel draws): no seed for the scan itself.
     scan = scan_launch(z, eos_index=None if head == "va" else eos_index, temperature=temperature,
                        seed=None if top_k is not None else seed, candidates=top_k or 0, launch=launch)

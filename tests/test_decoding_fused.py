@@ -405,6 +405,9 @@ def test_scan_select_refuses_bad_truncation():
         scan_select(z, seed=None, top_k=2, **args)
     with pytest.raises(ValueError, match="top_k"):
         scan_select(z, seed=torch.tensor([1]), top_k=0, **args)
+    # k >= V keeps every token (the candidate list covers the row), as the two-launch path does.
+    picked = scan_select(z, seed=torch.tensor([1], device=DEVICE), top_k=16, **args)
+    assert picked.flags.tolist() == [2, 2] and bool(((picked.tokens >= 0) & (picked.tokens < 10)).all())
 
 
 def test_fused_select_takes_one_launch_except_for_shared_rows(monkeypatch):
