@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.row_draw import cuda_launch, draw_rows
-from kernels.row_scan import launch_shape, scan_partials
+from kernels.row_scan import launch_shape, scan_partials, split_layout
 from kernels.row_select import select_from_scan
 
 from .cold_reads import cold_graph_ms
@@ -158,8 +158,7 @@ def _read_kernel(z_ptr, z_row_stride, V, split_width, out_ptr, BLOCK_V: tl.const
 def bare_read(z: torch.Tensor, block_v: int, splits: int) -> torch.Tensor:
     """(B, splits) fp32 sums of the row slices: ``_read_kernel`` over ``splits`` slices of whole tiles."""
     B, V = z.shape
-    split_width = -(-(-(-V // splits)) // block_v) * block_v
-    splits = -(-V // split_width)
+    split_width, splits = split_layout(V, block_v, splits)
     out = torch.empty(B, splits, device=z.device)
     _read_kernel[(B, splits)](z, z.stride(0), V, split_width, out, BLOCK_V=block_v, num_warps=4)
     return out

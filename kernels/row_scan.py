@@ -435,6 +435,13 @@ def _num_warps(K: int) -> int:
     return 8 if EXTRACT_MAX_K.value < K <= 32 else 4
 
 
+def split_layout(V: int, block_v: int, splits: int) -> tuple[int, int]:
+    """(columns per split, splits) for about ``splits`` splits of whole BLOCK_V tiles covering V
+    (fewer splits when rounding the width up to whole tiles leaves some empty)."""
+    split_width = cdiv(cdiv(V, splits), block_v) * block_v
+    return split_width, cdiv(V, split_width)
+
+
 @dataclass
 class ScanLaunch:
     """What one launch of the scan takes: its grid, its arguments in ``scan_split``'s order (the
@@ -462,8 +469,7 @@ def scan_launch(z: torch.Tensor, *, eos_index: int | None, temperature: float, s
         if K > block_v:
             raise ValueError(f"launch's BLOCK_V ({block_v}) must hold the {K} candidates")
     K = min(K, block_v)  # only when V < K: a row has fewer columns than candidates asked for
-    split_width = cdiv(cdiv(V, splits), block_v) * block_v
-    splits = cdiv(V, split_width)
+    split_width, splits = split_layout(V, block_v, splits)
     parts = empty_partials(B, splits, K, z.device, draws=seed is not None)
     unused = parts["top_idx"]  # the pointer the kernel gets for outputs it does not write
     seed_tensor = unused if seed is None else _as_seed(seed, z.device)

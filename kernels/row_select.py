@@ -357,7 +357,6 @@ def select_candidate_rows(
     return tl.min(tl.where(bad & row_ok, rows, n_rows), axis=0)
 
 
-
 @triton.jit
 def _select_candidates_kernel(
     z_ptr,

@@ -27,7 +27,8 @@ import triton.language as tl
 
 from .host_math import next_power_of_2
 from .row_scan import _as_seed, scan_launch, scan_split
-from .row_select import HEAD_CODES, Selection, _Outputs, _split_f64, select_candidate_rows, select_rows
+from .row_select import (HEAD_CODES, Selection, _Outputs, _row_block, _split_f64, select_candidate_rows,
+                         select_rows)
 
 
 @triton.jit
@@ -45,9 +46,8 @@ def _scan_select_kernel(
 ):
     scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp, seed_ptr, max_ptr, sum_ptr,
                top_val_ptr, top_idx_ptr, draw_idx_ptr, key_ptr, HAS_EOS, DRAW, K, BLOCK_B, BLOCK_V, LANE_TILES)
-    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    row_ok = rows < n_rows
     n_splits = tl.num_programs(1)
+    rows, row_ok, part, part_ok = _row_block(n_rows, n_splits, n_splits, BLOCK_B, BLOCK_S)
     if n_splits > 1:
         # Every thread's partial stores happen before the barrier, and the barrier before the
         # release: the program that acquires the last count sees all of this row's partials.
@@ -58,9 +58,7 @@ def _scan_select_kernel(
         finishes = row_ok
     if tl.max(finishes.to(tl.int32), axis=0) > 0:
         tl.debug_barrier()
-        split = tl.arange(0, BLOCK_S)
-        part = rows.to(tl.int64)[:, None] * n_splits + split[None, :]
-        part_ok = finishes[:, None] & (split[None, :] < n_splits)
+        part_ok = part_ok & finishes[:, None]
         if K == 0:
             first_bad = select_rows(rows, finishes, part, part_ok, z_ptr, z_row_stride, n_rows, V, max_ptr, sum_ptr,
                                     top_val_ptr, draw_idx_ptr if DRAW else top_idx_ptr, eos_index, temp_hi, temp_lo,

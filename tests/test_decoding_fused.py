@@ -242,14 +242,19 @@ def test_extracted_candidates_match_a_stable_sort_on_fresh_rows():
         assert torch.equal(torch.where(valid, got, -1), torch.where(valid, order, -1)), (seed, K, V, launch)
 
 
-def _split_scan_draw(z, head, eos, eps, t, state, seed, launch):
+def _two_launch_step(z, head, eos, eps, t, state, seed, launch, temperature):
+    """The scan + select kernels (greedy when ``seed`` is None): (the scan's partials, the selection)."""
     from kernels.row_scan import scan_partials
     from kernels.row_select import select_from_scan
 
-    seed = torch.tensor([seed], device=DEVICE)
-    scan = scan_partials(z, eos_index=None if head == "va" else eos, seed=seed, launch=launch)
-    return scan, select_from_scan(z, scan, head=head, eos_index=eos, eps=eps, temperature=1.0, steps=t,
+    scan = scan_partials(z, eos_index=None if head == "va" else eos, temperature=temperature, seed=seed, launch=launch)
+    return scan, select_from_scan(z, scan, head=head, eos_index=eos, eps=eps, temperature=temperature, steps=t,
                                   state=state, seed=seed)
+
+
+def _split_scan_draw(z, head, eos, eps, t, state, seed, launch):
+    """The two-launch drawing step (scan + select) with an int seed: (its partials, its selection)."""
+    return _two_launch_step(z, head, eos, eps, t, state, torch.tensor([seed], device=DEVICE), launch, 1.0)
 
 
 @pytest.mark.parametrize("head,t,launch", [("nmst", 3, (8, 3)), ("st", 20, (16, 2)), ("va", 1, (8, 3))])
@@ -298,15 +303,6 @@ def test_split_scan_draw_is_reproducible_and_never_picks_masked_columns():
         assert 290 <= int(picked.tokens[1]) or int(picked.tokens[1]) == 5
 
 
-def _two_launch_step(z, head, eos, eps, t, state, seed, launch, temperature):
-    from kernels.row_scan import scan_partials
-    from kernels.row_select import select_from_scan
-
-    scan = scan_partials(z, eos_index=None if head == "va" else eos, temperature=temperature, seed=seed, launch=launch)
-    return select_from_scan(z, scan, head=head, eos_index=eos, eps=eps, temperature=temperature, steps=t, state=state,
-                            seed=seed)
-
-
 # (BLOCK_V, splits) forced in the interpreter; None: the automatic layout (on a GPU, split-V: 2 splits
 # per row at B = 256, more below).
 SCAN_SELECT_LAUNCHES = [None, (64, 1), (64, 3), (32, 7), (16, 13)]
@@ -344,7 +340,7 @@ def test_scan_select_equals_two_launches(head, draw, launch):
     for dtype in (torch.float32, torch.bfloat16):
         fused_step = scan_select(z.to(dtype), head=head, eos_index=eos, eps=eps, temperature=temperature, steps=steps,
                                  state=state, seed=seed, launch=launch)
-        two = _two_launch_step(z.to(dtype), head, eos, eps, steps, state, seed, launch, temperature)
+        _, two = _two_launch_step(z.to(dtype), head, eos, eps, steps, state, seed, launch, temperature)
         assert fused_step.flags.tolist() == two.flags.tolist() == [4, B], f"seed={seed_value}"
         ok = torch.ones(B, dtype=torch.bool, device=DEVICE)
         ok[[4, 9]] = False
