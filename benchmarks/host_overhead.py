@@ -30,14 +30,20 @@ _KERNELS = (("row_scan", "_row_scan_kernel"), ("row_select", "_select_kernel"),
 
 
 class _NoLaunch:
-    """Stands in for a JIT kernel: ``kernel[grid](*args)`` does nothing — except that a one-program
-    select kernel (``STORE_FLAGS``) writes the step's flags itself, so its stand-in fills them with
-    "every row served" (one fill the real step does not launch), or the step would read garbage."""
+    """Stands in for a JIT kernel: ``kernel[grid](*args)`` does nothing — except where the kernel
+    writes the step's flags itself (a one-program select kernel, ``STORE_FLAGS``; the one-launch step
+    always): its stand-in fills them with "every row served" (one fill the real step does not
+    launch), or the step would read garbage."""
+
+    def __init__(self, kernel: str):
+        self.kernel = kernel
 
     def __getitem__(self, grid) -> Callable[..., None]:
         def launch(*args, **kwargs) -> None:
             if kwargs.get("STORE_FLAGS"):
                 args[-1].fill_(args[2])  # _select_kernel(z, z_row_stride, n_rows, ..., flags, ...)
+            elif self.kernel == "_scan_select_kernel":
+                args[-2].fill_(args[2])  # _scan_select_kernel(z, z_row_stride, n_rows, ..., flags, sync)
         return launch
 
 
@@ -61,7 +67,7 @@ def kernels_stubbed() -> Iterator[None]:
     saved = [(modules[name], kernel, getattr(modules[name], kernel)) for name, kernel in _KERNELS]
     try:
         for module, kernel, _ in saved:
-            setattr(module, kernel, _NoLaunch())
+            setattr(module, kernel, _NoLaunch(kernel))
         yield
     finally:
         for module, kernel, original in saved:

@@ -9,8 +9,9 @@ tile width, warps and PREFETCH (the next tile's load issued before this tile's f
 its top-p with the lane-maxima bounds on and off; "scan" the split-V scan with its finish (the
 greedy and sampling step, ``kernels/scan_select.py``) over splits per row and tile width at
 B = 256, "scan-b32" at B = 32; "top-k-parts" the candidate scan alone, with the two-launch
-select, and as one launch; "read-floor" the greedy and sampling steps against a bare read in the
-same layout and torch's row max. Each row gives the device time
+select, and as one launch; "top-k-scan" the one-launch top-k 4 step over tile width and splits;
+"read-floor" the greedy and sampling steps against a bare read in the same layout and torch's row
+max. Each row gives the device time
 (``triton.testing.do_bench_cudagraph`` median, each step on a copy of the logits not in L2:
 ``benchmarks.cold_reads``), the achieved read rate or the ratio to the one-read floor at the copy
 bandwidth measured in the same run; * marks the current default. Pick the next defaults from the tables.
@@ -92,17 +93,18 @@ def bounds_sweep(logits: torch.Tensor, timer: Timer) -> list[tuple[float, bool, 
 
 
 def scan_sweep(logits: torch.Tensor, launches: Iterable[tuple[int, int]], timer: Timer, *, draw: bool = False,
-               ) -> list[tuple[tuple[int, int], float]]:
-    """((BLOCK_V, splits), ms) of the greedy (``draw`` False) or sampling device step (the one-launch
-    scan whose last split per row merges and does the head math) per launch, NMST head, t = 100."""
+               top_k: Optional[int] = None) -> list[tuple[tuple[int, int], float]]:
+    """((BLOCK_V, splits), ms) of the greedy (``draw`` False), sampling, or top-k (``top_k``) device step
+    (the one-launch scan whose last split per row merges and does the head math) per launch, NMST
+    head, t = 100."""
     from kernels.scan_select import scan_select
 
-    seed = torch.tensor([1234], device=logits.device) if draw else None
+    seed = torch.tensor([1234], device=logits.device) if draw or top_k else None
     rows = []
     for launch in launches:
         def step(z: torch.Tensor, launch=launch) -> None:
             scan_select(z, head="nmst", eos_index=z.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100, state=None,
-                        seed=seed, launch=launch)
+                        seed=seed, launch=launch, top_k=top_k)
 
         step(logits)
         rows.append((launch, timer(step, logits)))
@@ -209,7 +211,7 @@ def read_floor_parts(logits: torch.Tensor, timer: Timer) -> list[tuple[str, floa
     return rows
 
 
-TABLES = ("row-draw", "bounds", "scan", "top-k-parts", "scan-b32", "read-floor")
+TABLES = ("row-draw", "bounds", "scan", "top-k-parts", "top-k-scan", "scan-b32", "read-floor")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -287,6 +289,22 @@ def _top_k_parts_table(vocabs, bandwidth, timer, quick) -> None:
                 print(f"| {V} | {top_k} | {part} | {ms:.4f} | {ms / floor_ms:.2f} |", flush=True)
 
 
+def _top_k_scan_table(vocabs, bandwidth, timer, quick) -> None:
+    # The candidate scan's layout (1024-column tiles, ⌈5·SMs / B⌉ splits for K <= 16) was timed before
+    # the lane fold and never at 2048 columns; at B = 256 its 768 programs are 1.16 waves of 5 per SM.
+    print("\none-launch top-k 4 step over the candidate scan's layout, B = 256")
+    print("| V | BLOCK_V | splits | programs | ms | x floor |\n|---:|---:|---:|---:|---:|---:|")
+    for V in vocabs:
+        logits = make_logits(256, V, device="cuda")
+        floor_ms = logits.numel() * 4 / bandwidth * 1e3
+        _, default_block_v, default_splits = launch_shape(logits, 4)
+        launches = sorted({(block_v, splits) for block_v in (1024, 2048) for splits in (1, 2, 3, 4, 6)}
+                          | {(default_block_v, default_splits)})
+        for (block_v, splits), ms in scan_sweep(logits, launches, timer, top_k=4):
+            mark = "*" if (block_v, splits) == (default_block_v, default_splits) else ""
+            print(f"| {V} | {block_v} | {splits}{mark} | {256 * splits} | {ms:.4f} | {ms / floor_ms:.2f} |", flush=True)
+
+
 def _scan_b32_table(vocabs, bandwidth, timer, quick) -> None:
     # The layout rule (``row_scan.cuda_launch_shape``) is meant for every batch size, so the sweep
     # checks it away from B = 256 too (the H200 check of 2026-11-27 chose it from B = 1-256).
@@ -315,7 +333,8 @@ def _read_floor_table(vocabs, bandwidth, timer, quick) -> None:
 
 
 _TABLE_RUNNERS = {"row-draw": _row_draw_table, "bounds": _bounds_table, "scan": _scan_table,
-                  "top-k-parts": _top_k_parts_table, "scan-b32": _scan_b32_table, "read-floor": _read_floor_table}
+                  "top-k-parts": _top_k_parts_table, "top-k-scan": _top_k_scan_table, "scan-b32": _scan_b32_table,
+                  "read-floor": _read_floor_table}
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ and sampling in one more launch).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -36,6 +37,7 @@ import triton.language as tl
 
 from .host_math import cdiv, next_power_of_2, scan_width
 from .lanes import LOG2E, fold_row_lanes, fold_tile, lane_pointers, load_tile, merge_lanes, tile_spans
+from .workspace import step_buffers
 
 # The largest candidate list the kernel keeps per row (a power of two; tl.topk needs one).
 MAX_CANDIDATES = 128
@@ -400,20 +402,25 @@ class ScanPartials:
         return 0 if n_parts == 1 and batch > 1 else n_splits
 
 
-def empty_partials(rows: int, splits: int, K: int, device: torch.device, draws: bool = False,
-                   ) -> dict[str, torch.Tensor]:
-    """Uninitialized per-split outputs of one scan: (rows, splits) each; "draw_idx" only when
+def _partial_layout(rows: int, splits: int, K: int, draws: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of each per-split output of one scan: (rows, splits) each; "draw_idx" only when
     ``draws``, "keys" (rows, splits, K) only when K > 0 (an allocation costs the decoding step's
     host a few µs)."""
-    value, index = dict(device=device, dtype=torch.float32), dict(device=device, dtype=torch.int32)
     shape = (rows, splits)
-    parts = {"max": torch.empty(shape, **value), "sum": torch.empty(shape, **value),
-             "top_val": torch.empty(shape, **value), "top_idx": torch.empty(shape, **index)}
+    layout = {"max": (shape, torch.float32), "sum": (shape, torch.float32), "top_val": (shape, torch.float32),
+              "top_idx": (shape, torch.int32)}
     if draws:
-        parts["draw_idx"] = torch.empty(shape, **index)
+        layout["draw_idx"] = (shape, torch.int32)
     if K:
-        parts["keys"] = torch.empty((rows, splits, K), device=device, dtype=torch.int64)
-    return parts
+        layout["keys"] = ((rows, splits, K), torch.int64)
+    return layout
+
+
+def empty_partials(rows: int, splits: int, K: int, device: torch.device, draws: bool = False,
+                   ) -> dict[str, torch.Tensor]:
+    """Uninitialized per-split outputs of one scan (see :func:`_partial_layout`)."""
+    return {name: torch.empty(shape, dtype=dtype, device=device)
+            for name, (shape, dtype) in _partial_layout(rows, splits, K, draws).items()}
 
 
 def _as_seed(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -451,11 +458,17 @@ class ScanLaunch:
     args: tuple
     meta: dict
     scan: ScanPartials
+    sync: Optional[torch.Tensor] = None  # the workspace's zeroed int32 slots (``sync_slots``), if asked for
 
 
 def scan_launch(z: torch.Tensor, *, eos_index: int | None, temperature: float, seed: int | torch.Tensor | None,
-                candidates: int, launch: tuple[int, int] | None) -> ScanLaunch:
-    """Check the arguments of :func:`scan_partials` and lay out its launch (buffers allocated)."""
+                candidates: int, launch: tuple[int, int] | None, sync_slots: Optional[int] = None) -> ScanLaunch:
+    """Check the arguments of :func:`scan_partials` and lay out its launch (buffers allocated).
+
+    ``sync_slots``: the partials are scratch of the step workspace (``kernels/workspace.py``: only
+    valid during this launch, for a kernel that consumes them itself), which also hands out this
+    many zeroed int32 slots as ``sync``; None: the partials are fresh tensors (a kernel after the
+    scan reads them)."""
     if z.dim() != 2 or z.stride(1) != 1:
         raise ValueError("z must be a 2-D tensor with unit stride along V")
     if not 0 <= candidates <= MAX_CANDIDATES or (candidates and not HAS_TOPK):
@@ -470,7 +483,12 @@ def scan_launch(z: torch.Tensor, *, eos_index: int | None, temperature: float, s
             raise ValueError(f"launch's BLOCK_V ({block_v}) must hold the {K} candidates")
     K = min(K, block_v)  # only when V < K: a row has fewer columns than candidates asked for
     split_width, splits = split_layout(V, block_v, splits)
-    parts = empty_partials(B, splits, K, z.device, draws=seed is not None)
+    if sync_slots is None or not B:
+        parts, sync = empty_partials(B, splits, K, z.device, draws=seed is not None), None
+    else:
+        layout = _partial_layout(B, splits, K, draws=seed is not None)
+        sync, *buffers = step_buffers(z.device, sync_slots, tuple(layout.values()))
+        parts = dict(zip(layout, buffers))
     unused = parts["top_idx"]  # the pointer the kernel gets for outputs it does not write
     seed_tensor = unused if seed is None else _as_seed(seed, z.device)
     args = (z, z.stride(0), B, V, split_width, -1 if eos_index is None else eos_index, 1.0 / temperature, seed_tensor,
@@ -478,7 +496,7 @@ def scan_launch(z: torch.Tensor, *, eos_index: int | None, temperature: float, s
             parts.get("keys", unused))
     meta = dict(HAS_EOS=eos_index is not None, DRAW=seed is not None, K=K, BLOCK_B=block_b, BLOCK_V=block_v,
                 LANE_TILES=scan_width(split_width // block_v) if seed is not None else 1, num_warps=_num_warps(K))
-    return ScanLaunch((cdiv(B, block_b), splits), args, meta, ScanPartials(parts, V, K))
+    return ScanLaunch((cdiv(B, block_b), splits), args, meta, ScanPartials(parts, V, K), sync)
 
 
 def scan_partials(

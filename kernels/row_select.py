@@ -430,22 +430,16 @@ class _Outputs:
     """Output buffers plus the head arguments every select kernel takes, in kernel order."""
 
     def __init__(self, z: torch.Tensor, head: str, eps: float, steps: int | torch.Tensor,
-                 state: Optional[torch.Tensor], fill_flags: bool = True, counters: bool = False):
+                 state: Optional[torch.Tensor], fill_flags: bool = True):
         B, device = z.shape[0], z.device
         self.tokens = torch.empty(B, dtype=torch.int64, device=device)
         self.log_probs = torch.empty(B, dtype=torch.float64, device=device)
         # Other heads never store a state: any fp64 pointer will do (one allocation less per step).
         self.state = torch.empty(B, dtype=torch.float64, device=device) if head == "st" else self.log_probs
         # (first bad row, first row without a token), B for none: a fill (no copy from the host),
-        # unless a one-program kernel writes them itself (``fill_flags=False``: one launch less).
-        # ``counters``: one arrival counter per row after the flags, filled with B too (the one-launch
-        # step, ``kernels/scan_select.py``); ``counted_flags`` is the whole buffer.
-        if counters:
-            self.counted_flags = torch.full((2 + B,), B, dtype=torch.int32, device=device)
-            self.flags = self.counted_flags[:2]
-        else:
-            self.flags = (torch.full((2,), B, dtype=torch.int32, device=device) if fill_flags or not B
-                          else torch.empty(2, dtype=torch.int32, device=device))
+        # unless the kernel writes them itself (``fill_flags=False``: one launch less).
+        self.flags = (torch.full((2,), B, dtype=torch.int32, device=device) if fill_flags or not B
+                      else torch.empty(2, dtype=torch.int32, device=device))
         self.steps_per_row = isinstance(steps, torch.Tensor)
         self.has_state = head == "st" and state is not None
         steps_tensor = steps if self.steps_per_row else self.tokens  # any pointer when unused

@@ -12,9 +12,11 @@ finishes the row with the select kernels' code (``row_select.select_rows`` /
 waits for the slowest split. Measured there: greedy 1.55x, sampling 1.76x (the row draw: 1.81x);
 the fill and the last rows' finish chain are what is left (≈ 5 µs).
 
-The counters sit behind the two flags in one int32 buffer the wrapper fills with B (one fill:
-the flags' "none" value doubles as every counter's start), so a row's last arrival is the one
-that reads B + splits − 1. Partials are loaded through L2 only (``cache_modifier=".cg"``).
+No fill before the launch (sixteenth session): the per-row arrival counters, a count of finished
+rows and the worst bad row live in the step workspace (``kernels/workspace.py``), zero at rest —
+a row's last arrival zeroes its counter, and the program whose finished rows complete the batch
+writes the two flags and zeroes the shared slots. The partials are that workspace's scratch too
+(no allocations per step). Partials are loaded through L2 only (``cache_modifier=".cg"``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def _scan_select_kernel(
     top_k, top_p_hi, top_p_lo,  # K > 0 only: the truncation
     finish_seed_ptr,  # the draw's seed: the scan's when it draws (K = 0), the candidates' draw's (K > 0)
     token_ptr, log_prob_ptr, new_state_ptr,
-    flags_ptr,  # (2 + n_rows,) int32 filled with n_rows: the two flags, then one arrival counter per row
+    flags_ptr,  # (2,) int32, written by the last row to finish
+    sync_ptr,  # (2 + n_rows,) int32, zero at entry and at exit: rows finished, worst bad code, per-row arrivals
     HAS_EOS: tl.constexpr, DRAW: tl.constexpr, K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
     LANE_TILES: tl.constexpr, HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr,
     HAS_TOP_P: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -52,11 +55,14 @@ def _scan_select_kernel(
         # Every thread's partial stores happen before the barrier, and the barrier before the
         # release: the program that acquires the last count sees all of this row's partials.
         tl.debug_barrier()
-        arrived = tl.atomic_add(flags_ptr + 2 + rows, 1, mask=row_ok, sem="acq_rel", scope="gpu")
-        finishes = row_ok & (arrived == n_rows + n_splits - 1)
+        arrived = tl.atomic_add(sync_ptr + 2 + rows, 1, mask=row_ok, sem="acq_rel", scope="gpu")
+        finishes = row_ok & (arrived == n_splits - 1)
+        # Every split has counted in: back to zero for the next launch (no other access this launch).
+        tl.store(sync_ptr + 2 + rows, 0, mask=finishes)
     else:
         finishes = row_ok
-    if tl.max(finishes.to(tl.int32), axis=0) > 0:
+    n_finished = tl.sum(finishes.to(tl.int32), axis=0)
+    if n_finished > 0:
         tl.debug_barrier()
         part_ok = part_ok & finishes[:, None]
         if K == 0:
@@ -71,7 +77,17 @@ def _scan_select_kernel(
                 key_ptr, eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr,
                 state_stride, top_k, top_p_hi, top_p_lo, finish_seed_ptr, token_ptr, log_prob_ptr, new_state_ptr, HEAD,
                 STEPS_PER_ROW, HAS_STATE, HAS_TOP_P, K, BLOCK_B, BLOCK_S)
-        tl.atomic_min(flags_ptr, first_bad)
+        # The flags without a fill: the worst bad row as a max of n_rows − row (0 at rest: none), then
+        # this program's finished rows counted in (the release orders the max before the count); the
+        # program whose count completes the batch reads the worst, writes the flags, and leaves zeros.
+        if first_bad < n_rows:
+            tl.atomic_max(sync_ptr + 1, n_rows - first_bad, sem="relaxed", scope="gpu")
+        done = tl.atomic_add(sync_ptr, n_finished, sem="acq_rel", scope="gpu")
+        if done + n_finished == n_rows:
+            worst = tl.atomic_xchg(sync_ptr + 1, 0, sem="acquire", scope="gpu")
+            tl.store(sync_ptr, 0)
+            tl.store(flags_ptr, n_rows - worst)
+            tl.store(flags_ptr + 1, n_rows)  # every row has its token
 
 
 # The finishing program merges splits × K candidate keys of its row in registers (a tl.topk of them):
@@ -105,7 +121,8 @@ def scan_select(
     top_p_threshold: Optional[float] = None,
     launch: tuple[int, int] | None = None,
 ) -> Selection:
-    """One token per row of (B, V) ``z`` in one launch (plus the fill of its flags and counters):
+    """One token per row of (B, V) ``z`` in one launch (no fill: its counters and partials live in the
+    step workspace, ``kernels/workspace.py``):
     greedy (``seed`` None), exact sampling (``seed``), or with ``top_k`` the top-k (then top-p)
     truncated draw of the candidate scan (``seed`` its draw).
 
@@ -122,16 +139,23 @@ def scan_select(
         raise ValueError(f"top_k must be at least 1, got {top_k}")
     # The candidate scan draws no noise (its select kernel draws): no seed for the scan itself.
     scan = scan_launch(z, eos_index=None if head == "va" else eos_index, temperature=temperature,
-                       seed=None if top_k is not None else seed, candidates=top_k or 0, launch=launch)
-    out = _Outputs(z, head, eps, steps, state, counters=True)
+                       seed=None if top_k is not None else seed, candidates=top_k or 0, launch=launch,
+                       sync_slots=2 + B)
+    out = _Outputs(z, head, eps, steps, state, fill_flags=False)
     if B:
         splits = scan.grid[1]
         # The finish's seed: the scan's own (a drawing scan), the top-k draw's, or any pointer (greedy).
         finish_seed = scan.args[7] if top_k is None else _as_seed(seed, z.device)
         truncation = (top_k or 0, *_split_f64(top_p_threshold if top_p_threshold is not None else 1.0), finish_seed)
-        _scan_select_kernel[scan.grid](
-            *scan.args, *_split_f64(float(temperature)), *out.head_args, *truncation, out.tokens, out.log_probs,
-            out.state, out.counted_flags, **scan.meta, HEAD=HEAD_CODES[head], STEPS_PER_ROW=out.steps_per_row,
-            HAS_STATE=out.has_state, HAS_TOP_P=top_p_threshold is not None, BLOCK_S=next_power_of_2(splits),
-        )
+        try:
+            _scan_select_kernel[scan.grid](
+                *scan.args, *_split_f64(float(temperature)), *out.head_args, *truncation, out.tokens, out.log_probs,
+                out.state, out.flags, scan.sync, **scan.meta, HEAD=HEAD_CODES[head], STEPS_PER_ROW=out.steps_per_row,
+                HAS_STATE=out.has_state, HAS_TOP_P=top_p_threshold is not None, BLOCK_S=next_power_of_2(splits),
+            )
+        except BaseException:
+            # A launch that did not finish (an interpreter error, a compile failure, an interrupt) may
+            # leave counts behind: the next step must find zeros.
+            scan.sync.zero_()
+            raise
     return out.selection(head)

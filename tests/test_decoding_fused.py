@@ -392,6 +392,72 @@ def test_scan_select_top_k_equals_two_launches(head, top_k, top_p, launch):
         assert torch.equal(fused_step.state[ok], two.state[ok])
 
 
+def _workspace_sync(device):
+    from kernels import workspace
+
+    return workspace._WORKSPACES[workspace._key(torch.device(device))].sync
+
+
+@pytest.mark.parametrize("mode", ["greedy", "draw", "top-k"])
+def test_scan_select_leaves_its_workspace_at_zero(mode):
+    """No fill precedes the one-launch step: its arrival counters, the count of finished rows and the
+    worst bad row must be zero again when every launch ends — through layouts of 3 and 13 splits, a
+    batch that shrinks and grows, flagged rows — and each step must equal the two-launch path (a
+    count left over would finish rows early, or never)."""
+    from kernels.scan_select import scan_select
+
+    seed_value = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed_value)
+    for launch in [(64, 3), (16, 13)]:
+        for B in [24, 5, 24]:
+            z = (torch.randn(B, 200, generator=gen) * 3).to(DEVICE)
+            z[B // 2, 3] = float("nan")  # flagged: the worst-bad slot is used and must be reset
+            seed = torch.tensor([seed_value + B], device=DEVICE)
+            args = dict(head="st", eos_index=7, eps=0.01, steps=5, state=None)
+            if mode == "top-k":
+                picked = scan_select(z, temperature=1.0, seed=seed, top_k=3, top_p_threshold=0.8, launch=launch,
+                                     **args)
+                from kernels.row_scan import scan_partials
+                from kernels.row_select import select_candidates_from_scan
+
+                scan = scan_partials(z, eos_index=7, candidates=3, launch=launch)
+                two = select_candidates_from_scan(z, scan, top_k=3, top_p_threshold=0.8, seed=seed, **args)
+            else:
+                seed = seed if mode == "draw" else None
+                picked = scan_select(z, temperature=0.9, seed=seed, launch=launch, **args)
+                _, two = _two_launch_step(z, "st", 7, 0.01, 5, None, seed, launch, 0.9)
+            assert picked.flags.tolist() == [B // 2, B], f"seed={seed_value} {launch} B={B}"
+            assert not bool(_workspace_sync(DEVICE).any()), f"seed={seed_value} {launch} B={B}"
+            ok = torch.arange(B, device=DEVICE) != B // 2
+            assert torch.equal(picked.tokens[ok], two.tokens[ok]), f"seed={seed_value} {launch} B={B}"
+
+
+def test_scan_select_zeroes_its_workspace_when_a_launch_fails(monkeypatch):
+    """A launch that raises (an interpreter error, a compile failure) may have counted some rows in:
+    the wrapper zeroes the workspace, so the next step is right."""
+    import kernels.scan_select as scan_select_module
+
+    class _Fails:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                args[-1].fill_(3)  # the sync slots: counted in, then the launch dies
+                raise RuntimeError("launch failed")
+            return launch
+
+    z = torch.randn(6, 40, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    args = dict(head="nmst", eos_index=2, eps=0.05, temperature=1.0, steps=3, state=None, seed=None,
+                launch=(16, 3))
+    real = scan_select_module._scan_select_kernel
+    monkeypatch.setattr(scan_select_module, "_scan_select_kernel", _Fails())
+    with pytest.raises(RuntimeError, match="launch failed"):
+        scan_select_module.scan_select(z, **args)
+    assert not bool(_workspace_sync(DEVICE).any())
+    monkeypatch.setattr(scan_select_module, "_scan_select_kernel", real)
+    picked = scan_select_module.scan_select(z, **args)
+    _, two = _two_launch_step(z, "nmst", 2, 0.05, 3, None, None, (16, 3), 1.0)
+    assert picked.flags.tolist() == [6, 6] and torch.equal(picked.tokens, two.tokens)
+
+
 def test_scan_select_refuses_bad_truncation():
     from kernels.scan_select import scan_select
 

@@ -267,6 +267,9 @@ def test_launch_sweep_runs_every_variant():
     assert [(p, b) for p, b, _, _ in rows] == [(0.4, True), (0.4, False), (0.9, True), (0.9, False)]
     assert all(passes >= 0 for *_, passes in rows)
     assert len(timed) == 2 * len(variants()) + 13
+    top_k_launches = [(1024, 2), (2048, 1)]  # the top-k-scan table's steps (one-launch top-k)
+    rows = scan_sweep(logits, top_k_launches, lambda step, z: timed.append(step(z)) or 1.0, top_k=4)
+    assert [launch for launch, _ in rows] == top_k_launches and len(timed) == 2 * len(variants()) + 15
     from benchmarks.profile_decoding import TABLES, _TABLE_RUNNERS, main
 
     from benchmarks.profile_decoding import bare_read, read_floor_parts
