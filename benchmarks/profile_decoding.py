@@ -203,9 +203,9 @@ def read_floor_parts(logits: torch.Tensor, timer: Timer) -> list[tuple[str, floa
     rows = []
     for name, fn in ((f"bare read ({block_v} x {splits} splits)", read), ("torch.amax(dim=1)", row_max),
                      ("greedy scan alone", scan_only), ("greedy, scan + select (two launches)", greedy),
-                     ("greedy, one launch (fill + scan_select)", greedy_one_launch),
+                     ("greedy, one launch (scan_select)", greedy_one_launch),
                      ("sampling, row draw (fill + draw_rows)", sampling_row_draw),
-                     ("sampling, one launch (fill + drawing scan_select)", sampling_one_launch)):
+                     ("sampling, one launch (drawing scan_select)", sampling_one_launch)):
         fn(logits)
         rows.append((name, timer(fn, logits)))
     return rows

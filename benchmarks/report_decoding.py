@@ -49,8 +49,8 @@ def copy_bandwidth() -> float:
 def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
     """A strategy's whole device step — kernels only, no Python or host sync (timed as a CUDA graph).
 
-    Greedy, sampling and top-k (then top-p): the fill of the flags and counters, then the one
-    launch whose last split per row does the head math and draw (``kernels/scan_select.py``; the
+    Greedy, sampling and top-k (then top-p): the one launch (no fill: its counters live in the
+    step workspace) whose last split per row does the head math and draw (``kernels/scan_select.py``; the
     two-launch candidate scan + select where the finish cannot hold the candidates). Top-p alone:
     the row draw's rejection rounds (what distinct rows take; repeated rows and the rare unresolved
     row take the cut + draw kernels).
@@ -103,7 +103,7 @@ def gpu_main(vocabs: tuple[int, ...] = VOCABS, device: str = "cuda") -> None:
           f"do_bench medians; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write); "
           "floor = B*V*4 bytes / that bandwidth; loop = ms per call of 50 back-to-back calls, one sync after; "
           "kernels = the strategy's whole device step as a CUDA graph, each "
-          "step on a copy of the logits not in L2 (greedy, sampling, top-k: a fill and the one-launch "
+          "step on a copy of the logits not in L2 (greedy, sampling, top-k: the one-launch "
           "scan + finish; top-p alone: a fill and the row-draw kernel)")
     print("| B | V | strategy | fast (ms) | sort-based (ms) | speed-up | fast, loop (ms) | kernels (ms) | floor (ms) "
           "| kernels / floor | top-p rounds (mean / max) |")

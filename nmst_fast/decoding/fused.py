@@ -1,4 +1,4 @@
-"""Token selection on the logits in Triton: one launch (after a fill), one host sync, no (B, V) tensor.
+"""Token selection on the logits in Triton: one launch, one host sync, no (B, V) tensor.
 
 The scan (``kernels/row_scan.py``) reads the logits once, in V-splits, and leaves per row and
 split: the running max/sum of the non-eos logits, the first argmax, one non-eos column drawn
