@@ -15,7 +15,9 @@ the fill and the last rows' finish chain are what is left (≈ 5 µs).
 No fill before the launch (sixteenth session): the per-row arrival counters, a count of finished
 rows and the worst bad row live in the step workspace (``kernels/workspace.py``), zero at rest —
 a row's last arrival zeroes its counter, and the program whose finished rows complete the batch
-writes the two flags and zeroes the shared slots. The partials are that workspace's scratch too
+writes the two flags and zeroes the shared slots. Programs with a bad row also count themselves
+in the count's high word, so that last program reads the worst bad row (a second atomic on the
+step's critical tail) only when there is one. The partials are that workspace's scratch too
 (no allocations per step). Partials are loaded through L2 only (``cache_modifier=".cg"``).
 """
 
@@ -42,7 +44,9 @@ def _scan_select_kernel(
     finish_seed_ptr,  # the draw's seed: the scan's when it draws (K = 0), the candidates' draw's (K > 0)
     token_ptr, log_prob_ptr, new_state_ptr,
     flags_ptr,  # (2,) int32, written by the last row to finish
-    sync_ptr,  # (2 + n_rows,) int32, zero at entry and at exit: rows finished, worst bad code, per-row arrivals
+    # (3 + n_rows,) int32, zero at entry and at exit: an int64 word (rows finished; programs with a bad
+    # row, × 2^32), the worst bad code, one arrival counter per row
+    sync_ptr,
     HAS_EOS: tl.constexpr, DRAW: tl.constexpr, K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
     LANE_TILES: tl.constexpr, HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr,
     HAS_TOP_P: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -55,10 +59,10 @@ def _scan_select_kernel(
         # Every thread's partial stores happen before the barrier, and the barrier before the
         # release: the program that acquires the last count sees all of this row's partials.
         tl.debug_barrier()
-        arrived = tl.atomic_add(sync_ptr + 2 + rows, 1, mask=row_ok, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(sync_ptr + 3 + rows, 1, mask=row_ok, sem="acq_rel", scope="gpu")
         finishes = row_ok & (arrived == n_splits - 1)
         # Every split has counted in: back to zero for the next launch (no other access this launch).
-        tl.store(sync_ptr + 2 + rows, 0, mask=finishes)
+        tl.store(sync_ptr + 3 + rows, 0, mask=finishes)
     else:
         finishes = row_ok
     n_finished = tl.sum(finishes.to(tl.int32), axis=0)
@@ -77,15 +81,21 @@ def _scan_select_kernel(
                 key_ptr, eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr,
                 state_stride, top_k, top_p_hi, top_p_lo, finish_seed_ptr, token_ptr, log_prob_ptr, new_state_ptr, HEAD,
                 STEPS_PER_ROW, HAS_STATE, HAS_TOP_P, K, BLOCK_B, BLOCK_S)
-        # The flags without a fill: the worst bad row as a max of n_rows − row (0 at rest: none), then
-        # this program's finished rows counted in (the release orders the max before the count); the
-        # program whose count completes the batch reads the worst, writes the flags, and leaves zeros.
+        # The flags without a fill. A program with a bad row records it as a max of n_rows − row (0 at
+        # rest: none) and marks its count in the high word; the count's release orders that record
+        # before it. The program whose count completes the batch writes the flags and leaves zeros:
+        # one atomic on its path when no row was bad, a second (reading the worst) when one was.
+        done_ptr = sync_ptr.to(tl.pointer_type(tl.int64))
+        count = n_finished.to(tl.int64)
         if first_bad < n_rows:
-            tl.atomic_max(sync_ptr + 1, n_rows - first_bad, sem="relaxed", scope="gpu")
-        done = tl.atomic_add(sync_ptr, n_finished, sem="acq_rel", scope="gpu")
-        if done + n_finished == n_rows:
-            worst = tl.atomic_xchg(sync_ptr + 1, 0, sem="acquire", scope="gpu")
-            tl.store(sync_ptr, 0)
+            tl.atomic_max(sync_ptr + 2, n_rows - first_bad, sem="relaxed", scope="gpu")
+            count += 4294967296
+        done = tl.atomic_add(done_ptr, count, sem="acq_rel", scope="gpu") + count
+        if (done & 0xFFFFFFFF) == n_rows:
+            worst = tl.full((), 0, tl.int32)
+            if (done >> 32) > 0:
+                worst = tl.atomic_xchg(sync_ptr + 2, 0, sem="acquire", scope="gpu")
+            tl.store(done_ptr, 0)
             tl.store(flags_ptr, n_rows - worst)
             tl.store(flags_ptr + 1, n_rows)  # every row has its token
 
@@ -140,7 +150,7 @@ def scan_select(
     # The candidate scan draws no noise (its select kernel draws): no seed for the scan itself.
     scan = scan_launch(z, eos_index=None if head == "va" else eos_index, temperature=temperature,
                        seed=None if top_k is not None else seed, candidates=top_k or 0, launch=launch,
-                       sync_slots=2 + B)
+                       sync_slots=3 + B)
     out = _Outputs(z, head, eps, steps, state, fill_flags=False)
     if B:
         splits = scan.grid[1]
