@@ -6,7 +6,8 @@
 
 Tables: "row-draw" sweeps the row draw (top-p's kernel, and plain sampling's alternative) over
 tile width, warps and PREFETCH (the next tile's load issued before this tile's folds); "bounds"
-its top-p with the lane-maxima bounds on and off; "scan" the split-V scan with its finish (the
+its top-p with the lane-maxima bounds on and off; "round-candidates" its top-p over candidates drawn per
+round (with mean and max rounds per row); "scan" the split-V scan with its finish (the
 greedy and sampling step, ``kernels/scan_select.py``) over splits per row and tile width at
 B = 256, "scan-b32" at B = 32; "top-k-parts" the candidate scan alone, with the two-launch
 select, and as one launch; "top-k-scan" the one-launch top-k 4 step over tile width and splits;
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.row_draw import cuda_launch, draw_rows
+from kernels.row_draw import ROUND_CANDIDATES, cuda_launch, draw_rows
 from kernels.row_scan import launch_shape, scan_partials, split_layout
 from kernels.row_select import select_from_scan
 
@@ -89,6 +90,23 @@ def bounds_sweep(logits: torch.Tensor, timer: Timer) -> list[tuple[float, bool, 
 
             step(logits)
             rows.append((top_p, bounds, timer(step, logits), float(passes.double().mean())))
+    return rows
+
+
+def round_candidates_sweep(logits: torch.Tensor, timer: Timer, candidates: Iterable[int] = (1, 2, 4),
+                           ) -> list[tuple[float, int, float, float, int]]:
+    """(top_p, candidates per round, ms, mean rounds, max rounds) of the row draw's top-p at its default
+    launch (NMST head, t = 100)."""
+    rows = []
+    for top_p, count in itertools.product((0.4, 0.9), candidates):
+        args = dict(head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100, state=None,
+                    top_p_threshold=top_p, seed=torch.tensor([1234], device=logits.device), round_candidates=count)
+
+        def step(z: torch.Tensor, args=args) -> None:
+            draw_rows(z, **args)
+
+        _, rounds = draw_rows(logits, **args)
+        rows.append((top_p, count, timer(step, logits), float(rounds.double().mean()), int(rounds.max())))
     return rows
 
 
@@ -211,7 +229,7 @@ def read_floor_parts(logits: torch.Tensor, timer: Timer) -> list[tuple[str, floa
     return rows
 
 
-TABLES = ("row-draw", "bounds", "scan", "top-k-parts", "top-k-scan", "scan-b32", "read-floor")
+TABLES = ("row-draw", "bounds", "round-candidates", "scan", "top-k-parts", "top-k-scan", "scan-b32", "read-floor")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -261,6 +279,18 @@ def _bounds_table(vocabs, bandwidth, timer, quick) -> None:
         floor_ms = logits.numel() * 4 / bandwidth * 1e3
         for top_p, bounds, ms, passes in bounds_sweep(logits, timer):
             print(f"| {V} | {top_p} | {bounds} | {ms:.4f} | {ms / floor_ms:.2f} | {passes:.2f} |", flush=True)
+
+
+def _round_candidates_table(vocabs, bandwidth, timer, quick) -> None:
+    print("\nrow draw's top-p over candidates per round (default launch), B = 256")
+    print("| V | top-p | candidates | ms | x floor | mean rounds | max rounds |\n|---:|---:|---:|---:|---:|---:|---:|")
+    for V in vocabs:
+        logits = make_logits(256, V, device="cuda")
+        floor_ms = logits.numel() * 4 / bandwidth * 1e3
+        for top_p, count, ms, mean_rounds, max_rounds in round_candidates_sweep(logits, timer):
+            mark = "*" if count == ROUND_CANDIDATES else ""
+            print(f"| {V} | {top_p} | {count}{mark} | {ms:.4f} | {ms / floor_ms:.2f} | {mean_rounds:.2f} | "
+                  f"{max_rounds} |", flush=True)
 
 
 def _scan_table(vocabs, bandwidth, timer, quick) -> None:
@@ -332,7 +362,8 @@ def _read_floor_table(vocabs, bandwidth, timer, quick) -> None:
             print(f"| {B} | {V} | {part} | {ms:.4f} | {ms / floor_ms:.2f} |", flush=True)
 
 
-_TABLE_RUNNERS = {"row-draw": _row_draw_table, "bounds": _bounds_table, "scan": _scan_table,
+_TABLE_RUNNERS = {"row-draw": _row_draw_table, "bounds": _bounds_table, "round-candidates": _round_candidates_table,
+                  "scan": _scan_table,
                   "top-k-parts": _top_k_parts_table, "top-k-scan": _top_k_scan_table, "scan-b32": _scan_b32_table,
                   "read-floor": _read_floor_table}
 

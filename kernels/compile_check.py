@@ -24,10 +24,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 import triton
@@ -195,6 +196,10 @@ def _nucleus_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launch]:
         for mode, top_p in (("top-p", 0.9), ("sampling", None)):
             out.append(_record_row_draw(z.to(dtype), head=head, state=state if head == "st" else None,
                                         temperature=0.7, top_p=top_p, seed=seed, label=f"row draw {mode} {label}"))
+    for candidates in (2, 4):  # top-p's rounds with several candidates (profile_decoding's round-candidates)
+        out.append(_record_row_draw(z, head="nmst", state=None, temperature=0.7, top_p=0.4, seed=seed,
+                                    label=f"row draw top-p {candidates} candidates per round",
+                                    round_candidates=candidates))
     return out
 
 
@@ -229,11 +234,11 @@ def _small_vocab_launches(seed: torch.Tensor) -> list[Launch]:
 
 
 def _record_row_draw(z: torch.Tensor, *, head: str, state, temperature: float, top_p, seed: torch.Tensor,
-                     label: str) -> Launch:
+                     label: str, round_candidates: Optional[int] = None) -> Launch:
     """One row-draw launch on ``z`` at the CUDA launch shape of its vocabulary (eos at column 5, t = 3)."""
     return _record(row_draw, "_row_draw_kernel", lambda: row_draw.draw_rows(
         z, head=head, eos_index=5, eps=1e-5, temperature=temperature, steps=3, state=state,
-        top_p_threshold=top_p, seed=seed), label,
+        top_p_threshold=top_p, seed=seed, round_candidates=round_candidates), label,
         *_blocks_and_options(row_draw.cuda_launch(z.shape[1], top_p=top_p is not None)))
 
 

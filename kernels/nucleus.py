@@ -67,9 +67,9 @@ def _online_logsumexp(running_max, running_sum, x):
 
 @triton.jit
 def _load_x(base, cols, rows_on, V, eos_index, inv_temp, HAS_EOS: tl.constexpr):
-    """x = z · inv_temp at ``cols`` ((1 or rows, tile) columns) of the rows ``rows_on`` (fp32;
-    −inf outside the row and for eos)."""
-    keep = rows_on[:, None] & (cols < V)
+    """x = z · inv_temp at ``cols`` ((1 or rows, tile) columns, or (rows, candidates, tile)) of the rows
+    ``rows_on`` (the shape of ``cols`` less its last axis; fp32; −inf outside the row and for eos)."""
+    keep = tl.expand_dims(rows_on, -1) & (cols < V)
     if HAS_EOS:
         keep = keep & (cols != eos_index)
     x = tl.load(base + cols, mask=keep, other=float("-inf")).to(tl.float32) * inv_temp

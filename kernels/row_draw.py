@@ -30,7 +30,10 @@ side of p. On peaked rows (z ~ N(0, 3²), V = 50257) that settles ~97% of the ro
 ~85% of p = 0.9, so top-p costs about one read; a round the bounds reject leaves S as it was.
 
 Conditioned on landing in the nucleus, a draw from S ⊇ nucleus is a draw from the renormalized
-nucleus, so every accepted round gives an exact sample, whichever way S shrank or did not. A round
+nucleus, so every accepted round gives an exact sample, whichever way S shrank or did not. That
+also holds for ``round_candidates`` > 1: a round then draws that many independent candidates from
+S and examines the first the bounds do not reject (the rest are dropped unexamined) — one
+cumulative sum and one set of bound reductions for several bound-rejected draws. A round
 accepts with probability mass(nucleus) / mass(S) ≥ p, and S shrinks with each pass-decided
 rejection (≈ log₂(1/p) rounds on a flat row), where ``kernels/nucleus.py``'s cut takes ~6 reads.
 A row still drawing after ``MAX_ROUNDS`` is flagged (flags[1]); the caller then draws it from the
@@ -57,12 +60,18 @@ import triton.language as tl
 from .host_math import cdiv, next_power_of_2
 from .nucleus import _load_x, _row_head, tile_table_width
 from .lanes import LOG2E, fold_row_lanes, lane_pointers, merge_lanes, ranked_lane_mass
-from .row_scan import first_crossing
+from .row_scan import crossing_of_cumsum, first_crossing
 from .row_select import HEAD_CODES, Selection, _Outputs, _split_f64, _uniform_f64_stream
 
 # A round the bounds reject leaves S as it was (a pass-rejected one shrinks it), so a row takes
 # about 1/p rounds at worst: P(all rejected) ≤ (1 − p)^64 per row.
 MAX_ROUNDS = 64
+# Top-p candidates per round. A round the bounds reject costs about what a pass costs (a float64
+# inverse CDF over the lanes, a gather, reductions: latency), and p = 0.4 took up to 18 rounds on
+# an H200 (RESULTS.md): drawing several candidates from S at once and examining the first the bounds
+# do not reject shares one cumulative sum and one set of reductions among them. One until the
+# GPU sweep times more (``profile_decoding --tables round-candidates``).
+ROUND_CANDIDATES = 1
 UNIFORM_STREAM = 2  # Philox stream of the rounds' uniforms (the cut's draw uses 1, the scan 0)
 
 
@@ -80,8 +89,10 @@ def _fp32_floor(value):
 
 @triton.jit
 def _ranked_before(x, cols, pivot_value, pivot_col):
-    """Tokens (x, column) ranked before the pivot: a larger x, or the same x at a lower column."""
-    return (x > pivot_value[:, None]) | ((x == pivot_value[:, None]) & (cols < pivot_col[:, None]))
+    """Tokens (x, column) ranked before the pivot: a larger x, or the same x at a lower column (the
+    pivot has the shape of ``x`` less its last axis)."""
+    value = tl.expand_dims(pivot_value, -1)
+    return (x > value) | ((x == value) & (cols < tl.expand_dims(pivot_col, -1)))
 
 
 @triton.jit
@@ -95,8 +106,9 @@ def _bounds(lane_top, lane_top_e, lane_e, cand_value, cand_e, w, eos_term, slack
     less the candidate's own weight ``cand_e`` (0 for eos, which no lane holds).
     Both are taken with ``slack`` against the pass's own rounding; an undecided candidate takes the
     pass. On peaked rows the bounds settle most rounds (RESULTS.md)."""
-    lower = tl.sum(tl.where(lane_top > cand_value[:, None], lane_top_e, 0.0).to(tl.float64), axis=1)
-    upper = tl.sum(tl.where(lane_top >= cand_value[:, None], lane_e, 0.0).to(tl.float64), axis=1)
+    cand = tl.expand_dims(cand_value, -1)  # (rows, candidates) against (rows, 1, lanes) tables
+    lower = tl.sum(tl.where(lane_top > cand, lane_top_e, 0.0).to(tl.float64), axis=-1)
+    upper = tl.sum(tl.where(lane_top >= cand, lane_e, 0.0).to(tl.float64), axis=-1)
     upper = tl.maximum(upper - cand_e * (1.0 - slack), 0.0)
     # 2^-100: the weights one fp32 path flushes to 0 and the other keeps (V · 2^-126 at most).
     sure_in = w * upper * (1.0 + slack) + 7.888609052210118e-31 + eos_term < threshold
@@ -121,12 +133,13 @@ def _row_draw_kernel(
     HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr,
     STREAM: tl.constexpr, TRUNCATE: tl.constexpr, NTILES: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr, BOUNDS: tl.constexpr, VERIFY: tl.constexpr,
+    CANDS: tl.constexpr,  # candidates drawn per round (top-p; plain sampling: 1)
 ):
     HAS_EOS: tl.constexpr = HEAD != 0
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     row_ok = rows < n_rows
     base = z_ptr + rows.to(tl.int64)[:, None] * z_row_stride
-    lanes = tl.arange(0, BLOCK_V)[None, :]
+    lanes = tl.arange(0, BLOCK_V)
     lane_ptrs = lane_pointers(z_ptr, z_row_stride, rows, n_rows, BLOCK_B, BLOCK_V)
 
     # 1. Per lane (a column position of the tile, across the row's tiles): max and Σ e^(x − max),
@@ -163,29 +176,75 @@ def _row_draw_kernel(
     lane_top = lane_max * inv_temp
     lane_top_e = tl.exp2((lane_top - m[:, None]) * LOG2E)
     slack = (NTILES + 2) * (tl.abs(m).to(tl.float64) + 256.0) * 9.5367431640625e-07  # · 2^-20
-    steps_of_lane = tl.arange(0, NTILES)[None, :] * BLOCK_V
+    # Each round draws CANDS candidates from S at once, (rows, CANDS) below; the tables they share
+    # get a candidates axis of 1.
+    cand = tl.arange(0, CANDS)[None, :]
+    lanes = lanes[None, :]
+    steps_of_lane = tl.arange(0, NTILES)[None, None, :] * BLOCK_V
+    lane_top = lane_top[:, None, :]
+    lane_top_e = lane_top_e[:, None, :]
     r = 0
     while (tl.max(pending.to(tl.int32), axis=0) > 0) & (r < max_rounds):
-        # Draw from S: eos first, then tokens by lane (the lane, then its column: the lane's
-        # columns are one per tile, NTILES strided loads once per round).
-        goal = _uniform_f64_stream(seed, rows * max_rounds + r, STREAM) * total
-        eos_part = tl.where(eos_in, p_eos, 0.0)
-        goal_e = (goal - eos_part) / tl.where(w > 0.0, w, 1.0)  # in units of e^(x − M)
+        # Draw CANDS independent candidates from S: eos first, then tokens by lane (the lane, then its
+        # column: the lane's columns are one per tile, NTILES strided loads per candidate).
+        goal = _uniform_f64_stream(seed, (rows * max_rounds + r)[:, None] * CANDS + cand, STREAM) * total[:, None]
+        eos_part = tl.where(eos_in, p_eos, 0.0)[:, None]
+        goal_e = (goal - eos_part) / tl.where(w > 0.0, w, 1.0)[:, None]  # in units of e^(x − M)
         lane_weights = lane_e.to(tl.float64)
-        is_eos = eos_in & ((goal < eos_part) | (tl.sum(lane_weights, axis=1) <= 0.0))
-        lane, skipped = first_crossing(lane_weights, goal_e, lanes, BLOCK_V)
-        cols = lane[:, None] + steps_of_lane
-        x = _load_x(base, cols, pending & ~is_eos & (lane >= 0), V, eos_index, inv_temp, HAS_EOS)
-        e = tl.where(_ranked_before(x, cols, pivot_value, pivot_col), tl.exp2((x - m[:, None]) * LOG2E), 0.0)
+        is_eos = eos_in[:, None] & ((goal < eos_part) | (tl.sum(lane_weights, axis=1) <= 0.0)[:, None])
+        # One cumulative sum of the lanes' masses serves every candidate; each searches it in (rows,
+        # lanes) form — a (rows, CANDS, lanes) search cost plain sampling twice the registers (sm_90).
+        cum = tl.cumsum(lane_weights, axis=1)
+        lane = tl.zeros((BLOCK_B, CANDS), tl.int32)
+        skipped = tl.zeros((BLOCK_B, CANDS), tl.float64)
+        for c in tl.static_range(CANDS):
+            this = cand == c
+            lane_c, skipped_c = crossing_of_cumsum(cum, lane_weights, tl.sum(tl.where(this, goal_e, 0.0), axis=1),
+                                                   lanes, BLOCK_V)
+            lane = tl.where(this, lane_c[:, None], lane)
+            skipped = tl.where(this, skipped_c[:, None], skipped)
+        cols = lane[:, :, None] + steps_of_lane
+        x = _load_x(base[:, :, None], cols, pending[:, None] & ~is_eos & (lane >= 0), V, eos_index, inv_temp,
+                    HAS_EOS)
+        e = tl.where(_ranked_before(x, cols, pivot_value[:, None], pivot_col[:, None]),
+                     tl.exp2((x - m[:, None, None]) * LOG2E), 0.0)
         col, _ = first_crossing(e, (goal_e - skipped).to(tl.float32), cols, V)
-        col_x = tl.max(tl.where(cols == col[:, None], x, float("-inf")), axis=1)
-        drawn = pending & (is_eos | (col >= 0))  # col < 0: rounding left no token; draw again
+        col_x = tl.max(tl.where(cols == col[:, :, None], x, float("-inf")), axis=2)
+        drawn = pending[:, None] & (is_eos | (col >= 0))  # col < 0: rounding left no token; draw again
 
-        # The candidate as a pivot, and eos's place against it (float64, by the exact ζ_eos).
-        cand_value = tl.where(is_eos, eos_floor, col_x)
-        cand_col = tl.where(is_eos, tl.where(eos_exact, eos_index, 0), col)
+        # The candidates as pivots, and eos's place against each (float64, by the exact ζ_eos).
+        cand_value = tl.where(is_eos, eos_floor[:, None], col_x)
+        cand_col = tl.where(is_eos, tl.where(eos_exact, eos_index, 0)[:, None], col)
         x64 = col_x.to(tl.float64)
-        eos_before = eos_in & ~is_eos & ((eos_zeta > x64) | ((eos_zeta == x64) & (eos_index < col)))
+        eos_zeta_c = eos_zeta[:, None]
+        eos_before = eos_in[:, None] & ~is_eos & ((eos_zeta_c > x64) | ((eos_zeta_c == x64) & (eos_index < col)))
+        # The round's candidate: plain sampling's first draw; top-p's first one the bounds do not reject
+        # (candidates are independent draws from S: skipping rejected ones is more rejection rounds,
+        # and the later ones are dropped unexamined). VERIFY takes the first draw, to audit both bounds.
+        decided_in = drawn & False
+        decided_out = drawn & False
+        if TRUNCATE:
+            eos_term = tl.where(eos_before, p_eos[:, None], 0.0)
+            cand_e = tl.where(is_eos, 0.0, tl.exp2((col_x - m[:, None]) * LOG2E)).to(tl.float64)  # as a pass weighs it
+            sure_in, sure_out = _bounds(lane_top, lane_top_e, lane_e[:, None, :], cand_value, cand_e, w[:, None],
+                                        eos_term, slack[:, None], threshold)
+            if BOUNDS:
+                decided_in = drawn & sure_in & ~sure_out
+                decided_out = drawn & sure_out & ~sure_in
+        deciding = drawn & ~decided_out
+        if VERIFY:
+            deciding = drawn
+        first = tl.min(tl.where(deciding, cand, CANDS), axis=1)
+        at = cand == first[:, None]
+        drawn = first < CANDS
+        is_eos = tl.max((at & is_eos).to(tl.int32), axis=1) > 0
+        col = tl.sum(tl.where(at, col, 0), axis=1)
+        x64 = tl.sum(tl.where(at, x64, 0.0), axis=1)
+        cand_value = tl.sum(tl.where(at, cand_value, 0.0), axis=1)
+        cand_col = tl.sum(tl.where(at, cand_col, 0), axis=1)
+        eos_before = tl.max((at & eos_before).to(tl.int32), axis=1) > 0
+        decided_in = tl.max((at & decided_in).to(tl.int32), axis=1) > 0
+        decided_out = tl.max((at & decided_out).to(tl.int32), axis=1) > 0
 
         accept = drawn  # plain sampling: the first draw is the answer
         shrink = drawn & False  # rows whose S narrows to the tokens ranked before the candidate (top-p only)
@@ -193,13 +252,6 @@ def _row_draw_kernel(
         next_e = lane_e
         if TRUNCATE:
             eos_term = tl.where(eos_before, p_eos, 0.0)
-            cand_e = tl.where(is_eos, 0.0, tl.exp2((col_x - m) * LOG2E)).to(tl.float64)  # as a pass weighs it
-            sure_in, sure_out = _bounds(lane_top, lane_top_e, lane_e, cand_value, cand_e, w, eos_term, slack,
-                                        threshold)
-            if not BOUNDS:
-                sure_in, sure_out = drawn & False, drawn & False
-            decided_in = drawn & sure_in & ~sure_out
-            decided_out = drawn & sure_out & ~sure_in
             need_pass = drawn & ~decided_in & ~decided_out
             pass_accept = drawn & False
             run_pass = tl.max(need_pass.to(tl.int32), axis=0) > 0
@@ -254,19 +306,21 @@ def cuda_launch(V: int, *, top_p: bool = False, block_v: int = 2048, num_warps: 
                 num_warps=num_warps)
 
 
-def _interpreter_launch(rows: int, V: int) -> dict:
+def _interpreter_launch(rows: int, V: int, candidates: int = 1) -> dict:
     """The CPU interpreter pays mostly per operation: many rows per program (2^18 elements per
-    tensor: a 10^5-row G-test batch ran ~3× faster than with 2^16, as fast as with 2^20)."""
+    tensor: a 10^5-row G-test batch ran ~3× faster than with 2^16, as fast as with 2^20), fewer
+    with several ``candidates`` per round (their (rows, candidates, lanes) tensors)."""
     block_v = min(2048, next_power_of_2(V))
     n_tiles = tile_table_width(V, block_v)
-    return dict(BLOCK_B=min(next_power_of_2(max(rows, 1)), max(1, (1 << 18) // max(block_v, n_tiles))),
+    return dict(BLOCK_B=min(next_power_of_2(max(rows, 1)), max(1, (1 << 18) // (max(block_v, n_tiles) * candidates))),
                 BLOCK_V=block_v, NTILES=n_tiles, PREFETCH=True)  # the GPU's code path
 
 
-def default_launch(z: torch.Tensor, *, top_p: bool = False) -> dict:
-    """The launch :func:`draw_rows` takes for ``z`` (top-p or plain sampling) when given none."""
+def default_launch(z: torch.Tensor, *, top_p: bool = False, candidates: int = 1) -> dict:
+    """The launch :func:`draw_rows` takes for ``z`` (top-p or plain sampling; ``candidates`` per
+    round) when given none."""
     B, V = z.shape
-    return cuda_launch(V, top_p=top_p) if z.is_cuda else _interpreter_launch(B, V)
+    return cuda_launch(V, top_p=top_p) if z.is_cuda else _interpreter_launch(B, V, candidates)
 
 
 def draw_rows(
@@ -284,6 +338,7 @@ def draw_rows(
     bounds: bool = True,
     passes: Optional[torch.Tensor] = None,
     verify: bool = False,
+    round_candidates: Optional[int] = None,
 ) -> tuple[Selection, torch.Tensor]:
     """Draw one token per row from each row's step distribution, or from its top-p truncation.
 
@@ -301,7 +356,10 @@ def draw_rows(
             row); False: every round reads the row (the earlier kernel, for comparisons).
         passes: an optional (B,) int32 output: per row, the rounds that read the row.
         verify: tests: every round also reads the row, and ``passes`` counts the rounds whose
-            bound decision the pass contradicted (there must be none); the draws are unchanged.
+            bound decision the pass contradicted (there must be none); each round examines its first
+            candidate (with one candidate per round the draws are unchanged).
+        round_candidates: top-p: candidates drawn per round (1, 2 or 4; None:
+            ``ROUND_CANDIDATES``); each round examines the first the bounds do not reject.
     Returns:
         (:class:`kernels.row_select.Selection`, rounds: (B,) int32 rounds per row). ``flags[0]`` < B
         names a row with no distribution (NaN); ``flags[1]`` < B a row still without a token after
@@ -311,17 +369,21 @@ def draw_rows(
     B, V = z.shape
     if z.stride(1) != 1:
         raise ValueError("z must have unit stride along V")
+    truncate = top_p_threshold is not None
+    cands = ROUND_CANDIDATES if round_candidates is None else round_candidates
+    if cands not in (1, 2, 4):  # 8 spilled 832 bytes per thread at 16 warps (sm_90)
+        raise ValueError(f"round_candidates must be 1, 2 or 4, got {round_candidates}")
     out = _Outputs(z, head, eps, steps, state)
     rounds = torch.empty(B, dtype=torch.int32, device=z.device)
     if B:
-        launch = default_launch(z, top_p=top_p_threshold is not None) if launch is None else launch
-        truncate = top_p_threshold is not None
+        launch = default_launch(z, top_p=truncate, candidates=cands if truncate else 1) if launch is None else launch
         _row_draw_kernel[(cdiv(B, launch["BLOCK_B"]),)](
             z, z.stride(0), B, V, eos_index, 1.0 / temperature, *out.head_args,
             *_split_f64(top_p_threshold if truncate else 2.0), seed,
             out.tokens, out.log_probs, rounds, rounds if passes is None else passes, int(passes is not None),
             out.state, out.flags, B, MAX_ROUNDS,
             HEAD=HEAD_CODES[head], STEPS_PER_ROW=out.steps_per_row, HAS_STATE=out.has_state,
-            STREAM=UNIFORM_STREAM, TRUNCATE=truncate, BOUNDS=bounds, VERIFY=verify, **launch,
+            STREAM=UNIFORM_STREAM, TRUNCATE=truncate, BOUNDS=bounds, VERIFY=verify, CANDS=cands if truncate else 1,
+            **launch,
         )
     return out.selection(head), rounds

@@ -87,18 +87,25 @@ def _extract_into(best, x, keep, cols, kth_key, kth_value, K: tl.constexpr):
 
 @triton.jit
 def first_crossing(weights, target, index, SIZE):
-    """Per row, the first index of positive weight whose cumulative weight exceeds ``target`` (the
-    last positive one when rounding leaves none, -1 when there is none), and the weight before it.
+    """Along the last axis, per row, the first index of positive weight whose cumulative weight exceeds
+    ``target`` (the last positive one when rounding leaves none, -1 when there is none), and the weight
+    before it (``target`` has the shape of ``weights`` less its last axis).
 
     Only positive weights may be picked: a GPU's parallel scan rounds each prefix through its own
     partial-sum tree, so ``cum`` is not monotone to the last ulp, and a zero weight right after a
     block boundary can read an ulp above its predecessor (an H200 drew a token outside the nucleus
     about once in 10^6 draws that way)."""
-    cum = tl.cumsum(weights, axis=1)
-    pick = tl.min(tl.where((cum > target[:, None]) & (weights > 0), index, SIZE), axis=1)
-    last = tl.max(tl.where(weights > 0, index, -1), axis=1)
+    return crossing_of_cumsum(tl.cumsum(weights, axis=-1), weights, target, index, SIZE)
+
+
+@triton.jit
+def crossing_of_cumsum(cum, weights, target, index, SIZE):
+    """:func:`first_crossing` given the cumulative sum ``cum`` of ``weights`` (several targets, one sum)."""
+    positive = weights > 0
+    pick = tl.min(tl.where((cum > tl.expand_dims(target, -1)) & positive, index, SIZE), axis=-1)
+    last = tl.max(tl.where(positive, index, -1), axis=-1)
     pick = tl.where(pick < SIZE, pick, last)
-    return pick, tl.sum(tl.where(index < pick[:, None], weights, 0), axis=1)
+    return pick, tl.sum(tl.where(index < tl.expand_dims(pick, -1), weights, 0), axis=-1)
 
 
 @triton.jit

@@ -19,10 +19,10 @@ from test_nucleus import BOUNDARY, _random_case
 
 
 def _draw(z: torch.Tensor, *, head: str, eos: int, eps: float = 1e-3, t=5, state=None, top_p: float,
-          temperature: float = 1.0, seed: int = 0):
+          temperature: float = 1.0, seed: int = 0, round_candidates=None):
     return row_draw.draw_rows(z, head=head, eos_index=eos, eps=eps, temperature=temperature, steps=t,
-                                    state=state, top_p_threshold=top_p - TOP_P_SLACK,
-                                    seed=torch.tensor([seed], device=z.device))
+                              state=state, top_p_threshold=top_p - TOP_P_SLACK,
+                              seed=torch.tensor([seed], device=z.device), round_candidates=round_candidates)
 
 
 @pytest.mark.parametrize("head,top_p", [("nmst", 0.3), ("nmst", 0.9), ("st", 0.9), ("va", 0.5)])
@@ -41,10 +41,32 @@ def test_rejection_draw_distribution(head, top_p):
     assert _g_test(picked.tokens.cpu(), reference) > 1e-5, f"seed={seed}"
 
 
+@pytest.mark.parametrize("head,round_candidates", [("nmst", 4), ("st", 2)])
+def test_several_candidates_per_round_draw_exactly(head, round_candidates):
+    """Several candidates per round: each round examines the first its bounds do not reject (the
+    rest are dropped unexamined), an exact rejection sampler too. A flat 40-token row (fresh seed)
+    whose nucleus at p = 0.5 holds 5-10 tokens, so a round often has several candidates the bounds
+    keep and any preference among them (say, for the larger value) would show; 10⁶ draws G-tested
+    against the float64 truncated reference, some rows taking more than one round."""
+    seed = torch.seed() % 2**31
+    z = _row(torch.Generator().manual_seed(seed), V=40) * 0.5
+    eos, eps, t, top_p = 2, 0.01, 3, 0.5
+    z[eos] = 3.0 if head == "st" else -1.0  # eos inside the nucleus, not all of it (ST's α_3 ≈ 0.14)
+    state = _st_state_before(z, eos, eps, t) if head == "st" else None
+    reference = truncated_distribution(_reference_log_probs(z, head, eos, eps, t).unsqueeze(0), None, top_p)[0]
+    assert int((reference > 0).sum()) >= 4
+    picked, rounds = _draw(z.to(DEVICE).unsqueeze(0).expand(DRAWS, -1), head=head, eos=eos, eps=eps, t=t,
+                           state=None if state is None else state.to(DEVICE).expand(DRAWS), top_p=top_p,
+                           seed=seed + 1, round_candidates=round_candidates)
+    assert picked.flags.tolist() == [DRAWS, DRAWS] and int(rounds.max()) >= 2
+    assert _g_test(picked.tokens.cpu(), reference) > 1e-5, f"seed={seed}"
+
+
 def test_draws_lie_in_the_float64_nucleus():
     """Random rows (fresh seeds; ties, bf16, flat halves, −inf, every head, ε, t, temperature, ST
-    states), each drawn 64 times: every draw is a token of the float64 torch nucleus (a cut within
-    BOUNDARY of p may differ), log-probs are the untruncated ones, ST's state is torch's."""
+    states, 1 to 4 candidates per round), each drawn 64 times: every draw is a token of the float64
+    torch nucleus (a cut within BOUNDARY of p may differ), log-probs are the untruncated ones, ST's
+    state is torch's."""
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
     copies = 64
@@ -56,7 +78,8 @@ def test_draws_lie_in_the_float64_nucleus():
         state = None if case["state"] is None else case["state"].repeat_interleave(copies).to(DEVICE)
         picked, rounds = _draw(z.repeat_interleave(copies, dim=0).to(DEVICE), head=head, eos=eos, eps=case["eps"],
                                t=case["t"], state=state, top_p=case["top_p"], temperature=case["temperature"],
-                               seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+                               seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen)),
+                               round_candidates=int(2 ** torch.randint(0, 3, (1,), generator=gen)))
         assert picked.flags.tolist() == [B * copies] * 2, (seed, case)
         dist = effective_logits(z.float(), **args, state=case["state"])
         tokens, probs = truncated_candidates(dist, None, case["top_p"])
@@ -87,13 +110,20 @@ def test_a_seed_reproduces_the_draws():
 
 def test_rounds_stay_few():
     """Each round accepts with probability >= p (the nucleus's share of the set drawn from), so the
-    mean round count is at most 1 / p; on peaked N(0, 9) logits at V = 20000 it is close to 1."""
+    mean round count is at most 1 / p; on peaked N(0, 9) logits at V = 20000 it is close to 1. Four
+    candidates per round take fewer rounds at p = 0.4 (where the bounds reject most candidates)."""
     z = (torch.randn(64, 20000, generator=torch.Generator().manual_seed(3)) * 3).to(DEVICE)
+    mean_rounds = {}
     for top_p in (0.9, 0.4):
-        picked, rounds = _draw(z, head="nmst", eos=0, t=100, top_p=top_p, seed=5)
-        assert picked.flags.tolist() == [64, 64]
-        assert 1.0 <= float(rounds.double().mean()) <= 1.0 / top_p + 0.25, top_p
-        assert int(rounds.max()) < row_draw.MAX_ROUNDS
+        for round_candidates in (1, 4):
+            picked, rounds = _draw(z, head="nmst", eos=0, t=100, top_p=top_p, seed=5, round_candidates=round_candidates)
+            assert picked.flags.tolist() == [64, 64]
+            assert 1.0 <= float(rounds.double().mean()) <= 1.0 / top_p + 0.25, top_p
+            assert int(rounds.max()) < row_draw.MAX_ROUNDS
+            mean_rounds[top_p, round_candidates] = float(rounds.double().mean())
+    assert mean_rounds[0.4, 4] < mean_rounds[0.4, 1], mean_rounds
+    with pytest.raises(ValueError, match="round_candidates"):
+        _draw(z[:2], head="nmst", eos=0, top_p=0.5, round_candidates=8)
 
 
 @pytest.mark.parametrize("rows", [1, 16])
@@ -267,6 +297,11 @@ def test_launch_sweep_runs_every_variant():
     assert [(p, b) for p, b, _, _ in rows] == [(0.4, True), (0.4, False), (0.9, True), (0.9, False)]
     assert all(passes >= 0 for *_, passes in rows)
     assert len(timed) == 2 * len(variants()) + 13
+    from benchmarks.profile_decoding import round_candidates_sweep
+
+    rows = round_candidates_sweep(logits, lambda step, z: 1.0)
+    assert [(p, c) for p, c, *_ in rows] == [(0.4, 1), (0.4, 2), (0.4, 4), (0.9, 1), (0.9, 2), (0.9, 4)]
+    assert all(1.0 <= mean <= most < row_draw.MAX_ROUNDS for *_, mean, most in rows)
     top_k_launches = [(1024, 2), (2048, 1)]  # the top-k-scan table's steps (one-launch top-k)
     rows = scan_sweep(logits, top_k_launches, lambda step, z: timed.append(step(z)) or 1.0, top_k=4)
     assert [launch for launch, _ in rows] == top_k_launches and len(timed) == 2 * len(variants()) + 15
@@ -303,11 +338,13 @@ def _scaled_tiles_row(gen: torch.Generator) -> torch.Tensor:
     return z
 
 
-@pytest.mark.parametrize("case", ["eos pivot", "st tiles", "va tiles"])
-def test_rounds_distribution_on_pivot_and_scaled_rows(case):
+@pytest.mark.parametrize("case,round_candidates", [("eos pivot", None), ("st tiles", None), ("va tiles", None),
+                                                   ("eos pivot", 4), ("va tiles", 2)])
+def test_rounds_distribution_on_pivot_and_scaled_rows(case, round_candidates):
     """10⁶ draws G-tested against the float64 truncated reference (fresh seed): a rejected eos
     becoming the pivot (NMST; eos must never be drawn); ST and VA rows whose tiles differ in scale
-    across 8- and 16-column tiles, with p = 0.3 for VA (several rounds on most rows)."""
+    across 8- and 16-column tiles, with p = 0.3 for VA (several rounds on most rows); one and several
+    candidates per round."""
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
     if case == "eos pivot":
@@ -319,14 +356,15 @@ def test_rounds_distribution_on_pivot_and_scaled_rows(case):
     state = _st_state_before(z, eos, eps, t) if head == "st" else None
     reference = truncated_distribution(_reference_log_probs(z, head, eos, eps, t).unsqueeze(0), None, top_p)[0]
     rows = z.to(DEVICE).unsqueeze(0).expand(DRAWS, -1)
-    launch = row_draw.default_launch(rows, top_p=True)
+    launch = row_draw.default_launch(rows, top_p=True, candidates=round_candidates or 1)
     if not rows.is_cuda:  # the interpreter: as many elements per program as the default tiles hold
         launch["BLOCK_B"] *= launch["BLOCK_V"] // block_v
     launch |= {"BLOCK_V": block_v, "NTILES": row_draw.tile_table_width(z.shape[0], block_v)}
     picked, rounds = row_draw.draw_rows(rows, head=head, eos_index=eos, eps=eps, temperature=1.0, steps=t,
                                         state=None if state is None else state.to(DEVICE).expand(DRAWS),
                                         top_p_threshold=top_p - TOP_P_SLACK,
-                                        seed=torch.tensor([seed + 1], device=DEVICE), launch=launch)
+                                        seed=torch.tensor([seed + 1], device=DEVICE), launch=launch,
+                                        round_candidates=round_candidates)
     assert picked.flags.tolist() == [DRAWS, DRAWS]
     assert int(rounds.max()) >= 2
     if case == "eos pivot":
@@ -379,14 +417,16 @@ def test_row_draw_takes_logits_near_the_fp32_limit(top_p):
         assert (picked.tokens == 1).all()
 
 
-@pytest.mark.parametrize("block_v", [16, 64, None])
-def test_bounds_never_contradict_the_pass(block_v):
+@pytest.mark.parametrize("block_v,round_candidates", [(16, 1), (64, 1), (None, 1), (64, 4)])
+def test_bounds_never_contradict_the_pass(block_v, round_candidates):
     """The rounds the lane-maxima bounds decide without reading the row (top-p): ``verify`` reads it
     anyway and counts every bound decision the pass would have made the other way — there must be
     none — over fresh random cases (ties, bf16 values, a flat half, −inf runs, every head, eos
     anywhere, temperatures, magnitudes up to 1e4 and near the fp32 limit, p from 0.001 to 1), with
-    16- and 64-column tiles (many columns per lane, as at V = 50257) and the default. The draws
-    are the same with and without the audit, and every draw lies in the float64 nucleus."""
+    16- and 64-column tiles (many columns per lane, as at V = 50257) and the default. With one
+    candidate per round the draws are the same with and without the audit (with several, the audit
+    examines each round's first draw instead of the first the bounds keep), and every draw lies in
+    the float64 nucleus."""
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
     for _ in range(12):
@@ -400,13 +440,15 @@ def test_bounds_never_contradict_the_pass(block_v):
                     steps=case["t"], top_p_threshold=case["top_p"] - TOP_P_SLACK,
                     state=None if case["state"] is None else case["state"].repeat_interleave(40).to(DEVICE),
                     seed=torch.tensor([seed], device=DEVICE))
-        launch = None if block_v is None else dict(row_draw._interpreter_launch(B, V), BLOCK_V=block_v,
-                                                   NTILES=nucleus.tile_table_width(V, block_v))
+        launch = None if block_v is None else dict(row_draw._interpreter_launch(B, V, round_candidates),
+                                                   BLOCK_V=block_v, NTILES=nucleus.tile_table_width(V, block_v))
         contradicted = torch.zeros(B, dtype=torch.int32, device=DEVICE)
-        audited, _ = row_draw.draw_rows(rows, launch=launch, passes=contradicted, verify=True, **args)
-        plain, _ = row_draw.draw_rows(rows, launch=launch, **args)
+        audited, _ = row_draw.draw_rows(rows, launch=launch, passes=contradicted, verify=True,
+                                        round_candidates=round_candidates, **args)
+        plain, _ = row_draw.draw_rows(rows, launch=launch, round_candidates=round_candidates, **args)
         assert int(contradicted.sum()) == 0, f"seed={seed} {case['head']} p={case['top_p']}"
-        assert torch.equal(audited.tokens, plain.tokens) and torch.equal(audited.flags, plain.flags)
+        if round_candidates == 1:
+            assert torch.equal(audited.tokens, plain.tokens) and torch.equal(audited.flags, plain.flags)
         served = plain.flags[1] == B  # a row left after MAX_ROUNDS (flags[1]) is the caller's to redraw
         dist = effective_logits(z.float(), **{k: case[k] for k in ("head", "eps", "temperature")},
                                 eos_index=case["eos"], steps=case["t"], state=case["state"])
