@@ -15,7 +15,10 @@ scan (the counters' start value): on an H100 the fill and the finish chain were 
 
 Keyed by stream because kernels on two streams may run at once; on CPU (Triton's interpreter,
 which runs a launch to completion inside the call) by thread. Views are cached per layout, so a
-step with a batch size seen before costs a dictionary lookup.
+step with a batch size seen before costs a dictionary lookup. A step captured in a CUDA graph keeps
+the workspace of its capture stream (its kernels leave it at zero on every replay too; a workspace
+first made during a capture puts its zero fill into the graph, once); two such graphs must not be
+replayed concurrently on different streams.
 """
 
 from __future__ import annotations
