@@ -256,12 +256,17 @@ def main(argv: list[str] | None = None) -> None:
         _TABLE_RUNNERS[table](vocabs, bandwidth, timer, args.quick)
 
 
+def _case(B: int, V: int, bandwidth: float) -> tuple[torch.Tensor, float]:
+    """A table's (B, V) fp32 logits on the GPU and their one-read floor (ms) at ``bandwidth``."""
+    logits = make_logits(B, V, device="cuda")
+    return logits, logits.numel() * 4 / bandwidth * 1e3
+
+
 def _row_draw_table(vocabs, bandwidth, timer, quick) -> None:
     print("\nrow draw launch sweep, B = 256")
     print("| V | mode | BLOCK_V | warps | prefetch | ms | read TB/s | x floor |\n|---:|---|---:|---:|---|---:|---:|---:|")
     for V in vocabs:
-        logits = make_logits(256, V, device="cuda")
-        floor_ms = logits.numel() * 4 / bandwidth * 1e3
+        logits, floor_ms = _case(256, V, bandwidth)
         for mode, top_p in (("sampling", None), ("top-p 0.9", 0.9)):
             default = cuda_launch(V, top_p=top_p is not None)
             for variant, ms in sweep(logits, top_p, variants(), timer):
@@ -275,8 +280,7 @@ def _bounds_table(vocabs, bandwidth, timer, quick) -> None:
     print("\nrow draw top-p, bounds on (default) and off (every round reads the row), B = 256")
     print("| V | top-p | bounds | ms | x floor | passes per row |\n|---:|---:|---|---:|---:|---:|")
     for V in vocabs:
-        logits = make_logits(256, V, device="cuda")
-        floor_ms = logits.numel() * 4 / bandwidth * 1e3
+        logits, floor_ms = _case(256, V, bandwidth)
         for top_p, bounds, ms, passes in bounds_sweep(logits, timer):
             print(f"| {V} | {top_p} | {bounds} | {ms:.4f} | {ms / floor_ms:.2f} | {passes:.2f} |", flush=True)
 
@@ -285,8 +289,7 @@ def _round_candidates_table(vocabs, bandwidth, timer, quick) -> None:
     print("\nrow draw's top-p over candidates per round (default launch), B = 256")
     print("| V | top-p | candidates | ms | x floor | mean rounds | max rounds |\n|---:|---:|---:|---:|---:|---:|---:|")
     for V in vocabs:
-        logits = make_logits(256, V, device="cuda")
-        floor_ms = logits.numel() * 4 / bandwidth * 1e3
+        logits, floor_ms = _case(256, V, bandwidth)
         for top_p, count, ms, mean_rounds, max_rounds in round_candidates_sweep(logits, timer):
             mark = "*" if count == ROUND_CANDIDATES else ""
             print(f"| {V} | {top_p} | {count}{mark} | {ms:.4f} | {ms / floor_ms:.2f} | {mean_rounds:.2f} | "
@@ -298,8 +301,7 @@ def _scan_table(vocabs, bandwidth, timer, quick) -> None:
     print("| V | mode | BLOCK_V | splits | programs | ms | read TB/s | x floor |\n"
           "|---:|---|---:|---:|---:|---:|---:|---:|")
     for V, draw in [(V, False) for V in vocabs] + [(50257, True)]:
-        logits = make_logits(256, V, device="cuda")
-        floor_ms = logits.numel() * 4 / bandwidth * 1e3
+        logits, floor_ms = _case(256, V, bandwidth)
         _, default_block_v, default_splits = launch_shape(logits, 0)
         launches = [(block_v, splits) for block_v in (1024, 2048, 4096) for splits in SPLITS if splits * block_v < 2 * V]
         for (block_v, splits), ms in scan_sweep(logits, launches, timer, draw=draw):
@@ -312,8 +314,7 @@ def _top_k_parts_table(vocabs, bandwidth, timer, quick) -> None:
     print("\ntop-k device step in parts, B = 256")
     print("| V | top-k | part | ms | x floor |\n|---:|---:|---|---:|---:|")
     for V in vocabs:
-        logits = make_logits(256, V, device="cuda")
-        floor_ms = logits.numel() * 4 / bandwidth * 1e3
+        logits, floor_ms = _case(256, V, bandwidth)
         for top_k in (4, 50):
             for part, ms in top_k_parts(logits, top_k, timer):
                 print(f"| {V} | {top_k} | {part} | {ms:.4f} | {ms / floor_ms:.2f} |", flush=True)
@@ -325,8 +326,7 @@ def _top_k_scan_table(vocabs, bandwidth, timer, quick) -> None:
     print("\none-launch top-k 4 step over the candidate scan's layout, B = 256")
     print("| V | BLOCK_V | splits | programs | ms | x floor |\n|---:|---:|---:|---:|---:|---:|")
     for V in vocabs:
-        logits = make_logits(256, V, device="cuda")
-        floor_ms = logits.numel() * 4 / bandwidth * 1e3
+        logits, floor_ms = _case(256, V, bandwidth)
         _, default_block_v, default_splits = launch_shape(logits, 4)
         launches = sorted({(block_v, splits) for block_v in (1024, 2048) for splits in (1, 2, 3, 4, 6)}
                           | {(default_block_v, default_splits)})
@@ -340,8 +340,7 @@ def _scan_b32_table(vocabs, bandwidth, timer, quick) -> None:
     # checks it away from B = 256 too (the H200 check of 2026-11-27 chose it from B = 1-256).
     print("\nsplit-V scan with its finish (one launch) at B = 32, V = 128256")
     print("| mode | BLOCK_V | splits | programs | ms | x floor |\n|---|---:|---:|---:|---:|---:|")
-    logits = make_logits(32, 128256, device="cuda")
-    floor_ms = logits.numel() * 4 / bandwidth * 1e3
+    logits, floor_ms = _case(32, 128256, bandwidth)
     _, default_block_v, default_splits = launch_shape(logits, 0)
     launches = sorted({(block_v, splits) for block_v in (1024, 2048) for splits in (4, 8, 16, 32)}
                       | {(default_block_v, default_splits)})
@@ -356,8 +355,7 @@ def _read_floor_table(vocabs, bandwidth, timer, quick) -> None:
     print("\nthe greedy and sampling steps against a bare read in their layout (default launch)")
     print("| B | V | part | ms | x floor |\n|---:|---:|---|---:|---:|")
     for B, V in ((256, 50257), (32, 50257)) if quick else ((256, 50257), (256, 128256), (32, 50257)):
-        logits = make_logits(B, V, device="cuda")
-        floor_ms = logits.numel() * 4 / bandwidth * 1e3
+        logits, floor_ms = _case(B, V, bandwidth)
         for part, ms in read_floor_parts(logits, timer):
             print(f"| {B} | {V} | {part} | {ms:.4f} | {ms / floor_ms:.2f} |", flush=True)
 

@@ -373,17 +373,18 @@ def draw_rows(
     cands = ROUND_CANDIDATES if round_candidates is None else round_candidates
     if cands not in (1, 2, 4):  # 8 spilled 832 bytes per thread at 16 warps (sm_90)
         raise ValueError(f"round_candidates must be 1, 2 or 4, got {round_candidates}")
+    cands = cands if truncate else 1  # plain sampling takes its first draw
     out = _Outputs(z, head, eps, steps, state)
     rounds = torch.empty(B, dtype=torch.int32, device=z.device)
     if B:
-        launch = default_launch(z, top_p=truncate, candidates=cands if truncate else 1) if launch is None else launch
+        launch = default_launch(z, top_p=truncate, candidates=cands) if launch is None else launch
         _row_draw_kernel[(cdiv(B, launch["BLOCK_B"]),)](
             z, z.stride(0), B, V, eos_index, 1.0 / temperature, *out.head_args,
             *_split_f64(top_p_threshold if truncate else 2.0), seed,
             out.tokens, out.log_probs, rounds, rounds if passes is None else passes, int(passes is not None),
             out.state, out.flags, B, MAX_ROUNDS,
             HEAD=HEAD_CODES[head], STEPS_PER_ROW=out.steps_per_row, HAS_STATE=out.has_state,
-            STREAM=UNIFORM_STREAM, TRUNCATE=truncate, BOUNDS=bounds, VERIFY=verify, CANDS=cands if truncate else 1,
+            STREAM=UNIFORM_STREAM, TRUNCATE=truncate, BOUNDS=bounds, VERIFY=verify, CANDS=cands,
             **launch,
         )
     return out.selection(head), rounds

@@ -23,6 +23,7 @@ replayed concurrently on different streams.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -75,18 +76,19 @@ def step_buffers(device: torch.device, sync_slots: int,
     views = space.layouts.get(layout) if space is not None else None
     if views is not None:
         return views
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in scratch]
     offsets, total = [], 0
-    for shape, dtype in scratch:
+    for nbytes in sizes:
         offsets.append(total)
-        total += _aligned(_numel(shape) * dtype.itemsize)
+        total += _aligned(nbytes)
     if space is None or space.sync.numel() < sync_slots or space.scratch.numel() < total:
         space = _grown(space, sync_slots, total, device)
         _WORKSPACES[key] = space
     if len(space.layouts) >= _MAX_LAYOUTS:
         space.layouts.clear()
     views = (space.sync[:sync_slots],) + tuple(
-        space.scratch[start:start + _numel(shape) * dtype.itemsize].view(dtype).view(shape)
-        for (shape, dtype), start in zip(scratch, offsets))
+        space.scratch[start:start + nbytes].view(dtype).view(shape)
+        for (shape, dtype), start, nbytes in zip(scratch, offsets, sizes))
     space.layouts[layout] = views
     return views
 
@@ -100,13 +102,6 @@ def _grown(space: _Workspace | None, sync_slots: int, nbytes: int, device: torch
     scratch = space.scratch if space is not None and space.scratch.numel() >= nbytes else torch.empty(
         max(nbytes, 4096, 0 if space is None else 2 * space.scratch.numel()), dtype=torch.uint8, device=device)
     return _Workspace(sync, scratch)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    numel = 1
-    for size in shape:
-        numel *= size
-    return numel
 
 
 def release() -> None:
