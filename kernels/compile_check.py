@@ -200,6 +200,11 @@ def _nucleus_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launch]:
         out.append(_record_row_draw(z, head="nmst", state=None, temperature=0.7, top_p=0.4, seed=seed,
                                     label=f"row draw top-p {candidates} candidates per round",
                                     round_candidates=candidates))
+    # The benchmarks' vocabulary: its 32-column lane tables lay out differently (the within-lane draw
+    # of a round stays inside one warp), so ``--loops`` shows the rounds the H100 tables time.
+    out.append(_record_row_draw(torch.randn(4, 50257, generator=torch.Generator().manual_seed(1)), head="nmst",
+                                state=None, temperature=0.7, top_p=0.9, seed=seed,
+                                label="row draw top-p nmst float32 V=50257"))
     return out
 
 

@@ -60,7 +60,7 @@ import triton.language as tl
 from .host_math import cdiv, next_power_of_2
 from .nucleus import _load_x, _row_head, tile_table_width
 from .lanes import LOG2E, fold_row_lanes, lane_pointers, merge_lanes, ranked_lane_mass
-from .row_scan import crossing_of_cumsum, first_crossing
+from .reductions import FUSED, add_pair, crossing_with, lowest_key
 from .row_select import HEAD_CODES, Selection, _Outputs, _split_f64, _uniform_f64_stream
 
 # A round the bounds reject leaves S as it was (a pass-rejected one shrinks it), so a row takes
@@ -107,8 +107,14 @@ def _bounds(lane_top, lane_top_e, lane_e, cand_value, cand_e, w, eos_term, slack
     Both are taken with ``slack`` against the pass's own rounding; an undecided candidate takes the
     pass. On peaked rows the bounds settle most rounds (RESULTS.md)."""
     cand = tl.expand_dims(cand_value, -1)  # (rows, candidates) against (rows, 1, lanes) tables
-    lower = tl.sum(tl.where(lane_top > cand, lane_top_e, 0.0).to(tl.float64), axis=-1)
-    upper = tl.sum(tl.where(lane_top >= cand, lane_e, 0.0).to(tl.float64), axis=-1)
+    # Both sums in one reduction (one set of barriers on a GPU).
+    below = tl.where(lane_top > cand, lane_top_e, 0.0).to(tl.float64)
+    reaching = tl.where(lane_top >= cand, lane_e, 0.0).to(tl.float64)
+    if FUSED:
+        lower, upper = tl.reduce((below, reaching), 2, add_pair)
+    else:
+        lower = tl.sum(below, axis=2)
+        upper = tl.sum(reaching, axis=2)
     upper = tl.maximum(upper - cand_e * (1.0 - slack), 0.0)
     # 2^-100: the weights one fp32 path flushes to 0 and the other keeps (V · 2^-126 at most).
     sure_in = w * upper * (1.0 + slack) + 7.888609052210118e-31 + eos_term < threshold
@@ -163,7 +169,11 @@ def _row_draw_kernel(
     pivot_col = tl.full((BLOCK_B,), 0, tl.int32) + V
     eos_in = pending & (p_eos > 0.0)
     lane_e = tl.where(pending[:, None], lane_e, 0.0)
-    total = tl.where(eos_in, p_eos, 0.0) + w * tl.sum(lane_e.to(tl.float64), axis=1)
+    # S's lane CDF: the cumulative float64 lane masses and their total. Only a pass-rejected round
+    # changes S, so only such a round recomputes them; the rounds the bounds decide reuse them.
+    cum = tl.cumsum(lane_e.to(tl.float64), axis=1)
+    lane_total = tl.sum(lane_e.to(tl.float64), axis=1)
+    total = tl.where(eos_in, p_eos, 0.0) + w * lane_total
     eos_floor, eos_exact = _fp32_floor(eos_zeta)  # eos as a pivot (fp32 compares along the row)
     token = tl.zeros((BLOCK_B,), tl.int64)
     zeta = tl.zeros((BLOCK_B,), tl.float64)
@@ -183,6 +193,9 @@ def _row_draw_kernel(
     steps_of_lane = tl.arange(0, NTILES)[None, None, :] * BLOCK_V
     lane_top = lane_top[:, None, :]
     lane_top_e = lane_top_e[:, None, :]
+    # A round is a chain of reductions across the program (two to three barriers each at 16 warps: its
+    # latency, RESULTS.md), so each step below takes one: the lane (per candidate), the column with
+    # its value, both bounds, the examined candidate.
     r = 0
     while (tl.max(pending.to(tl.int32), axis=0) > 0) & (r < max_rounds):
         # Draw CANDS independent candidates from S: eos first, then tokens by lane (the lane, then its
@@ -190,17 +203,17 @@ def _row_draw_kernel(
         goal = _uniform_f64_stream(seed, (rows * max_rounds + r)[:, None] * CANDS + cand, STREAM) * total[:, None]
         eos_part = tl.where(eos_in, p_eos, 0.0)[:, None]
         goal_e = (goal - eos_part) / tl.where(w > 0.0, w, 1.0)[:, None]  # in units of e^(x − M)
+        is_eos = eos_in[:, None] & ((goal < eos_part) | (lane_total <= 0.0)[:, None])
+        # Every candidate searches the one cumulative sum in (rows, lanes) form — a (rows, CANDS,
+        # lanes) search cost plain sampling twice the registers (sm_90).
         lane_weights = lane_e.to(tl.float64)
-        is_eos = eos_in[:, None] & ((goal < eos_part) | (tl.sum(lane_weights, axis=1) <= 0.0)[:, None])
-        # One cumulative sum of the lanes' masses serves every candidate; each searches it in (rows,
-        # lanes) form — a (rows, CANDS, lanes) search cost plain sampling twice the registers (sm_90).
-        cum = tl.cumsum(lane_weights, axis=1)
+        before = cum - lane_weights  # each lane's mass before it: the scan's own prefix
         lane = tl.zeros((BLOCK_B, CANDS), tl.int32)
         skipped = tl.zeros((BLOCK_B, CANDS), tl.float64)
         for c in tl.static_range(CANDS):
             this = cand == c
-            lane_c, skipped_c = crossing_of_cumsum(cum, lane_weights, tl.sum(tl.where(this, goal_e, 0.0), axis=1),
-                                                   lanes, BLOCK_V)
+            lane_c, skipped_c = crossing_with(cum, lane_weights, tl.sum(tl.where(this, goal_e, 0.0), axis=1), lanes,
+                                              BLOCK_V, before, 0.0)
             lane = tl.where(this, lane_c[:, None], lane)
             skipped = tl.where(this, skipped_c[:, None], skipped)
         cols = lane[:, :, None] + steps_of_lane
@@ -208,13 +221,11 @@ def _row_draw_kernel(
                     HAS_EOS)
         e = tl.where(_ranked_before(x, cols, pivot_value[:, None], pivot_col[:, None]),
                      tl.exp2((x - m[:, None, None]) * LOG2E), 0.0)
-        col, _ = first_crossing(e, (goal_e - skipped).to(tl.float32), cols, V)
-        col_x = tl.max(tl.where(cols == col[:, :, None], x, float("-inf")), axis=2)
+        col, col_x = crossing_with(tl.cumsum(e, axis=2), e, (goal_e - skipped).to(tl.float32), cols, V, x,
+                                   float("-inf"))
         drawn = pending[:, None] & (is_eos | (col >= 0))  # col < 0: rounding left no token; draw again
 
-        # The candidates as pivots, and eos's place against each (float64, by the exact ζ_eos).
-        cand_value = tl.where(is_eos, eos_floor[:, None], col_x)
-        cand_col = tl.where(is_eos, tl.where(eos_exact, eos_index, 0)[:, None], col)
+        # Eos's place against each candidate (float64, by the exact ζ_eos).
         x64 = col_x.to(tl.float64)
         eos_zeta_c = eos_zeta[:, None]
         eos_before = eos_in[:, None] & ~is_eos & ((eos_zeta_c > x64) | ((eos_zeta_c == x64) & (eos_index < col)))
@@ -226,30 +237,38 @@ def _row_draw_kernel(
         if TRUNCATE:
             eos_term = tl.where(eos_before, p_eos[:, None], 0.0)
             cand_e = tl.where(is_eos, 0.0, tl.exp2((col_x - m[:, None]) * LOG2E)).to(tl.float64)  # as a pass weighs it
-            sure_in, sure_out = _bounds(lane_top, lane_top_e, lane_e[:, None, :], cand_value, cand_e, w[:, None],
-                                        eos_term, slack[:, None], threshold)
+            sure_in, sure_out = _bounds(lane_top, lane_top_e, lane_e[:, None, :], tl.where(is_eos, eos_floor[:, None],
+                                        col_x), cand_e, w[:, None], eos_term, slack[:, None], threshold)
             if BOUNDS:
                 decided_in = drawn & sure_in & ~sure_out
                 decided_out = drawn & sure_out & ~sure_in
         deciding = drawn & ~decided_out
         if VERIFY:
             deciding = drawn
-        first = tl.min(tl.where(deciding, cand, CANDS), axis=1)
-        at = cand == first[:, None]
+        facts = (is_eos.to(tl.int32) | (eos_before.to(tl.int32) << 1) | (decided_in.to(tl.int32) << 2)
+                 | (decided_out.to(tl.int32) << 3))
+        key = tl.where(deciding, cand, CANDS)
+        if FUSED:
+            first, col, col_x, facts = tl.reduce((key, col, col_x, facts), 1, lowest_key)
+        else:
+            first = tl.min(key, axis=1)
+            at = cand == first[:, None]
+            col = tl.sum(tl.where(at, col, 0), axis=1)
+            col_x = tl.sum(tl.where(at, col_x, 0.0), axis=1)
+            facts = tl.sum(tl.where(at, facts, 0), axis=1)
         drawn = first < CANDS
-        is_eos = tl.max((at & is_eos).to(tl.int32), axis=1) > 0
-        col = tl.sum(tl.where(at, col, 0), axis=1)
-        x64 = tl.sum(tl.where(at, x64, 0.0), axis=1)
-        cand_value = tl.sum(tl.where(at, cand_value, 0.0), axis=1)
-        cand_col = tl.sum(tl.where(at, cand_col, 0), axis=1)
-        eos_before = tl.max((at & eos_before).to(tl.int32), axis=1) > 0
-        decided_in = tl.max((at & decided_in).to(tl.int32), axis=1) > 0
-        decided_out = tl.max((at & decided_out).to(tl.int32), axis=1) > 0
+        is_eos = drawn & ((facts & 1) != 0)
+        eos_before = drawn & ((facts & 2) != 0)
+        decided_in = drawn & ((facts & 4) != 0)
+        decided_out = drawn & ((facts & 8) != 0)
+        # The examined candidate as a pivot: eos at its fp32 floor (with its column only when exact).
+        x64 = col_x.to(tl.float64)
+        cand_value = tl.where(is_eos, eos_floor, col_x)
+        cand_col = tl.where(is_eos, tl.where(eos_exact, eos_index, 0), col)
 
         accept = drawn  # plain sampling: the first draw is the answer
         shrink = drawn & False  # rows whose S narrows to the tokens ranked before the candidate (top-p only)
         mass_before = total
-        next_e = lane_e
         if TRUNCATE:
             eos_term = tl.where(eos_before, p_eos, 0.0)
             need_pass = drawn & ~decided_in & ~decided_out
@@ -261,11 +280,17 @@ def _row_draw_kernel(
                 # One pass: the mass ranked before the candidate, per lane (S's tables if it is rejected).
                 next_e = ranked_lane_mass(lane_ptrs, 0, V, eos_index, inv_temp, m, cand_value, cand_col, PREFETCH,
                                           HAS_EOS, BLOCK_B, BLOCK_V)
-                mass_before = w * tl.sum(next_e.to(tl.float64), axis=1) + eos_term
+                next_total = tl.sum(next_e.to(tl.float64), axis=1)
+                mass_before = w * next_total + eos_term
                 pass_accept = (mass_before < threshold) | (mass_before == 0.0)  # the first token is always kept
+                # A pass-rejected candidate shrinks S to the tokens ranked before it (the pass gave
+                # their tables, and S's lane CDF is redone); one the bounds rejected leaves S as it
+                # was: the next round draws from S again.
+                narrows = need_pass & ~pass_accept
+                lane_e = tl.where(narrows[:, None], next_e, lane_e)
+                cum = tl.cumsum(lane_e.to(tl.float64), axis=1)
+                lane_total = tl.where(narrows, next_total, lane_total)
             accept = decided_in | (need_pass & pass_accept)
-            # A pass-rejected candidate shrinks S to the tokens ranked before it (the pass gave their
-            # tables); one the bounds rejected leaves S as it was: the next round draws from S again.
             shrink = need_pass & ~pass_accept
             if VERIFY:
                 passes += ((decided_in & ~pass_accept) | (decided_out & pass_accept)).to(tl.int32)
@@ -275,7 +300,6 @@ def _row_draw_kernel(
         zeta = tl.where(accept, tl.where(is_eos, eos_zeta, x64), zeta)
         pivot_value = tl.where(shrink, cand_value, pivot_value)
         pivot_col = tl.where(shrink, cand_col, pivot_col)
-        lane_e = tl.where(shrink[:, None], next_e, lane_e)
         total = tl.where(shrink, mass_before, total)
         eos_in = tl.where(shrink, eos_before, eos_in)
         rounds += pending.to(tl.int32)

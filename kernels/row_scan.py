@@ -37,6 +37,7 @@ import triton.language as tl
 
 from .host_math import cdiv, next_power_of_2, scan_width
 from .lanes import LOG2E, fold_row_lanes, fold_tile, lane_pointers, load_tile, merge_lanes, tile_spans
+from .reductions import FUSED, add_and_min, crossing_with, larger_then_lower
 from .workspace import step_buffers
 
 # The largest candidate list the kernel keeps per row (a power of two; tl.topk needs one).
@@ -71,10 +72,17 @@ def _extract_into(best, x, keep, cols, kth_key, kth_value, K: tl.constexpr):
     todo = tl.minimum(tl.sum(above.to(tl.int32), axis=1), K)  # more than K cannot all enter
     slots = tl.arange(0, K)[None, :]
     while tl.max(todo, axis=0) > 0:
-        top = tl.max(tl.where(above, x, float("-inf")), axis=1)
-        # Ties go to the lowest column (callers leave −inf columns out of ``keep``: they are padding).
-        col = tl.min(tl.where(above & (x == top[:, None]), cols, 2147483647), axis=1)
-        found = (todo > 0) & (col < 2147483647)  # a NaN compares equal to nothing: no column
+        # The largest entering value and its lowest column, in one reduction. Ties go to the lowest
+        # column (callers leave −inf columns out of ``keep``: they are padding); a NaN is no column.
+        entering = above & (x == x)
+        values = tl.where(entering, x, float("-inf"))
+        index = tl.where(entering, cols, 2147483647)
+        if FUSED:
+            top, col = tl.reduce((values, index), 1, larger_then_lower)
+        else:
+            top = tl.max(values, axis=1)
+            col = tl.min(tl.where(values == top[:, None], index, 2147483647), axis=1)
+        found = (todo > 0) & (col < 2147483647)
         key = column_keys(top, col)
         smallest = tl.min(best, axis=1)
         slot = tl.min(tl.where(best == smallest[:, None], slots, K), axis=1)
@@ -95,17 +103,8 @@ def first_crossing(weights, target, index, SIZE):
     partial-sum tree, so ``cum`` is not monotone to the last ulp, and a zero weight right after a
     block boundary can read an ulp above its predecessor (an H200 drew a token outside the nucleus
     about once in 10^6 draws that way)."""
-    return crossing_of_cumsum(tl.cumsum(weights, axis=-1), weights, target, index, SIZE)
-
-
-@triton.jit
-def crossing_of_cumsum(cum, weights, target, index, SIZE):
-    """:func:`first_crossing` given the cumulative sum ``cum`` of ``weights`` (several targets, one sum)."""
-    positive = weights > 0
-    pick = tl.min(tl.where((cum > tl.expand_dims(target, -1)) & positive, index, SIZE), axis=-1)
-    last = tl.max(tl.where(positive, index, -1), axis=-1)
-    pick = tl.where(pick < SIZE, pick, last)
-    return pick, tl.sum(tl.where(index < tl.expand_dims(pick, -1), weights, 0), axis=-1)
+    cum = tl.cumsum(weights, axis=-1)
+    return crossing_with(cum, weights, target, index, SIZE, cum - weights, 0)
 
 
 @triton.jit
@@ -132,22 +131,24 @@ def uniform_pair(seed, rows, index, per_row):
 @triton.jit
 def _draw_in_split(row_base, rows, row_ok, lo, hi, eos_index, inv_temp, lane_max, lane_mass, split_mass, seed,
                    split, n_splits, V, HAS_EOS: tl.constexpr, BLOCK_V: tl.constexpr, LANE_TILES: tl.constexpr):
-    """One column of the split drawn ∝ e^x: a lane by inverse CDF over the lane masses, then a
-    column of that lane (its ≤ LANE_TILES strided columns, re-read: a few scattered loads once per
-    split) by inverse CDF over their e^x. P(lane) · P(column | lane) = P(column). 0 when the split
-    holds no mass (the select kernel never picks such a split)."""
+    """One column of the split drawn ∝ e^x and its raw z: a lane by inverse CDF over the lane masses,
+    then a column of that lane (its ≤ LANE_TILES strided columns, re-read: a few scattered loads once
+    per split) by inverse CDF over their e^x. P(lane) · P(column | lane) = P(column). Column 0 (z −inf)
+    when the split holds no mass (the select kernel never picks such a split). The z goes with the
+    partials, so the finish needs no dependent load of the drawn column."""
     u_lane, u_col = uniform_pair(seed, rows, split, n_splits)
     lanes = tl.arange(0, BLOCK_V)[None, :]
-    lane, _ = first_crossing(lane_mass, u_lane * split_mass, lanes, BLOCK_V)
-    lane_top = tl.max(tl.where(lanes == lane[:, None], lane_max, float("-inf")), axis=1)  # its max z
+    # The lane and its max z in one reduction.
+    lane, lane_top = crossing_with(tl.cumsum(lane_mass, axis=1), lane_mass, u_lane * split_mass, lanes, BLOCK_V,
+                                   lane_max, float("-inf"))
     cols = lo + lane[:, None] + tl.arange(0, LANE_TILES)[None, :] * BLOCK_V
     ok = row_ok[:, None] & (lane[:, None] >= 0) & (cols < hi)
     if HAS_EOS:
         ok = ok & (cols != eos_index)
     z = tl.load(row_base + cols, mask=ok, other=float("-inf")).to(tl.float32)
     e = tl.where(z > float("-inf"), tl.exp2((z - lane_top[:, None]) * (inv_temp * LOG2E)), 0.0)
-    col, _ = first_crossing(e, u_col * tl.sum(e, axis=1), cols, V)
-    return tl.where(col >= 0, col, 0)
+    col, col_z = crossing_with(tl.cumsum(e, axis=1), e, u_col * tl.sum(e, axis=1), cols, V, z, float("-inf"))
+    return tl.where(col >= 0, col, 0), col_z
 
 
 @triton.jit
@@ -278,13 +279,20 @@ def scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp,
                  mask=row_ok[:, None])
     max_z, lane_mass = merge_lanes(lane_max, lane_sum, inv_temp)
     running_max = max_z * inv_temp
-    running_sum = tl.sum(lane_mass, axis=1)
     if DRAW:
-        draw_idx = _draw_in_split(row_base, rows, row_ok, lo, hi, eos_index, inv_temp, lane_max, lane_mass,
-                                  running_sum, tl.load(seed_ptr), split, n_splits, V, HAS_EOS, BLOCK_V, LANE_TILES)
+        running_sum = tl.sum(lane_mass, axis=1)
+        draw_idx, top_val = _draw_in_split(row_base, rows, row_ok, lo, hi, eos_index, inv_temp, lane_max,
+                                           lane_mass, running_sum, tl.load(seed_ptr), split, n_splits, V, HAS_EOS,
+                                           BLOCK_V, LANE_TILES)
     else:
-        # First index of the max: lanes hold the tile of their first maximum; ties → the lowest column.
-        first = tl.min(tl.where(lane_max == max_z[:, None], lane_start + lanes, V), axis=1)
+        # The split's mass and the first index of its max (lanes hold the tile of their first maximum;
+        # ties → the lowest column) in one reduction: the program's last step before its stores.
+        firsts = tl.where(lane_max == max_z[:, None], lane_start + lanes, V)
+        if FUSED:
+            running_sum, first = tl.reduce((lane_mass, firsts), 1, add_and_min)
+        else:
+            running_sum = tl.sum(lane_mass, axis=1)
+            first = tl.min(firsts, axis=1)
         top_val = max_z  # raw z: splits merge on it, so rounding of z · inv_temp cannot tie them
         top_idx = tl.where(max_z == float("-inf"), 0, first)
     out = rows * n_splits + split
@@ -357,9 +365,12 @@ SCAN_BLOCK_V = 2048
 SCAN_PROGRAMS_PER_SM = 4
 # Candidate scans keep four fp32 values per lane column (95 registers at 1024 columns, 4 warps; the
 # eleventh session's ptxas at 2048: 128-168, and 48 bytes spilled for K = 128), so they keep
-# 1024-column tiles (not re-timed at 2048) and ⌈per_sm·SMs / B⌉ splits:
-# K <= EXTRACT_MAX_K (the lanes' maxima, 5 resident per SM) aim for 5, larger K for the 4 they
-# were timed with.
+# 1024-column tiles (not re-timed at 2048). K <= EXTRACT_MAX_K (the lanes' maxima, 5 resident per
+# SM) take ⌊5·SMs / B⌋ splits, one wave, as the plain scans' measured rule does: the earlier
+# ⌈5·SMs / B⌉ launched 768 programs at B = 256 on 132 SMs, 1.16 waves, whose last 108 programs
+# streamed their share at about one program per SM (the candidate scan timed 2.60x the one-read
+# floor where greedy's scan took 1.24x: RESULTS.md, fifteenth session; not yet re-timed). Larger K
+# keep the ⌈4·SMs / B⌉ they were timed with.
 CANDIDATE_BLOCK_V = 1024
 LANE_CANDIDATE_PROGRAMS_PER_SM = 5
 CANDIDATE_PROGRAMS_PER_SM = 4
@@ -383,8 +394,10 @@ def cuda_launch_shape(B: int, V: int, candidates: int, multi_processors: int) ->
         splits = SCAN_PROGRAMS_PER_SM * multi_processors // B
     else:
         block_v = min(CANDIDATE_BLOCK_V, next_power_of_2(V))
-        per_sm = LANE_CANDIDATE_PROGRAMS_PER_SM if candidates <= EXTRACT_MAX_K.value else CANDIDATE_PROGRAMS_PER_SM
-        splits = cdiv(per_sm * multi_processors, B)
+        if candidates <= EXTRACT_MAX_K.value:
+            splits = LANE_CANDIDATE_PROGRAMS_PER_SM * multi_processors // B
+        else:
+            splits = cdiv(CANDIDATE_PROGRAMS_PER_SM * multi_processors, B)
     return 1, block_v, max(1, min(splits, cdiv(V, block_v)))
 
 
@@ -395,7 +408,8 @@ class ScanPartials:
     Every tensor is (rows, splits) (``keys``: (rows, splits, K)); ``rows`` is 1 when a
     replicated batch was scanned once (see :func:`scan_partials`). "max"/"sum": the split's max x
     and Σ e^(x − max); "top_val"/"top_idx": its largest raw logit z and that z's first column. A
-    scan with a seed leaves "draw_idx", one drawn column per split.
+    scan with a seed leaves "draw_idx", one drawn column per split, and that column's raw z in
+    "top_val" ("top_idx" then stays 0).
     """
 
     parts: dict[str, torch.Tensor]
@@ -520,7 +534,7 @@ def scan_partials(
     Arguments as :func:`row_scan`, plus ``seed``: draw one column per split with this Philox seed
     (an int or a one-element integer tensor on any device; None: no draw), which
     ``kernels.row_select.select_from_scan`` turns into one exact sample per row; a drawing scan
-    leaves "top_val"/"top_idx" at their initial (−inf, 0).
+    stores its drawn column's raw z in "top_val" (no argmax).
     """
     launch_args = scan_launch(z, eos_index=eos_index, temperature=temperature, seed=seed, candidates=candidates,
                               launch=launch)

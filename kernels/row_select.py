@@ -41,7 +41,8 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_power_of_2
-from .row_scan import ScanPartials, decode_column_keys, first_crossing
+from .reductions import crossing_with
+from .row_scan import ScanPartials, decode_column_keys
 
 HEAD_CODES = {"va": 0, "nmst": 1, "st": 2}
 
@@ -212,11 +213,14 @@ def select_rows(
         goal = _uniform_f64(tl.load(seed_ptr), rows) * (p_eos + tl.sum(split_mass, axis=1))
         eos_wins = goal < p_eos
         split_no = tl.arange(0, part.shape[1])[None, :]
-        split, _ = first_crossing(split_mass, goal - p_eos, split_no, part.shape[1])
-        eos_wins = eos_wins | (split < 0)  # no non-eos mass (a certain eos)
         draws = tl.load(pick_idx_ptr + part, mask=part_ok, other=0, cache_modifier=".cg")
-        idx = tl.sum(tl.where(split_no == split[:, None], draws, 0), axis=1)
-        chosen = tl.load(z_row + idx, mask=row_ok & (idx < V), other=0.0).to(tl.float64) / temperature
+        split, idx = crossing_with(tl.cumsum(split_mass, axis=1), split_mass, goal - p_eos, split_no, part.shape[1],
+                                   draws, 0)
+        eos_wins = eos_wins | (split < 0)  # no non-eos mass (a certain eos)
+        # The drawn column's raw z came with the partials ("top_val" of a drawing scan): no dependent
+        # load of z[idx] on the step's tail.
+        draw_z = tl.load(pick_val_ptr + part, mask=part_ok, other=0.0, cache_modifier=".cg")
+        chosen = tl.sum(tl.where(split_no == split[:, None], draw_z, 0.0), axis=1).to(tl.float64) / temperature
     if HEAD == 0:
         token = idx.to(tl.int64)
         log_prob = chosen - lse

@@ -831,7 +831,7 @@ def test_greedy_pick_does_not_depend_on_the_split_layout():
 def test_cuda_launch_shapes(sms):
     """The GPU split-V layouts (pure functions of B, V and the SM count): the plain and drawing scans
     fill about one wave of SCAN_PROGRAMS_PER_SM programs per SM and never more (their 128 registers
-    let 4 reside, ``compile_check --resources``); candidate scans keep their own rule; every split
+    let 4 reside, ``compile_check --resources``); small-K candidate scans one wave of 5; every split
     holds at least one tile and every launch at least one split."""
     from kernels import row_scan
     from kernels.host_math import cdiv
@@ -843,10 +843,14 @@ def test_cuda_launch_shapes(sms):
             assert block_v == min(2048, 1 << (V - 1).bit_length())
             assert 1 <= splits <= cdiv(V, block_v)
             assert splits == 1 or B * splits <= 4 * sms < B * (splits + 1) or splits == cdiv(V, block_v)
-            for K, per_sm in ((4, 5), (128, 4)):
+            for K in (4, 128):
                 _, block_v, splits = row_scan.cuda_launch_shape(B, V, K, sms)
                 assert block_v == min(1024, 1 << (V - 1).bit_length())
-                assert splits == max(1, min(cdiv(per_sm * sms, B), cdiv(V, block_v)))
+                # Small K: at most one wave of 5 per SM (the lanes' maxima); large K: ⌈4·SMs / B⌉.
+                aimed = 5 * sms // B if K == 4 else cdiv(4 * sms, B)
+                assert splits == max(1, min(aimed, cdiv(V, block_v)))
+    # Top-k 4 at 256 × 50257 on 132 SMs: 2 splits (512 programs, one wave), not 3 (1.16 waves).
+    assert row_scan.cuda_launch_shape(256, 50257, 4, 132)[2] == 2
     for K in (0, 4):  # an empty batch: a shape, not a ZeroDivisionError
         assert row_scan.cuda_launch_shape(0, 50257, K, sms) == row_scan.cuda_launch_shape(1, 50257, K, sms)
     # The shapes the H200 sweep measured best (132 SMs): B = 256 → 2 splits, 64 → 8, 32 → 16, 1 → all 63 tiles.

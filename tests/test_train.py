@@ -2,6 +2,7 @@
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,6 +188,23 @@ def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(common + ["--eps", "0.001"])
     assert "eps=0.05" in capsys.readouterr().err
+
+
+def test_a_resumed_cli_run_reads_its_weights_once(tmp_path, monkeypatch):
+    """The entry points check every run directory before writing anything: that check maps a
+    checkpoint's tensors without reading them, and the run that resumes it loads it once."""
+    common = ["--heads", "nmst", "--max-length", "20", "--builtin-lines", "60", "--quiet", "--out", str(tmp_path)]
+    main(common + ["--max-epochs", "1"])
+    loads = []
+    real_load = torch.load
+
+    def recording_load(path, *args, **kwargs):
+        loads.append((Path(path).name, kwargs.get("mmap", False)))
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", recording_load)
+    main(common + ["--max-epochs", "2"])
+    assert [mmap for name, mmap in loads if name == "checkpoint.pt"] == [True, False]
 
 
 def _wikitext_dir(tmp_path, splits=("valid", "test"), lines=40):

@@ -113,12 +113,13 @@ def build_model(config: TrainConfig, vocab: Vocabulary) -> RecurrentLM:
                        pad_index=vocab.pad, **config.model_kwargs()).to(config.device)
 
 
-def load_checkpoint(path: str | Path, vocab: Optional[Vocabulary] = None) -> dict:
-    """The checkpoint's contents; ``vocab``, if given, must equal the one it was trained with."""
+def load_checkpoint(path: str | Path, vocab: Optional[Vocabulary] = None, *, lazy: bool = False) -> dict:
+    """The checkpoint's contents; ``vocab``, if given, must equal the one it was trained with.
+    ``lazy``: tensors are memory-mapped, not read (checks of its settings; keep the result short-lived)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=lazy)
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ValueError(f"{path} is not an nmst-fast training checkpoint (format {FORMAT})")
     trained_vocab = Vocabulary.from_json(ckpt["vocab"])

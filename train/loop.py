@@ -69,15 +69,17 @@ def perplexity(model, sequences: list[list[int]], vocab: Vocabulary, batch_size:
 RUN_DEFINING = ("arch", "head", "eps", "size", "seed", "batch_size", "lr", "betas", "weight_decay", "clip")
 
 
-def check_resume(config: TrainConfig, vocab: Vocabulary, checkpoint: str | Path, data_id: Optional[str]) -> Optional[dict]:
+def check_resume(config: TrainConfig, vocab: Vocabulary, checkpoint: str | Path, data_id: Optional[str],
+                 *, lazy: bool = False) -> Optional[dict]:
     """The checkpoint at ``checkpoint`` (None if there is none) after checking it holds this run: the
     same vocabulary, run-defining settings and, when ``data_id`` is given, the same data
     (:func:`~train.checkpoint.data_fingerprint`); else ValueError. Entry points call it for every run
-    before writing anything, so a refused resume changes no file."""
+    before writing anything, so a refused resume changes no file; they pass ``lazy`` (tensors
+    memory-mapped, not read: :func:`train` loads the one it resumes)."""
     checkpoint = Path(checkpoint)
     if not checkpoint.exists():
         return None
-    ckpt = load_checkpoint(checkpoint, vocab)
+    ckpt = load_checkpoint(checkpoint, vocab, lazy=lazy)
     saved = {k: getattr(ckpt["config"], k) for k in RUN_DEFINING}
     now = {k: getattr(config, k) for k in RUN_DEFINING}
     if data_id is not None:

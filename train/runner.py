@@ -157,9 +157,10 @@ def _hold_out(lines: list[str]) -> tuple[list[str], list[str]]:
 
 def check_resumes(runs: list[tuple[TrainConfig, Path]], data: Data) -> None:
     """ValueError if some run directory holds a checkpoint of another run (settings, vocabulary or
-    data): checked for every run before anything is written."""
+    data): checked for every run before anything is written, reading each checkpoint's settings,
+    not its weights (those are read once, by the run that resumes it)."""
     for config, run_dir in runs:
-        check_resume(config, data.vocab, run_dir / "checkpoint.pt", data.fingerprint)
+        check_resume(config, data.vocab, run_dir / "checkpoint.pt", data.fingerprint, lazy=True)
 
 
 def run_one(config: TrainConfig, data: Data, run_dir: Path, L: int, *, progress: bool,

@@ -1,0 +1,86 @@
+"""Reductions of several values at once: one barrier chain on a GPU, numpy reductions in the interpreter.
+
+A reduction across a 16-warp program costs a shuffle tree and two to three barriers (sm_90 PTX,
+Triton 3.6), and the decoding kernels' per-row finishing steps — top-p's rounds above all — were
+chains of such reductions, each waiting for the one before (RESULTS.md, seventeenth session). A
+``tl.reduce`` of a tuple takes several values through one chain, so the kernels fold what used to be
+a pick followed by gathers into one reduction, with the combine functions below.
+
+The CPU interpreter runs a tuple reduction element by element in Python (it has numpy fast paths
+only for the built-in min, max and sum), and pays ~0.2 ms for every call of a jitted helper, so
+where ``FUSED`` is off (interpreted) the kernels take the same values by separate built-in
+reductions, inline. The two forms compute the same result: ``tests/test_reductions.py`` runs both
+in the interpreter and compares them, and ``kernels.compile_check`` compiles the fused one.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_INTERPRETED = bool(triton.knobs.runtime.interpret)
+FUSED = tl.constexpr(not _INTERPRETED)  # tuple reductions: on a GPU only
+
+
+@triton.jit
+def _first_and_last(first, first_payload, last, last_payload, other_first, other_first_payload, other_last,
+                    other_last_payload):
+    """Combine of :func:`crossing_with`: the lower crossing index and the higher positive index, each
+    with its payload."""
+    lower = first <= other_first
+    higher = last >= other_last
+    return (tl.where(lower, first, other_first), tl.where(lower, first_payload, other_first_payload),
+            tl.where(higher, last, other_last), tl.where(higher, last_payload, other_last_payload))
+
+
+@triton.jit
+def crossing_with(cum, weights, target, index, SIZE, payload, none, FUSED_FORM: tl.constexpr = not _INTERPRETED):
+    """Along the last axis, per row: the first index of positive weight whose cumulative weight ``cum``
+    exceeds ``target`` (the last positive one when rounding leaves none, -1 when there is none; see
+    ``row_scan.first_crossing``), and ``payload`` (the shape of ``weights``, or broadcast to it) there
+    (``none`` where there is no positive weight). FUSED_FORM: one reduction of four values (the
+    first crossing and the last positive weight, each with its payload); else built-in reductions,
+    the pick before its payload (tests choose; the default is the platform's)."""
+    positive = weights > 0
+    crossing = (cum > tl.expand_dims(target, -1)) & positive
+    axis: tl.constexpr = len(crossing.shape) - 1  # by number: the interpreter mishandles -1 in a tuple reduction
+    if FUSED_FORM:
+        pick, pick_payload, last, last_payload = tl.reduce(
+            (tl.where(crossing, index, SIZE), tl.where(crossing, payload, none), tl.where(positive, index, -1),
+             tl.where(positive, payload, none)), axis, _first_and_last)
+        found = pick < SIZE
+        pick = tl.where(found, pick, last)
+        value = tl.where(found, pick_payload, last_payload)
+    else:
+        pick = tl.min(tl.where(crossing, index, SIZE), axis=axis)
+        pick = tl.where(pick < SIZE, pick, tl.max(tl.where(positive, index, -1), axis=axis))
+        at = (index == tl.expand_dims(pick, -1)) & positive  # the pick's one entry
+        value = tl.where(pick >= 0, tl.sum(tl.where(at, payload, 0), axis=axis), none)
+    return pick, value
+
+
+@triton.jit
+def add_pair(a, b, other_a, other_b):
+    """Combine: (Σ a, Σ b)."""
+    return a + other_a, b + other_b
+
+
+@triton.jit
+def add_and_min(a, b, other_a, other_b):
+    """Combine: (Σ a, min b)."""
+    return a + other_a, tl.minimum(b, other_b)
+
+
+@triton.jit
+def larger_then_lower(value, index, other_value, other_index):
+    """Combine: the largest value with the lowest index holding it (no NaN among the values)."""
+    first = (value > other_value) | ((value == other_value) & (index < other_index))
+    return tl.where(first, value, other_value), tl.where(first, index, other_index)
+
+
+@triton.jit
+def lowest_key(key, a, b, c, other_key, other_a, other_b, other_c):
+    """Combine: the lowest key with its three payloads (keys distinct where the result is used)."""
+    lower = key <= other_key
+    return (tl.where(lower, key, other_key), tl.where(lower, a, other_a), tl.where(lower, b, other_b),
+            tl.where(lower, c, other_c))
