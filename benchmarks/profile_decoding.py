@@ -10,7 +10,7 @@ its top-p with the lane-maxima bounds on and off; "round-candidates" its top-p o
 round (with mean and max rounds per row); "scan" the split-V scan with its finish (the
 greedy and sampling step, ``kernels/scan_select.py``) over splits per row and tile width at
 B = 256, "scan-b32" at B = 32; "top-k-parts" the candidate scan alone, with the two-launch
-select, and as one launch; "top-k-scan" the one-launch top-k 4 step over tile width and splits;
+select, and as one launch; "top-k-scan" the one-launch top-k 4 and 50 steps over tile width and splits;
 "read-floor" the greedy and sampling steps against a bare read in the same layout and torch's row
 max. Each row gives the device time
 (``triton.testing.do_bench_cudagraph`` median, each step on a copy of the logits not in L2:
@@ -321,18 +321,21 @@ def _top_k_parts_table(vocabs, bandwidth, timer, quick) -> None:
 
 
 def _top_k_scan_table(vocabs, bandwidth, timer, quick) -> None:
-    # The candidate scan's layout (1024-column tiles, ⌈5·SMs / B⌉ splits for K <= 16) was timed before
-    # the lane fold and never at 2048 columns; at B = 256 its 768 programs are 1.16 waves of 5 per SM.
-    print("\none-launch top-k 4 step over the candidate scan's layout, B = 256")
-    print("| V | BLOCK_V | splits | programs | ms | x floor |\n|---:|---:|---:|---:|---:|---:|")
+    # The candidate scans' layout (1024-column tiles; one wave of ⌊4·SMs / B⌋ splits for K <= 16 and
+    # ⌊2·SMs / B⌋ above, from ptxas's register counts) is untimed: top-k 4's lanes now keep a runner-up
+    # each, and top-k 50's a list by one tl.topk per program where it took one per tile.
+    print("\none-launch top-k step over the candidate scan's layout, B = 256")
+    print("| V | top-k | BLOCK_V | splits | programs | ms | x floor |\n|---:|---:|---:|---:|---:|---:|---:|")
     for V in vocabs:
         logits, floor_ms = _case(256, V, bandwidth)
-        _, default_block_v, default_splits = launch_shape(logits, 4)
-        launches = sorted({(block_v, splits) for block_v in (1024, 2048) for splits in (1, 2, 3, 4, 6)}
-                          | {(default_block_v, default_splits)})
-        for (block_v, splits), ms in scan_sweep(logits, launches, timer, top_k=4):
-            mark = "*" if (block_v, splits) == (default_block_v, default_splits) else ""
-            print(f"| {V} | {block_v} | {splits}{mark} | {256 * splits} | {ms:.4f} | {ms / floor_ms:.2f} |", flush=True)
+        for top_k in (4, 50):
+            _, default_block_v, default_splits = launch_shape(logits, top_k)
+            launches = sorted({(block_v, splits) for block_v in (1024, 2048) for splits in (1, 2, 3, 4, 6)}
+                              | {(default_block_v, default_splits)})
+            for (block_v, splits), ms in scan_sweep(logits, launches, timer, top_k=top_k):
+                mark = "*" if (block_v, splits) == (default_block_v, default_splits) else ""
+                print(f"| {V} | {top_k} | {block_v} | {splits}{mark} | {256 * splits} | {ms:.4f} | "
+                      f"{ms / floor_ms:.2f} |", flush=True)
 
 
 def _scan_b32_table(vocabs, bandwidth, timer, quick) -> None:

@@ -87,7 +87,7 @@ def launches() -> list[Launch]:
     gen = torch.Generator().manual_seed(0)
     z = torch.randn(4, 1000, generator=gen)
     for dtype in (torch.float32, torch.bfloat16):
-        for seed, K in ((None, 0), (7, 0), (None, 4), (None, 128)):
+        for seed, K in ((None, 0), (7, 0), (None, 4), (None, 16), (None, 32), (None, 64), (None, 128)):
             label = f"row_scan {str(dtype)[6:]} {'draw' if seed else 'no draw'} K={K}"
             # The shape of a GPU launch at 256 x 50257 (the CPU call sees V = 1000): tile width, and
             # a lane's columns per split for the draw.
@@ -109,17 +109,19 @@ def launches() -> list[Launch]:
             z.to(dtype), head=head, eos_index=5, eps=1e-5, temperature=0.7, steps=3,
             state=torch.zeros(4, dtype=torch.float64) if head == "st" else None, seed=seed_tensor),
             label, dict(BLOCK_B=1, BLOCK_V=block_v, LANE_TILES=lane_tiles, BLOCK_S=splits)))
-    # Its top-k finish: small K at B = 256 (4 splits) and B = 1 (64), the largest K its finish holds.
-    for head, top_k, top_p, splits in (("nmst", 4, None, 4), ("st", 3, 0.5, 4), ("va", 4, 0.9, 64),
-                                       ("nmst", 100, 0.9, 4)):
+    # Its top-k finish at the GPU layouts of 256 x 50257 (small K: 2 splits, large K: 1) and of B = 1
+    # (small K: 50 splits; larger K take the two-launch path there), up to the largest K its finish holds.
+    for head, top_k, top_p, batch in (("nmst", 4, None, 256), ("st", 3, 0.5, 256), ("va", 4, 0.9, 1),
+                                      ("nmst", 50, None, 256), ("nmst", 100, 0.9, 256)):
         K = max(2, 1 << (top_k - 1).bit_length())
+        _, block_v, splits = row_scan.cuda_launch_shape(batch, 50257, K, H100_SMS)
+        block_s = 1 << (splits - 1).bit_length()
         label = f"scan_select {head} top_k={top_k} top_p={top_p} splits={splits}"
-        _, block_v, _ = row_scan.cuda_launch_shape(256, 50257, K, H100_SMS)
         out.append(_record(scan_select, "_scan_select_kernel", lambda: scan_select.scan_select(
             z, head=head, eos_index=5, eps=1e-5, temperature=1.0, steps=3,
             state=torch.zeros(4, dtype=torch.float64) if head == "st" else None, seed=torch.tensor([3]),
             top_k=top_k, top_p_threshold=top_p),
-            label, dict(BLOCK_B=1, BLOCK_V=block_v, BLOCK_S=splits), dict(num_warps=row_scan._num_warps(K))))
+            label, dict(BLOCK_B=1, BLOCK_V=block_v, BLOCK_S=block_s), dict(num_warps=row_scan._num_warps(K))))
     scan = _fake_scan(z, 0)
     steps = torch.arange(4)
     state = torch.zeros(4, dtype=torch.float64)

@@ -99,23 +99,68 @@ def _load_next(lane_ptrs, start, last, HAS_EOS: tl.constexpr, BLOCK_V: tl.conste
 
 
 @triton.jit
-def fold_tile(lane_max, lane_sum, lane_start, lane_second, z, start, neg_scale, ARGMAX: tl.constexpr,
-              SECOND: tl.constexpr):
-    """:func:`fold_lanes` of the tile at ``start``, and the optional per-lane extras: ARGMAX, the tile
-    start of the lane's first maximum; SECOND, the largest z of the lane other than that maximum (without
-    it ``lane_second`` passes through untouched)."""
-    previous = lane_max
-    lane_max, lane_sum, up = fold_lanes(lane_max, lane_sum, z, neg_scale)
-    if ARGMAX:
-        lane_start = tl.where(up, start, lane_start)  # a uniform scalar: cheaper than the column
-    if SECOND:
-        lane_second = tl.where(up, previous, tl.maximum(lane_second, z))
-    return lane_max, lane_sum, lane_start, lane_second
+def no_runners_up(BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Empty runners-up of every lane (see :func:`keep_runners_up`): no values, no pushed-out value."""
+    none = tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32)
+    start = tl.zeros((BLOCK_B, BLOCK_V), tl.int32)
+    return none, start, none, start, none, start, none
 
 
 @triton.jit
-def _fold_span(lane_max, lane_sum, lane_start, lane_second, lane_ptrs, first, last, hi, eos_index, neg_scale,
-               MASKED: tl.constexpr, ARGMAX: tl.constexpr, SECOND: tl.constexpr, PREFETCH: tl.constexpr,
+def keep_runners_up(runners, z, up, previous, previous_start, start, DEPTH: tl.constexpr):
+    """A lane's DEPTH largest values, after folding the tile at ``start`` (``z``; ``up``: it set a new
+    lane max, pushing ``previous`` (from tile ``previous_start``) down a rank): its max is the lane
+    max, ``runners`` = (2nd, its tile start, 3rd, start, 4th, start, the largest value pushed out of
+    the DEPTH), ranks 2-4 kept up to DEPTH (1 to 4; unused ones stay −inf, which the compiler
+    drops). A value enters below an equal one (the lane walks its columns upwards, so rank order
+    is column order on ties), and the pushed-out value bounds every value of the lane outside the
+    DEPTH: the candidate scans check their list against it (``row_scan._lane_candidates``)."""
+    second, second_start, third, third_start, fourth, fourth_start, pushed_out = runners
+    # What comes down to rank 2: the old max where z replaced it, else z itself.
+    incoming = tl.where(up, previous, z)
+    incoming_start = tl.where(up, previous_start, start)
+    if DEPTH == 1:
+        pushed_out = tl.maximum(pushed_out, incoming)
+    else:
+        # "Enters at rank r or above" implies the same for every later rank, so the ranks shift down
+        # consistently even where the old max ties the value below it.
+        at_2 = up | (incoming > second)
+        if DEPTH == 2:
+            pushed_out = tl.maximum(pushed_out, tl.where(at_2, second, incoming))
+        else:
+            at_3 = at_2 | (incoming > third)
+            if DEPTH == 3:
+                pushed_out = tl.maximum(pushed_out, tl.where(at_3, third, incoming))
+            else:
+                at_4 = at_3 | (incoming > fourth)
+                pushed_out = tl.maximum(pushed_out, tl.where(at_4, fourth, incoming))
+                fourth = tl.where(at_3, third, tl.where(at_4, incoming, fourth))
+                fourth_start = tl.where(at_3, third_start, tl.where(at_4, incoming_start, fourth_start))
+            third = tl.where(at_2, second, tl.where(at_3, incoming, third))
+            third_start = tl.where(at_2, second_start, tl.where(at_3, incoming_start, third_start))
+        second = tl.where(at_2, incoming, second)
+        second_start = tl.where(at_2, incoming_start, second_start)
+    return second, second_start, third, third_start, fourth, fourth_start, pushed_out
+
+
+@triton.jit
+def fold_tile(lane_max, lane_sum, lane_start, runners, z, start, neg_scale, ARGMAX: tl.constexpr,
+              DEPTH: tl.constexpr):
+    """:func:`fold_lanes` of the tile at ``start``, and the optional per-lane extras: ARGMAX, the tile
+    start of the lane's first maximum; DEPTH > 0 (needs ARGMAX), the lane's runners-up
+    (:func:`keep_runners_up`; with DEPTH 0 ``runners`` pass through untouched)."""
+    previous, previous_start = lane_max, lane_start
+    lane_max, lane_sum, up = fold_lanes(lane_max, lane_sum, z, neg_scale)
+    if ARGMAX:
+        lane_start = tl.where(up, start, lane_start)  # a uniform scalar: cheaper than the column
+    if DEPTH > 0:
+        runners = keep_runners_up(runners, z, up, previous, previous_start, start, DEPTH)
+    return lane_max, lane_sum, lane_start, runners
+
+
+@triton.jit
+def _fold_span(lane_max, lane_sum, lane_start, runners, lane_ptrs, first, last, hi, eos_index, neg_scale,
+               MASKED: tl.constexpr, ARGMAX: tl.constexpr, DEPTH: tl.constexpr, PREFETCH: tl.constexpr,
                HAS_EOS: tl.constexpr, BLOCK_V: tl.constexpr):
     """Fold the tiles starting in [first, last) into the lane state (extras as :func:`fold_tile`).
     PREFETCH (unmasked spans): load the next tile before folding this one (the last iteration
@@ -126,33 +171,33 @@ def _fold_span(lane_max, lane_sum, lane_start, lane_second, lane_ptrs, first, la
             for start in range(first, last, BLOCK_V):
                 z = z_next
                 z_next = _load_next(lane_ptrs, start, last, HAS_EOS, BLOCK_V)
-                lane_max, lane_sum, lane_start, lane_second = fold_tile(
-                    lane_max, lane_sum, lane_start, lane_second, z, start, neg_scale, ARGMAX, SECOND)
+                lane_max, lane_sum, lane_start, runners = fold_tile(
+                    lane_max, lane_sum, lane_start, runners, z, start, neg_scale, ARGMAX, DEPTH)
     else:
         for start in range(first, last, BLOCK_V):
             z = load_tile(lane_ptrs, start, hi, eos_index, MASKED, HAS_EOS, BLOCK_V)
-            lane_max, lane_sum, lane_start, lane_second = fold_tile(
-                lane_max, lane_sum, lane_start, lane_second, z, start, neg_scale, ARGMAX, SECOND)
-    return lane_max, lane_sum, lane_start, lane_second
+            lane_max, lane_sum, lane_start, runners = fold_tile(
+                lane_max, lane_sum, lane_start, runners, z, start, neg_scale, ARGMAX, DEPTH)
+    return lane_max, lane_sum, lane_start, runners
 
 
 @triton.jit
-def fold_row_lanes(lane_ptrs, lo, hi, eos_index, neg_scale, ARGMAX: tl.constexpr, SECOND: tl.constexpr,
+def fold_row_lanes(lane_ptrs, lo, hi, eos_index, neg_scale, ARGMAX: tl.constexpr, DEPTH: tl.constexpr,
                    PREFETCH: tl.constexpr, HAS_EOS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Per-lane (max z, Σ e^(x − max x), tile start of the first max, second largest z) over columns
-    [lo, hi) of each row (``lane_ptrs``: (BLOCK_B, BLOCK_V) pointers to the lanes' columns of the
-    row's first tile; every row must be a real row: the whole tiles load unmasked); the last two
-    only with ARGMAX and SECOND. See :func:`fold_lanes`."""
+    """Per-lane (max z, Σ e^(x − max x), tile start of the first max, runners-up) over columns [lo, hi)
+    of each row (``lane_ptrs``: (BLOCK_B, BLOCK_V) pointers to the lanes' columns of the row's first
+    tile; every row must be a real row: the whole tiles load unmasked); the tile start only with
+    ARGMAX, the runners-up (:func:`keep_runners_up`) only with DEPTH > 0. See :func:`fold_lanes`."""
     state = (tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32), tl.zeros((BLOCK_B, BLOCK_V), tl.float32),
-             tl.zeros((BLOCK_B, BLOCK_V), tl.int32), tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32))
+             tl.zeros((BLOCK_B, BLOCK_V), tl.int32), no_runners_up(BLOCK_B, BLOCK_V))
     eos_start, eos_end, whole_end = tile_spans(lo, hi, eos_index, HAS_EOS, BLOCK_V)
-    state = _fold_span(*state, lane_ptrs, lo, eos_start, hi, eos_index, neg_scale, False, ARGMAX, SECOND, PREFETCH,
+    state = _fold_span(*state, lane_ptrs, lo, eos_start, hi, eos_index, neg_scale, False, ARGMAX, DEPTH, PREFETCH,
                        HAS_EOS, BLOCK_V)
-    state = _fold_span(*state, lane_ptrs, eos_start, eos_end, hi, eos_index, neg_scale, True, ARGMAX, SECOND,
+    state = _fold_span(*state, lane_ptrs, eos_start, eos_end, hi, eos_index, neg_scale, True, ARGMAX, DEPTH,
                        PREFETCH, HAS_EOS, BLOCK_V)
-    state = _fold_span(*state, lane_ptrs, eos_end, whole_end, hi, eos_index, neg_scale, False, ARGMAX, SECOND,
+    state = _fold_span(*state, lane_ptrs, eos_end, whole_end, hi, eos_index, neg_scale, False, ARGMAX, DEPTH,
                        PREFETCH, HAS_EOS, BLOCK_V)
-    return _fold_span(*state, lane_ptrs, whole_end, hi, hi, eos_index, neg_scale, True, ARGMAX, SECOND, PREFETCH,
+    return _fold_span(*state, lane_ptrs, whole_end, hi, hi, eos_index, neg_scale, True, ARGMAX, DEPTH, PREFETCH,
                       HAS_EOS, BLOCK_V)
 
 

@@ -151,8 +151,8 @@ def _row_draw_kernel(
     # 1. Per lane (a column position of the tile, across the row's tiles): max and Σ e^(x − max),
     # with no reduction across the tile in the loop (``row_scan.fold_lanes``); their merge gives M,
     # Σ e^(x − M) and the lane masses, the set S's first tables.
-    lane_max, lane_sum, _no_argmax, _no_second = fold_row_lanes(lane_ptrs, 0, V, eos_index, inv_temp * -LOG2E,
-                                                                False, False, PREFETCH, HAS_EOS, BLOCK_B, BLOCK_V)
+    lane_max, lane_sum, _no_argmax, _no_runners_up = fold_row_lanes(lane_ptrs, 0, V, eos_index, inv_temp * -LOG2E,
+                                                                    False, 0, PREFETCH, HAS_EOS, BLOCK_B, BLOCK_V)
     max_z, lane_e = merge_lanes(lane_max, lane_sum, inv_temp)  # NaN/+inf rows: NaN, flagged below
     m = max_z * inv_temp
     log_norm, eos_zeta, p_eos, w, bad = _row_head(

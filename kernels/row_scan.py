@@ -14,10 +14,11 @@ is off), with x = z · inv_temp:
   * candidates = the K largest x, ties → lower index      (top-k / top-p)
 Every variant keeps per-lane state instead of per-tile reductions (``kernels/lanes.py``: a
 lane is a column position of the tile, followed across the split's tiles), so the loops of
-greedy, the draw and small K have no barrier; one reduction after the loop merges the lanes. The
+greedy, the draw and the candidates have no barrier; one reduction after the loop merges the lanes. The
 draw then picks a lane by inverse CDF over the lane masses and a column of that lane by inverse
 CDF over its few strided columns (re-read once per split): no per-element noise or logarithms.
-Small K take the lanes' maxima, checked by the lanes' second largest values. The seed is read from a
+Candidates come from each lane's max and 1-3 runners-up, checked by the largest value a lane did not
+keep (a split they do not settle is read again by tiles). The seed is read from a
 device tensor, so drawing it from a CUDA generator needs no host sync; the draw depends on
 (seed, row, tiling). Candidates are ranked by one int64 key per column,
 (orderable float bits of x) << 32 | (2³¹ − 1 − column): key order is exactly
@@ -36,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_power_of_2, scan_width
-from .lanes import LOG2E, fold_row_lanes, fold_tile, lane_pointers, load_tile, merge_lanes, tile_spans
+from .lanes import LOG2E, fold_row_lanes, lane_pointers, load_tile, merge_lanes, tile_spans
 from .reductions import FUSED, add_and_min, crossing_with, larger_then_lower
 from .workspace import step_buffers
 
@@ -55,25 +56,33 @@ def column_keys(x, cols):
     return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)
 
 
-# Small candidate lists (K <= EXTRACT_MAX_K) come from the lanes' maxima (``_lane_candidates``),
-# and where those do not settle a split, from its tiles re-read by extraction: an entering tile's
-# columns above the K-th candidate taken one at a time (a max and an index reduction each), which
-# beat a tl.topk (a bitonic sort of the whole tile) per entering tile when most tiles entered.
-# Larger K keep tl.topk: the first tile enters whole, and K extractions of it would cost more.
+# Candidate lists start from the lanes' maxima and runners-up (``_lane_candidates``). The list of the
+# lanes' maxima is taken by extraction for K <= EXTRACT_MAX_K (one reduction per candidate) and by a
+# tl.topk of the lanes' keys (a bitonic sort) above it. Where the lanes' values do not settle a split,
+# its tiles are read again (``_split_candidates``): an entering tile's columns above the K-th taken
+# one at a time for small K, a tl.topk of the entering tile for larger K.
 EXTRACT_MAX_K = tl.constexpr(16)
+# Values each lane keeps (its max and runners-up, ``lanes.keep_runners_up``): the split's K best are
+# among them unless some lane holds more than that many of them, about C(K, DEPTH + 1) / lanes^DEPTH
+# of the splits for values in random columns. At 256 x 50257 (randn · 3, 1024 lanes, RESULTS.md) the
+# lanes' maxima alone left 2 of 512 splits to re-read at K = 4, ~60 at K = 16 and ~430 at K = 64;
+# 2 values per lane up to K = 8, 3 up to 32 and 4 above leave ~0-1 per step. Each rank costs ~6
+# instructions per element in the loop.
+PAIR_MAX_K = tl.constexpr(8)
+TRIPLE_MAX_K = tl.constexpr(32)
 
 
 @triton.jit
-def _extract_into(best, x, keep, cols, kth_key, kth_value, K: tl.constexpr):
-    """``best`` (rows, K int64 keys; padding −2^63) updated with the tile's columns that rank above
-    its K-th key: at most K of them, taken in rank order (value desc, column asc), each replacing
-    the smallest held key if it ranks above it. Same result as a top-K of best ∪ the tile's keys."""
-    above = keep & ((kth_key == -9223372036854775808)[:, None] | (x.to(tl.float64) > kth_value[:, None]))
+def _extract_into(best, x, above, cols, K: tl.constexpr):
+    """``best`` (rows, K int64 keys; padding −2^63) updated with the columns ``above`` (which the caller
+    has found to rank above its K-th key): at most K of them, taken in rank order (value desc, column
+    asc), each replacing the smallest held key if it ranks above it. Same result as a top-K of best ∪
+    the keys of the columns ``above``."""
     todo = tl.minimum(tl.sum(above.to(tl.int32), axis=1), K)  # more than K cannot all enter
     slots = tl.arange(0, K)[None, :]
     while tl.max(todo, axis=0) > 0:
         # The largest entering value and its lowest column, in one reduction. Ties go to the lowest
-        # column (callers leave −inf columns out of ``keep``: they are padding); a NaN is no column.
+        # column (callers leave −inf columns out of ``above``: they are padding); a NaN is no column.
         entering = above & (x == x)
         values = tl.where(entering, x, float("-inf"))
         index = tl.where(entering, cols, 2147483647)
@@ -152,21 +161,14 @@ def _draw_in_split(row_base, rows, row_ok, lo, hi, eos_index, inv_temp, lane_max
 
 
 @triton.jit
-def _candidate_span(lane_max, lane_sum, lane_start, best, kth_key, kth_value, lane_ptrs, first, last, hi, eos_index,
-                    inv_temp, neg_scale, MASKED: tl.constexpr, FOLD: tl.constexpr, HAS_EOS: tl.constexpr,
-                    K: tl.constexpr, BLOCK_V: tl.constexpr):
+def _candidate_span(best, kth_key, kth_value, lane_ptrs, first, last, hi, eos_index, inv_temp, MASKED: tl.constexpr,
+                    HAS_EOS: tl.constexpr, K: tl.constexpr, BLOCK_V: tl.constexpr):
     """The K best candidates over the tiles starting in [first, last): one tile max per tile (the only
     reduction of a tile nothing enters), the candidate update only on tiles whose max beats the
-    running K-th (``kth_key``/``kth_value``, kept current). FOLD: also the lane fold with the argmax
-    (``lanes.fold_tile``), in the same read."""
+    running K-th (``kth_key``/``kth_value``, kept current)."""
     lanes = tl.arange(0, BLOCK_V)[None, :]
     for start in range(first, last, BLOCK_V):
         z = load_tile(lane_ptrs, start, hi, eos_index, MASKED, HAS_EOS, BLOCK_V)
-        if FOLD:
-            # (No SECOND: the lane_second slot passes lane_max through. Its own name: a loop variable
-            # must keep one type, and `_` holds an int64 below.)
-            lane_max, lane_sum, lane_start, _unused_second = fold_tile(lane_max, lane_sum, lane_start, lane_max, z,
-                                                                       start, neg_scale, True, False)
         # Candidates rank by x = z · inv_temp in fp32, as the keys hold it. The program walks its
         # columns upwards, so a tile value equal to the K-th ranks below it: only a larger max enters.
         x = z * inv_temp
@@ -180,55 +182,72 @@ def _candidate_span(lane_max, lane_sum, lane_start, best, kth_key, kth_value, la
             if HAS_EOS:
                 keep = keep & (cols != eos_index)
             if K <= EXTRACT_MAX_K:
-                best = _extract_into(best, x, keep, cols, kth_key, kth_value, K)
+                above = keep & ((kth_key == -9223372036854775808)[:, None]
+                                | (x.to(tl.float64) > kth_value[:, None]))
+                best = _extract_into(best, x, above, cols, K)
             else:
                 keys = tl.where(keep, column_keys(x, cols), -9223372036854775808)
                 both = tl.reshape(tl.join(best, tl.topk(keys, K, dim=1)), (x.shape[0], 2 * K))
                 best = tl.topk(both, K, dim=1)
             kth_key = tl.min(best, axis=1)
             kth_value, _ = decode_column_keys(kth_key)
-    return lane_max, lane_sum, lane_start, best, kth_key, kth_value
+    return best, kth_key, kth_value
 
 
 @triton.jit
-def _split_candidates(lane_max, lane_sum, lane_start, lane_ptrs, lo, hi, eos_index, inv_temp, neg_scale,
-                      FOLD: tl.constexpr, HAS_EOS: tl.constexpr, K: tl.constexpr, BLOCK_B: tl.constexpr,
-                      BLOCK_V: tl.constexpr):
-    """:func:`_candidate_span` over the split's spans (``lanes.tile_spans``); returns the lane state
-    (folded when FOLD) and the K best keys."""
-    state = (lane_max, lane_sum, lane_start, tl.full((BLOCK_B, K), -9223372036854775808, tl.int64),
-             tl.full((BLOCK_B,), -9223372036854775808, tl.int64), tl.full((BLOCK_B,), float("-inf"), tl.float64))
+def _split_candidates(lane_ptrs, lo, hi, eos_index, inv_temp, HAS_EOS: tl.constexpr, K: tl.constexpr,
+                      BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The split's K best keys by a read of its tiles: :func:`_candidate_span` over its spans
+    (``lanes.tile_spans``)."""
+    state = (tl.full((BLOCK_B, K), -9223372036854775808, tl.int64), tl.full((BLOCK_B,), -9223372036854775808, tl.int64),
+             tl.full((BLOCK_B,), float("-inf"), tl.float64))
     eos_start, eos_end, whole_end = tile_spans(lo, hi, eos_index, HAS_EOS, BLOCK_V)
-    state = _candidate_span(*state, lane_ptrs, lo, eos_start, hi, eos_index, inv_temp, neg_scale, False, FOLD,
-                            HAS_EOS, K, BLOCK_V)
-    state = _candidate_span(*state, lane_ptrs, eos_start, eos_end, hi, eos_index, inv_temp, neg_scale, True, FOLD,
-                            HAS_EOS, K, BLOCK_V)
-    state = _candidate_span(*state, lane_ptrs, eos_end, whole_end, hi, eos_index, inv_temp, neg_scale, False, FOLD,
-                            HAS_EOS, K, BLOCK_V)
-    lane_max, lane_sum, lane_start, best, _kth_key, _kth_value = _candidate_span(
-        *state, lane_ptrs, whole_end, hi, hi, eos_index, inv_temp, neg_scale, True, FOLD, HAS_EOS, K, BLOCK_V)
-    return lane_max, lane_sum, lane_start, best
+    state = _candidate_span(*state, lane_ptrs, lo, eos_start, hi, eos_index, inv_temp, False, HAS_EOS, K, BLOCK_V)
+    state = _candidate_span(*state, lane_ptrs, eos_start, eos_end, hi, eos_index, inv_temp, True, HAS_EOS, K, BLOCK_V)
+    state = _candidate_span(*state, lane_ptrs, eos_end, whole_end, hi, eos_index, inv_temp, False, HAS_EOS, K,
+                            BLOCK_V)
+    best, _kth_key, _kth_value = _candidate_span(*state, lane_ptrs, whole_end, hi, hi, eos_index, inv_temp, True,
+                                                 HAS_EOS, K, BLOCK_V)
+    return best
 
 
 @triton.jit
-def _lane_candidates(lane_max, lane_start, lane_second, inv_temp, K: tl.constexpr, BLOCK_B: tl.constexpr,
-                     BLOCK_V: tl.constexpr):
-    """The K best keys among the lanes' maxima, and per row whether they are the split's K best.
+def _enter_runners_up(best, values, starts, inv_temp, BLOCK_V: tl.constexpr, K: tl.constexpr):
+    """``best`` with the lanes' values of one rank (raw z, and their tiles' ``starts``) that rank above its
+    K-th key. Keys, not values, decide: these columns are not in column order after the list's."""
+    x = values * inv_temp
+    cols = starts + tl.arange(0, BLOCK_V)[None, :]
+    above = (x > float("-inf")) & (column_keys(x, cols) > tl.min(best, axis=1)[:, None])
+    return _extract_into(best, x, above, cols, K)
 
-    A column that is not its lane's (first) maximum has x at most the lane's second largest x, so
-    the lanes' maxima hold the K best when every lane's second largest x is below the K-th of them
-    (strictly: an equal x at a lower column would rank above it), or when no lane holds a second
-    finite value. Otherwise (two of the K best in one lane, or a tie there: rare for small K over
-    ~1000 lanes) the caller re-reads the split."""
-    lanes = tl.arange(0, BLOCK_V)[None, :]
-    no_key = tl.full((BLOCK_B,), -9223372036854775808, tl.int64)
-    best = _extract_into(tl.full((BLOCK_B, K), -9223372036854775808, tl.int64), lane_max * inv_temp,
-                         lane_max > float("-inf"), lane_start + lanes, no_key,
-                         tl.full((BLOCK_B,), float("-inf"), tl.float64), K)
+
+@triton.jit
+def _lane_candidates(lane_max, lane_start, runners, inv_temp, K: tl.constexpr, DEPTH: tl.constexpr,
+                     BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The K best keys among the lanes' kept values (each lane's max and DEPTH − 1 runners-up,
+    ``lanes.keep_runners_up``), and per row whether they are the split's K best.
+
+    Every value a lane did not keep is at most its pushed-out value, so the kept values hold the K
+    best when every lane's pushed-out x is below the K-th of them (strictly: an equal x at a lower
+    column would rank above it), or when no lane pushed out a finite value. Otherwise (more than
+    DEPTH of the K best in one lane, or a tie there) the caller reads the split again."""
+    x = lane_max * inv_temp
+    cols = lane_start + tl.arange(0, BLOCK_V)[None, :]
+    if K <= EXTRACT_MAX_K:
+        best = _extract_into(tl.full((BLOCK_B, K), -9223372036854775808, tl.int64), x, x > float("-inf"), cols, K)
+    else:
+        best = tl.topk(tl.where(x > float("-inf"), column_keys(x, cols), -9223372036854775808), K, dim=1)
+    second, second_start, third, third_start, fourth, fourth_start, pushed_out = runners
+    if DEPTH >= 2:
+        best = _enter_runners_up(best, second, second_start, inv_temp, BLOCK_V, K)
+    if DEPTH >= 3:
+        best = _enter_runners_up(best, third, third_start, inv_temp, BLOCK_V, K)
+    if DEPTH == 4:
+        best = _enter_runners_up(best, fourth, fourth_start, inv_temp, BLOCK_V, K)
     kth_key = tl.min(best, axis=1)
     kth_value, _ = decode_column_keys(kth_key)
-    second = tl.max(lane_second * inv_temp, axis=1).to(tl.float64)
-    exact = (second == float("-inf")) | ((kth_key != -9223372036854775808) & (second < kth_value))
+    pushed = tl.max(pushed_out * inv_temp, axis=1).to(tl.float64)
+    exact = (pushed == float("-inf")) | ((kth_key != -9223372036854775808) & (pushed < kth_value))
     return best, exact
 
 
@@ -254,27 +273,19 @@ def scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp,
     neg_scale = inv_temp * -LOG2E
     if K == 0:
         # Greedy and the draw: per-lane state, one reduction after the loop (see lanes.fold_lanes).
-        lane_max, lane_sum, lane_start, _no_second = fold_row_lanes(lane_ptrs, lo, hi, eos_index, neg_scale, not DRAW,
-                                                                    False, False, HAS_EOS, BLOCK_B, BLOCK_V)
+        lane_max, lane_sum, lane_start, _no_runners_up = fold_row_lanes(lane_ptrs, lo, hi, eos_index, neg_scale,
+                                                                        not DRAW, 0, False, HAS_EOS, BLOCK_B, BLOCK_V)
     else:
-        if K <= EXTRACT_MAX_K:
-            # The lanes' maxima as candidates, checked by the lanes' second largest values; no reduction
-            # per tile. A split they do not settle is read again, by tiles (_split_candidates).
-            lane_max, lane_sum, lane_start, lane_second = fold_row_lanes(lane_ptrs, lo, hi, eos_index, neg_scale,
-                                                                         True, True, False, HAS_EOS, BLOCK_B,
-                                                                         BLOCK_V)
-            best, exact = _lane_candidates(lane_max, lane_start, lane_second, inv_temp, K, BLOCK_B, BLOCK_V)
-            if tl.max((~exact).to(tl.int32), axis=0) > 0:
-                _m, _s, _c, by_tiles = _split_candidates(lane_max, lane_sum, lane_start, lane_ptrs, lo, hi, eos_index,
-                                                         inv_temp, neg_scale, False, HAS_EOS, K, BLOCK_B, BLOCK_V)
-                best = tl.where(exact[:, None], best, by_tiles)
-            best = tl.sort(best, dim=1, descending=True)  # readers take each split's list in rank order
-        else:
-            # tl.topk of every entering tile, in the same read as the lane fold.
-            lane_max, lane_sum, lane_start, best = _split_candidates(
-                tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32), tl.zeros((BLOCK_B, BLOCK_V), tl.float32),
-                tl.zeros((BLOCK_B, BLOCK_V), tl.int32), lane_ptrs, lo, hi, eos_index, inv_temp, neg_scale, True,
-                HAS_EOS, K, BLOCK_B, BLOCK_V)
+        # The lanes' maxima and runners-up as candidates, checked by what the lanes pushed out; no
+        # reduction per tile. A split they do not settle is read again, by tiles (_split_candidates).
+        DEPTH: tl.constexpr = 2 if K <= PAIR_MAX_K else (3 if K <= TRIPLE_MAX_K else 4)
+        lane_max, lane_sum, lane_start, runners = fold_row_lanes(lane_ptrs, lo, hi, eos_index, neg_scale, True, DEPTH,
+                                                                 False, HAS_EOS, BLOCK_B, BLOCK_V)
+        best, exact = _lane_candidates(lane_max, lane_start, runners, inv_temp, K, DEPTH, BLOCK_B, BLOCK_V)
+        if tl.max((~exact).to(tl.int32), axis=0) > 0:
+            by_tiles = _split_candidates(lane_ptrs, lo, hi, eos_index, inv_temp, HAS_EOS, K, BLOCK_B, BLOCK_V)
+            best = tl.where(exact[:, None], best, by_tiles)
+        best = tl.sort(best, dim=1, descending=True)  # readers take each split's list in rank order
         tl.store(key_ptr + (rows * n_splits + split)[:, None] * K + tl.arange(0, K)[None, :], best,
                  mask=row_ok[:, None])
     max_z, lane_mass = merge_lanes(lane_max, lane_sum, inv_temp)
@@ -363,17 +374,19 @@ def interpreter_block_rows(rows: int, block_v: int) -> int:
 # → 1.31x) and the same at B = 1 (sampling there: 0.95x).
 SCAN_BLOCK_V = 2048
 SCAN_PROGRAMS_PER_SM = 4
-# Candidate scans keep four fp32 values per lane column (95 registers at 1024 columns, 4 warps; the
-# eleventh session's ptxas at 2048: 128-168, and 48 bytes spilled for K = 128), so they keep
-# 1024-column tiles (not re-timed at 2048). K <= EXTRACT_MAX_K (the lanes' maxima, 5 resident per
-# SM) take ⌊5·SMs / B⌋ splits, one wave, as the plain scans' measured rule does: the earlier
-# ⌈5·SMs / B⌉ launched 768 programs at B = 256 on 132 SMs, 1.16 waves, whose last 108 programs
-# streamed their share at about one program per SM (the candidate scan timed 2.60x the one-read
-# floor where greedy's scan took 1.24x: RESULTS.md, fifteenth session; not yet re-timed). Larger K
-# keep the ⌈4·SMs / B⌉ they were timed with.
+# Candidate scans keep each lane's max, mass, tile and 1-3 runners-up (1024-column tiles: not
+# re-timed at 2048), so fewer programs reside per SM (``_num_warps`` has ptxas's counts): small K
+# (the list by extraction) 115-127 registers, 4 per SM; larger K (the list by a tl.topk of the lanes'
+# 1024 keys, whose bitonic sort holds the most registers) 168-248, 2-3 per SM. Both take one wave of
+# what resides, ⌊per SM·SMs / B⌋ splits, as the plain scans' measured rule does (B = 256 on 132 SMs:
+# 2 splits for K <= 16, 1 above). Each program also ends in one selection of its list (for large K
+# a sort as long as ~3 tiles' fold), so a wave of fewer, longer programs does less of it. Earlier,
+# ⌈5·SMs / B⌉ launched 1.16 waves at top-k 4 (its candidate scan timed 2.60x the one-read floor
+# where greedy's scan took 1.24x: RESULTS.md, fifteenth session); the large-K scans' ⌈4·SMs / B⌉
+# served a tl.topk per tile. Neither rule is timed yet.
 CANDIDATE_BLOCK_V = 1024
-LANE_CANDIDATE_PROGRAMS_PER_SM = 5
-CANDIDATE_PROGRAMS_PER_SM = 4
+SMALL_K_PROGRAMS_PER_SM = 4
+LARGE_K_PROGRAMS_PER_SM = 2
 
 
 def launch_shape(z: torch.Tensor, candidates: int) -> tuple[int, int, int]:
@@ -394,10 +407,8 @@ def cuda_launch_shape(B: int, V: int, candidates: int, multi_processors: int) ->
         splits = SCAN_PROGRAMS_PER_SM * multi_processors // B
     else:
         block_v = min(CANDIDATE_BLOCK_V, next_power_of_2(V))
-        if candidates <= EXTRACT_MAX_K.value:
-            splits = LANE_CANDIDATE_PROGRAMS_PER_SM * multi_processors // B
-        else:
-            splits = cdiv(CANDIDATE_PROGRAMS_PER_SM * multi_processors, B)
+        per_sm = SMALL_K_PROGRAMS_PER_SM if candidates <= EXTRACT_MAX_K.value else LARGE_K_PROGRAMS_PER_SM
+        splits = per_sm * multi_processors // B
     return 1, block_v, max(1, min(splits, cdiv(V, block_v)))
 
 
@@ -453,14 +464,16 @@ def _as_seed(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _num_warps(K: int) -> int:
-    """Warps per program, from ptxas register counts (sm_90, ``python -m kernels.compile_check
-    --resources``, Triton 3.6): the plain and drawing scans (2048-column tiles) 126-128 registers at
-    4 warps, 4 resident programs (timed on an H200: the launch rule above); candidate scans
-    (1024-column tiles, not timed per warp count) K <= 16 (the lanes' maxima) 95; K = 32 (tl.topk
-    of entering tiles) 167 at 4 warps, 125 at 8 (12 vs 16 warps resident); K = 64 168 at 4, 128
-    with 12 bytes spilled at 8; K = 128 222 at 4, no spills.
+    """Warps per program: 4 for every scan, from ptxas register counts (sm_90, ``python -m
+    kernels.compile_check --resources``, Triton 3.6; candidate scans not timed per warp count). The
+    plain and drawing scans (2048-column tiles) 96-128 registers at 4 warps, 4 resident programs
+    (timed on an H200: the launch rule above). Candidate scans (1024-column tiles, the lanes' kept
+    values): K = 4 115 registers; 16 127 at 4 warps, 64 with 16 bytes spilled at 8; 32 168 with 48
+    bytes spilled at 4, 187 at 8 (12 vs 8 warps resident); 64 248 at 4, 184 at 8 (8 resident either
+    way: 4 warps keep two programs to overlap one's final sort with the other's reads); 128 168 with
+    36 bytes spilled at 4, 182 at 8.
     """
-    return 8 if EXTRACT_MAX_K.value < K <= 32 else 4
+    return 4
 
 
 def split_layout(V: int, block_v: int, splits: int) -> tuple[int, int]:

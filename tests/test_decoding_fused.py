@@ -221,25 +221,89 @@ def test_candidates_are_the_exact_top_k(V, K, eos, launch, temperature):
     assert torch.equal(scan["top_idx"], order[:, 0])
 
 
-def test_extracted_candidates_match_a_stable_sort_on_fresh_rows():
-    """The small-K scan (columns above the K-th extracted one at a time) on fresh random rows:
-    random V, tile width and split count, ties, −inf runs; the K best by (value desc, index asc)."""
-    from kernels.row_scan import EXTRACT_MAX_K, row_scan
+def _assert_exact_candidates(scan, x, K):
+    """``scan``'s candidates are the K best of ``x`` (float64, eos and padding at −inf) by (value desc,
+    column asc), with padding (−1) where fewer than K are finite."""
+    order = torch.sort(x, dim=1, descending=True, stable=True).indices[:, :K]
+    valid = x.gather(1, order) > float("-inf")
+    got = scan["cand_idx"][:, :K].cpu()
+    assert torch.equal(torch.where(valid, got, -1), torch.where(valid, order, -1))
+    assert (got[:, : order.shape[1]][~valid] == -1).all()
+
+
+@pytest.mark.parametrize("K", [2, 4, 8, 16, 32, 64, 128])
+def test_candidates_match_a_stable_sort_on_fresh_rows(K):
+    """Candidate scans (the lanes' kept values, and the re-read where they do not settle a split) on
+    fresh random rows: random V, tile width and split count, ties, −inf runs, and rows whose best
+    values crowd into one lane (lane 3 of the tile raised: the re-read); the K best by (value desc,
+    index asc)."""
+    from kernels.row_scan import row_scan
 
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
-    for K in (2, 4, 8, EXTRACT_MAX_K.value):
-        V = int(torch.randint(K + 1, 260, (1,), generator=gen))
-        block_v = int(2 ** torch.randint(max(3, K.bit_length() - 1), 7, (1,), generator=gen))  # holds K
-        launch = (block_v, int(torch.randint(1, 4, (1,), generator=gen)))
-        z = torch.randn(6, V, generator=gen) * 2
-        z[::2] = z[::2].round()  # ties
-        z[1, torch.rand(V, generator=gen) < 0.5] = float("-inf")
-        scan = row_scan(z.to(DEVICE), eos_index=None, candidates=K, launch=launch)
-        order = torch.sort(z.double(), dim=1, descending=True, stable=True).indices[:, :K]
-        valid = z.double().gather(1, order) > float("-inf")
-        got = scan["cand_idx"][:, :K].cpu()
-        assert torch.equal(torch.where(valid, got, -1), torch.where(valid, order, -1)), (seed, K, V, launch)
+    block_v = int(2 ** torch.randint(max(3, K.bit_length() - 1), max(7, K.bit_length()), (1,), generator=gen))
+    V = int(torch.randint(K + 1, 5 * block_v, (1,), generator=gen))
+    launch = (block_v, int(torch.randint(1, 4, (1,), generator=gen)))
+    z = torch.randn(8, V, generator=gen) * 2
+    z[::2] = z[::2].round()  # ties
+    z[1, torch.rand(V, generator=gen) < 0.5] = float("-inf")
+    lanes = torch.arange(V) % block_v
+    z[5, lanes == 3] += 8.0  # the best values in one lane: more than any depth keeps
+    z[6, lanes < 2] += 8.0  # in two lanes
+    z[7, lanes == 3] = 7.0  # a lane of ties
+    scan = row_scan(z.to(DEVICE), eos_index=None, candidates=K, launch=launch)
+    _assert_exact_candidates(scan, z.double(), K)
+    assert scan["cand_idx"].shape[1] >= K or V < K, (seed, K, V, launch)
+
+
+def _runners_up_rows(K: int, block_v: int, eos: int) -> torch.Tensor:
+    """Rows whose K best sit in the lanes in each way that decides a candidate scan's path, over a
+    floor of distinct low values (lower to the right). Tiles of ``block_v`` columns; 7 tiles."""
+    from kernels.row_scan import PAIR_MAX_K, TRIPLE_MAX_K
+
+    V = 7 * block_v
+    floor = torch.full((V,), -5.0) - torch.arange(V) * 1e-4
+    rows = floor.repeat(9, 1)
+    spread = torch.linspace(9.0, 1.0, K)  # the K best in distinct lanes of the last tile
+    last = 6 * block_v + torch.arange(K)
+    for row in rows:
+        row[last] = spread
+    kth = spread[-1].item()
+    rows[1, [1 * block_v, 2 * block_v]] = torch.tensor([8.5, 8.4])  # lane 0 holds 3 of the best
+    rows[2, [1 * block_v, 2 * block_v, 3 * block_v, 4 * block_v]] = torch.tensor([8.5, 8.4, 8.3, 8.2])  # 5 of them
+    rows[3, block_v] = kth  # a runner-up equal to the K-th at a lower column: it ranks above it
+    # Lane 0 keeps 9 and depth − 1 values above the rest, and pushes out one equal to the K-th at a lower
+    # column, which therefore ranks above it (equal is not strictly below: the split is read again).
+    depth = 2 if K <= PAIR_MAX_K.value else 3 if K <= TRIPLE_MAX_K.value else 4  # the scan's DEPTH
+    if K > depth:
+        rows[4, block_v] = spread[K - depth]
+        rows[4, torch.arange(2, depth + 1) * block_v] = torch.tensor([8.5, 8.4, 8.3])[: depth - 1]
+    rows[5] = float("-inf")
+    rows[5, [5, 5 + block_v, 5 + 3 * block_v]] = torch.tensor([1.0, 2.0, 3.0])  # fewer finite than K, one lane
+    rows[6, eos] = 100.0  # eos is never a candidate
+    rows[7, 1 + block_v] = 8.7  # two of the best in lane 1 (a runner-up)
+    rows[8, torch.arange(V) % block_v == 2] = 4.0  # a lane of ties
+    return rows
+
+
+@pytest.mark.parametrize("K", [2, 4, 8, 16, 32, 64])
+def test_lane_runners_up_and_their_fallback(K):
+    """Candidate scans take each lane's max and runners-up (2 values per lane for K <= 8, 3 to 32, 4 above) when
+    what every lane pushed out ranks below the K-th of them, else read the split again. Rows built for
+    each case — the best in distinct lanes, 2, 3 and 5 of them in one lane, a runner-up tied with the
+    K-th at a lower column (it enters by key, not value), a pushed-out value equal to the K-th, fewer
+    finite columns than K, eos, a lane of ties — all give the exact K best (value desc, column asc)."""
+    from kernels.row_scan import row_scan
+
+    block_v = max(16, K)
+    eos = 3 * block_v + 7
+    z = _runners_up_rows(K, block_v, eos)
+    launches = ((block_v, 1), (block_v, 2)) if K <= 16 else ((block_v, 1),)  # (the interpreter's tl.topk is slow)
+    for launch in launches:
+        scan = row_scan(z.to(DEVICE), eos_index=eos, candidates=K, launch=launch)
+        x = z.double()
+        x[:, eos] = float("-inf")
+        _assert_exact_candidates(scan, x, K)
 
 
 def _two_launch_step(z, head, eos, eps, t, state, seed, launch, temperature):
@@ -831,8 +895,9 @@ def test_greedy_pick_does_not_depend_on_the_split_layout():
 def test_cuda_launch_shapes(sms):
     """The GPU split-V layouts (pure functions of B, V and the SM count): the plain and drawing scans
     fill about one wave of SCAN_PROGRAMS_PER_SM programs per SM and never more (their 128 registers
-    let 4 reside, ``compile_check --resources``); small-K candidate scans one wave of 5; every split
-    holds at least one tile and every launch at least one split."""
+    let 4 reside, ``compile_check --resources``); candidate scans one wave of 4 (small K) or 2 (large K,
+    whose final tl.topk holds 168-248 registers); every split holds at least one tile and every launch
+    at least one split."""
     from kernels import row_scan
     from kernels.host_math import cdiv
 
@@ -843,14 +908,13 @@ def test_cuda_launch_shapes(sms):
             assert block_v == min(2048, 1 << (V - 1).bit_length())
             assert 1 <= splits <= cdiv(V, block_v)
             assert splits == 1 or B * splits <= 4 * sms < B * (splits + 1) or splits == cdiv(V, block_v)
-            for K in (4, 128):
+            for K, per_sm in ((4, 4), (16, 4), (32, 2), (128, 2)):
                 _, block_v, splits = row_scan.cuda_launch_shape(B, V, K, sms)
                 assert block_v == min(1024, 1 << (V - 1).bit_length())
-                # Small K: at most one wave of 5 per SM (the lanes' maxima); large K: ⌈4·SMs / B⌉.
-                aimed = 5 * sms // B if K == 4 else cdiv(4 * sms, B)
-                assert splits == max(1, min(aimed, cdiv(V, block_v)))
-    # Top-k 4 at 256 × 50257 on 132 SMs: 2 splits (512 programs, one wave), not 3 (1.16 waves).
+                assert splits == max(1, min(per_sm * sms // B, cdiv(V, block_v)))  # at most one wave
+    # Top-k 4 at 256 × 50257 on 132 SMs: 2 splits (512 programs, one wave), not 3 (1.16 waves); top-k 50: 1.
     assert row_scan.cuda_launch_shape(256, 50257, 4, 132)[2] == 2
+    assert row_scan.cuda_launch_shape(256, 50257, 64, 132)[2] == 1
     for K in (0, 4):  # an empty batch: a shape, not a ZeroDivisionError
         assert row_scan.cuda_launch_shape(0, 50257, K, sms) == row_scan.cuda_launch_shape(1, 50257, K, sms)
     # The shapes the H200 sweep measured best (132 SMs): B = 256 → 2 splits, 64 → 8, 32 → 16, 1 → all 63 tiles.
