@@ -278,9 +278,13 @@ def scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp,
     else:
         # The lanes' maxima and runners-up as candidates, checked by what the lanes pushed out; no
         # reduction per tile. A split they do not settle is read again, by tiles (_split_candidates).
+        # PREFETCH: each tile's load issued one tile ahead. The 1024-column tiles put 8 values per
+        # thread in flight where greedy's 2048 put 16 (4 resident programs either way: 115-127
+        # registers); with it 16 too, for 4 registers (the row draw's plain sampling went 59 -> 42 µs
+        # with it at low occupancy: RESULTS.md, tenth session).
         DEPTH: tl.constexpr = 2 if K <= PAIR_MAX_K else (3 if K <= TRIPLE_MAX_K else 4)
         lane_max, lane_sum, lane_start, runners = fold_row_lanes(lane_ptrs, lo, hi, eos_index, neg_scale, True, DEPTH,
-                                                                 False, HAS_EOS, BLOCK_B, BLOCK_V)
+                                                                 True, HAS_EOS, BLOCK_B, BLOCK_V)
         best, exact = _lane_candidates(lane_max, lane_start, runners, inv_temp, K, DEPTH, BLOCK_B, BLOCK_V)
         if tl.max((~exact).to(tl.int32), axis=0) > 0:
             by_tiles = _split_candidates(lane_ptrs, lo, hi, eos_index, inv_temp, HAS_EOS, K, BLOCK_B, BLOCK_V)
