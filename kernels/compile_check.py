@@ -86,16 +86,20 @@ def launches() -> list[Launch]:
     out = []
     gen = torch.Generator().manual_seed(0)
     z = torch.randn(4, 1000, generator=gen)
-    for dtype in (torch.float32, torch.bfloat16):
-        for seed, K in ((None, 0), (7, 0), (None, 4), (None, 16), (None, 32), (None, 64), (None, 128)):
-            label = f"row_scan {str(dtype)[6:]} {'draw' if seed else 'no draw'} K={K}"
-            # The shape of a GPU launch at 256 x 50257 (the CPU call sees V = 1000): tile width, and
-            # a lane's columns per split for the draw.
-            _, block_v, splits = row_scan.cuda_launch_shape(256, 50257, K, H100_SMS)
-            lane_tiles = scan_width(cdiv(cdiv(50257, splits), block_v)) if seed else 1
-            out.append(_record(row_scan, "_row_scan_kernel",
-                               lambda: row_scan.scan_partials(z.to(dtype), eos_index=5, seed=seed, candidates=K),
-                               label, dict(BLOCK_B=1, BLOCK_V=block_v, LANE_TILES=lane_tiles)))
+    # Every lane depth of the candidate scans in fp32 (K = 4: 2 values per lane, 16 and 32: 3, 64 and
+    # 128: 4; from 32 on the list by tl.topk); bf16 loads at the ends.
+    variants = [(dtype, seed, K) for dtype in (torch.float32, torch.bfloat16)
+                for seed, K in ((None, 0), (7, 0), (None, 4), (None, 128))]
+    variants += [(torch.float32, None, K) for K in (16, 32, 64)]
+    for dtype, seed, K in variants:
+        label = f"row_scan {str(dtype)[6:]} {'draw' if seed else 'no draw'} K={K}"
+        # The shape of a GPU launch at 256 x 50257 (the CPU call sees V = 1000): tile width, and
+        # a lane's columns per split for the draw.
+        _, block_v, splits = row_scan.cuda_launch_shape(256, 50257, K, H100_SMS)
+        lane_tiles = scan_width(cdiv(cdiv(50257, splits), block_v)) if seed else 1
+        out.append(_record(row_scan, "_row_scan_kernel",
+                           lambda: row_scan.scan_partials(z.to(dtype), eos_index=5, seed=seed, candidates=K),
+                           label, dict(BLOCK_B=1, BLOCK_V=block_v, LANE_TILES=lane_tiles)))
     # The one-launch step (scan + each row's finish by its last split): every head, greedy and the
     # draw, at the GPU layout of 256 x 50257 (2 splits: BLOCK_S 2) and of B = 1 (64 splits).
     for head, seed, dtype, splits in (("va", None, torch.float32, 2), ("nmst", None, torch.float32, 2),

@@ -59,8 +59,9 @@ def column_keys(x, cols):
 # Candidate lists start from the lanes' maxima and runners-up (``_lane_candidates``). The list of the
 # lanes' maxima is taken by extraction for K <= EXTRACT_MAX_K (one reduction per candidate) and by a
 # tl.topk of the lanes' keys (a bitonic sort) above it. Where the lanes' values do not settle a split,
-# its tiles are read again (``_split_candidates``): an entering tile's columns above the K-th taken
-# one at a time for small K, a tl.topk of the entering tile for larger K.
+# it is read again and the few values the lanes dropped above the K-th enter one at a time
+# (``_enter_dropped``): no tile is sorted (a tl.topk per re-read tile took 80 more registers at
+# K = 64, for a path that runs about once in a hundred steps).
 EXTRACT_MAX_K = tl.constexpr(16)
 # Values each lane keeps (its max and runners-up, ``lanes.keep_runners_up``): the split's K best are
 # among them unless some lane holds more than that many of them, about C(K, DEPTH + 1) / lanes^DEPTH
@@ -161,54 +162,39 @@ def _draw_in_split(row_base, rows, row_ok, lo, hi, eos_index, inv_temp, lane_max
 
 
 @triton.jit
-def _candidate_span(best, kth_key, kth_value, lane_ptrs, first, last, hi, eos_index, inv_temp, MASKED: tl.constexpr,
-                    HAS_EOS: tl.constexpr, K: tl.constexpr, BLOCK_V: tl.constexpr):
-    """The K best candidates over the tiles starting in [first, last): one tile max per tile (the only
-    reduction of a tile nothing enters), the candidate update only on tiles whose max beats the
-    running K-th (``kth_key``/``kth_value``, kept current)."""
+def _dropped_span(best, lane_ptrs, first, last, hi, eos_index, inv_temp, floor_z, floor_start, MASKED: tl.constexpr,
+                  HAS_EOS: tl.constexpr, K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """``best`` with the columns of the tiles starting in [first, last) that their lane dropped — ranked
+    after its last kept value (``floor_z`` from tile ``floor_start``) in the fold's order: raw z desc,
+    then column asc — and that rank above best's K-th key. Eos, columns past the split and −inf ones
+    (padding) load as −inf and never enter."""
     lanes = tl.arange(0, BLOCK_V)[None, :]
     for start in range(first, last, BLOCK_V):
         z = load_tile(lane_ptrs, start, hi, eos_index, MASKED, HAS_EOS, BLOCK_V)
-        # Candidates rank by x = z · inv_temp in fp32, as the keys hold it. The program walks its
-        # columns upwards, so a tile value equal to the K-th ranks below it: only a larger max enters.
         x = z * inv_temp
-        tile_max = tl.max(x, axis=1)
-        enters = (kth_key == -9223372036854775808) | (tile_max.to(tl.float64) > kth_value)
-        if tl.max(enters.to(tl.int32)) > 0:
-            cols = start + lanes
-            # Columns past the slice, eos, and −inf (no mass: padding, as where fewer than K are
-            # finite) are never candidates.
-            keep = (cols < hi) & (x > float("-inf"))
-            if HAS_EOS:
-                keep = keep & (cols != eos_index)
-            if K <= EXTRACT_MAX_K:
-                above = keep & ((kth_key == -9223372036854775808)[:, None]
-                                | (x.to(tl.float64) > kth_value[:, None]))
-                best = _extract_into(best, x, above, cols, K)
-            else:
-                keys = tl.where(keep, column_keys(x, cols), -9223372036854775808)
-                both = tl.reshape(tl.join(best, tl.topk(keys, K, dim=1)), (x.shape[0], 2 * K))
-                best = tl.topk(both, K, dim=1)
-            kth_key = tl.min(best, axis=1)
-            kth_value, _ = decode_column_keys(kth_key)
-    return best, kth_key, kth_value
+        cols = start + lanes
+        dropped = (z < floor_z) | ((z == floor_z) & (start > floor_start))
+        above = dropped & (x > float("-inf")) & (column_keys(x, cols) > tl.min(best, axis=1)[:, None])
+        best = _extract_into(best, x, above, cols, K)
+    return best
 
 
 @triton.jit
-def _split_candidates(lane_ptrs, lo, hi, eos_index, inv_temp, HAS_EOS: tl.constexpr, K: tl.constexpr,
-                      BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
-    """The split's K best keys by a read of its tiles: :func:`_candidate_span` over its spans
-    (``lanes.tile_spans``)."""
-    state = (tl.full((BLOCK_B, K), -9223372036854775808, tl.int64), tl.full((BLOCK_B,), -9223372036854775808, tl.int64),
-             tl.full((BLOCK_B,), float("-inf"), tl.float64))
+def _enter_dropped(best, lane_ptrs, lo, hi, eos_index, inv_temp, floor_z, floor_start, HAS_EOS: tl.constexpr,
+                   K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The split's K best keys where its lanes' kept values do not settle them: ``best`` (the K best
+    kept values) with the values the lanes dropped that rank above its K-th, by a second read of the
+    split (:func:`_dropped_span` over ``lanes.tile_spans``). Few enter (the excess of the lanes that
+    held more of the K best than they keep), one reduction each, so no tile needs a sort."""
     eos_start, eos_end, whole_end = tile_spans(lo, hi, eos_index, HAS_EOS, BLOCK_V)
-    state = _candidate_span(*state, lane_ptrs, lo, eos_start, hi, eos_index, inv_temp, False, HAS_EOS, K, BLOCK_V)
-    state = _candidate_span(*state, lane_ptrs, eos_start, eos_end, hi, eos_index, inv_temp, True, HAS_EOS, K, BLOCK_V)
-    state = _candidate_span(*state, lane_ptrs, eos_end, whole_end, hi, eos_index, inv_temp, False, HAS_EOS, K,
-                            BLOCK_V)
-    best, _kth_key, _kth_value = _candidate_span(*state, lane_ptrs, whole_end, hi, hi, eos_index, inv_temp, True,
-                                                 HAS_EOS, K, BLOCK_V)
-    return best
+    best = _dropped_span(best, lane_ptrs, lo, eos_start, hi, eos_index, inv_temp, floor_z, floor_start, False,
+                         HAS_EOS, K, BLOCK_V)
+    best = _dropped_span(best, lane_ptrs, eos_start, eos_end, hi, eos_index, inv_temp, floor_z, floor_start, True,
+                         HAS_EOS, K, BLOCK_V)
+    best = _dropped_span(best, lane_ptrs, eos_end, whole_end, hi, eos_index, inv_temp, floor_z, floor_start, False,
+                         HAS_EOS, K, BLOCK_V)
+    return _dropped_span(best, lane_ptrs, whole_end, hi, hi, eos_index, inv_temp, floor_z, floor_start, True,
+                         HAS_EOS, K, BLOCK_V)
 
 
 @triton.jit
@@ -277,7 +263,7 @@ def scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp,
                                                                         not DRAW, 0, False, HAS_EOS, BLOCK_B, BLOCK_V)
     else:
         # The lanes' maxima and runners-up as candidates, checked by what the lanes pushed out; no
-        # reduction per tile. A split they do not settle is read again, by tiles (_split_candidates).
+        # reduction per tile. A split they do not settle is read again for what the lanes dropped.
         # PREFETCH: each tile's load issued one tile ahead. The 1024-column tiles put 8 values per
         # thread in flight where greedy's 2048 put 16 (4 resident programs either way: 115-127
         # registers); with it 16 too, for 4 registers (the row draw's plain sampling went 59 -> 42 µs
@@ -287,7 +273,16 @@ def scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp,
                                                                  True, HAS_EOS, BLOCK_B, BLOCK_V)
         best, exact = _lane_candidates(lane_max, lane_start, runners, inv_temp, K, DEPTH, BLOCK_B, BLOCK_V)
         if tl.max((~exact).to(tl.int32), axis=0) > 0:
-            by_tiles = _split_candidates(lane_ptrs, lo, hi, eos_index, inv_temp, HAS_EOS, K, BLOCK_B, BLOCK_V)
+            second, second_start, third, third_start, fourth, fourth_start, _pushed_out = runners
+            if DEPTH == 2:
+                by_tiles = _enter_dropped(best, lane_ptrs, lo, hi, eos_index, inv_temp, second, second_start, HAS_EOS,
+                                          K, BLOCK_V)
+            elif DEPTH == 3:
+                by_tiles = _enter_dropped(best, lane_ptrs, lo, hi, eos_index, inv_temp, third, third_start, HAS_EOS,
+                                          K, BLOCK_V)
+            else:
+                by_tiles = _enter_dropped(best, lane_ptrs, lo, hi, eos_index, inv_temp, fourth, fourth_start, HAS_EOS,
+                                          K, BLOCK_V)
             best = tl.where(exact[:, None], best, by_tiles)
         best = tl.sort(best, dim=1, descending=True)  # readers take each split's list in rank order
         tl.store(key_ptr + (rows * n_splits + split)[:, None] * K + tl.arange(0, K)[None, :], best,
@@ -380,17 +375,17 @@ SCAN_BLOCK_V = 2048
 SCAN_PROGRAMS_PER_SM = 4
 # Candidate scans keep each lane's max, mass, tile and 1-3 runners-up (1024-column tiles: not
 # re-timed at 2048), so fewer programs reside per SM (``_num_warps`` has ptxas's counts): small K
-# (the list by extraction) 115-127 registers, 4 per SM; larger K (the list by a tl.topk of the lanes'
-# 1024 keys, whose bitonic sort holds the most registers) 168-248, 2-3 per SM. Both take one wave of
-# what resides, ⌊per SM·SMs / B⌋ splits, as the plain scans' measured rule does (B = 256 on 132 SMs:
-# 2 splits for K <= 16, 1 above). Each program also ends in one selection of its list (for large K
-# a sort as long as ~3 tiles' fold), so a wave of fewer, longer programs does less of it. Earlier,
+# (the list by extraction) 117-124 registers, 4 per SM; larger K (the list by a tl.topk of the lanes'
+# 1024 keys, whose bitonic sort holds the most registers) 168, 3 per SM. Both take one wave of what
+# resides, ⌊per SM·SMs / B⌋ splits, as the plain scans' measured rule does (B = 256 on 132 SMs: 2
+# splits for K <= 16, 1 above). Each program also ends in one selection of its list (for large K
+# a sort as long as a few tiles' fold), so a wave of fewer, longer programs does less of it. Earlier,
 # ⌈5·SMs / B⌉ launched 1.16 waves at top-k 4 (its candidate scan timed 2.60x the one-read floor
 # where greedy's scan took 1.24x: RESULTS.md, fifteenth session); the large-K scans' ⌈4·SMs / B⌉
 # served a tl.topk per tile. Neither rule is timed yet.
 CANDIDATE_BLOCK_V = 1024
 SMALL_K_PROGRAMS_PER_SM = 4
-LARGE_K_PROGRAMS_PER_SM = 2
+LARGE_K_PROGRAMS_PER_SM = 3
 
 
 def launch_shape(z: torch.Tensor, candidates: int) -> tuple[int, int, int]:
@@ -472,10 +467,9 @@ def _num_warps(K: int) -> int:
     kernels.compile_check --resources``, Triton 3.6; candidate scans not timed per warp count). The
     plain and drawing scans (2048-column tiles) 96-128 registers at 4 warps, 4 resident programs
     (timed on an H200: the launch rule above). Candidate scans (1024-column tiles, the lanes' kept
-    values): K = 4 115 registers; 16 127 at 4 warps, 64 with 16 bytes spilled at 8; 32 168 with 48
-    bytes spilled at 4, 187 at 8 (12 vs 8 warps resident); 64 248 at 4, 184 at 8 (8 resident either
-    way: 4 warps keep two programs to overlap one's final sort with the other's reads); 128 168 with
-    36 bytes spilled at 4, 182 at 8.
+    values, tiles loaded one ahead): K = 4 117 registers, 16 124 (at 8 warps 64 with 16 bytes
+    spilled); 32-128 168 at 4 warps (32: 52 bytes spilled, 128: 16), 182-187 at 8 (12 vs 8 warps
+    resident).
     """
     return 4
 

@@ -306,6 +306,26 @@ def test_lane_runners_up_and_their_fallback(K):
         _assert_exact_candidates(scan, x, K)
 
 
+@pytest.mark.parametrize("K", [4, 16, 64])
+def test_candidates_rank_by_tempered_value_where_raw_values_tie_after_rounding(K):
+    """Lanes keep values in raw z order, candidates rank by x = z · inv_temp in fp32: adjacent fp32 z near
+    1.9 times 0.55 round to one x, so a smaller z at a lower column ranks above a larger one its lane
+    kept. One lane holds increasing z (each a new lane max, the kept ones last), the rest of the row far
+    below: the candidates are the K best by (x desc, column asc), the dropped lower-column ties included."""
+    from kernels.row_scan import row_scan
+
+    block_v = max(16, K)
+    V = 12 * block_v
+    z = torch.full((1, V), -20.0) - torch.arange(V) * 1e-3
+    lane = torch.arange(3, V, block_v)
+    z[0, lane] = 1.9 + torch.arange(len(lane), dtype=torch.float32) * 1.1920929e-7  # adjacent fp32 values
+    temperature = 1 / 0.55
+    scan = row_scan(z, eos_index=None, temperature=temperature, candidates=K, launch=(block_v, 1))
+    x = (z * torch.tensor(1.0 / temperature, dtype=torch.float32)).double()
+    assert len(set(x[0, lane].tolist())) < len(lane)  # the case exists: some x tie
+    _assert_exact_candidates(scan, x, K)
+
+
 def _two_launch_step(z, head, eos, eps, t, state, seed, launch, temperature):
     """The scan + select kernels (greedy when ``seed`` is None): (the scan's partials, the selection)."""
     from kernels.row_scan import scan_partials
@@ -895,8 +915,8 @@ def test_greedy_pick_does_not_depend_on_the_split_layout():
 def test_cuda_launch_shapes(sms):
     """The GPU split-V layouts (pure functions of B, V and the SM count): the plain and drawing scans
     fill about one wave of SCAN_PROGRAMS_PER_SM programs per SM and never more (their 128 registers
-    let 4 reside, ``compile_check --resources``); candidate scans one wave of 4 (small K) or 2 (large K,
-    whose final tl.topk holds 168-248 registers); every split holds at least one tile and every launch
+    let 4 reside, ``compile_check --resources``); candidate scans one wave of 4 (small K) or 3 (large K,
+    whose final tl.topk holds 168 registers); every split holds at least one tile and every launch
     at least one split."""
     from kernels import row_scan
     from kernels.host_math import cdiv
@@ -908,7 +928,7 @@ def test_cuda_launch_shapes(sms):
             assert block_v == min(2048, 1 << (V - 1).bit_length())
             assert 1 <= splits <= cdiv(V, block_v)
             assert splits == 1 or B * splits <= 4 * sms < B * (splits + 1) or splits == cdiv(V, block_v)
-            for K, per_sm in ((4, 4), (16, 4), (32, 2), (128, 2)):
+            for K, per_sm in ((4, 4), (16, 4), (32, 3), (128, 3)):
                 _, block_v, splits = row_scan.cuda_launch_shape(B, V, K, sms)
                 assert block_v == min(1024, 1 << (V - 1).bit_length())
                 assert splits == max(1, min(per_sm * sms // B, cdiv(V, block_v)))  # at most one wave
