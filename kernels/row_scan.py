@@ -265,9 +265,9 @@ def scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp,
         # The lanes' maxima and runners-up as candidates, checked by what the lanes pushed out; no
         # reduction per tile. A split they do not settle is read again for what the lanes dropped.
         # PREFETCH: each tile's load issued one tile ahead. The 1024-column tiles put 8 values per
-        # thread in flight where greedy's 2048 put 16 (4 resident programs either way: 115-127
-        # registers); with it 16 too, for 4 registers (the row draw's plain sampling went 59 -> 42 µs
-        # with it at low occupancy: RESULTS.md, tenth session).
+        # thread in flight where greedy's 2048 put 16 (4 resident programs either way at small K:
+        # 117-124 registers); with it 16 too, for 2-4 registers (the row draw's plain sampling went
+        # 59 -> 42 µs with it at low occupancy: RESULTS.md, the tenth session's H100 run).
         DEPTH: tl.constexpr = 2 if K <= PAIR_MAX_K else (3 if K <= TRIPLE_MAX_K else 4)
         lane_max, lane_sum, lane_start, runners = fold_row_lanes(lane_ptrs, lo, hi, eos_index, neg_scale, True, DEPTH,
                                                                  True, HAS_EOS, BLOCK_B, BLOCK_V)
