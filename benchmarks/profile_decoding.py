@@ -322,7 +322,7 @@ def _top_k_parts_table(vocabs, bandwidth, timer, quick) -> None:
 
 def _top_k_scan_table(vocabs, bandwidth, timer, quick) -> None:
     # The candidate scans' layout (1024-column tiles; one wave of ⌊4·SMs / B⌋ splits for K <= 16 and
-    # ⌊2·SMs / B⌋ above, from ptxas's register counts) is untimed: top-k 4's lanes now keep a runner-up
+    # ⌊3·SMs / B⌋ above, from ptxas's register counts) is untimed: top-k 4's lanes now keep a runner-up
     # each, and top-k 50's a list by one tl.topk per program where it took one per tile.
     print("\none-launch top-k step over the candidate scan's layout, B = 256")
     print("| V | top-k | BLOCK_V | splits | programs | ms | x floor |\n|---:|---:|---:|---:|---:|---:|---:|")

@@ -37,7 +37,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from . import nucleus, row_draw, row_scan, row_select, scale_cast, scan_select, split_softmax
-from .host_math import cdiv, scan_width
+from .host_math import cdiv, next_power_of_2, scan_width
 
 H100_SMS = 132  # the lent GPUs' multiprocessors (H100 and H200 alike): split counts follow from it
 
@@ -119,7 +119,7 @@ def launches() -> list[Launch]:
                                       ("nmst", 50, None, 256), ("nmst", 100, 0.9, 256)):
         K = max(2, 1 << (top_k - 1).bit_length())
         _, block_v, splits = row_scan.cuda_launch_shape(batch, 50257, K, H100_SMS)
-        block_s = 1 << (splits - 1).bit_length()
+        block_s = next_power_of_2(splits)
         label = f"scan_select {head} top_k={top_k} top_p={top_p} splits={splits}"
         out.append(_record(scan_select, "_scan_select_kernel", lambda: scan_select.scan_select(
             z, head=head, eos_index=5, eps=1e-5, temperature=1.0, steps=3,

@@ -144,6 +144,21 @@ def keep_runners_up(runners, z, up, previous, previous_start, start, DEPTH: tl.c
 
 
 @triton.jit
+def last_kept(lane_max, lane_start, runners, DEPTH: tl.constexpr):
+    """Each lane's last kept value and its tile start: rank DEPTH of :func:`keep_runners_up` (−inf where
+    the lane holds fewer finite values). A value of the lane ranked after it was dropped."""
+    second, second_start, third, third_start, fourth, fourth_start, _pushed_out = runners
+    if DEPTH == 1:
+        return lane_max, lane_start
+    elif DEPTH == 2:
+        return second, second_start
+    elif DEPTH == 3:
+        return third, third_start
+    else:
+        return fourth, fourth_start
+
+
+@triton.jit
 def fold_tile(lane_max, lane_sum, lane_start, runners, z, start, neg_scale, ARGMAX: tl.constexpr,
               DEPTH: tl.constexpr):
     """:func:`fold_lanes` of the tile at ``start``, and the optional per-lane extras: ARGMAX, the tile

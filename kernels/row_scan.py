@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_power_of_2, scan_width
-from .lanes import LOG2E, fold_row_lanes, lane_pointers, load_tile, merge_lanes, tile_spans
+from .lanes import LOG2E, fold_row_lanes, lane_pointers, last_kept, load_tile, merge_lanes, tile_spans
 from .reductions import FUSED, add_and_min, crossing_with, larger_then_lower
 from .workspace import step_buffers
 
@@ -171,11 +171,8 @@ def _dropped_span(best, lane_ptrs, first, last, hi, eos_index, inv_temp, floor_z
     lanes = tl.arange(0, BLOCK_V)[None, :]
     for start in range(first, last, BLOCK_V):
         z = load_tile(lane_ptrs, start, hi, eos_index, MASKED, HAS_EOS, BLOCK_V)
-        x = z * inv_temp
-        cols = start + lanes
         dropped = (z < floor_z) | ((z == floor_z) & (start > floor_start))
-        above = dropped & (x > float("-inf")) & (column_keys(x, cols) > tl.min(best, axis=1)[:, None])
-        best = _extract_into(best, x, above, cols, K)
+        best = _enter_above_kth(best, z * inv_temp, start + lanes, dropped, K)
     return best
 
 
@@ -198,13 +195,18 @@ def _enter_dropped(best, lane_ptrs, lo, hi, eos_index, inv_temp, floor_z, floor_
 
 
 @triton.jit
-def _enter_runners_up(best, values, starts, inv_temp, BLOCK_V: tl.constexpr, K: tl.constexpr):
-    """``best`` with the lanes' values of one rank (raw z, and their tiles' ``starts``) that rank above its
-    K-th key. Keys, not values, decide: these columns are not in column order after the list's."""
-    x = values * inv_temp
-    cols = starts + tl.arange(0, BLOCK_V)[None, :]
-    above = (x > float("-inf")) & (column_keys(x, cols) > tl.min(best, axis=1)[:, None])
+def _enter_above_kth(best, x, cols, allowed, K: tl.constexpr):
+    """``best`` with the ``allowed`` finite columns (values ``x``) whose keys rank above its K-th. Keys,
+    not values, decide: these columns are not in column order after the list's."""
+    above = allowed & (x > float("-inf")) & (column_keys(x, cols) > tl.min(best, axis=1)[:, None])
     return _extract_into(best, x, above, cols, K)
+
+
+@triton.jit
+def _enter_runners_up(best, values, starts, inv_temp, BLOCK_V: tl.constexpr, K: tl.constexpr):
+    """``best`` with the lanes' values of one rank (raw z, and their tiles' ``starts``) that rank above
+    its K-th key."""
+    return _enter_above_kth(best, values * inv_temp, starts + tl.arange(0, BLOCK_V)[None, :], True, K)
 
 
 @triton.jit
@@ -273,16 +275,9 @@ def scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp,
                                                                  True, HAS_EOS, BLOCK_B, BLOCK_V)
         best, exact = _lane_candidates(lane_max, lane_start, runners, inv_temp, K, DEPTH, BLOCK_B, BLOCK_V)
         if tl.max((~exact).to(tl.int32), axis=0) > 0:
-            second, second_start, third, third_start, fourth, fourth_start, _pushed_out = runners
-            if DEPTH == 2:
-                by_tiles = _enter_dropped(best, lane_ptrs, lo, hi, eos_index, inv_temp, second, second_start, HAS_EOS,
-                                          K, BLOCK_V)
-            elif DEPTH == 3:
-                by_tiles = _enter_dropped(best, lane_ptrs, lo, hi, eos_index, inv_temp, third, third_start, HAS_EOS,
-                                          K, BLOCK_V)
-            else:
-                by_tiles = _enter_dropped(best, lane_ptrs, lo, hi, eos_index, inv_temp, fourth, fourth_start, HAS_EOS,
-                                          K, BLOCK_V)
+            floor_z, floor_start = last_kept(lane_max, lane_start, runners, DEPTH)
+            by_tiles = _enter_dropped(best, lane_ptrs, lo, hi, eos_index, inv_temp, floor_z, floor_start, HAS_EOS, K,
+                                      BLOCK_V)
             best = tl.where(exact[:, None], best, by_tiles)
         best = tl.sort(best, dim=1, descending=True)  # readers take each split's list in rank order
         tl.store(key_ptr + (rows * n_splits + split)[:, None] * K + tl.arange(0, K)[None, :], best,
