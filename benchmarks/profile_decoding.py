@@ -5,7 +5,8 @@
     python -m benchmarks.profile_decoding --tables read-floor,bounds   # chosen tables, in that order
 
 Tables: "row-draw" sweeps the row draw (top-p's kernel, and plain sampling's alternative) over
-tile width, warps and PREFETCH (the next tile's load issued before this tile's folds); "bounds"
+tile width, warps and PREFETCH (the next tile's load issued before this tile's folds); "top-p-layout"
+its top-p in the wide and compact layouts (``row_draw.top_p_layout``) at p = 0.4 and 0.9; "bounds"
 its top-p with the lane-maxima bounds on and off; "round-candidates" its top-p over candidates drawn per
 round (with mean and max rounds per row); "scan" the split-V scan with its finish (the
 greedy and sampling step, ``kernels/scan_select.py``) over splits per row and tile width at
@@ -29,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.row_draw import ROUND_CANDIDATES, cuda_launch, draw_rows
+from kernels.row_draw import COMPACT_TOP_P, ROUND_CANDIDATES, WIDE_TOP_P, cuda_launch, default_launch, draw_rows
 from kernels.row_scan import launch_shape, scan_partials, split_layout
 from kernels.row_select import select_from_scan
 
@@ -49,15 +50,19 @@ class Variant:
     block_v: int
     num_warps: int
     prefetch: bool
+    maxnreg: Optional[int] = None  # a register cap per thread (so that more programs reside per SM)
 
     def launch(self, V: int) -> dict:
-        return cuda_launch(V, block_v=self.block_v, num_warps=self.num_warps, prefetch=self.prefetch)
+        return cuda_launch(V, block_v=self.block_v, num_warps=self.num_warps, prefetch=self.prefetch,
+                           maxnreg=self.maxnreg)
 
 
 def variants() -> list[Variant]:
     """The default shape without PREFETCH (the kernel the H100 timed), then every tile width x
-    warps with it: each is a compile (~2 s), so the sweep fits one gpu_check step."""
-    return [Variant(2048, 8, False)] + [Variant(b, w, True) for b, w in itertools.product(BLOCK_VS, WARPS)]
+    warps with it, then top-p's compact layout (``row_draw.COMPACT_TOP_P``): each is a compile
+    (~2 s), so the sweep fits one gpu_check step."""
+    return ([Variant(2048, 8, False)] + [Variant(b, w, True) for b, w in itertools.product(BLOCK_VS, WARPS)]
+            + [Variant(COMPACT_TOP_P["block_v"], COMPACT_TOP_P["num_warps"], True, COMPACT_TOP_P["maxnreg"])])
 
 
 def sweep(logits: torch.Tensor, top_p: Optional[float], candidates: Iterable[Variant],
@@ -72,6 +77,24 @@ def sweep(logits: torch.Tensor, top_p: Optional[float], candidates: Iterable[Var
 
         step(logits)  # compile outside the timing
         rows.append((variant, timer(step, logits)))
+    return rows
+
+
+def top_p_layout_sweep(logits: torch.Tensor, timer: Timer) -> list[tuple[float, str, float, float, float]]:
+    """(top_p, layout, ms, mean rounds, mean passes per row) of the row draw's top-p in its wide and
+    compact layouts (``row_draw.top_p_layout``; NMST head, t = 100)."""
+    rows = []
+    for top_p, (name, layout) in itertools.product((0.4, 0.9), (("wide", WIDE_TOP_P), ("compact", COMPACT_TOP_P))):
+        passes = torch.zeros(logits.shape[0], dtype=torch.int32, device=logits.device)
+        args = dict(head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100, state=None,
+                    top_p_threshold=top_p, seed=torch.tensor([1234], device=logits.device),
+                    launch=cuda_launch(logits.shape[1], top_p=True, **layout))
+
+        def step(z: torch.Tensor, args=args) -> None:
+            draw_rows(z, **args)
+
+        _, rounds = draw_rows(logits, passes=passes, **args)
+        rows.append((top_p, name, timer(step, logits), float(rounds.double().mean()), float(passes.double().mean())))
     return rows
 
 
@@ -229,7 +252,7 @@ def read_floor_parts(logits: torch.Tensor, timer: Timer) -> list[tuple[str, floa
     return rows
 
 
-TABLES = ("row-draw", "bounds", "round-candidates", "scan", "top-k-parts", "top-k-scan", "scan-b32", "read-floor")
+TABLES = ("row-draw", "top-p-layout", "bounds", "round-candidates", "scan", "top-k-parts", "top-k-scan", "scan-b32", "read-floor")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -268,12 +291,28 @@ def _row_draw_table(vocabs, bandwidth, timer, quick) -> None:
     for V in vocabs:
         logits, floor_ms = _case(256, V, bandwidth)
         for mode, top_p in (("sampling", None), ("top-p 0.9", 0.9)):
-            default = cuda_launch(V, top_p=top_p is not None)
+            default = default_launch(logits, top_p=top_p is not None)
             for variant, ms in sweep(logits, top_p, variants(), timer):
                 launch = variant.launch(V)
-                mark = "*" if all(launch[key] == default[key] for key in default) else ""
+                mark = "*" if launch == default else ""
                 print(f"| {V} | {mode} | {launch['BLOCK_V']}{mark} | {variant.num_warps} | {variant.prefetch} | "
                       f"{ms:.4f} | {logits.numel() * 4 / (ms * 1e-3) / 1e12:.2f} | {ms / floor_ms:.2f} |", flush=True)
+
+
+def _top_p_layout_table(vocabs, bandwidth, timer, quick) -> None:
+    # Untimed when chosen (nineteenth session): the compact layout runs a batch of 256 rows in one
+    # wave of two programs per SM where the wide one took two waves of one.
+    print("\nrow draw's top-p, wide (2048 columns, 16 warps) and compact (1024, 8 warps, 128 registers) "
+          "programs, B = 256 (default: compact above one row per SM)")
+    print("| V | top-p | layout | ms | x floor | mean rounds | passes per row |\n|---:|---:|---|---:|---:|---:|---:|")
+    for V in vocabs:
+        logits, floor_ms = _case(256, V, bandwidth)
+        default = default_launch(logits, top_p=True)
+        for top_p, name, ms, mean_rounds, passes in top_p_layout_sweep(logits, timer):
+            layout = WIDE_TOP_P if name == "wide" else COMPACT_TOP_P
+            mark = "*" if cuda_launch(V, top_p=True, **layout) == default else ""
+            print(f"| {V} | {top_p} | {name}{mark} | {ms:.4f} | {ms / floor_ms:.2f} | {mean_rounds:.2f} | "
+                  f"{passes:.2f} |", flush=True)
 
 
 def _bounds_table(vocabs, bandwidth, timer, quick) -> None:
@@ -363,7 +402,7 @@ def _read_floor_table(vocabs, bandwidth, timer, quick) -> None:
             print(f"| {B} | {V} | {part} | {ms:.4f} | {ms / floor_ms:.2f} |", flush=True)
 
 
-_TABLE_RUNNERS = {"row-draw": _row_draw_table, "bounds": _bounds_table, "round-candidates": _round_candidates_table,
+_TABLE_RUNNERS = {"row-draw": _row_draw_table, "top-p-layout": _top_p_layout_table, "bounds": _bounds_table, "round-candidates": _round_candidates_table,
                   "scan": _scan_table,
                   "top-k-parts": _top_k_parts_table, "top-k-scan": _top_k_scan_table, "scan-b32": _scan_b32_table,
                   "read-floor": _read_floor_table}

@@ -11,6 +11,7 @@ types come from the real call sites; block sizes are then set to the CUDA launch
     python -m kernels.compile_check --arch 80   # another compute capability
     python -m kernels.compile_check --resources # plus registers / spills per variant (ptxas -v)
     python -m kernels.compile_check --loops     # plus each loop's sm_90 instruction mix (nvdisasm)
+    python -m kernels.compile_check --finish    # plus the one-launch steps' load groups on their tail
 
 Must run without TRITON_INTERPRET (the kernels have to be JIT functions).
 """
@@ -202,15 +203,21 @@ def _nucleus_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launch]:
         for mode, top_p in (("top-p", 0.9), ("sampling", None)):
             out.append(_record_row_draw(z.to(dtype), head=head, state=state if head == "st" else None,
                                         temperature=0.7, top_p=top_p, seed=seed, label=f"row draw {mode} {label}"))
+        # Top-p over more rows than SMs: two compact programs per SM, capped at 128 registers.
+        out.append(_record_row_draw(z.to(dtype), head=head, state=state if head == "st" else None, temperature=0.7,
+                                    top_p=0.9, seed=seed, label=f"row draw top-p {label} compact",
+                                    layout=row_draw.COMPACT_TOP_P))
     for candidates in (2, 4):  # top-p's rounds with several candidates (profile_decoding's round-candidates)
-        out.append(_record_row_draw(z, head="nmst", state=None, temperature=0.7, top_p=0.4, seed=seed,
-                                    label=f"row draw top-p {candidates} candidates per round",
-                                    round_candidates=candidates))
+        for name, layout in (("wide", row_draw.WIDE_TOP_P), ("compact", row_draw.COMPACT_TOP_P)):
+            out.append(_record_row_draw(z, head="nmst", state=None, temperature=0.7, top_p=0.4, seed=seed,
+                                        label=f"row draw top-p {candidates} candidates per round {name}",
+                                        round_candidates=candidates, layout=layout))
     # The benchmarks' vocabulary: its 32-column lane tables lay out differently (the within-lane draw
     # of a round stays inside one warp), so ``--loops`` shows the rounds the H100 tables time.
-    out.append(_record_row_draw(torch.randn(4, 50257, generator=torch.Generator().manual_seed(1)), head="nmst",
-                                state=None, temperature=0.7, top_p=0.9, seed=seed,
-                                label="row draw top-p nmst float32 V=50257"))
+    z50257 = torch.randn(4, 50257, generator=torch.Generator().manual_seed(1))
+    for name, layout in (("wide", row_draw.WIDE_TOP_P), ("compact", row_draw.COMPACT_TOP_P)):
+        out.append(_record_row_draw(z50257, head="nmst", state=None, temperature=0.7, top_p=0.9, seed=seed,
+                                    label=f"row draw top-p nmst float32 V=50257 {name}", layout=layout))
     return out
 
 
@@ -245,17 +252,22 @@ def _small_vocab_launches(seed: torch.Tensor) -> list[Launch]:
 
 
 def _record_row_draw(z: torch.Tensor, *, head: str, state, temperature: float, top_p, seed: torch.Tensor,
-                     label: str, round_candidates: Optional[int] = None) -> Launch:
-    """One row-draw launch on ``z`` at the CUDA launch shape of its vocabulary (eos at column 5, t = 3)."""
+                     label: str, round_candidates: Optional[int] = None, layout: Optional[dict] = None) -> Launch:
+    """One row-draw launch on ``z`` at the CUDA launch shape of its vocabulary (eos at column 5, t = 3);
+    ``layout``: top-p's (``row_draw.top_p_layout``), else the default's (the wide one for top-p)."""
     return _record(row_draw, "_row_draw_kernel", lambda: row_draw.draw_rows(
         z, head=head, eos_index=5, eps=1e-5, temperature=temperature, steps=3, state=state,
         top_p_threshold=top_p, seed=seed, round_candidates=round_candidates), label,
-        *_blocks_and_options(row_draw.cuda_launch(z.shape[1], top_p=top_p is not None)))
+        *_blocks_and_options(row_draw.cuda_launch(z.shape[1], top_p=top_p is not None, **(layout or {}))))
+
+
+_COMPILE_OPTIONS = ("num_warps", "maxnreg")
 
 
 def _blocks_and_options(shape: dict) -> tuple[dict, dict]:
-    """A launch dict split into its constexpr block sizes and its compile options (num_warps)."""
-    return {key: value for key, value in shape.items() if key != "num_warps"}, {"num_warps": shape["num_warps"]}
+    """A launch dict split into its constexpr block sizes and its compile options (num_warps, maxnreg)."""
+    return ({key: value for key, value in shape.items() if key not in _COMPILE_OPTIONS},
+            {key: value for key, value in shape.items() if key in _COMPILE_OPTIONS})
 
 
 def _fake_scan(z: torch.Tensor, K: int) -> row_scan.ScanPartials:
@@ -362,16 +374,48 @@ def sass_loops(sass: str) -> list[LoopStats]:
     return sorted(loops, key=lambda loop: loop.size)
 
 
-def loops(compiled, arch: int) -> list[LoopStats]:
-    """:func:`sass_loops` of a compiled kernel, disassembled by the nvdisasm Triton ships with ptxas."""
+# fp64 arithmetic and the special-function unit: what the finish's head math is made of.
+_MATH_OPCODES = ("DFMA", "DADD", "DMUL", "MUFU")
+
+
+def finish_load_groups(sass: str) -> Optional[int]:
+    """Groups of global loads a one-launch step's finish issues one after another (None: no finish).
+
+    The finish runs between the row's arrival (the kernel's first 32-bit ``ATOMG.E.ADD``) and the
+    batch's count (its 64-bit one); a load that follows fp64 or special-function math there starts a
+    new group, since it waits for that math, and each group costs an L2 (or HBM) round trip on the
+    step's tail. A static signal, not a timing: ``row_select`` loads everything first (one group)."""
+    opcodes = [found.group(2) for found in map(_SASS_INSTRUCTION.search, sass.splitlines()) if found]
+    arrival = next((i for i, op in enumerate(opcodes) if op.startswith("ATOMG") and ".ADD" in op
+                    and ".64" not in op), None)
+    if arrival is None:
+        return None
+    groups, after_math = 0, True
+    for op in opcodes[arrival + 1:]:
+        if op.startswith("ATOMG") and ".ADD.64" in op:
+            break
+        if op.startswith("LDG"):
+            groups += after_math
+            after_math = False
+        elif op.split(".")[0] in _MATH_OPCODES:
+            after_math = True
+    return groups
+
+
+def disassemble(compiled, arch: int) -> str:
+    """The SASS of a compiled kernel (``nvdisasm -c``, the nvdisasm Triton ships with ptxas)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     nvdisasm = Path(get_ptxas(arch).path).with_name("nvdisasm")
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
-    return sass_loops(sass)
+        return subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
+def loops(compiled, arch: int) -> list[LoopStats]:
+    """:func:`sass_loops` of a compiled kernel."""
+    return sass_loops(disassemble(compiled, arch))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -379,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
     parser.add_argument("--resources", action="store_true", help="also print registers / spills (ptxas -v)")
     parser.add_argument("--loops", action="store_true", help="also print each loop's instruction mix (nvdisasm)")
+    parser.add_argument("--finish", action="store_true",
+                        help="also print the one-launch steps' groups of loads on their finish (nvdisasm)")
     parser.add_argument("--only", default="", help="compile only the variants whose name contains this")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -391,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
             compiled, seconds = compile_launch(launch, args.arch)
             extra = f"; {resources(compiled, args.arch)}" if args.resources else ""
             print(f"ok   {launch.name} ({seconds:.1f} s{extra})", flush=True)
+            if args.finish and launch.name.startswith("scan_select"):
+                print(f"       finish: {finish_load_groups(disassemble(compiled, args.arch))} load groups", flush=True)
             if args.loops:
                 for loop in loops(compiled, args.arch):
                     if loop.size > 1:  # the kernel's trailing self-branch

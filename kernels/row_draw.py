@@ -316,18 +316,39 @@ def _row_draw_kernel(
 
 
 def cuda_launch(V: int, *, top_p: bool = False, block_v: int = 2048, num_warps: Optional[int] = None,
-                prefetch: bool = True) -> dict:
+                prefetch: bool = True, maxnreg: Optional[int] = None) -> dict:
     """One row per program on a GPU: its later passes re-read the row from L2. The defaults, from
     the H100 sweep at B = 256 (``benchmarks.profile_decoding``, RESULTS.md) of the kernel that still
     reduced every tile: 2048-column tiles with PREFETCH; plain sampling at 8 warps (2.4x the
     one-read floor at V = 50257; 4 and 16 warps 3.8x), top-p at 16 (6.2x vs 12.1x at 8 warps).
-    The lane passes (no per-tile reduction, ~10 instead of ~30 instructions per element) are not
-    yet swept: fewer warps may now do."""
+    ``maxnreg``: a cap on registers per thread (a compile option), so that more programs reside
+    per SM (:func:`top_p_layout`)."""
     block_v = min(block_v, next_power_of_2(V))
     if num_warps is None:
         num_warps = 16 if top_p else 8
-    return dict(BLOCK_B=1, BLOCK_V=block_v, NTILES=tile_table_width(V, block_v), PREFETCH=prefetch,
-                num_warps=num_warps)
+    launch = dict(BLOCK_B=1, BLOCK_V=block_v, NTILES=tile_table_width(V, block_v), PREFETCH=prefetch,
+                  num_warps=num_warps)
+    return launch if maxnreg is None else launch | {"maxnreg": maxnreg}
+
+
+# Top-p's layout on a GPU. A 16-warp program over 2048-column tiles takes a whole SM's registers
+# (128 per thread), so a batch of more rows than SMs runs in waves, each ending in its rows' rounds
+# (chains of reductions while the SM reads nothing): at 256 x 50257 on an H100, two waves. Over
+# 1024-column tiles, 8 warps fit 128 registers with no spill (sm_90, Triton 3.6: uncapped they take
+# 174-188), so two programs reside per SM and such a batch runs in one wave. A lane then spans twice
+# the columns, which leaves the rounds and the passes per row as they were (the interpreter, 256 x
+# 50257 randn · 3: p = 0.4 1.72-1.84 rounds and 0.01-0.02 passes per row, p = 0.9 1.09-1.10 and
+# 0.07-0.12, at either width; RESULTS.md). Batches of at most one row per SM keep the wide program,
+# which streams its row with twice the threads.
+WIDE_TOP_P = dict(block_v=2048, num_warps=16)
+COMPACT_TOP_P = dict(block_v=1024, num_warps=8, maxnreg=128)
+
+
+def top_p_layout(rows: int, multi_processors: int) -> dict:
+    """Keyword arguments of :func:`cuda_launch` for top-p over ``rows`` rows on a GPU with
+    ``multi_processors`` SMs: the wide program while each row has an SM to itself, else two
+    compact programs per SM."""
+    return dict(WIDE_TOP_P if rows <= multi_processors else COMPACT_TOP_P)
 
 
 def _interpreter_launch(rows: int, V: int, candidates: int = 1) -> dict:
@@ -344,7 +365,12 @@ def default_launch(z: torch.Tensor, *, top_p: bool = False, candidates: int = 1)
     """The launch :func:`draw_rows` takes for ``z`` (top-p or plain sampling; ``candidates`` per
     round) when given none."""
     B, V = z.shape
-    return cuda_launch(V, top_p=top_p) if z.is_cuda else _interpreter_launch(B, V, candidates)
+    if not z.is_cuda:
+        return _interpreter_launch(B, V, candidates)
+    if not top_p:
+        return cuda_launch(V)
+    return cuda_launch(V, top_p=True,
+                       **top_p_layout(B, torch.cuda.get_device_properties(z.device).multi_processor_count))
 
 
 def draw_rows(

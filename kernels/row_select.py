@@ -98,12 +98,18 @@ def _uniform_f64_stream(seed, offsets, STREAM: tl.constexpr):
 
 
 @triton.jit
-def _merged_lse(max_ptr, sum_ptr, part, part_ok, row_ok):
-    """L = logsumexp over non-eos per row, in fp64 from the scan's fp32 per-split (max, sum). The
-    partials load through L2 only (.cg): a scan program finishing a row reads what other programs
-    stored during the same kernel, which an L1 line loaded earlier on its SM would not show."""
-    m = tl.load(max_ptr + part, mask=part_ok, other=float("-inf"), cache_modifier=".cg")
-    total = tl.load(sum_ptr + part, mask=part_ok, other=0.0, cache_modifier=".cg").to(tl.float64)
+def _load_partial(ptr, part, part_ok, other):
+    """One partial per (row, split), through L2 only (.cg): a scan program finishing a row reads what
+    other programs stored during the same kernel, which an L1 line loaded earlier on its SM would
+    not show."""
+    return tl.load(ptr + part, mask=part_ok, other=other, cache_modifier=".cg")
+
+
+@triton.jit
+def _merged_lse(m, total, row_ok):
+    """L = logsumexp over non-eos per row, in fp64 from the scan's fp32 per-split max ``m`` and sum
+    ``total`` (padding splits: −inf and 0)."""
+    total = total.to(tl.float64)
     row_max = tl.where(row_ok, tl.max(m, axis=1), 0.0)  # padding rows: finite junk, no log(0)
     shift = tl.where(row_max == float("-inf"), 0.0, row_max)
     row_sum = tl.sum(total * tl.exp((m - shift[:, None]).to(tl.float64)), axis=1)
@@ -129,9 +135,40 @@ def _eos_terms(
 ):
     """(log_norm = L − a, ζ_eos, rows whose eos logit or ST state is NaN, or state positive) for the
     NMST/ST heads."""
-    s = tl.load(z_row + eos_index, mask=row_ok, other=0.0).to(tl.float64)
-    a = _log_survival(s, rows, row_ok, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value,
-                      state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
+    s, t, prev = _head_inputs(z_row, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value, state_ptr,
+                              state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
+    return _head_terms(lse, s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD)
+
+
+@triton.jit
+def _head_inputs(
+    z_row, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value, state_ptr, state_stride,
+    HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """What the head math reads per row: (eos's raw logit s as fp64, the step t as int64, ST's state
+    before this step as fp64; 0 where a head or a launch has none). Callers on a step's tail load
+    these together with their partials, before any math: the compiler does not move a load across
+    the branches of the fp64 log/exp, so each load placed after math waited for it (sm_90 SASS of the
+    one-launch greedy step: three round trips to L2 or HBM one after another, now one)."""
+    if HEAD == 0:
+        s = tl.zeros((BLOCK_B,), tl.float64)
+    else:
+        s = tl.load(z_row + eos_index, mask=row_ok, other=0.0).to(tl.float64)
+    if STEPS_PER_ROW:
+        t = tl.load(steps_ptr + rows.to(tl.int64) * steps_stride, mask=row_ok, other=1).to(tl.int64)
+    else:
+        t = tl.full((BLOCK_B,), steps_value, tl.int64)
+    if HAS_STATE:
+        prev = tl.load(state_ptr + rows.to(tl.int64) * state_stride, mask=row_ok, other=0.0).to(tl.float64)
+    else:
+        prev = tl.zeros((BLOCK_B,), tl.float64)
+    return s, t, prev
+
+
+@triton.jit
+def _head_terms(lse, s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD: tl.constexpr):
+    """:func:`_eos_terms` from the loaded :func:`_head_inputs` (NMST/ST heads)."""
+    a = _log_survival(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD)
     # a = −inf (eos certain) would make both inf − inf: any a below −1e300 is 1 − α = 0 in fp64
     # (LOG_SURVIVAL_FLOOR of the torch path).
     a_floor = tl.maximum(a, -1e300)
@@ -139,27 +176,16 @@ def _eos_terms(
 
 
 @triton.jit
-def _log_survival(
-    s, rows, row_ok, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr, state_stride,
-    new_state_ptr, HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-):
-    """a = log(1 − α_t) per row (fp64) from the raw eos logit s; stores ST's new state.
-    Context rows (t <= 0): a = 0 (p(eos) = 0) for both heads; ST's state passes through."""
-    if STEPS_PER_ROW:
-        t = tl.load(steps_ptr + rows.to(tl.int64) * steps_stride, mask=row_ok, other=1)
-    else:
-        t = tl.full((BLOCK_B,), steps_value, tl.int64)
+def _log_survival(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD: tl.constexpr):
+    """a = log(1 − α_t) per row (fp64) from the raw eos logit s, the step t and (ST) the state ``prev``
+    before it; stores ST's new state. Context rows (t <= 0): a = 0 (p(eos) = 0) for both heads; ST's
+    state passes through."""
     # fp64 scalars arrive as fp32 (hi, lo) pairs: Triton passes Python floats as fp32.
     log1m_eps = tl.cast(log1m_eps_hi, tl.float64) + tl.cast(log1m_eps_lo, tl.float64)
     if HEAD == 1:
         a = tl.where(t >= 1, _log_sigmoid(-s) + t.to(tl.float64) * log1m_eps, 0.0)
     else:
-        if HAS_STATE:
-            prev = tl.load(state_ptr + rows.to(tl.int64) * state_stride, mask=row_ok, other=0.0).to(tl.float64)
-            prev = tl.where(prev > 0.0, float("nan"), prev)  # not a log(1 − α): the row is flagged
-        else:
-            prev = tl.zeros((BLOCK_B,), tl.float64)
+        prev = tl.where(prev > 0.0, float("nan"), prev)  # not a log(1 − α): the row is flagged
         running = prev + _log_sigmoid(s) + log1m_eps
         tl.store(new_state_ptr + rows, tl.where(t >= 1, running, prev), mask=row_ok)
         # A NaN state (flagged) stays NaN on a context row too: the row is reported, not decoded.
@@ -179,24 +205,33 @@ def select_rows(
     ``part`` (rows × splits offsets, ``part_ok``): merges L, does the head math, stores each row's token
     and log-probability. Returns the first row whose distribution is undefined (``n_rows``: none).
     Shared by ``_select_kernel`` and the scan's own finish (``kernels/scan_select.py``)."""
-    lse = _merged_lse(max_ptr, sum_ptr, part, part_ok, row_ok)
-    z_row = z_ptr + rows.to(tl.int64) * z_row_stride
+    # Every load before any math (see _head_inputs): on the one-launch step's tail they share one
+    # round trip.
+    split_max = _load_partial(max_ptr, part, part_ok, float("-inf"))
+    split_sum = _load_partial(sum_ptr, part, part_ok, 0.0)
+    s, t, prev = _head_inputs(z_ptr + rows.to(tl.int64) * z_row_stride, rows, row_ok, eos_index, steps_ptr,
+                              steps_stride, steps_value, state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE,
+                              BLOCK_B)
+    # Greedy: each split's largest raw z and its first column; a drawing scan: each split's drawn
+    # column and its raw z.
+    pick_vals = _load_partial(pick_val_ptr, part, part_ok, float("-inf") if GREEDY else 0.0)
+    pick_idxs = _load_partial(pick_idx_ptr, part, part_ok, V if GREEDY else 0)
+    if not GREEDY:
+        seed = tl.load(seed_ptr)
+    lse = _merged_lse(split_max, split_sum, row_ok)
     bad = ~(tl.abs(lse) < float("inf"))  # NaN, +inf, or no finite non-eos logit
     if HEAD == 0:
         log_norm = lse
         eos_zeta = tl.full((BLOCK_B,), float("-inf"), tl.float64)
     else:
-        log_norm, eos_zeta, eos_nan = _eos_terms(
-            lse, z_row, rows, row_ok, eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value,
-            state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
+        log_norm, eos_zeta, eos_nan = _head_terms(lse, s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo,
+                                                  new_state_ptr, HEAD)
         bad = bad | eos_nan
     temperature = tl.cast(temp_hi, tl.float64) + tl.cast(temp_lo, tl.float64)
     if GREEDY:
         # The largest raw non-eos logit over the splits (the scan ranks raw z, so no fp32 rounding of
         # z / T can make the pick depend on the split layout), ties → first index. Its value is the
         # raw z exactly (fp16/bf16 logits widen to fp32 exactly): no load of z[idx].
-        pick_vals = tl.load(pick_val_ptr + part, mask=part_ok, other=float("-inf"), cache_modifier=".cg")
-        pick_idxs = tl.load(pick_idx_ptr + part, mask=part_ok, other=V, cache_modifier=".cg")
         best = tl.max(pick_vals, axis=1)
         idx = tl.min(tl.where(pick_vals == best[:, None], pick_idxs, V), axis=1)
         chosen = tl.where(best == float("-inf"), 0.0, best.to(tl.float64)) / temperature
@@ -206,21 +241,18 @@ def select_rows(
     else:
         # Inverse CDF over eos (its exact mass) and the splits (each by its mass); a split's own
         # draw is then a draw from the whole row: P(split) · P(column | split) = P(column).
-        split_max = tl.load(max_ptr + part, mask=part_ok, other=float("-inf"), cache_modifier=".cg").to(tl.float64)
-        split_sum = tl.load(sum_ptr + part, mask=part_ok, other=0.0, cache_modifier=".cg").to(tl.float64)
-        split_mass = tl.where(split_sum > 0.0, split_sum * tl.exp(split_max - log_norm[:, None]), 0.0)
+        split_mass = tl.where(split_sum > 0.0,
+                              split_sum.to(tl.float64) * tl.exp(split_max.to(tl.float64) - log_norm[:, None]), 0.0)
         p_eos = tl.exp(eos_zeta - log_norm)  # 0 for VA (ζ_eos = −inf)
-        goal = _uniform_f64(tl.load(seed_ptr), rows) * (p_eos + tl.sum(split_mass, axis=1))
+        goal = _uniform_f64(seed, rows) * (p_eos + tl.sum(split_mass, axis=1))
         eos_wins = goal < p_eos
         split_no = tl.arange(0, part.shape[1])[None, :]
-        draws = tl.load(pick_idx_ptr + part, mask=part_ok, other=0, cache_modifier=".cg")
         split, idx = crossing_with(tl.cumsum(split_mass, axis=1), split_mass, goal - p_eos, split_no, part.shape[1],
-                                   draws, 0)
+                                   pick_idxs, 0)
         eos_wins = eos_wins | (split < 0)  # no non-eos mass (a certain eos)
         # The drawn column's raw z came with the partials ("top_val" of a drawing scan): no dependent
         # load of z[idx] on the step's tail.
-        draw_z = tl.load(pick_val_ptr + part, mask=part_ok, other=0.0, cache_modifier=".cg")
-        chosen = tl.sum(tl.where(split_no == split[:, None], draw_z, 0.0), axis=1).to(tl.float64) / temperature
+        chosen = tl.sum(tl.where(split_no == split[:, None], pick_vals, 0.0), axis=1).to(tl.float64) / temperature
     if HEAD == 0:
         token = idx.to(tl.int64)
         log_prob = chosen - lse
@@ -291,30 +323,37 @@ def select_candidate_rows(
     with ``row_ok``) from the candidate scan's partials (``part``/``part_ok`` as :func:`select_rows`);
     stores each row's token and log-probability and returns the first row without a distribution
     (``n_rows``: none). Shared by ``_select_candidates_kernel`` and ``kernels/scan_select.py``."""
-    lse = _merged_lse(max_ptr, sum_ptr, part, part_ok, row_ok)
-
-    # The K best keys over all splits, in rank order (keys sort as (value desc, column asc)).
+    # Every load before any math (see _head_inputs): on the one-launch step's tail they share one
+    # round trip.
+    split_max = _load_partial(max_ptr, part, part_ok, float("-inf"))
+    split_sum = _load_partial(sum_ptr, part, part_ok, 0.0)
     rank = tl.arange(0, K)
     key_row = key_ptr + rows.to(tl.int64)[:, None] * (part_row_stride * K)
     if BLOCK_S > 1:
         slot = tl.arange(0, BLOCK_S * K)
         keys = tl.load(key_row + slot[None, :], mask=row_ok[:, None] & (slot[None, :] < n_splits * K),
                        other=-9223372036854775808, cache_modifier=".cg")
-        keys = tl.topk(keys, K, dim=1)
     else:
         keys = tl.load(key_row + rank[None, :], mask=row_ok[:, None], other=-9223372036854775808, cache_modifier=".cg")
+    s, t, prev = _head_inputs(z_ptr + rows.to(tl.int64) * z_row_stride, rows, row_ok, eos_index, steps_ptr,
+                              steps_stride, steps_value, state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE,
+                              BLOCK_B)
+    seed = tl.load(seed_ptr)
+    lse = _merged_lse(split_max, split_sum, row_ok)
+
+    # The K best keys over all splits, in rank order (keys sort as (value desc, column asc)).
+    if BLOCK_S > 1:
+        keys = tl.topk(keys, K, dim=1)
     zeta, cols = decode_column_keys(keys)
 
     bad = ~(tl.abs(lse) < float("inf"))
-    z_row = z_ptr + rows.to(tl.int64) * z_row_stride
     if HEAD == 0:
         log_norm = lse
         eos_zeta = tl.full((BLOCK_B,), float("-inf"), tl.float64)
         eos_pos = tl.full((BLOCK_B,), K, tl.int32)  # VA's eos is an ordinary candidate
     else:
-        log_norm, eos_zeta, eos_nan = _eos_terms(
-            lse, z_row, rows, row_ok, eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value,
-            state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
+        log_norm, eos_zeta, eos_nan = _head_terms(lse, s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo,
+                                                  new_state_ptr, HEAD)
         bad = bad | eos_nan
         # eos follows every candidate with a higher ζ, or an equal ζ and a lower column.
         outranks_eos = (zeta > eos_zeta[:, None]) | ((zeta == eos_zeta[:, None]) & (cols < eos_index))
@@ -345,7 +384,7 @@ def select_candidate_rows(
         prob_eos = tl.where((before_eos < threshold) | (eos_pos == 0), prob_eos, 0.0)
 
     # Inverse-CDF draw over the kept mass: eos first, then the candidates in rank order.
-    u = _uniform_f64(tl.load(seed_ptr), rows) * (tl.sum(prob, axis=1) + prob_eos)
+    u = _uniform_f64(seed, rows) * (tl.sum(prob, axis=1) + prob_eos)
     last_kept = tl.max(tl.where(prob > 0.0, rank[None, :], -1), axis=1)
     eos_drawn = (u < prob_eos) | (last_kept < 0)
     crossed = (tl.cumsum(prob, axis=1) > (u - prob_eos)[:, None]) & (prob > 0.0)  # see row_scan.first_crossing

@@ -276,6 +276,25 @@ def test_prefetch_changes_no_draw(top_p):
         assert torch.equal(a, b)
 
 
+def test_top_p_layout_follows_the_batch():
+    """Top-p on a GPU: one wide 16-warp program per row while every row has an SM to itself; above
+    that, compact 8-warp programs capped at 128 registers, two per SM, so the batch runs in one wave
+    where the wide ones took two (H100: 132 SMs, B = 256). The cap is a compile option the launch
+    passes on; plain sampling keeps its launch."""
+    for sms in (78, 132):
+        assert row_draw.top_p_layout(1, sms) == row_draw.top_p_layout(sms, sms) == row_draw.WIDE_TOP_P
+        assert row_draw.top_p_layout(sms + 1, sms) == row_draw.top_p_layout(10**6, sms) == row_draw.COMPACT_TOP_P
+    wide = row_draw.cuda_launch(50257, top_p=True, **row_draw.WIDE_TOP_P)
+    compact = row_draw.cuda_launch(50257, top_p=True, **row_draw.COMPACT_TOP_P)
+    assert (wide["BLOCK_V"], wide["num_warps"], "maxnreg" in wide) == (2048, 16, False)
+    assert (compact["BLOCK_V"], compact["num_warps"], compact["maxnreg"]) == (1024, 8, 128)
+    assert compact["NTILES"] >= -(-50257 // 1024)  # the lane's column table holds all its tiles
+    assert "maxnreg" not in row_draw.cuda_launch(50257)
+    layout = row_draw.top_p_layout(2, 132)
+    layout["num_warps"] = 4  # the caller's copy: the module's layouts stay as they are
+    assert row_draw.WIDE_TOP_P["num_warps"] == 16
+
+
 def test_launch_sweep_runs_every_variant():
     """benchmarks.profile_decoding's sweeps (GPU tuning) pass each launch variant through draw_rows
     and the scan + select (greedy and sampling); here in the interpreter, with a counting timer, on a vocabulary of
@@ -310,6 +329,11 @@ def test_launch_sweep_runs_every_variant():
     rows = round_candidates_sweep(logits, lambda step, z: 1.0)
     assert [(p, c) for p, c, *_ in rows] == [(0.4, 1), (0.4, 2), (0.4, 4), (0.9, 1), (0.9, 2), (0.9, 4)]
     assert all(1.0 <= mean <= most < row_draw.MAX_ROUNDS for *_, mean, most in rows)
+    from benchmarks.profile_decoding import top_p_layout_sweep
+
+    rows = top_p_layout_sweep(logits, lambda step, z: 1.0)
+    assert [(p, name) for p, name, *_ in rows] == [(0.4, "wide"), (0.4, "compact"), (0.9, "wide"), (0.9, "compact")]
+    assert all(1.0 <= mean < row_draw.MAX_ROUNDS and passes >= 0 for *_, mean, passes in rows)
     top_k_launches = [(1024, 2), (2048, 1)]  # the top-k-scan table's steps (one-launch top-k)
     rows = scan_sweep(logits, top_k_launches, lambda step, z: timed.append(step(z)) or 1.0, top_k=4)
     assert [launch for launch, _ in rows] == top_k_launches and len(timed) == 2 * len(variants()) + 15
