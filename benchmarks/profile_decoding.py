@@ -252,7 +252,8 @@ def read_floor_parts(logits: torch.Tensor, timer: Timer) -> list[tuple[str, floa
     return rows
 
 
-TABLES = ("row-draw", "top-p-layout", "bounds", "round-candidates", "scan", "top-k-parts", "top-k-scan", "scan-b32", "read-floor")
+TABLES = ("row-draw", "top-p-layout", "bounds", "round-candidates", "scan", "top-k-parts", "top-k-scan", "scan-b32",
+          "read-floor")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -402,8 +403,8 @@ def _read_floor_table(vocabs, bandwidth, timer, quick) -> None:
             print(f"| {B} | {V} | {part} | {ms:.4f} | {ms / floor_ms:.2f} |", flush=True)
 
 
-_TABLE_RUNNERS = {"row-draw": _row_draw_table, "top-p-layout": _top_p_layout_table, "bounds": _bounds_table, "round-candidates": _round_candidates_table,
-                  "scan": _scan_table,
+_TABLE_RUNNERS = {"row-draw": _row_draw_table, "top-p-layout": _top_p_layout_table, "bounds": _bounds_table,
+                  "round-candidates": _round_candidates_table, "scan": _scan_table,
                   "top-k-parts": _top_k_parts_table, "top-k-scan": _top_k_scan_table, "scan-b32": _scan_b32_table,
                   "read-floor": _read_floor_table}
 
