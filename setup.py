@@ -12,7 +12,7 @@ setup(
         "hf": ["transformers>=4.45"],
         "train": ["matplotlib>=3.5"],
         "hub": ["datasets"],  # --dataset: WikiText from the Hugging Face hub (network)
-        "test": ["pytest", "scipy", "triton>=3.0", "transformers>=4.45", "matplotlib>=3.5"],
+        "test": ["pytest", "pytest-xdist", "scipy", "triton>=3.0", "transformers>=4.45", "matplotlib>=3.5"],
         "bench": ["pytest-benchmark", "tqdm"],
     },
 )

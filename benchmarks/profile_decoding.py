@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.row_draw import COMPACT_TOP_P, ROUND_CANDIDATES, WIDE_TOP_P, cuda_launch, default_launch, draw_rows
+from kernels.row_draw import COMPACT_TOP_P, ROUND_CANDIDATES, TOP_P_LAYOUTS, cuda_launch, default_launch, draw_rows
 from kernels.row_scan import launch_shape, scan_partials, split_layout
 from kernels.row_select import select_from_scan
 
@@ -81,10 +81,10 @@ def sweep(logits: torch.Tensor, top_p: Optional[float], candidates: Iterable[Var
 
 
 def top_p_layout_sweep(logits: torch.Tensor, timer: Timer) -> list[tuple[float, str, float, float, float]]:
-    """(top_p, layout, ms, mean rounds, mean passes per row) of the row draw's top-p in its wide and
-    compact layouts (``row_draw.top_p_layout``; NMST head, t = 100)."""
+    """(top_p, layout's name in ``row_draw.TOP_P_LAYOUTS``, ms, mean rounds, mean passes per row) of
+    the row draw's top-p in each layout (``row_draw.top_p_layout``; NMST head, t = 100)."""
     rows = []
-    for top_p, (name, layout) in itertools.product((0.4, 0.9), (("wide", WIDE_TOP_P), ("compact", COMPACT_TOP_P))):
+    for top_p, (name, layout) in itertools.product((0.4, 0.9), TOP_P_LAYOUTS.items()):
         passes = torch.zeros(logits.shape[0], dtype=torch.int32, device=logits.device)
         args = dict(head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100, state=None,
                     top_p_threshold=top_p, seed=torch.tensor([1234], device=logits.device),
@@ -310,8 +310,7 @@ def _top_p_layout_table(vocabs, bandwidth, timer, quick) -> None:
         logits, floor_ms = _case(256, V, bandwidth)
         default = default_launch(logits, top_p=True)
         for top_p, name, ms, mean_rounds, passes in top_p_layout_sweep(logits, timer):
-            layout = WIDE_TOP_P if name == "wide" else COMPACT_TOP_P
-            mark = "*" if cuda_launch(V, top_p=True, **layout) == default else ""
+            mark = "*" if cuda_launch(V, top_p=True, **TOP_P_LAYOUTS[name]) == default else ""
             print(f"| {V} | {top_p} | {name}{mark} | {ms:.4f} | {ms / floor_ms:.2f} | {mean_rounds:.2f} | "
                   f"{passes:.2f} |", flush=True)
 

@@ -208,14 +208,14 @@ def _nucleus_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launch]:
                                     top_p=0.9, seed=seed, label=f"row draw top-p {label} compact",
                                     layout=row_draw.COMPACT_TOP_P))
     for candidates in (2, 4):  # top-p's rounds with several candidates (profile_decoding's round-candidates)
-        for name, layout in (("wide", row_draw.WIDE_TOP_P), ("compact", row_draw.COMPACT_TOP_P)):
+        for name, layout in row_draw.TOP_P_LAYOUTS.items():
             out.append(_record_row_draw(z, head="nmst", state=None, temperature=0.7, top_p=0.4, seed=seed,
                                         label=f"row draw top-p {candidates} candidates per round {name}",
                                         round_candidates=candidates, layout=layout))
     # The benchmarks' vocabulary: its 32-column lane tables lay out differently (the within-lane draw
     # of a round stays inside one warp), so ``--loops`` shows the rounds the H100 tables time.
     z50257 = torch.randn(4, 50257, generator=torch.Generator().manual_seed(1))
-    for name, layout in (("wide", row_draw.WIDE_TOP_P), ("compact", row_draw.COMPACT_TOP_P)):
+    for name, layout in row_draw.TOP_P_LAYOUTS.items():
         out.append(_record_row_draw(z50257, head="nmst", state=None, temperature=0.7, top_p=0.9, seed=seed,
                                     label=f"row draw top-p nmst float32 V=50257 {name}", layout=layout))
     return out
@@ -413,11 +413,6 @@ def disassemble(compiled, arch: int) -> str:
         return subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
 
 
-def loops(compiled, arch: int) -> list[LoopStats]:
-    """:func:`sass_loops` of a compiled kernel."""
-    return sass_loops(disassemble(compiled, arch))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
@@ -437,10 +432,12 @@ def main(argv: list[str] | None = None) -> int:
             compiled, seconds = compile_launch(launch, args.arch)
             extra = f"; {resources(compiled, args.arch)}" if args.resources else ""
             print(f"ok   {launch.name} ({seconds:.1f} s{extra})", flush=True)
-            if args.finish and launch.name.startswith("scan_select"):
-                print(f"       finish: {finish_load_groups(disassemble(compiled, args.arch))} load groups", flush=True)
+            wants_finish = args.finish and launch.name.startswith("scan_select")
+            sass = disassemble(compiled, args.arch) if wants_finish or args.loops else ""
+            if wants_finish:
+                print(f"       finish: {finish_load_groups(sass)} load groups", flush=True)
             if args.loops:
-                for loop in loops(compiled, args.arch):
+                for loop in sass_loops(sass):
                     if loop.size > 1:  # the kernel's trailing self-branch
                         print(f"       {loop.summary()}", flush=True)
         except Exception as err:  # report every failing variant, not only the first

@@ -342,6 +342,8 @@ def cuda_launch(V: int, *, top_p: bool = False, block_v: int = 2048, num_warps: 
 # which streams its row with twice the threads.
 WIDE_TOP_P = dict(block_v=2048, num_warps=16)
 COMPACT_TOP_P = dict(block_v=1024, num_warps=8, maxnreg=128)
+# Both by name, for the tools that compile or time each (compile_check, profile_decoding).
+TOP_P_LAYOUTS = {"wide": WIDE_TOP_P, "compact": COMPACT_TOP_P}
 
 
 def top_p_layout(rows: int, multi_processors: int) -> dict:
