@@ -12,6 +12,7 @@ types come from the real call sites; block sizes are then set to the CUDA launch
     python -m kernels.compile_check --resources # plus registers / spills per variant (ptxas -v)
     python -m kernels.compile_check --loops     # plus each loop's sm_90 instruction mix (nvdisasm)
     python -m kernels.compile_check --finish    # plus the one-launch steps' load groups on their tail
+                                                # and the fp64 math issued under them
 
 Must run without TRITON_INTERPRET (the kernels have to be JIT functions).
 """
@@ -376,30 +377,66 @@ def sass_loops(sass: str) -> list[LoopStats]:
 
 # fp64 arithmetic and the special-function unit: what the finish's head math is made of.
 _MATH_OPCODES = ("DFMA", "DADD", "DMUL", "MUFU")
+# A register operand; "R2.64" names the pair R2, R3 (an address or a 64-bit value).
+_SASS_REGISTER = re.compile(r"\bR(\d+)(\.64|\.128)?\b")
 
 
-def finish_load_groups(sass: str) -> Optional[int]:
-    """Groups of global loads a one-launch step's finish issues one after another (None: no finish).
+@dataclass
+class FinishLoads:
+    """How a one-launch step's finish waits on memory (sm_90 SASS of ``scan_select``)."""
+
+    groups: int  # round trips one after another: loads issued after an instruction waited for earlier ones
+    math_under_loads: int  # fp64 / special-function instructions issued while the finish's loads were in flight
+
+
+def _registers(operands: str) -> set[int]:
+    out: set[int] = set()
+    for number, width in _SASS_REGISTER.findall(operands):
+        count = {"": 1, ".64": 2, ".128": 4}[width]
+        out.update(range(int(number), int(number) + count))
+    return out
+
+
+def _loaded_registers(opcode: str, operands: str) -> set[int]:
+    """The registers a load writes: its first operand, widened by the opcode's .64 / .128."""
+    first = _SASS_REGISTER.search(operands.split(",")[0])
+    if first is None:
+        return set()
+    count = 4 if ".128" in opcode else 2 if ".64" in opcode else 1
+    return set(range(int(first.group(1)), int(first.group(1)) + count))
+
+
+def finish_loads(sass: str) -> Optional[FinishLoads]:
+    """The finish's loads in ``nvdisasm -c`` output (None: no finish, not a one-launch step).
 
     The finish runs between the row's arrival (the kernel's first 32-bit ``ATOMG.E.ADD``) and the
-    batch's count (its 64-bit one); a load that follows fp64 or special-function math there starts a
-    new group, since it waits for that math, and each group costs an L2 (or HBM) round trip on the
-    step's tail. A static signal, not a timing: ``row_select`` loads everything first (one group)."""
-    opcodes = [found.group(2) for found in map(_SASS_INSTRUCTION.search, sass.splitlines()) if found]
-    arrival = next((i for i, op in enumerate(opcodes) if op.startswith("ATOMG") and ".ADD" in op
+    batch's count (its 64-bit one). A group of loads ends at the first instruction that names a
+    register one of them writes (it waits for the data); a load issued after that starts a new group,
+    another round trip to L2 (or HBM) on the step's tail. Math issued while a group is in flight
+    overlaps that round trip. Static signals, not timings: ``row_select`` loads everything first (one
+    group) and runs the head's survival terms under it (``_survival_terms``)."""
+    instructions = [(found.group(2), found.group(3)) for found in map(_SASS_INSTRUCTION.search, sass.splitlines())
+                    if found]
+    arrival = next((i for i, (op, _) in enumerate(instructions) if op.startswith("ATOMG") and ".ADD" in op
                     and ".64" not in op), None)
     if arrival is None:
         return None
-    groups, after_math = 0, True
-    for op in opcodes[arrival + 1:]:
+    groups = math = 0
+    in_flight: set[int] = set()
+    for op, operands in instructions[arrival + 1:]:
         if op.startswith("ATOMG") and ".ADD.64" in op:
             break
+        named = _registers(operands)
         if op.startswith("LDG"):
-            groups += after_math
-            after_math = False
-        elif op.split(".")[0] in _MATH_OPCODES:
-            after_math = True
-    return groups
+            if in_flight & (named - _loaded_registers(op, operands)):  # its address is loaded data
+                in_flight = set()
+            groups += not in_flight
+            in_flight |= _loaded_registers(op, operands)
+        elif in_flight & named:
+            in_flight = set()
+        elif in_flight and op.split(".")[0] in _MATH_OPCODES:
+            math += 1
+    return FinishLoads(groups, math)
 
 
 def disassemble(compiled, arch: int) -> str:
@@ -419,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resources", action="store_true", help="also print registers / spills (ptxas -v)")
     parser.add_argument("--loops", action="store_true", help="also print each loop's instruction mix (nvdisasm)")
     parser.add_argument("--finish", action="store_true",
-                        help="also print the one-launch steps' groups of loads on their finish (nvdisasm)")
+                        help="also print the one-launch steps' groups of loads on their finish and the fp64 "
+                             "math issued under them (nvdisasm)")
     parser.add_argument("--only", default="", help="compile only the variants whose name contains this")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -435,7 +473,9 @@ def main(argv: list[str] | None = None) -> int:
             wants_finish = args.finish and launch.name.startswith("scan_select")
             sass = disassemble(compiled, args.arch) if wants_finish or args.loops else ""
             if wants_finish:
-                print(f"       finish: {finish_load_groups(sass)} load groups", flush=True)
+                finish = finish_loads(sass)
+                print(f"       finish: {finish.groups} load groups, {finish.math_under_loads} math instructions under "
+                      "them" if finish else "       finish: none (no arrival atomic)", flush=True)
             if args.loops:
                 for loop in sass_loops(sass):
                     if loop.size > 1:  # the kernel's trailing self-branch

@@ -146,10 +146,12 @@ def _head_inputs(
     HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     """What the head math reads per row: (eos's raw logit s as fp64, the step t as int64, ST's state
-    before this step as fp64; 0 where a head or a launch has none). Callers on a step's tail load
-    these together with their partials, before any math: the compiler does not move a load across
-    the branches of the fp64 log/exp, so each load placed after math waited for it (sm_90 SASS of the
-    one-launch greedy step: three round trips to L2 or HBM one after another, now one)."""
+    before this step as fp64; 0 where a head or a launch has none). None of it is another program's
+    output, so the one-launch step loads it before a row's arrival (``kernels/scan_select.py``): the
+    finish then starts the head's survival terms at once, under its loads of the partials. Loads go
+    before any math: the compiler does not move a load across the branches of the fp64 log/exp, so
+    each load placed after math waited for it (sm_90 SASS of the one-launch greedy step: three round
+    trips to L2 or HBM one after another, now one)."""
     if HEAD == 0:
         s = tl.zeros((BLOCK_B,), tl.float64)
     else:
@@ -168,11 +170,22 @@ def _head_inputs(
 @triton.jit
 def _head_terms(lse, s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD: tl.constexpr):
     """:func:`_eos_terms` from the loaded :func:`_head_inputs` (NMST/ST heads)."""
+    a_floor, log_alpha, eos_nan = _survival_terms(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo,
+                                                  new_state_ptr, HEAD)
+    return lse - a_floor, lse + log_alpha - a_floor, eos_nan
+
+
+@triton.jit
+def _survival_terms(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD: tl.constexpr):
+    """The head's terms that need no partial (NMST/ST heads): (a = log(1 − α_t) floored at −1e300,
+    log α_t = log(1 − e^a), rows whose eos logit or ST state is NaN, or state positive); stores ST's
+    new state. With L they give log_norm = L − a and ζ_eos = L + log α_t − a. About half of a
+    finish's float64 math (sm_90: the libdevice exp/log chains of logσ and log1mexp), so the select
+    code runs it while its loads of the partials are in flight, not after L."""
     a = _log_survival(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD)
     # a = −inf (eos certain) would make both inf − inf: any a below −1e300 is 1 − α = 0 in fp64
     # (LOG_SURVIVAL_FLOOR of the torch path).
-    a_floor = tl.maximum(a, -1e300)
-    return lse - a_floor, lse + _log1mexp(a) - a_floor, (s != s) | (a != a)
+    return tl.maximum(a, -1e300), _log1mexp(a), (s != s) | (a != a)
 
 
 @triton.jit
@@ -195,37 +208,35 @@ def _log_survival(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_stat
 
 @triton.jit
 def select_rows(
-    rows, row_ok, part, part_ok, z_ptr, z_row_stride, n_rows, V, max_ptr, sum_ptr, pick_val_ptr, pick_idx_ptr,
-    eos_index, temp_hi, temp_lo, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr,
-    state_stride, seed_ptr, token_ptr, log_prob_ptr, new_state_ptr,
-    HEAD: tl.constexpr, GREEDY: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr,
-    BLOCK_B: tl.constexpr,
+    rows, row_ok, part, part_ok, s, t, prev, n_rows, V, max_ptr, sum_ptr, pick_val_ptr, pick_idx_ptr, eos_index,
+    temp_hi, temp_lo, log1m_eps_hi, log1m_eps_lo, seed, token_ptr, log_prob_ptr, new_state_ptr,
+    HEAD: tl.constexpr, GREEDY: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     """Greedy or sampling for ``rows`` (those with ``row_ok``) from the scan's per-split partials at
-    ``part`` (rows × splits offsets, ``part_ok``): merges L, does the head math, stores each row's token
-    and log-probability. Returns the first row whose distribution is undefined (``n_rows``: none).
-    Shared by ``_select_kernel`` and the scan's own finish (``kernels/scan_select.py``)."""
+    ``part`` (rows × splits offsets, ``part_ok``), the rows' loaded :func:`_head_inputs` (``s``,
+    ``t``, ``prev``) and the draw's loaded ``seed`` (unused by greedy): merges L, does the head math,
+    stores each row's token and log-probability. Returns the first row whose distribution is
+    undefined (``n_rows``: none). Shared by ``_select_kernel`` and the scan's own finish
+    (``kernels/scan_select.py``)."""
     # Every load before any math (see _head_inputs): on the one-launch step's tail they share one
-    # round trip.
+    # round trip, under which the survival terms run.
     split_max = _load_partial(max_ptr, part, part_ok, float("-inf"))
     split_sum = _load_partial(sum_ptr, part, part_ok, 0.0)
-    s, t, prev = _head_inputs(z_ptr + rows.to(tl.int64) * z_row_stride, rows, row_ok, eos_index, steps_ptr,
-                              steps_stride, steps_value, state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE,
-                              BLOCK_B)
     # Greedy: each split's largest raw z and its first column; a drawing scan: each split's drawn
     # column and its raw z.
     pick_vals = _load_partial(pick_val_ptr, part, part_ok, float("-inf") if GREEDY else 0.0)
     pick_idxs = _load_partial(pick_idx_ptr, part, part_ok, V if GREEDY else 0)
-    if not GREEDY:
-        seed = tl.load(seed_ptr)
+    if HEAD != 0:
+        a_floor, log_alpha, eos_nan = _survival_terms(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo,
+                                                      new_state_ptr, HEAD)
     lse = _merged_lse(split_max, split_sum, row_ok)
     bad = ~(tl.abs(lse) < float("inf"))  # NaN, +inf, or no finite non-eos logit
     if HEAD == 0:
         log_norm = lse
         eos_zeta = tl.full((BLOCK_B,), float("-inf"), tl.float64)
     else:
-        log_norm, eos_zeta, eos_nan = _head_terms(lse, s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo,
-                                                  new_state_ptr, HEAD)
+        log_norm = lse - a_floor
+        eos_zeta = lse + log_alpha - a_floor
         bad = bad | eos_nan
     temperature = tl.cast(temp_hi, tl.float64) + tl.cast(temp_lo, tl.float64)
     if GREEDY:
@@ -300,10 +311,13 @@ def _select_kernel(
     STORE_FLAGS: tl.constexpr,  # the grid is one program: it writes the flags (no fill launched before)
 ):
     rows, row_ok, part, part_ok = _row_block(n_rows, n_splits, part_row_stride, BLOCK_B, BLOCK_S)
-    first_bad = select_rows(rows, row_ok, part, part_ok, z_ptr, z_row_stride, n_rows, V, max_ptr, sum_ptr,
-                            pick_val_ptr, pick_idx_ptr, eos_index, temp_hi, temp_lo, log1m_eps_hi, log1m_eps_lo,
-                            steps_ptr, steps_stride, steps_value, state_ptr, state_stride, seed_ptr, token_ptr,
-                            log_prob_ptr, new_state_ptr, HEAD, GREEDY, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
+    s, t, prev = _head_inputs(z_ptr + rows.to(tl.int64) * z_row_stride, rows, row_ok, eos_index, steps_ptr,
+                              steps_stride, steps_value, state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE,
+                              BLOCK_B)
+    seed = 0 if GREEDY else tl.load(seed_ptr)
+    first_bad = select_rows(rows, row_ok, part, part_ok, s, t, prev, n_rows, V, max_ptr, sum_ptr, pick_val_ptr,
+                            pick_idx_ptr, eos_index, temp_hi, temp_lo, log1m_eps_hi, log1m_eps_lo, seed, token_ptr,
+                            log_prob_ptr, new_state_ptr, HEAD, GREEDY, BLOCK_B)
     if STORE_FLAGS:
         tl.store(flags_ptr, first_bad)
         tl.store(flags_ptr + 1, n_rows)  # every row has its token
@@ -313,18 +327,18 @@ def _select_kernel(
 
 @triton.jit
 def select_candidate_rows(
-    rows, row_ok, part, part_ok, z_ptr, z_row_stride, n_rows, n_splits, part_row_stride, max_ptr, sum_ptr, key_ptr,
-    eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr, state_stride, top_k,
-    top_p_hi, top_p_lo, seed_ptr, token_ptr, log_prob_ptr, new_state_ptr,
-    HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr, HAS_TOP_P: tl.constexpr,
-    K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr,
+    rows, row_ok, part, part_ok, s, t, prev, n_rows, n_splits, part_row_stride, max_ptr, sum_ptr, key_ptr,
+    eos_index, log1m_eps_hi, log1m_eps_lo, top_k, top_p_hi, top_p_lo, seed, token_ptr, log_prob_ptr,
+    new_state_ptr, HEAD: tl.constexpr, HAS_TOP_P: tl.constexpr, K: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """Top-k then top-p on the K best non-eos candidates plus eos, and one draw, for ``rows`` (those
-    with ``row_ok``) from the candidate scan's partials (``part``/``part_ok`` as :func:`select_rows`);
-    stores each row's token and log-probability and returns the first row without a distribution
-    (``n_rows``: none). Shared by ``_select_candidates_kernel`` and ``kernels/scan_select.py``."""
+    with ``row_ok``) from the candidate scan's partials, the rows' head inputs and the draw's seed
+    (``part``/``part_ok``, ``s``/``t``/``prev``, ``seed`` as :func:`select_rows`); stores each row's
+    token and log-probability and returns the first row without a distribution (``n_rows``: none).
+    Shared by ``_select_candidates_kernel`` and ``kernels/scan_select.py``."""
     # Every load before any math (see _head_inputs): on the one-launch step's tail they share one
-    # round trip.
+    # round trip, under which the survival terms run.
     split_max = _load_partial(max_ptr, part, part_ok, float("-inf"))
     split_sum = _load_partial(sum_ptr, part, part_ok, 0.0)
     rank = tl.arange(0, K)
@@ -335,10 +349,9 @@ def select_candidate_rows(
                        other=-9223372036854775808, cache_modifier=".cg")
     else:
         keys = tl.load(key_row + rank[None, :], mask=row_ok[:, None], other=-9223372036854775808, cache_modifier=".cg")
-    s, t, prev = _head_inputs(z_ptr + rows.to(tl.int64) * z_row_stride, rows, row_ok, eos_index, steps_ptr,
-                              steps_stride, steps_value, state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE,
-                              BLOCK_B)
-    seed = tl.load(seed_ptr)
+    if HEAD != 0:
+        a_floor, log_alpha, eos_nan = _survival_terms(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo,
+                                                      new_state_ptr, HEAD)
     lse = _merged_lse(split_max, split_sum, row_ok)
 
     # The K best keys over all splits, in rank order (keys sort as (value desc, column asc)).
@@ -352,8 +365,8 @@ def select_candidate_rows(
         eos_zeta = tl.full((BLOCK_B,), float("-inf"), tl.float64)
         eos_pos = tl.full((BLOCK_B,), K, tl.int32)  # VA's eos is an ordinary candidate
     else:
-        log_norm, eos_zeta, eos_nan = _head_terms(lse, s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo,
-                                                  new_state_ptr, HEAD)
+        log_norm = lse - a_floor
+        eos_zeta = lse + log_alpha - a_floor
         bad = bad | eos_nan
         # eos follows every candidate with a higher ζ, or an equal ζ and a lower column.
         outranks_eos = (zeta > eos_zeta[:, None]) | ((zeta == eos_zeta[:, None]) & (cols < eos_index))
@@ -436,11 +449,13 @@ def _select_candidates_kernel(
 ):
     """Top-k then top-p on the K best non-eos candidates plus eos, and one draw per row."""
     rows, row_ok, part, part_ok = _row_block(n_rows, n_splits, part_row_stride, BLOCK_B, BLOCK_S)
+    s, t, prev = _head_inputs(z_ptr + rows.to(tl.int64) * z_row_stride, rows, row_ok, eos_index, steps_ptr,
+                              steps_stride, steps_value, state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE,
+                              BLOCK_B)
     first_bad = select_candidate_rows(
-        rows, row_ok, part, part_ok, z_ptr, z_row_stride, n_rows, n_splits, part_row_stride, max_ptr, sum_ptr, key_ptr,
-        eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr, state_stride, top_k,
-        top_p_hi, top_p_lo, seed_ptr, token_ptr, log_prob_ptr, new_state_ptr, HEAD, STEPS_PER_ROW, HAS_STATE,
-        HAS_TOP_P, K, BLOCK_B, BLOCK_S)
+        rows, row_ok, part, part_ok, s, t, prev, n_rows, n_splits, part_row_stride, max_ptr, sum_ptr, key_ptr,
+        eos_index, log1m_eps_hi, log1m_eps_lo, top_k, top_p_hi, top_p_lo, tl.load(seed_ptr), token_ptr,
+        log_prob_ptr, new_state_ptr, HEAD, HAS_TOP_P, K, BLOCK_B, BLOCK_S)
     tl.atomic_min(flags_ptr, first_bad)
 
 

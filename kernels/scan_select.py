@@ -31,8 +31,8 @@ import triton.language as tl
 
 from .host_math import next_power_of_2
 from .row_scan import _as_seed, scan_launch, scan_split
-from .row_select import (HEAD_CODES, Selection, _Outputs, _row_block, _split_f64, select_candidate_rows,
-                         select_rows)
+from .row_select import (HEAD_CODES, Selection, _head_inputs, _Outputs, _row_block, _split_f64,
+                         select_candidate_rows, select_rows)
 
 
 @triton.jit
@@ -55,6 +55,14 @@ def _scan_select_kernel(
                top_val_ptr, top_idx_ptr, draw_idx_ptr, key_ptr, HAS_EOS, DRAW, K, BLOCK_B, BLOCK_V, LANE_TILES)
     n_splits = tl.num_programs(1)
     rows, row_ok, part, part_ok = _row_block(n_rows, n_splits, n_splits, BLOCK_B, BLOCK_S)
+    # The head's inputs and the draw's seed are no program's output: every split loads them before
+    # counting in (their round trip overlaps the arrival's), so the row's finisher starts the head's
+    # survival terms at once, under its loads of the partials (row_select._survival_terms), not
+    # after L; nor does a use of the seed placed early by ptxas wait for those loads.
+    s, t, prev = _head_inputs(z_ptr + rows.to(tl.int64) * z_row_stride, rows, row_ok, eos_index, steps_ptr,
+                              steps_stride, steps_value, state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE,
+                              BLOCK_B)
+    seed = tl.load(finish_seed_ptr) if DRAW or K > 0 else 0
     if n_splits > 1:
         # Every thread's partial stores happen before the barrier, and the barrier before the
         # release: the program that acquires the last count sees all of this row's partials.
@@ -70,17 +78,15 @@ def _scan_select_kernel(
         tl.debug_barrier()
         part_ok = part_ok & finishes[:, None]
         if K == 0:
-            first_bad = select_rows(rows, finishes, part, part_ok, z_ptr, z_row_stride, n_rows, V, max_ptr, sum_ptr,
-                                    top_val_ptr, draw_idx_ptr if DRAW else top_idx_ptr, eos_index, temp_hi, temp_lo,
-                                    log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr,
-                                    state_stride, finish_seed_ptr, token_ptr, log_prob_ptr, new_state_ptr, HEAD, not DRAW,
-                                    STEPS_PER_ROW, HAS_STATE, BLOCK_B)
+            first_bad = select_rows(rows, finishes, part, part_ok, s, t, prev, n_rows, V, max_ptr, sum_ptr, top_val_ptr,
+                                    draw_idx_ptr if DRAW else top_idx_ptr, eos_index, temp_hi, temp_lo, log1m_eps_hi,
+                                    log1m_eps_lo, seed, token_ptr, log_prob_ptr, new_state_ptr, HEAD, not DRAW,
+                                    BLOCK_B)
         else:
             first_bad = select_candidate_rows(
-                rows, finishes, part, part_ok, z_ptr, z_row_stride, n_rows, n_splits, n_splits, max_ptr, sum_ptr,
-                key_ptr, eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr,
-                state_stride, top_k, top_p_hi, top_p_lo, finish_seed_ptr, token_ptr, log_prob_ptr, new_state_ptr, HEAD,
-                STEPS_PER_ROW, HAS_STATE, HAS_TOP_P, K, BLOCK_B, BLOCK_S)
+                rows, finishes, part, part_ok, s, t, prev, n_rows, n_splits, n_splits, max_ptr, sum_ptr, key_ptr,
+                eos_index, log1m_eps_hi, log1m_eps_lo, top_k, top_p_hi, top_p_lo, seed, token_ptr, log_prob_ptr,
+                new_state_ptr, HEAD, HAS_TOP_P, K, BLOCK_B, BLOCK_S)
         # The flags without a fill. A program with a bad row records it as a max of n_rows − row (0 at
         # rest: none) and marks its count in the high word; the count's release orders that record
         # before it. The program whose count completes the batch writes the flags and leaves zeros:
