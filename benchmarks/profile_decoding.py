@@ -62,7 +62,7 @@ def variants() -> list[Variant]:
     warps with it, then top-p's compact layout (``row_draw.COMPACT_TOP_P``): each is a compile
     (~2 s), so the sweep fits one gpu_check step."""
     return ([Variant(2048, 8, False)] + [Variant(b, w, True) for b, w in itertools.product(BLOCK_VS, WARPS)]
-            + [Variant(COMPACT_TOP_P["block_v"], COMPACT_TOP_P["num_warps"], True, COMPACT_TOP_P["maxnreg"])])
+            + [Variant(prefetch=True, **COMPACT_TOP_P)])
 
 
 def sweep(logits: torch.Tensor, top_p: Optional[float], candidates: Iterable[Variant],

@@ -379,6 +379,7 @@ def sass_loops(sass: str) -> list[LoopStats]:
 _MATH_OPCODES = ("DFMA", "DADD", "DMUL", "MUFU")
 # A register operand; "R2.64" names the pair R2, R3 (an address or a 64-bit value).
 _SASS_REGISTER = re.compile(r"\bR(\d+)(\.64|\.128)?\b")
+_REGISTERS_PER_WIDTH = {"": 1, ".64": 2, ".128": 4}
 
 
 @dataclass
@@ -392,8 +393,7 @@ class FinishLoads:
 def _registers(operands: str) -> set[int]:
     out: set[int] = set()
     for number, width in _SASS_REGISTER.findall(operands):
-        count = {"": 1, ".64": 2, ".128": 4}[width]
-        out.update(range(int(number), int(number) + count))
+        out.update(range(int(number), int(number) + _REGISTERS_PER_WIDTH[width]))
     return out
 
 
@@ -402,8 +402,8 @@ def _loaded_registers(opcode: str, operands: str) -> set[int]:
     first = _SASS_REGISTER.search(operands.split(",")[0])
     if first is None:
         return set()
-    count = 4 if ".128" in opcode else 2 if ".64" in opcode else 1
-    return set(range(int(first.group(1)), int(first.group(1)) + count))
+    width = re.search(r"\.(?:64|128)\b", opcode)
+    return _registers(f"R{first.group(1)}{width.group(0) if width else ''}")
 
 
 def finish_loads(sass: str) -> Optional[FinishLoads]:
@@ -428,10 +428,11 @@ def finish_loads(sass: str) -> Optional[FinishLoads]:
             break
         named = _registers(operands)
         if op.startswith("LDG"):
-            if in_flight & (named - _loaded_registers(op, operands)):  # its address is loaded data
+            loaded = _loaded_registers(op, operands)
+            if in_flight & (named - loaded):  # its address is loaded data
                 in_flight = set()
             groups += not in_flight
-            in_flight |= _loaded_registers(op, operands)
+            in_flight |= loaded
         elif in_flight & named:
             in_flight = set()
         elif in_flight and op.split(".")[0] in _MATH_OPCODES:

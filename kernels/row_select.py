@@ -172,7 +172,14 @@ def _head_terms(lse, s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_s
     """:func:`_eos_terms` from the loaded :func:`_head_inputs` (NMST/ST heads)."""
     a_floor, log_alpha, eos_nan = _survival_terms(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo,
                                                   new_state_ptr, HEAD)
-    return lse - a_floor, lse + log_alpha - a_floor, eos_nan
+    log_norm, eos_zeta = _with_lse(lse, a_floor, log_alpha)
+    return log_norm, eos_zeta, eos_nan
+
+
+@triton.jit
+def _with_lse(lse, a_floor, log_alpha):
+    """(log_norm = L − a, ζ_eos = L + log α_t − a) from L and :func:`_survival_terms`."""
+    return lse - a_floor, lse + log_alpha - a_floor
 
 
 @triton.jit
@@ -235,8 +242,7 @@ def select_rows(
         log_norm = lse
         eos_zeta = tl.full((BLOCK_B,), float("-inf"), tl.float64)
     else:
-        log_norm = lse - a_floor
-        eos_zeta = lse + log_alpha - a_floor
+        log_norm, eos_zeta = _with_lse(lse, a_floor, log_alpha)
         bad = bad | eos_nan
     temperature = tl.cast(temp_hi, tl.float64) + tl.cast(temp_lo, tl.float64)
     if GREEDY:
@@ -365,8 +371,7 @@ def select_candidate_rows(
         eos_zeta = tl.full((BLOCK_B,), float("-inf"), tl.float64)
         eos_pos = tl.full((BLOCK_B,), K, tl.int32)  # VA's eos is an ordinary candidate
     else:
-        log_norm = lse - a_floor
-        eos_zeta = lse + log_alpha - a_floor
+        log_norm, eos_zeta = _with_lse(lse, a_floor, log_alpha)
         bad = bad | eos_nan
         # eos follows every candidate with a higher ζ, or an equal ζ and a lower column.
         outranks_eos = (zeta > eos_zeta[:, None]) | ((zeta == eos_zeta[:, None]) & (cols < eos_index))
