@@ -4,7 +4,7 @@ setup(
     name="nmst-fast",
     version="0.1.0",
     description="Fused, memory-lean losses for non-monotonic self-terminating language models",
-    packages=find_packages(include=["nmst_fast", "nmst_fast.*", "kernels", "kernels.*"]),
+    packages=find_packages(include=["nmst_fast", "nmst_fast.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.5", "numpy", "tqdm"],
     extras_require={

@@ -63,7 +63,7 @@ def kernels_stubbed() -> Iterator[None]:
     saved_env = os.environ.get("TRITON_INTERPRET")
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
-    modules = {name: importlib.import_module(f"kernels.{name}") for name, _ in _KERNELS}
+    modules = {name: importlib.import_module(f"nmst_fast.kernels.{name}") for name, _ in _KERNELS}
     saved = [(modules[name], kernel, getattr(modules[name], kernel)) for name, kernel in _KERNELS]
     try:
         for module, kernel, _ in saved:

@@ -9,7 +9,7 @@ tile width, warps and PREFETCH (the next tile's load issued before this tile's f
 its top-p in the wide and compact layouts (``row_draw.top_p_layout``) at p = 0.4 and 0.9; "bounds"
 its top-p with the lane-maxima bounds on and off; "round-candidates" its top-p over candidates drawn per
 round (with mean and max rounds per row); "scan" the split-V scan with its finish (the
-greedy and sampling step, ``kernels/scan_select.py``) over splits per row and tile width at
+greedy and sampling step, ``nmst_fast/kernels/scan_select.py``) over splits per row and tile width at
 B = 256, "scan-b32" at B = 32; "top-k-parts" the candidate scan alone, with the two-launch
 select, and as one launch; "top-k-scan" the one-launch top-k 4 and 50 steps over tile width and splits;
 "read-floor" the greedy and sampling steps against a bare read in the same layout and torch's row
@@ -30,9 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.row_draw import COMPACT_TOP_P, ROUND_CANDIDATES, TOP_P_LAYOUTS, cuda_launch, default_launch, draw_rows
-from kernels.row_scan import launch_shape, scan_partials, split_layout
-from kernels.row_select import select_from_scan
+from nmst_fast.kernels.row_draw import (COMPACT_TOP_P, ROUND_CANDIDATES, TOP_P_LAYOUTS, cuda_launch, default_launch,
+                                        draw_rows)
+from nmst_fast.kernels.row_scan import launch_shape, scan_partials, split_layout
+from nmst_fast.kernels.row_select import select_from_scan
 
 from .cold_reads import cold_graph_ms
 from .decoding_cases import make_logits
@@ -138,7 +139,7 @@ def scan_sweep(logits: torch.Tensor, launches: Iterable[tuple[int, int]], timer:
     """((BLOCK_V, splits), ms) of the greedy (``draw`` False), sampling, or top-k (``top_k``) device step
     (the one-launch scan whose last split per row merges and does the head math) per launch, NMST
     head, t = 100."""
-    from kernels.scan_select import scan_select
+    from nmst_fast.kernels.scan_select import scan_select
 
     seed = torch.tensor([1234], device=logits.device) if draw or top_k else None
     rows = []
@@ -156,8 +157,8 @@ def top_k_parts(logits: torch.Tensor, top_k: int, timer: Timer) -> list[tuple[st
     """(part, ms) of a top-k device step (NMST head, t = 100): the candidate scan alone, the scan
     with the candidate select kernel (two launches), and the one-launch step (``scan_select``, what
     ``sample(top_k=...)`` runs on a GPU when its finish holds the candidates)."""
-    from kernels.row_select import select_candidates_from_scan
-    from kernels.scan_select import scan_select
+    from nmst_fast.kernels.row_select import select_candidates_from_scan
+    from nmst_fast.kernels.scan_select import scan_select
 
     eos = logits.shape[1] - 1
     seed = torch.tensor([1234], device=logits.device)
@@ -212,7 +213,7 @@ def read_floor_parts(logits: torch.Tensor, timer: Timer) -> list[tuple[str, floa
     the greedy scan alone, the greedy step as two launches (scan + select) and as one
     (``scan_select``), and plain sampling by the row draw and by the one-launch drawing scan. The bare
     read is what one launch costs at best; the rest is each part's share."""
-    from kernels.scan_select import scan_select
+    from nmst_fast.kernels.scan_select import scan_select
 
     B, V = logits.shape
     eos = V - 1

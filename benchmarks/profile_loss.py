@@ -22,7 +22,7 @@ import time
 import torch
 
 import nmst_fast
-from kernels import split_softmax
+from nmst_fast.kernels import split_softmax
 from nmst_fast import fused as fused_driver
 
 from .cases import GPU_SHAPES, Inputs, make_inputs, three_gemms

@@ -50,15 +50,15 @@ def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
     """A strategy's whole device step — kernels only, no Python or host sync (timed as a CUDA graph).
 
     Greedy, sampling and top-k (then top-p): the one launch (no fill: its counters live in the
-    step workspace) whose last split per row does the head math and draw (``kernels/scan_select.py``; the
+    step workspace) whose last split per row does the head math and draw (``nmst_fast/kernels/scan_select.py``; the
     two-launch candidate scan + select where the finish cannot hold the candidates). Top-p alone:
     the row draw's rejection rounds (what distinct rows take; repeated rows and the rare unresolved
     row take the cut + draw kernels).
     """
-    from kernels.row_draw import draw_rows
-    from kernels.row_scan import scan_partials
-    from kernels.row_select import select_candidates_from_scan
-    from kernels.scan_select import fits_one_launch, scan_select
+    from nmst_fast.kernels.row_draw import draw_rows
+    from nmst_fast.kernels.row_scan import scan_partials
+    from nmst_fast.kernels.row_select import select_candidates_from_scan
+    from nmst_fast.kernels.scan_select import fits_one_launch, scan_select
 
     plain = untruncated(k, p)
     seed = torch.tensor([1234], device=device)
@@ -85,7 +85,7 @@ def _top_p_rounds(logits: torch.Tensor, k: Optional[int], p: Optional[float]) ->
     the first pass); "—" for other strategies."""
     if k is not None or p is None or p >= 1.0:
         return "—"
-    from kernels.row_draw import draw_rows
+    from nmst_fast.kernels.row_draw import draw_rows
 
     args = dict(head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100, state=None,
                 top_p_threshold=p, seed=torch.tensor([1234], device=logits.device))

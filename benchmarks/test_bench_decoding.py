@@ -36,7 +36,7 @@ def test_generation_report_runs(capsys):
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_host_overhead(benchmark, strategy):
     """The fused step's host time with its kernels stubbed (``python -m benchmarks.host_overhead``)."""
-    import kernels.row_scan as row_scan
+    import nmst_fast.kernels.row_scan as row_scan
     from benchmarks.host_overhead import device, dispatch_step, kernels_stubbed
 
     real_kernel = row_scan._row_scan_kernel

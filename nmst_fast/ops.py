@@ -129,7 +129,7 @@ def scale_cast(acc: Tensor, scale: Tensor, dtype: torch.dtype, backend: str) -> 
     device: no host sync); torch elsewhere. An op, so backward stays traceable."""
     low = (torch.float32, torch.bfloat16, torch.float16)
     if backend == "triton" and acc.dtype in low and dtype in low and acc.is_contiguous():
-        from kernels.scale_cast import scale_cast as kernel  # lazily: triton decides interpret mode at import
+        from nmst_fast.kernels.scale_cast import scale_cast as kernel  # lazily: triton decides interpret mode at import
 
         return kernel(acc, scale, dtype)
     # The product in fp32 or wider: an fp16 scale such as 1/N would be subnormal or zero, and a bf16

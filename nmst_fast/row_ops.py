@@ -5,7 +5,7 @@ overwriting z, and reports the per-row scalars the head math needs. Two
 implementations share one contract so the chunk driver is backend-agnostic:
 
 * :class:`TorchRowOps` — vectorized in-place torch ops (the CPU backend).
-* :class:`TritonRowOps` — the kernels in ``kernels/split_softmax.py``.
+* :class:`TritonRowOps` — the kernels in ``nmst_fast/kernels/split_softmax.py``.
 
 Contract:
   ``lse_and_grad_(z, targets, eos_index, coefficients)`` returns (L, z_target), each (rows,):
@@ -87,7 +87,7 @@ class TritonRowOps:
         return False  # the kernels walk a row with unit stride
 
     def __init__(self) -> None:
-        from kernels import split_softmax  # imported lazily: triton decides interpret mode at import
+        from nmst_fast.kernels import split_softmax  # imported lazily: triton decides interpret mode at import
 
         self._kernels = split_softmax
 

@@ -5,7 +5,7 @@ import torch
 
 import nmst_fast.decoding
 from nmst_fast.decoding import effective_logits, sample
-from kernels.row_scan import MAX_CANDIDATES
+from nmst_fast.kernels.row_scan import MAX_CANDIDATES
 from nmst_fast.decoding.fused import fused_select, fused_truncated
 from nmst_fast.generation import generate
 
@@ -36,11 +36,11 @@ def test_fused_greedy_equals_torch_path(head, temperature):
 
 def _sampled(z, sampling_path, *, generator, **args):
     """Plain sampling of every row through ``sampling_path``: "one launch" (``fused_select``, what
-    ``sample`` runs on a GPU) or "row draw" (``kernels/row_draw.py``'s plain mode: top-p's kernel
+    ``sample`` runs on a GPU) or "row draw" (``nmst_fast/kernels/row_draw.py``'s plain mode: top-p's kernel
     with no truncation, the alternative ``benchmarks.profile_decoding`` times against it)."""
     if sampling_path == "one launch":
         return fused_select(z, greedy=False, generator=generator, **args)
-    from kernels.row_draw import draw_rows
+    from nmst_fast.kernels.row_draw import draw_rows
     from nmst_fast.decoding.fused import _seed
 
     args.setdefault("steps", 1)
@@ -62,7 +62,7 @@ def test_fused_log_probs_of_chosen_tokens(head, sampling_path):
 
 def _torch_head_math(z, head, eos, eps, steps, state, temperature):
     """L merged in float64 from the same scan's partials, then the head's float64 scalars in torch."""
-    from kernels.row_scan import scan_partials
+    from nmst_fast.kernels.row_scan import scan_partials
     from nmst_fast.decoding.distribution import eos_terms
 
     parts = scan_partials(z, eos_index=None if head == "va" else eos, temperature=temperature).parts
@@ -197,7 +197,7 @@ def test_fused_paths_reject_bad_steps_and_state():
                                                         (400, 16, 399, (64, 1), 1.0), (203, 8, 3, (32, 2), 0.6)])
 def test_candidates_are_the_exact_top_k(V, K, eos, launch, temperature):
     """Across splits and tiles (several merges and skipped tiles), with many ties: (value desc, index asc)."""
-    from kernels.row_scan import row_scan
+    from nmst_fast.kernels.row_scan import row_scan
 
     gen = torch.Generator().manual_seed(V + K)
     z = (torch.randn(9, V, generator=gen) * 3).round(decimals=0).to(DEVICE)  # heavy ties
@@ -237,7 +237,7 @@ def test_candidates_match_a_stable_sort_on_fresh_rows(K):
     fresh random rows: random V, tile width and split count, ties, −inf runs, and rows whose best
     values crowd into one lane (lane 3 of the tile raised: the re-read); the K best by (value desc,
     index asc)."""
-    from kernels.row_scan import row_scan
+    from nmst_fast.kernels.row_scan import row_scan
 
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
@@ -259,7 +259,7 @@ def test_candidates_match_a_stable_sort_on_fresh_rows(K):
 def _runners_up_rows(K: int, block_v: int, eos: int) -> torch.Tensor:
     """Rows whose K best sit in the lanes in each way that decides a candidate scan's path, over a
     floor of distinct low values (lower to the right). Tiles of ``block_v`` columns; 7 tiles."""
-    from kernels.row_scan import PAIR_MAX_K, TRIPLE_MAX_K
+    from nmst_fast.kernels.row_scan import PAIR_MAX_K, TRIPLE_MAX_K
 
     V = 7 * block_v
     floor = torch.full((V,), -5.0) - torch.arange(V) * 1e-4
@@ -293,7 +293,7 @@ def test_lane_runners_up_and_their_fallback(K):
     each case — the best in distinct lanes, 2, 3 and 5 of them in one lane, a runner-up tied with the
     K-th at a lower column (it enters by key, not value), a pushed-out value equal to the K-th, fewer
     finite columns than K, eos, a lane of ties — all give the exact K best (value desc, column asc)."""
-    from kernels.row_scan import row_scan
+    from nmst_fast.kernels.row_scan import row_scan
 
     block_v = max(16, K)
     eos = 3 * block_v + 7
@@ -312,7 +312,7 @@ def test_candidates_rank_by_tempered_value_where_raw_values_tie_after_rounding(K
     1.9 times 0.55 round to one x, so a smaller z at a lower column ranks above a larger one its lane
     kept. One lane holds increasing z (each a new lane max, the kept ones last), the rest of the row far
     below: the candidates are the K best by (x desc, column asc), the dropped lower-column ties included."""
-    from kernels.row_scan import row_scan
+    from nmst_fast.kernels.row_scan import row_scan
 
     block_v = max(16, K)
     V = 12 * block_v
@@ -328,8 +328,8 @@ def test_candidates_rank_by_tempered_value_where_raw_values_tie_after_rounding(K
 
 def _two_launch_step(z, head, eos, eps, t, state, seed, launch, temperature):
     """The scan + select kernels (greedy when ``seed`` is None): (the scan's partials, the selection)."""
-    from kernels.row_scan import scan_partials
-    from kernels.row_select import select_from_scan
+    from nmst_fast.kernels.row_scan import scan_partials
+    from nmst_fast.kernels.row_select import select_from_scan
 
     scan = scan_partials(z, eos_index=None if head == "va" else eos, temperature=temperature, seed=seed, launch=launch)
     return scan, select_from_scan(z, scan, head=head, eos_index=eos, eps=eps, temperature=temperature, steps=t,
@@ -404,7 +404,7 @@ def test_scan_select_equals_two_launches(head, draw, launch):
     each other: a row finished from a split's partials not yet visible would differ),
     with ties, −inf columns, per-row steps, context rows, and a NaN row and a row without a finite
     non-eos logit, both flagged."""
-    from kernels.scan_select import scan_select
+    from nmst_fast.kernels.scan_select import scan_select
 
     seed_value = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed_value)
@@ -445,9 +445,9 @@ def test_scan_select_top_k_equals_two_launches(head, top_k, top_p, launch):
     it fuses, token for token (same keys, same draw; log-probabilities to float64 rounding, as
     above), for every head and one to 13 splits; on a GPU over a large batch, where the rows' last
     arrivals race."""
-    from kernels.row_scan import scan_partials
-    from kernels.row_select import select_candidates_from_scan
-    from kernels.scan_select import scan_select
+    from nmst_fast.kernels.row_scan import scan_partials
+    from nmst_fast.kernels.row_select import select_candidates_from_scan
+    from nmst_fast.kernels.scan_select import scan_select
 
     seed_value = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed_value)
@@ -477,7 +477,7 @@ def test_scan_select_top_k_equals_two_launches(head, top_k, top_p, launch):
 
 
 def _workspace_sync(device):
-    from kernels import workspace
+    from nmst_fast.kernels import workspace
 
     return workspace._WORKSPACES[workspace._key(torch.device(device))].sync
 
@@ -488,7 +488,7 @@ def test_scan_select_leaves_its_workspace_at_zero(mode):
     worst bad row must be zero again when every launch ends — through layouts of 3 and 13 splits, a
     batch that shrinks and grows, flagged rows — and each step must equal the two-launch path (a
     count left over would finish rows early, or never)."""
-    from kernels.scan_select import scan_select
+    from nmst_fast.kernels.scan_select import scan_select
 
     seed_value = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed_value)
@@ -501,8 +501,8 @@ def test_scan_select_leaves_its_workspace_at_zero(mode):
             if mode == "top-k":
                 picked = scan_select(z, temperature=1.0, seed=seed, top_k=3, top_p_threshold=0.8, launch=launch,
                                      **args)
-                from kernels.row_scan import scan_partials
-                from kernels.row_select import select_candidates_from_scan
+                from nmst_fast.kernels.row_scan import scan_partials
+                from nmst_fast.kernels.row_select import select_candidates_from_scan
 
                 scan = scan_partials(z, eos_index=7, candidates=3, launch=launch)
                 two = select_candidates_from_scan(z, scan, top_k=3, top_p_threshold=0.8, seed=seed, **args)
@@ -519,7 +519,7 @@ def test_scan_select_leaves_its_workspace_at_zero(mode):
 def test_scan_select_zeroes_its_workspace_when_a_launch_fails(monkeypatch):
     """A launch that raises (an interpreter error, a compile failure) may have counted some rows in:
     the wrapper zeroes the workspace, so the next step is right."""
-    import kernels.scan_select as scan_select_module
+    import nmst_fast.kernels.scan_select as scan_select_module
 
     class _Fails:
         def __getitem__(self, grid):
@@ -543,7 +543,7 @@ def test_scan_select_zeroes_its_workspace_when_a_launch_fails(monkeypatch):
 
 
 def test_scan_select_refuses_bad_truncation():
-    from kernels.scan_select import scan_select
+    from nmst_fast.kernels.scan_select import scan_select
 
     z = torch.randn(2, 10).to(DEVICE)
     args = dict(head="nmst", eos_index=1, eps=0.1, temperature=1.0, steps=1, state=None)
@@ -560,8 +560,8 @@ def test_fused_select_takes_one_launch_except_for_shared_rows(monkeypatch):
     """``fused_select`` runs greedy and split-scan sampling as the one-launch step, except rows repeated
     with stride 0 under greedy, which one row's scan serves (its two-launch path); ``fused_truncated``
     likewise for top-k (its candidate scan draws no noise, so shared rows always share it)."""
-    import kernels.scan_select as scan_select_module
-    import kernels.row_select as row_select_module
+    import nmst_fast.kernels.scan_select as scan_select_module
+    import nmst_fast.kernels.row_select as row_select_module
 
     calls = []
     real_one, real_two = scan_select_module.scan_select, row_select_module.select_from_scan
@@ -787,7 +787,7 @@ def test_lane_scan_matches_float64_on_fresh_rows():
     split count, eos anywhere (first, last, inside a whole tile, in the partial last tile, none),
     temperature, ties, ±0.0, −inf runs, a whole −inf split, values near ±3e38, and NaN/+inf rows
     (their logsumexp is NaN or +inf, which the select kernels flag)."""
-    from kernels.row_scan import row_scan
+    from nmst_fast.kernels.row_scan import row_scan
 
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
@@ -845,7 +845,7 @@ def test_lane_candidates_and_their_fallback(K):
     lane, a second value equal to the K-th, fewer finite columns than K — all give the exact K best
     (value desc, column asc), −inf columns as padding (index −1), eos never among them. K = 32 takes
     tl.topk of each entering tile instead."""
-    from kernels.row_scan import row_scan
+    from nmst_fast.kernels.row_scan import row_scan
 
     V, eos = 100, 37
     z = torch.full((6, V), -5.0)
@@ -875,7 +875,7 @@ def test_lane_candidates_and_their_fallback(K):
 def test_select_flags_with_one_program_and_with_several(monkeypatch):
     """A one-program select writes the flags itself (no fill launched first); several programs take
     a filled buffer and atomics. Both give the same tokens, and both name the first NaN row."""
-    import kernels.row_select as row_select
+    import nmst_fast.kernels.row_select as row_select
 
     z = torch.randn(7, 300, device=DEVICE) * 2
     results = {}
@@ -897,7 +897,7 @@ def test_select_flags_with_one_program_and_with_several(monkeypatch):
 def test_greedy_pick_does_not_depend_on_the_split_layout():
     """Two logits z₁ < z₂ whose z · (1/T) round to one fp32 value: the scan ranks raw z, so every
     split layout (both in one split, or in two) picks z₂'s column, as the float64 reference does."""
-    from kernels.row_scan import row_scan
+    from nmst_fast.kernels.row_scan import row_scan
 
     z = torch.zeros(1, 16)
     z[0, 2] = torch.tensor(1069547522, dtype=torch.int32).view(torch.float32)  # ≈ 1.5000002
@@ -918,8 +918,8 @@ def test_cuda_launch_shapes(sms):
     let 4 reside, ``compile_check --resources``); candidate scans one wave of 4 (small K) or 3 (large K,
     whose final tl.topk holds 168 registers); every split holds at least one tile and every launch
     at least one split."""
-    from kernels import row_scan
-    from kernels.host_math import cdiv
+    from nmst_fast.kernels import row_scan
+    from nmst_fast.kernels.host_math import cdiv
 
     assert row_scan.SCAN_PROGRAMS_PER_SM == 4  # the 4 resident programs the registers allow
     for B in (1, 2, 31, 32, 64, 256, 4096):

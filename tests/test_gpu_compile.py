@@ -13,7 +13,7 @@ from pathlib import Path
 
 def test_every_kernel_compiles_for_sm90():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "kernels.compile_check", "--arch", "90"],
+    result = subprocess.run([sys.executable, "-m", "nmst_fast.kernels.compile_check", "--arch", "90"],
                             cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
                             timeout=1800)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -24,7 +24,7 @@ def test_sass_loop_statistics_parse_nvdisasm_output():
     """``compile_check --loops`` reads loops off nvdisasm's listing: a backward branch to a label
     spans the loop (forward branches inside it do not start one); opcodes are counted without
     their modifiers and predicates."""
-    from kernels.compile_check import sass_loops
+    from nmst_fast.kernels.compile_check import sass_loops
 
     listing = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;
@@ -50,7 +50,7 @@ def test_finish_loads_follow_the_loaded_registers():
     loads ends at the first instruction naming a register they write (a 64-bit load writes a pair),
     a load after that (or one whose address is loaded data) starts another, and fp64 / MUFU math
     issued while a group is in flight counts as under it; loads outside the finish do not count."""
-    from kernels.compile_check import FinishLoads, finish_loads
+    from nmst_fast.kernels.compile_check import FinishLoads, finish_loads
 
     def listing(*instructions: tuple[str, str]) -> str:
         return "\n".join(f"        /*{16 * i:04x}*/                   {op} {operands} ;"
@@ -86,7 +86,8 @@ def test_one_launch_finish_loads_once_under_the_survival_terms():
     instructions) while those loads are in flight, eos's logit having been loaded before the row's
     arrival (before the twentieth session: none ran under them)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "kernels.compile_check", "--finish", "--only", "scan_select"],
+    command = [sys.executable, "-m", "nmst_fast.kernels.compile_check", "--finish", "--only", "scan_select"]
+    result = subprocess.run(command,
                             cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
                             timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

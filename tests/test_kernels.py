@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from helpers import DEVICE
-from kernels.split_softmax import split_lse, split_softmax_grad_
+from nmst_fast.kernels.split_softmax import split_lse, split_softmax_grad_
 
 
 def _reference_stats(z, targets, eos):
@@ -52,7 +52,7 @@ def test_rejects_strided_rows():
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
 def test_scale_cast_matches_one_rounding(dst_dtype, scale_dtype):
     """(src · scale) computed in fp32 and rounded once to the output dtype, for sizes around the block."""
-    from kernels.scale_cast import scale_cast
+    from nmst_fast.kernels.scale_cast import scale_cast
 
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)

@@ -1,4 +1,4 @@
-"""kernels/lanes.py: the per-lane fold's maxima and runners-up against a plain per-lane sort.
+"""nmst_fast/kernels/lanes.py: the per-lane fold's maxima and runners-up against a plain per-lane sort.
 
 The candidate scans trust each lane's kept values and its pushed-out bound (``keep_runners_up``): a
 value kept out of order or a bound too high only costs re-reads, never a wrong list, so the end-to-end
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import lanes
+from nmst_fast.kernels import lanes
 
 from helpers import DEVICE
 

@@ -1,11 +1,11 @@
-"""The nucleus cut (kernels/nucleus.py: top-p alone for repeated rows and for rows the rejection
+"""The nucleus cut (nmst_fast/kernels/nucleus.py: top-p alone for repeated rows and for rows the rejection
 kernel leaves): the kept set against the float64 truncation, the draw as a distribution, one shared
 cut for repeated rows, and the torch fallback."""
 
 import pytest
 import torch
 
-import kernels.nucleus as nucleus
+import nmst_fast.kernels.nucleus as nucleus
 from nmst_fast.decoding import effective_logits, sample, truncated_candidates
 from nmst_fast.decoding.fused import fused_truncated
 from nmst_fast.decoding.truncation import TOP_P_SLACK
@@ -154,7 +154,7 @@ def test_unresolved_cut_falls_back_to_the_torch_path(monkeypatch):
     """No rejection round allowed sends the rows to the cut; with no bracket pass allowed either, a
     nucleus cut among more than C distinct values is unresolved: the step takes the torch path,
     starting from the whole row on CUDA."""
-    import kernels.row_draw as row_draw
+    import nmst_fast.kernels.row_draw as row_draw
     import nmst_fast.decoding.selection as selection
 
     z = torch.randn(3, 500, generator=torch.Generator().manual_seed(0)).to(DEVICE)

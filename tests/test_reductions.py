@@ -1,4 +1,4 @@
-"""kernels/reductions.py: the GPU's one-reduction forms against the interpreter's separate reductions.
+"""nmst_fast/kernels/reductions.py: the GPU's one-reduction forms against the interpreter's separate reductions.
 
 The kernels run the separate form in the interpreter (a tuple reduction there is a Python loop per
 element), so these tests are what checks the fused form and its combine functions: both forms on small
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import reductions
+from nmst_fast.kernels import reductions
 
 from helpers import DEVICE
 

@@ -1,13 +1,13 @@
-"""Top-p by rejection rounds in one program per row (kernels/row_draw.py). Draws as a distribution,
+"""Top-p by rejection rounds in one program per row (nmst_fast/kernels/row_draw.py). Draws as a distribution,
 every draw inside the float64 nucleus, reproducibility, the round count, the fallback to the cut. The row draw's plain sampling: its
 G-tests are test_decoding_fused's (path "row draw"); here the rest."""
 
 import pytest
 import torch
 
-import kernels.nucleus as nucleus
-import kernels.row_draw as row_draw
-import kernels.row_scan as row_scan
+import nmst_fast.kernels.nucleus as nucleus
+import nmst_fast.kernels.row_draw as row_draw
+import nmst_fast.kernels.row_scan as row_scan
 from nmst_fast.decoding import effective_logits, truncated_candidates
 from nmst_fast.decoding.fused import fused_truncated
 from nmst_fast.decoding.reference import truncated_distribution

@@ -1,10 +1,10 @@
-"""The step workspace (``kernels/workspace.py``): scratch and zero-at-rest slots kept between launches."""
+"""The step workspace (``nmst_fast/kernels/workspace.py``): scratch and zero-at-rest slots kept between launches."""
 
 import threading
 
 import torch
 
-from kernels import workspace
+from nmst_fast.kernels import workspace
 
 from helpers import DEVICE
 

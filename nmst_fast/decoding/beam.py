@@ -58,7 +58,7 @@ def beam_step(
             of the k×k candidates). A generation loop that sets finished (eos) candidates
             aside asks for 2K so that K unfinished ones always remain.
         impl: "auto" (on CUDA, the one-read Triton scan's ranked candidates when C is at
-            most ``kernels.row_scan.MAX_CANDIDATES``), "triton" or "torch"; see
+            most ``nmst_fast.kernels.row_scan.MAX_CANDIDATES``), "triton" or "torch"; see
             :func:`nmst_fast.decoding.sample`.
     Returns:
         :class:`BeamCandidates`, ranked by score (ties → lower beam, then lower token rank).

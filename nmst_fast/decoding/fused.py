@@ -1,10 +1,10 @@
 """Token selection on the logits in Triton: one launch, one host sync, no (B, V) tensor.
 
-The scan (``kernels/row_scan.py``) reads the logits once, in V-splits, and leaves per row and
+The scan (``nmst_fast/kernels/row_scan.py``) reads the logits once, in V-splits, and leaves per row and
 split: the running max/sum of the non-eos logits, the first argmax, one non-eos column drawn
 from the split, or the K best non-eos candidates. The last split of each row to finish then
-does the O(1)-per-row rest in the same launch (``kernels/scan_select.py``, with the select
-kernels' code from ``kernels/row_select.py``), in float64: L, the head's log(1 − α_t), eos's
+does the O(1)-per-row rest in the same launch (``nmst_fast/kernels/scan_select.py``, with the select
+kernels' code from ``nmst_fast/kernels/row_select.py``), in float64: L, the head's log(1 − α_t), eos's
 effective logit ζ_eos = L + log(1 − e^a) − a, and
 
 * greedy: eos against the top non-eos logit (ties → lower index);
@@ -12,10 +12,10 @@ effective logit ζ_eos = L + log(1 − e^a) − a, and
   split's own draw is the token (exact over all V tokens);
 * top-k (then top-p): eos merged into the ranked candidates by its exact ζ_eos,
   the truncation, and an inverse-CDF draw;
-* top-p alone: rejection rounds in one program per row (``kernels/row_draw.py``) — draw a token,
+* top-p alone: rejection rounds in one program per row (``nmst_fast/kernels/row_draw.py``) — draw a token,
   accept it when the mass ranked before it is below p, else redraw from the tokens ranked before
   it; bounds from the lane maxima settle most rounds without a read (about one read on peaked
-  rows); ``kernels/nucleus.py`` narrows the nucleus cut down by value for repeated rows and as
+  rows); ``nmst_fast/kernels/nucleus.py`` narrows the nucleus cut down by value for repeated rows and as
   the fallback.
 
 Rows repeated with stride 0 (one prompt, several continuations) are scanned once where the scan
@@ -103,7 +103,7 @@ def _scan(logits: torch.Tensor, head: str, eos_index: int, temperature: float,
           seed: Optional[torch.Tensor] = None, candidates: int = 0):
     """The one-read scan of (B, V) logits. Rows expanded from one are scanned once when the scan
     draws no noise (:func:`_shares_scan`); the head math stays per row."""
-    from kernels.row_scan import scan_partials  # lazy: Triton picks interpret mode at import
+    from nmst_fast.kernels.row_scan import scan_partials  # lazy: Triton picks interpret mode at import
 
     shared = _shares_scan(logits, seed)
     return scan_partials(logits[:1] if shared else logits, eos_index=None if head == "va" else eos_index,
@@ -123,8 +123,8 @@ def fused_select(
     generator: Optional[torch.Generator] = None,
 ) -> FusedSelection:
     """Greedy (``greedy=True``) or exact sampling of one token per row of (B, V) ``logits``."""
-    from kernels.row_select import select_from_scan
-    from kernels.scan_select import scan_select
+    from nmst_fast.kernels.row_select import select_from_scan
+    from nmst_fast.kernels.scan_select import scan_select
 
     logits, kernel_steps, kernel_state = _prepare(logits, head, eos_index, eps, steps, state, temperature)
     seed = None if greedy else _seed(generator, logits.device)
@@ -145,19 +145,19 @@ def fused_truncation_available(top_k: Optional[int]) -> bool:
         return False
     if top_k is None:
         return True
-    from kernels.row_scan import HAS_TOPK, MAX_CANDIDATES
+    from nmst_fast.kernels.row_scan import HAS_TOPK, MAX_CANDIDATES
 
     return HAS_TOPK and top_k <= MAX_CANDIDATES
 
 
 def _nucleus(logits: torch.Tensor, **args) -> Optional[FusedSelection]:
     """Top-p alone. Rows repeated with stride 0 (one prompt, several continuations): one cut serves
-    them all. Otherwise rejection rounds in one program per row (``kernels/row_draw.py``: one to two
+    them all. Otherwise rejection rounds in one program per row (``nmst_fast/kernels/row_draw.py``: one to two
     reads per row, about one on peaked rows); a batch with a row still rejected after the rounds'
     limit is drawn from the cut instead (a further host sync, only then). None: the cut did not
     converge either."""
-    from kernels.nucleus import nucleus_select, shares_one_cut
-    from kernels.row_draw import draw_rows
+    from nmst_fast.kernels.nucleus import nucleus_select, shares_one_cut
+    from nmst_fast.kernels.row_draw import draw_rows
 
     B = logits.shape[0]
     if not shares_one_cut(logits, args["steps"], args["state"]):
@@ -185,15 +185,15 @@ def fused_truncated(
 ) -> Optional[FusedSelection]:
     """Top-k / top-p sampling without a (B, V) probability tensor or a sort of the vocabulary.
 
-    Top-p alone: rejection rounds (``kernels/row_draw.py``), or the nucleus cut
-    (``kernels/nucleus.py``) for repeated rows and rows rejection leaves unresolved; any nucleus
+    Top-p alone: rejection rounds (``nmst_fast/kernels/row_draw.py``), or the nucleus cut
+    (``nmst_fast/kernels/nucleus.py``) for repeated rows and rows rejection leaves unresolved; any nucleus
     size. With top-k: the scan keeps the K >= top_k most probable non-eos tokens;
     eos joins them by its exact ζ_eos, which makes them the K + 1 most probable tokens overall.
     Returns None when some row could not be served (a nucleus bracket that did not converge);
     the caller then takes the torch path.
     """
-    from kernels.row_select import select_candidates_from_scan
-    from kernels.scan_select import fits_one_launch, scan_select
+    from nmst_fast.kernels.row_select import select_candidates_from_scan
+    from nmst_fast.kernels.scan_select import fits_one_launch, scan_select
 
     logits, kernel_steps, kernel_state = _prepare(logits, head, eos_index, eps, steps, state, temperature)
     threshold = top_p - TOP_P_SLACK if top_p is not None and top_p < 1.0 else None
@@ -241,7 +241,7 @@ def fused_ranked_candidates(
         (tokens (B, k) int64, log_probs (B, k) float64, ST's new state (B,) or None); rows with
         fewer than k tokens are padded with token -1 and log-prob -inf.
     """
-    from kernels.row_scan import MAX_CANDIDATES, row_scan
+    from nmst_fast.kernels.row_scan import MAX_CANDIDATES, row_scan
 
     if not 1 <= k <= MAX_CANDIDATES:
         raise ValueError(f"k must lie in [1, {MAX_CANDIDATES}], got {k}")

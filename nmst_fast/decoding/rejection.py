@@ -6,7 +6,7 @@ one comparison and one sum over the row decide it, however large N is. Draw c fr
 whole distribution; keep it if it is in N. If not, N lies inside the tokens ranked before
 c, so draw again from those (∝ p) and test again. Each round's set contains N, so the
 token finally kept has probability ∝ p on N, exactly (the row draw kernel's argument,
-``kernels/row_draw.py``). A row may also stop after any rejection and draw afresh from N,
+``nmst_fast/kernels/row_draw.py``). A row may also stop after any rejection and draw afresh from N,
 found exactly by ranking the few tokens ranked before the rejected candidate.
 
 Growing a ranked candidate list instead costs a partial selection of N's size, thousands

@@ -236,10 +236,10 @@ def use_fused(impl: str, logits: torch.Tensor, top_k: Optional[int], top_p: Opti
               ranked: bool = False) -> bool:
     """Whether the Triton kernels serve this call.
 
-    They serve greedy, untruncated sampling, top-p alone (any nucleus size: ``kernels/row_draw.py``,
-    ``kernels/nucleus.py``) and top-k (then top-p) with k up to ``kernels.row_scan.MAX_CANDIDATES``. ``ranked``: the
-    caller wants the ``top_k`` best tokens in rank order (beam search), which always takes the
-    candidate list.
+    They serve greedy, untruncated sampling, top-p alone (any nucleus size:
+    ``nmst_fast/kernels/row_draw.py``, ``nmst_fast/kernels/nucleus.py``) and top-k (then top-p) with k
+    up to ``nmst_fast.kernels.row_scan.MAX_CANDIDATES``. ``ranked``: the caller wants the ``top_k``
+    best tokens in rank order (beam search), which always takes the candidate list.
     """
     check_impl(impl)
     if impl == "torch" or (impl == "auto" and not logits.is_cuda):
@@ -247,8 +247,8 @@ def use_fused(impl: str, logits: torch.Tensor, top_k: Optional[int], top_p: Opti
     servable = (not ranked and untruncated(top_k, top_p)) or fused_truncation_available(top_k)
     if impl == "triton":
         if not servable:
-            raise ValueError("impl='triton' serves top_k up to kernels.row_scan.MAX_CANDIDATES (and needs tl.topk "
-                             f"for truncation), got top_k={top_k}; use impl='torch'")
+            raise ValueError("impl='triton' serves top_k up to nmst_fast.kernels.row_scan.MAX_CANDIDATES (and needs "
+                             f"tl.topk for truncation), got top_k={top_k}; use impl='torch'")
         if not fused_available(logits):
             raise ValueError("impl='triton' needs CUDA logits (or TRITON_INTERPRET=1 for CPU tensors)")
         return True

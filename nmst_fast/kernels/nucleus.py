@@ -89,9 +89,8 @@ def _row_head(
     bad = ~(tl.abs(lse) < float("inf"))
     if HEAD != 0:
         log_norm, eos_zeta, eos_nan = _eos_terms(
-            lse, z_ptr + rows.to(tl.int64) * z_row_stride, rows, row_ok, eos_index, log1m_eps_hi, log1m_eps_lo,
-            steps_ptr, steps_stride, steps_value, state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW,
-            HAS_STATE, BLOCK_B)
+            lse, z_ptr, z_row_stride, rows, row_ok, eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride,
+            steps_value, state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
         bad = bad | eos_nan
         p_eos = tl.where(bad, 0.0, tl.exp(eos_zeta - log_norm))
     else:
@@ -509,7 +508,7 @@ def nucleus_select(
             the caller's rounding slack).
         seed: one-element int64 tensor for the draw.
     Returns:
-        :class:`kernels.row_select.Selection`; ``flags[1]`` < B names a row whose bracket did not
+        :class:`nmst_fast.kernels.row_select.Selection`; ``flags[1]`` < B names a row whose bracket did not
         converge (its draw is invalid: the caller takes another path).
     """
     B, V = z.shape

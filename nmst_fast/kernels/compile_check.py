@@ -7,11 +7,11 @@ wrappers run on small CPU tensors with every kernel replaced by a recorder, so a
 types come from the real call sites; block sizes are then set to the CUDA launch shapes
 (the wrappers pick bigger blocks for the interpreter on CPU).
 
-    python -m kernels.compile_check             # sm_90 (H100/H200); exit status 1 on failure
-    python -m kernels.compile_check --arch 80   # another compute capability
-    python -m kernels.compile_check --resources # plus registers / spills per variant (ptxas -v)
-    python -m kernels.compile_check --loops     # plus each loop's sm_90 instruction mix (nvdisasm)
-    python -m kernels.compile_check --finish    # plus the one-launch steps' load groups on their tail
+    python -m nmst_fast.kernels.compile_check             # sm_90 (H100/H200); exit status 1 on failure
+    python -m nmst_fast.kernels.compile_check --arch 80   # another compute capability
+    python -m nmst_fast.kernels.compile_check --resources # plus registers / spills per variant (ptxas -v)
+    python -m nmst_fast.kernels.compile_check --loops     # plus each loop's sm_90 instruction mix (nvdisasm)
+    python -m nmst_fast.kernels.compile_check --finish    # plus the one-launch steps' load groups on their tail
                                                 # and the fp64 math issued under them
 
 Must run without TRITON_INTERPRET (the kernels have to be JIT functions).

@@ -1,6 +1,6 @@
 """Scratch memory that a one-launch decoding step keeps from one step to the next.
 
-Each step of ``kernels/scan_select.py`` needs per-row arrival counters that start at zero, and
+Each step of ``nmst_fast/kernels/scan_select.py`` needs per-row arrival counters that start at zero, and
 per-split partials that only live inside the launch. Allocating them per step cost the host an
 allocation per buffer (a few µs each on a small step) and the device a fill launched before the
 scan (the counters' start value): on an H100 the fill and the finish chain were ≈ 5 µs of a

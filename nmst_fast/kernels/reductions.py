@@ -10,7 +10,7 @@ The CPU interpreter runs a tuple reduction element by element in Python (it has 
 only for the built-in min, max and sum), and pays ~0.2 ms for every call of a jitted helper, so
 where ``FUSED`` is off (interpreted) the kernels take the same values by separate built-in
 reductions, inline. The two forms compute the same result: ``tests/test_reductions.py`` runs both
-in the interpreter and compares them, and ``kernels.compile_check`` compiles the fused one.
+in the interpreter and compares them, and ``nmst_fast.kernels.compile_check`` compiles the fused one.
 """
 
 from __future__ import annotations

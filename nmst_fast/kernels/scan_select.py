@@ -1,7 +1,7 @@
 """Greedy, sampling and top-k in one launch: the split-V scan, each row finished by its last split.
 
-``kernels/row_scan.py`` reads a row in V-splits (so a small batch fills the GPU) and leaves
-per-split partials; ``kernels/row_select.py``'s kernels merge them and do the head math in a
+``nmst_fast/kernels/row_scan.py`` reads a row in V-splits (so a small batch fills the GPU) and leaves
+per-split partials; ``nmst_fast/kernels/row_select.py``'s kernels merge them and do the head math in a
 second launch. On an H100 (RESULTS.md, fifteenth session) that launch and the flags' fill cost
 0.38x of the one-read floor at 256 × 50257 (greedy: scan alone 1.24x, step 1.62x) and doubled
 the step at B = 32: a launch's latency, then a dependent chain of small loads and float64 math
@@ -13,7 +13,7 @@ waits for the slowest split. Measured there: greedy 1.55x, sampling 1.76x (the r
 the fill and the last rows' finish chain are what is left (≈ 5 µs).
 
 No fill before the launch (sixteenth session): the per-row arrival counters, a count of finished
-rows and the worst bad row live in the step workspace (``kernels/workspace.py``), zero at rest —
+rows and the worst bad row live in the step workspace (``nmst_fast/kernels/workspace.py``), zero at rest —
 a row's last arrival zeroes its counter, and the program whose finished rows complete the batch
 writes the two flags and zeroes the shared slots. Programs with a bad row also count themselves
 in the count's high word, so that last program reads the worst bad row (a second atomic on the
@@ -59,9 +59,8 @@ def _scan_select_kernel(
     # counting in (their round trip overlaps the arrival's), so the row's finisher starts the head's
     # survival terms at once, under its loads of the partials (row_select._survival_terms), not
     # after L; nor does a use of the seed placed early by ptxas wait for those loads.
-    s, t, prev = _head_inputs(z_ptr + rows.to(tl.int64) * z_row_stride, rows, row_ok, eos_index, steps_ptr,
-                              steps_stride, steps_value, state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE,
-                              BLOCK_B)
+    s, t, prev = _head_inputs(z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value,
+                              state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
     seed = tl.load(finish_seed_ptr) if DRAW or K > 0 else 0
     if n_splits > 1:
         # Every thread's partial stores happen before the barrier, and the barrier before the
@@ -138,12 +137,12 @@ def scan_select(
     launch: tuple[int, int] | None = None,
 ) -> Selection:
     """One token per row of (B, V) ``z`` in one launch (no fill: its counters and partials live in the
-    step workspace, ``kernels/workspace.py``):
+    step workspace, ``nmst_fast/kernels/workspace.py``):
     greedy (``seed`` None), exact sampling (``seed``), or with ``top_k`` the top-k (then top-p)
     truncated draw of the candidate scan (``seed`` its draw).
 
-    Args and result as :func:`kernels.row_select.select_from_scan` /
-    :func:`kernels.row_select.select_candidates_from_scan` with the scan folded in (the scan reads
+    Args and result as :func:`nmst_fast.kernels.row_select.select_from_scan` /
+    :func:`nmst_fast.kernels.row_select.select_candidates_from_scan` with the scan folded in (the scan reads
     every row: rows repeated with stride 0 are better served by scanning one of them and the
     two-launch path). ``launch``: (BLOCK_V, splits) instead of the automatic layout (tests use it
     to cover several splits in the interpreter).

@@ -12,7 +12,7 @@ is off), with x = z · inv_temp:
   * draw = one column of the split drawn ∝ e^x            (sampling; the select kernel
            picks a split by its mass, so the pick is an exact softmax sample)
   * candidates = the K largest x, ties → lower index      (top-k / top-p)
-Every variant keeps per-lane state instead of per-tile reductions (``kernels/lanes.py``: a
+Every variant keeps per-lane state instead of per-tile reductions (``nmst_fast/kernels/lanes.py``: a
 lane is a column position of the tile, followed across the split's tiles), so the loops of
 greedy, the draw and the candidates have no barrier; one reduction after the loop merges the lanes. The
 draw then picks a lane by inverse CDF over the lane masses and a column of that lane by inverse
@@ -23,7 +23,7 @@ device tensor, so drawing it from a CUDA generator needs no host sync; the draw 
 (seed, row, tiling). Candidates are ranked by one int64 key per column,
 (orderable float bits of x) << 32 | (2³¹ − 1 − column): key order is exactly
 (value desc, column asc), so a plain top-k of keys breaks ties the required way.
-The caller adds eos with O(B) float64 math (``kernels/row_select.py`` does it for greedy
+The caller adds eos with O(B) float64 math (``nmst_fast/kernels/row_select.py`` does it for greedy
 and sampling in one more launch).
 """
 
@@ -245,7 +245,7 @@ def scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp,
                K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, LANE_TILES: tl.constexpr):
     """This program's share of the scan: its BLOCK_B rows × split ``program_id(1)`` of V, read once,
     its partials stored at (row, split) (arguments as ``_row_scan_kernel``). Also the first half of
-    ``kernels/scan_select.py``'s one-launch step."""
+    ``nmst_fast/kernels/scan_select.py``'s one-launch step."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
@@ -459,7 +459,7 @@ def _as_seed(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _num_warps(K: int) -> int:
     """Warps per program: 4 for every scan, from ptxas register counts (sm_90, ``python -m
-    kernels.compile_check --resources``, Triton 3.6; candidate scans not timed per warp count). The
+    nmst_fast.kernels.compile_check --resources``, Triton 3.6; candidate scans not timed per warp count). The
     plain and drawing scans (2048-column tiles) 96-128 registers at 4 warps, 4 resident programs
     (timed on an H200: the launch rule above). Candidate scans (1024-column tiles, the lanes' kept
     values, tiles loaded one ahead): K = 4 117 registers, 16 124 (at 8 warps 64 with 16 bytes
@@ -492,7 +492,7 @@ def scan_launch(z: torch.Tensor, *, eos_index: int | None, temperature: float, s
                 candidates: int, launch: tuple[int, int] | None, sync_slots: Optional[int] = None) -> ScanLaunch:
     """Check the arguments of :func:`scan_partials` and lay out its launch (buffers allocated).
 
-    ``sync_slots``: the partials are scratch of the step workspace (``kernels/workspace.py``: only
+    ``sync_slots``: the partials are scratch of the step workspace (``nmst_fast/kernels/workspace.py``: only
     valid during this launch, for a kernel that consumes them itself), which also hands out this
     many zeroed int32 slots as ``sync``; None: the partials are fresh tensors (a kernel after the
     scan reads them)."""
@@ -539,7 +539,7 @@ def scan_partials(
 
     Arguments as :func:`row_scan`, plus ``seed``: draw one column per split with this Philox seed
     (an int or a one-element integer tensor on any device; None: no draw), which
-    ``kernels.row_select.select_from_scan`` turns into one exact sample per row; a drawing scan
+    ``nmst_fast.kernels.row_select.select_from_scan`` turns into one exact sample per row; a drawing scan
     stores its drawn column's raw z in "top_val" (no argmax).
     """
     launch_args = scan_launch(z, eos_index=eos_index, temperature=temperature, seed=seed, candidates=candidates,

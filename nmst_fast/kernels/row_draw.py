@@ -3,7 +3,7 @@
 Top-p alone on a GPU takes this kernel. Its plain mode (``draw_rows`` without a threshold) is step 1
 below, then one draw by inverse CDF from the whole distribution (eos by its float64 mass, a lane
 from the per-lane masses, then a column of that lane); plain sampling itself takes the split-V
-scan's one launch (``kernels/scan_select.py``), which timed faster at every batch size (RESULTS.md,
+scan's one launch (``nmst_fast/kernels/scan_select.py``), which timed faster at every batch size (RESULTS.md,
 fifteenth session), so the plain mode is the rounds' first step and a benchmarked alternative. A lane is a
 column position of the BLOCK_V-wide tile followed across the row's tiles (columns l, l + BLOCK_V,
 …): the passes keep their sums per lane, so their loops reduce nothing across the tile (no
@@ -35,7 +35,7 @@ also holds for ``round_candidates`` > 1: a round then draws that many independen
 S and examines the first the bounds do not reject (the rest are dropped unexamined) — one
 cumulative sum and one set of bound reductions for several bound-rejected draws. A round
 accepts with probability mass(nucleus) / mass(S) ≥ p, and S shrinks with each pass-decided
-rejection (≈ log₂(1/p) rounds on a flat row), where ``kernels/nucleus.py``'s cut takes ~6 reads.
+rejection (≈ log₂(1/p) rounds on a flat row), where ``nmst_fast/kernels/nucleus.py``'s cut takes ~6 reads.
 A row still drawing after ``MAX_ROUNDS`` is flagged (flags[1]); the caller then draws it from the
 cut (exact as well: the fallback's uniform comes from another Philox stream, independent of the
 rejected rounds).
@@ -413,7 +413,7 @@ def draw_rows(
         round_candidates: top-p: candidates drawn per round (1, 2 or 4; None:
             ``ROUND_CANDIDATES``); each round examines the first the bounds do not reject.
     Returns:
-        (:class:`kernels.row_select.Selection`, rounds: (B,) int32 rounds per row). ``flags[0]`` < B
+        (:class:`nmst_fast.kernels.row_select.Selection`, rounds: (B,) int32 rounds per row). ``flags[0]`` < B
         names a row with no distribution (NaN); ``flags[1]`` < B a row still without a token after
         ``MAX_ROUNDS`` rounds (top-p: still rejected; plain: only fp32 rounding can make a round
         miss) — its token is invalid, the caller draws it another way.

@@ -1,6 +1,6 @@
 """One token per row from the row scan's partials, with the head math in-kernel.
 
-``kernels/row_scan.py`` leaves, per row and V-split, the running max/sum of the
+``nmst_fast/kernels/row_scan.py`` leaves, per row and V-split, the running max/sum of the
 non-eos logits and either the first argmax, one column drawn from the split, or the
 K best non-eos candidates. One small program per block of rows then does everything that
 is O(1) (or O(K)) per row:
@@ -19,7 +19,7 @@ is O(1) (or O(K)) per row:
     whose distribution is undefined (NaN/+inf logits, or no finite non-eos logit).
 
 The per-row code (``select_rows``, ``select_candidate_rows``) also finishes each row inside the
-scan's own launch (``kernels/scan_select.py``, the default step); the two select kernels here
+scan's own launch (``nmst_fast/kernels/scan_select.py``, the default step); the two select kernels here
 serve rows repeated with stride 0, whose one scan feeds every row. Either way no host sync until
 the caller reads the flags once at the end. The math is ``nmst_fast.decoding.distribution``'s (the
 torch path), to float64 rounding.
@@ -129,25 +129,25 @@ def _row_block(n_rows, n_splits, part_row_stride, BLOCK_B: tl.constexpr, BLOCK_S
 
 @triton.jit
 def _eos_terms(
-    lse, z_row, rows, row_ok, eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value,
-    state_ptr, state_stride, new_state_ptr, HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr,
+    lse, z_ptr, z_row_stride, rows, row_ok, eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride,
+    steps_value, state_ptr, state_stride, new_state_ptr, HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr,
     HAS_STATE: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     """(log_norm = L − a, ζ_eos, rows whose eos logit or ST state is NaN, or state positive) for the
     NMST/ST heads."""
-    s, t, prev = _head_inputs(z_row, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value, state_ptr,
-                              state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
+    s, t, prev = _head_inputs(z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value,
+                              state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
     return _head_terms(lse, s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD)
 
 
 @triton.jit
 def _head_inputs(
-    z_row, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value, state_ptr, state_stride,
+    z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value, state_ptr, state_stride,
     HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     """What the head math reads per row: (eos's raw logit s as fp64, the step t as int64, ST's state
     before this step as fp64; 0 where a head or a launch has none). None of it is another program's
-    output, so the one-launch step loads it before a row's arrival (``kernels/scan_select.py``): the
+    output, so the one-launch step loads it before a row's arrival (``nmst_fast/kernels/scan_select.py``): the
     finish then starts the head's survival terms at once, under its loads of the partials. Loads go
     before any math: the compiler does not move a load across the branches of the fp64 log/exp, so
     each load placed after math waited for it (sm_90 SASS of the one-launch greedy step: three round
@@ -155,7 +155,7 @@ def _head_inputs(
     if HEAD == 0:
         s = tl.zeros((BLOCK_B,), tl.float64)
     else:
-        s = tl.load(z_row + eos_index, mask=row_ok, other=0.0).to(tl.float64)
+        s = tl.load(z_ptr + rows.to(tl.int64) * z_row_stride + eos_index, mask=row_ok, other=0.0).to(tl.float64)
     if STEPS_PER_ROW:
         t = tl.load(steps_ptr + rows.to(tl.int64) * steps_stride, mask=row_ok, other=1).to(tl.int64)
     else:
@@ -224,7 +224,7 @@ def select_rows(
     ``t``, ``prev``) and the draw's loaded ``seed`` (unused by greedy): merges L, does the head math,
     stores each row's token and log-probability. Returns the first row whose distribution is
     undefined (``n_rows``: none). Shared by ``_select_kernel`` and the scan's own finish
-    (``kernels/scan_select.py``)."""
+    (``nmst_fast/kernels/scan_select.py``)."""
     # Every load before any math (see _head_inputs): on the one-launch step's tail they share one
     # round trip, under which the survival terms run.
     split_max = _load_partial(max_ptr, part, part_ok, float("-inf"))
@@ -317,9 +317,8 @@ def _select_kernel(
     STORE_FLAGS: tl.constexpr,  # the grid is one program: it writes the flags (no fill launched before)
 ):
     rows, row_ok, part, part_ok = _row_block(n_rows, n_splits, part_row_stride, BLOCK_B, BLOCK_S)
-    s, t, prev = _head_inputs(z_ptr + rows.to(tl.int64) * z_row_stride, rows, row_ok, eos_index, steps_ptr,
-                              steps_stride, steps_value, state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE,
-                              BLOCK_B)
+    s, t, prev = _head_inputs(z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value,
+                              state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
     seed = 0 if GREEDY else tl.load(seed_ptr)
     first_bad = select_rows(rows, row_ok, part, part_ok, s, t, prev, n_rows, V, max_ptr, sum_ptr, pick_val_ptr,
                             pick_idx_ptr, eos_index, temp_hi, temp_lo, log1m_eps_hi, log1m_eps_lo, seed, token_ptr,
@@ -342,7 +341,7 @@ def select_candidate_rows(
     with ``row_ok``) from the candidate scan's partials, the rows' head inputs and the draw's seed
     (``part``/``part_ok``, ``s``/``t``/``prev``, ``seed`` as :func:`select_rows`); stores each row's
     token and log-probability and returns the first row without a distribution (``n_rows``: none).
-    Shared by ``_select_candidates_kernel`` and ``kernels/scan_select.py``."""
+    Shared by ``_select_candidates_kernel`` and ``nmst_fast/kernels/scan_select.py``."""
     # Every load before any math (see _head_inputs): on the one-launch step's tail they share one
     # round trip, under which the survival terms run.
     split_max = _load_partial(max_ptr, part, part_ok, float("-inf"))
@@ -454,9 +453,8 @@ def _select_candidates_kernel(
 ):
     """Top-k then top-p on the K best non-eos candidates plus eos, and one draw per row."""
     rows, row_ok, part, part_ok = _row_block(n_rows, n_splits, part_row_stride, BLOCK_B, BLOCK_S)
-    s, t, prev = _head_inputs(z_ptr + rows.to(tl.int64) * z_row_stride, rows, row_ok, eos_index, steps_ptr,
-                              steps_stride, steps_value, state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE,
-                              BLOCK_B)
+    s, t, prev = _head_inputs(z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value,
+                              state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
     first_bad = select_candidate_rows(
         rows, row_ok, part, part_ok, s, t, prev, n_rows, n_splits, part_row_stride, max_ptr, sum_ptr, key_ptr,
         eos_index, log1m_eps_hi, log1m_eps_lo, top_k, top_p_hi, top_p_lo, tl.load(seed_ptr), token_ptr,
@@ -559,7 +557,7 @@ def select_from_scan(
 
     Args:
         z: (B, V) logits the scan read (any row stride, unit stride along V).
-        scan: :func:`kernels.row_scan.scan_partials` of ``z`` without candidates (or of its
+        scan: :func:`nmst_fast.kernels.row_scan.scan_partials` of ``z`` without candidates (or of its
             first row when every row is the same: its partials then have one row and are shared).
         head: "va" | "nmst" | "st"; eos_index, eps, temperature as in the scan.
         steps: t of this step: an int, or a (B,) int64 tensor (stride 0 allowed).
@@ -604,11 +602,11 @@ def select_candidates_from_scan(
 
     The scan (with ``candidates``) holds each row's K best non-eos tokens; eos joins them
     by its exact ζ_eos, so with ``top_k`` (<= K) the kept set is exact. (Top-p alone takes
-    ``kernels/nucleus.py``: a nucleus may hold any number of tokens.)
+    ``nmst_fast/kernels/nucleus.py``: a nucleus may hold any number of tokens.)
 
     Args:
         z, head, eos_index, eps, steps, state: as :func:`select_from_scan`.
-        scan: :func:`kernels.row_scan.scan_partials` of ``z`` with candidates (K >= top_k).
+        scan: :func:`nmst_fast.kernels.row_scan.scan_partials` of ``z`` with candidates (K >= top_k).
         top_k: keep the k most probable tokens.
         top_p_threshold: keep ranks while the mass before them is below this (top_p minus the
             caller's rounding slack; None: no top-p).

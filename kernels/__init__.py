@@ -1,1 +1,0 @@
-"""Pure Triton kernels and their launch wrappers (no autograd; see ``nmst_fast`` for that)."""
