@@ -154,8 +154,8 @@ def test_rows_left_rejected_are_drawn_from_the_cut(monkeypatch, rows):
     tokens, probs = truncated_candidates(dist, None, 0.05)
     expected = torch.zeros(rows, 400, dtype=torch.float64).scatter_add(1, tokens, probs)
     assert bool((expected.gather(1, served.tokens.cpu()[:, None]) > 0).all())
-    # The same seed, so the rounds leave the same rows rejected (an unseeded draw is accepted in its
-    # one round about 5% of the time at p = 0.05, and then never reaches the cut).
+    # The same seed, so the rounds leave the same rows rejected (unseeded, the one round accepted the
+    # single row's draw for 5 of 200 seeds, and the step never reached the cut).
     monkeypatch.setattr(nucleus, "MAX_PASSES", 0)
     paths.clear()
     assert fused_truncated(z, head="va", eos_index=0, top_p=0.05, generator=torch.Generator().manual_seed(0)) is None

@@ -390,10 +390,15 @@ class FinishLoads:
     math_under_loads: int  # fp64 / special-function instructions issued while the finish's loads were in flight
 
 
+def _register_span(first: int, width: str) -> range:
+    """The 32-bit registers an operand R<first><width> covers (width "", ".64" or ".128")."""
+    return range(first, first + _REGISTERS_PER_WIDTH[width])
+
+
 def _registers(operands: str) -> set[int]:
     out: set[int] = set()
     for number, width in _SASS_REGISTER.findall(operands):
-        out.update(range(int(number), int(number) + _REGISTERS_PER_WIDTH[width]))
+        out.update(_register_span(int(number), width))
     return out
 
 
@@ -403,7 +408,7 @@ def _loaded_registers(opcode: str, operands: str) -> set[int]:
     if first is None:
         return set()
     width = re.search(r"\.(?:64|128)\b", opcode)
-    return _registers(f"R{first.group(1)}{width.group(0) if width else ''}")
+    return set(_register_span(int(first.group(1)), width.group(0) if width else ""))
 
 
 def finish_loads(sass: str) -> Optional[FinishLoads]:
