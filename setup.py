@@ -10,9 +10,10 @@ setup(
     extras_require={
         "triton": ["triton>=3.0"],
         "hf": ["transformers>=4.45"],
-        "train": ["matplotlib>=3.5"],
+        "train": ["matplotlib>=3.5", "transformers>=4.45", "tokenizers"],
         "hub": ["datasets"],  # --dataset: WikiText from the Hugging Face hub (network)
-        "test": ["pytest", "pytest-xdist", "scipy", "triton>=3.0", "transformers>=4.45", "matplotlib>=3.5"],
+        "test": ["pytest", "pytest-xdist", "scipy", "triton>=3.0", "transformers>=4.45", "matplotlib>=3.5", "peft",
+                 "accelerate", "tokenizers"],
         "bench": ["pytest-benchmark", "tqdm"],
     },
 )

@@ -11,6 +11,11 @@ pass as the loss, for reductions "mean"/"sum").
 Everything head-specific is O(N) scalar math (:mod:`nmst_fast.head_math`).
 s = z_eos comes from one cheap GEMV up front, which gives "st" its whole-sequence
 eos gradients before the V-wide pass starts.
+
+With a logit softcap c (``HeadConfig.softcap``; Gemma 2/3) the heads see y = c · tanh(z / c): the
+chunk buffer still receives the raw z from the GEMM, the row pass caps it (L, z_target, dy on y)
+and leaves dz = dy · sech²(z / c) for the two gradient GEMMs, and s is the capped eos logit.
+A logit scale is not seen here: the public entry point folds it into hidden and bias.
 """
 
 from __future__ import annotations
@@ -34,30 +39,39 @@ class HeadConfig:
     eps: float
     ignore_index: int
     seq_len: int  # T of the (B, T) layout the flat rows come from; "st" sums along it
+    softcap: Optional[float] = None  # c > 0: the heads see c·tanh(z / c) instead of z
 
 
-def default_chunk_rows(num_rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> int:
+def default_chunk_rows(
+    num_rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device, *, buffers: int = 1
+) -> int:
     """Rows per chunk so the (chunk, V) logits buffer stays within a fixed byte budget.
 
     Chunks are balanced (4096 rows at <= 1001 per chunk become 5 x 820, not 4 x 1001 + 92):
-    a thin last chunk runs its three GEMMs at poor efficiency.
+    a thin last chunk runs its three GEMMs at poor efficiency. ``buffers``: how many (chunk, V)
+    tensors the row pass holds at once (2 for the torch row pass with a softcap): they share the budget.
     """
-    budget = _CHUNK_BYTES["cuda" if device.type == "cuda" else "cpu"]
+    budget = _CHUNK_BYTES["cuda" if device.type == "cuda" else "cpu"] // buffers
     max_rows = max(1, budget // (vocab_size * torch.empty((), dtype=dtype).element_size()))
     num_chunks = max(1, -(-num_rows // max_rows))  # 0 rows (an empty batch): one empty chunk
     return max(1, -(-num_rows // num_chunks))
 
 
-def row_ops_for(backend: str):
-    return TritonRowOps() if backend == "triton" else TorchRowOps()
+def row_ops_for(backend: str, softcap: Optional[float] = None):
+    return TritonRowOps(softcap) if backend == "triton" else TorchRowOps(softcap)
 
 
-def eos_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eos_index: int) -> torch.Tensor:
-    """s = h · W[eos] (+ b[eos]) for every row, in at least float32."""
+def eos_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eos_index: int,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """s = h · W[eos] (+ b[eos]) for every row, in at least float32; c · tanh(s / c) with a softcap c."""
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     s = hidden.to(dtype) @ weight[eos_index].to(dtype)
     if bias is not None:
         s = s + bias[eos_index].to(dtype)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     return s
 
 
@@ -232,7 +246,7 @@ def fused_forward(
         # row pass, i.e. after the first chunk's GEMM is queued: on a GPU those kernels are
         # launched while that GEMM runs instead of holding it back.
         rows = _RowTargets.build(targets, cfg)
-        s = eos_logits(hidden, weight, bias, cfg.eos_index)
+        s = eos_logits(hidden, weight, bias, cfg.eos_index, cfg.softcap)
         log_surv = None if cfg.head == "va" else head_math.log_survival(cfg.head, s, steps, cfg.eps, cfg.seq_len)
         # Unit row weights for every reduction: "mean" forms the gradients of the sum and backward
         # divides by the row count with the upstream gradient, in fp32 or wider: dz = p_v / N in fp16
@@ -248,7 +262,7 @@ def fused_forward(
     stats_dtype = torch.promote_types(hidden.dtype, torch.float32)
     lse = torch.empty(N, dtype=torch.float64, device=hidden.device)  # O(N): L − z_target needs its digits
     z_target = torch.empty(N, dtype=stats_dtype, device=hidden.device)
-    row_ops = row_ops_for(backend)
+    row_ops = row_ops_for(backend, cfg.softcap)
 
     def row_pass(start: int, stop: int, z: torch.Tensor) -> None:
         p = prep()
@@ -296,14 +310,14 @@ def fused_backward_from_lse(
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Gradients for reduction="none": recompute each chunk's logits and weight rows by ``grad_rows`` (N,)."""
     rows = _RowTargets.build(targets, cfg)
-    s = eos_logits(hidden, weight, bias, cfg.eos_index)
+    s = eos_logits(hidden, weight, bias, cfg.eos_index, cfg.softcap)
     row_weight = torch.where(rows.active, grad_rows.to(torch.float64), 0.0)
     eos_grads = None
     if cfg.head != "va":
         log_surv = head_math.log_survival(cfg.head, s, steps, cfg.eps, cfg.seq_len)
         eos_grads = head_math.eos_logit_grads(cfg.head, s, log_surv, rows.is_eos, row_weight, steps, cfg.seq_len)
     coefs = head_math.grad_coefficients(cfg.head, lse, s, rows.is_eos, row_weight, eos_grads)
-    row_ops = row_ops_for(backend)
+    row_ops = row_ops_for(backend, cfg.softcap)
 
     def row_pass(start: int, stop: int, z: torch.Tensor) -> None:
         row_ops.grad_from_lse_(z, lse[start:stop], rows.safe[start:stop], cfg.eos_index, coefs.rows(start, stop))

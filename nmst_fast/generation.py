@@ -43,8 +43,16 @@ class DecodingModel(Protocol):
     def select_cache(self, cache: Any, index: torch.Tensor) -> Any:
         """Rows ``index`` (int64) of the cache, in that order (used to drop and to reorder rows)."""
 
-    # Optional: ``max_positions`` (int), the most context plus fed tokens the model attends over
-    # (a learned position table's size); :func:`generate` refuses a ``max_length`` beyond it.
+    # Optional: ``max_positions`` (int or None), the most context plus fed tokens the model attends
+    # over (a learned position table's size); :func:`generate` refuses a ``max_length`` beyond it.
+    # Optional: ``stop_token_ids`` (ints), tokens besides the head's eos that also end a
+    # continuation (a config listing several eos ids, as Llama 3's).
+
+
+def _stop_tokens(model, head: NMSTHead, device) -> torch.Tensor:
+    """The tokens that end a continuation: the head's eos first, then the model's other stop ids."""
+    ids = [head.eos_index] + [int(i) for i in getattr(model, "stop_token_ids", ()) if int(i) != head.eos_index]
+    return torch.tensor(ids, dtype=torch.long, device=device)
 
 
 @dataclass
@@ -148,7 +156,8 @@ def generate(
     progress: bool = False,
     impl: str = "auto",
 ) -> GenerationOutput:
-    """Continue every context until eos or ``max_length`` generated tokens.
+    """Continue every context until eos (or another of the model's ``stop_token_ids``) or
+    ``max_length`` generated tokens.
 
     Args:
         model: a :class:`DecodingModel` whose ``nmst_head`` defines the head, eos and ε.
@@ -204,6 +213,7 @@ def generate(
     # still round onto a tie with a token of lower index there (σ(−s) rounds to 1 for s ≲ −37),
     # so greedy NMST takes eos at t½ by the exact argument, not by the rounded comparison.
     bound = termination_bound(head.eps) if strategy == "greedy" and head.head == "nmst" else None
+    stops = _stop_tokens(model, head, device)
     bar = tqdm(total=max_length, disable=not progress, desc=f"generate[{strategy}]")
     for t in range(1, max_length + 1):
         logits = head(hidden)
@@ -230,7 +240,7 @@ def generate(
         scores[live] += step_log_p
         if keep_tokens:
             history.append((live, tokens))
-        finished = tokens == head.eos_index
+        finished = torch.isin(tokens, stops)
         lengths[live[finished]] = t
         terminated[live[finished]] = True
         keep = (~finished).nonzero().squeeze(1)  # the step's one sync: its size drives the bar and compaction
@@ -262,10 +272,11 @@ class _Hypothesis:
     log_prob: float
     length: int
     terminated: bool
-    # Its tokens: the prefix is row ``row`` of the trail after ``prefix_length`` steps, then eos
-    # when terminated (see _Trail).
+    # Its tokens: the prefix is row ``row`` of the trail after ``prefix_length`` steps, then the
+    # stop token ``last`` when terminated (see _Trail).
     prefix_length: int
     row: int
+    last: int = -1
 
 
 class _Trail:
@@ -281,7 +292,7 @@ class _Trail:
         if self.keep:
             self.steps.append((parents, tokens))
 
-    def tokens(self, hypotheses: list[_Hypothesis], eos: int, device) -> torch.Tensor:
+    def tokens(self, hypotheses: list[_Hypothesis], device) -> torch.Tensor:
         """(len(hypotheses), longest length) int64 tokens, padded with -1."""
         width = max((h.length for h in hypotheses), default=0) if self.keep else 0
         out = torch.full((len(hypotheses), width), -1, dtype=torch.long, device=device)
@@ -290,7 +301,8 @@ class _Trail:
         n_prefix = torch.tensor([h.prefix_length for h in hypotheses], device=device)
         row = torch.tensor([h.row for h in hypotheses], device=device)
         ended = torch.tensor([h.terminated for h in hypotheses], device=device)
-        out[ended, n_prefix[ended]] = eos
+        last = torch.tensor([h.last for h in hypotheses], device=device)
+        out[ended, n_prefix[ended]] = last[ended]
         for step in range(int(n_prefix.max()), 0, -1):  # all hypotheses walk back together
             parents, tokens = self.steps[step - 1]
             on = n_prefix >= step
@@ -324,6 +336,10 @@ def _beam_search(model, contexts, K, max_length, length_penalty, early_stopping,
     head: NMSTHead = model.nmst_head
     eos = head.eos_index
     B, device = contexts.shape[0], contexts.device
+    stops = _stop_tokens(model, head, device)
+    # K beams hold at most K·S stop candidates (S stop tokens), so (S + 1)·K candidates always hold
+    # K that continue (HF's rule).
+    C = (stops.numel() + 1) * K
     hidden, cache = model.prefill(contexts)
     rows = torch.arange(B, device=device).repeat_interleave(K)
     hidden, cache = hidden[rows], model.select_cache(cache, rows)
@@ -334,24 +350,25 @@ def _beam_search(model, contexts, K, max_length, length_penalty, early_stopping,
     items = list(range(B))  # original index of each live item, on the host: bookkeeping needs no sync
     finished: list[list[_Hypothesis]] = [[] for _ in range(B)]
     state = None
-    rank = torch.arange(2 * K, device=device)
+    rank = torch.arange(C, device=device)
     bar = tqdm(total=max_length, disable=not progress, desc="generate[beam]")
     for t in range(1, max_length + 1):
         cand = beam_step(head(hidden), beam_scores, num_beams=K, head=head.head, eos_index=eos, eps=head.eps,
-                         steps=t, state=state, temperature=temperature, num_candidates=2 * K, impl=impl)
-        is_eos = cand.tokens == eos
+                         steps=t, state=state, temperature=temperature, num_candidates=C, impl=impl)
+        is_eos = torch.isin(cand.tokens, stops)
         to_finish = is_eos & (rank < K) & torch.isfinite(cand.scores)
         # Every finishing candidate comes to the host at once (a few syncs per step, not per hypothesis).
         at = to_finish.nonzero()
         if at.numel():
             log_probs = cand.scores[at[:, 0], at[:, 1]].tolist()
             prefix_rows = cand.beam_rows[at[:, 0], at[:, 1]].tolist()
-            for i, log_prob, row in zip(at[:, 0].tolist(), log_probs, prefix_rows):
+            last_tokens = cand.tokens[at[:, 0], at[:, 1]].tolist()
+            for i, log_prob, row, last in zip(at[:, 0].tolist(), log_probs, prefix_rows, last_tokens):
                 hyp = finished[items[i]]
-                hyp.append(_Hypothesis(log_prob / t**length_penalty, log_prob, t, True, t - 1, row))
+                hyp.append(_Hypothesis(log_prob / t**length_penalty, log_prob, t, True, t - 1, row, last))
                 hyp.sort(key=lambda h: -h.score)
                 del hyp[K:]
-        # The K best non-eos candidates continue (2K candidates always hold K of them).
+        # The K best non-stop candidates continue (C candidates always hold K of them).
         continuing = torch.sort((is_eos).to(torch.int8), dim=1, stable=True).indices[:, :K]
         next_rows = cand.beam_rows.gather(1, continuing).view(-1)
         next_tokens = cand.tokens.gather(1, continuing).view(-1)
@@ -386,7 +403,7 @@ def _beam_search(model, contexts, K, max_length, length_penalty, early_stopping,
         hidden, cache = model.decode_step(next_tokens, model.select_cache(cache, next_rows))
     bar.close()
     best = [max(h, key=lambda h: h.score) for h in finished]  # every item holds >= 1 hypothesis by now
-    return GenerationOutput(trail.tokens(best, eos, device),
+    return GenerationOutput(trail.tokens(best, device),
                             torch.tensor([h.length for h in best], dtype=torch.long, device=device),
                             torch.tensor([h.terminated for h in best], device=device),
                             torch.tensor([h.log_prob for h in best], dtype=torch.float64, device=device))

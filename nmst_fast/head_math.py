@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .logmath import log1mexp
+from .logmath import log1mexp, segmented_cumsum
 
 _F64 = torch.float64
 
@@ -59,13 +59,14 @@ def st_step_term(s: torch.Tensor, eps: float) -> torch.Tensor:
 def log_survival(head: str, s: torch.Tensor, steps: torch.Tensor, eps: float, seq_len: int) -> torch.Tensor:
     """log(1 − α_t) per row (N,) float64; 0 at context rows (t <= 0).
 
-    "st" accumulates along T, so its rows must be laid out (B, T) flat with ``seq_len`` = T.
+    "st" accumulates along T, so its rows must be laid out (B, T) flat with ``seq_len`` = T;
+    its running sum restarts at every t = 1 (a new sequence of a packed row), as in the reference.
     """
     if head == "nmst":
         return nmst_log_survival(s, steps, eps)
     active = steps >= 1
     per_step = torch.where(active, st_step_term(s, eps), 0.0)
-    value = torch.cumsum(_along_time(per_step, seq_len), dim=1).reshape(-1)
+    value = segmented_cumsum(_along_time(per_step, seq_len), _along_time(steps == 1, seq_len)).reshape(-1)
     return torch.where(active, value, 0.0)
 
 
@@ -100,8 +101,9 @@ def eos_logit_grads(
     """d(Σ w ℓ)/ds per row for "nmst"/"st" (N,) float64.
 
     Needs only s, never L, so the fused pass can have it before touching V-wide data.
-    For "st", row t's s enters log(1−α) of every later row of its sequence,
-    so its gradient is a reverse running sum of dℓ/d log(1−α) along T.
+    For "st", row t's s enters log(1−α) of every later row of its sequence (up to the next
+    t = 1, where the running sum restarts), so its gradient is a reverse running sum of
+    dℓ/d log(1−α) along T, restarted at the same places.
     """
     s = s.to(_F64)
     active = steps >= 1
@@ -112,9 +114,9 @@ def eos_logit_grads(
     if head == "nmst":
         # a = logσ(−s) + t log1p(−ε):  da/ds = −σ(s)
         return -torch.sigmoid(s) * d_loss_d_surv
-    # a_t = Σ_{t' <= t} logσ(s_t') + …:  d a_t / d s_t' = σ(−s_t') for t' <= t.
+    # a_t = Σ_{t' <= t} logσ(s_t') + … (t' in t's sequence):  d a_t / d s_t' = σ(−s_t') for those t'.
     per_seq = _along_time(d_loss_d_surv, seq_len)
-    from_later_rows = torch.flip(torch.cumsum(torch.flip(per_seq, [1]), dim=1), [1]).reshape(-1)
+    from_later_rows = segmented_cumsum(per_seq, _along_time(steps == 1, seq_len), reverse=True).reshape(-1)
     return torch.where(active, torch.sigmoid(-s) * from_later_rows, 0.0)
 
 

@@ -51,3 +51,36 @@ def termination_bound(eps: float) -> int:
         # (1−ε)^t = 1/2 exactly (ε = 1/2, t = 1) is a bound too: σ(−s) < 1 keeps p(eos) above 1/2.
         # The slack absorbs the last digits' rounding of such an integer quotient.
         return int((quotient - Decimal("1e-45")).to_integral_value(rounding=decimal.ROUND_CEILING))
+
+
+def segmented_cumsum(x: torch.Tensor, starts: torch.Tensor, *, reverse: bool = False) -> torch.Tensor:
+    """Cumulative sum of ``x`` along its last axis that restarts at every True of ``starts``.
+
+    ``out[..., j]`` sums ``x[..., i]`` from the last start at or before j (the row start if
+    there is none) up to j: each run that begins at a start is summed as if it were its own row.
+    ``reverse=True`` sums from j to the end of j's run instead (up to the position before the
+    next start, or the row end): the adjoint, Σ_j g_j·out_j = Σ_i x_i·out_reverse(g)_i, which
+    is how a gradient flows back through the forward sum.
+
+    ``starts`` is bool, broadcastable to ``x``. O(numel), no loop over the axis: a run's sum is
+    the row's prefix sum (one cumsum) minus the prefix before the run's start (found by one
+    cummax), exact but for the rounding of that prefix; a row without restarts after its first
+    position gives plain ``cumsum`` bit for bit. Non-finite values (±inf, NaN) stay in their run
+    (one more cummax finds them), as they would in a row of their own. Differentiable (twice).
+    """
+    starts = torch.broadcast_to(starts, x.shape)
+    if reverse:
+        # Flipped, a run's last position is its first: run ends are the positions before a start.
+        ends = torch.cat([starts[..., 1:], torch.ones_like(starts[..., :1])], dim=-1)
+        return segmented_cumsum(x.flip(-1), ends.flip(-1)).flip(-1)
+    position = torch.arange(x.shape[-1], device=x.device)
+    run_start = torch.where(starts, position, 0).cummax(-1).values  # 0 before the first start
+    finite = torch.isfinite(x)
+    total = torch.where(finite, x, torch.zeros_like(x)).cumsum(-1)
+    before = torch.cat([torch.zeros_like(total[..., :1]), total[..., :-1]], dim=-1)  # exclusive prefix sums
+    out = total - before.gather(-1, run_start)
+    # ±inf / NaN: whether each kind occurred in the run so far (its latest position is in the run).
+    kinds = torch.stack([x == float("-inf"), x == float("inf"), torch.isnan(x)])
+    neg, pos, nan = (torch.where(kinds, position, -1).cummax(-1).values >= run_start).unbind(0)
+    non_finite_sum = torch.where(nan | (neg & pos), float("nan"), torch.where(pos, float("inf"), float("-inf")))
+    return torch.where(neg | pos | nan, non_finite_sum.to(out.dtype), out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import os
 from typing import Optional
@@ -70,8 +71,22 @@ def _autocast_inputs(hidden, weight, bias):
     return cast(hidden), cast(weight), cast(bias)
 
 
-def _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduction, impl, ignore_index) -> None:
+def check_logit_option(name: str, value) -> Optional[float]:
+    """``softcap`` / ``logit_scale``: None or a positive finite real (not a bool); returned as a float."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a positive float or None, got {type(value).__name__}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite float or None, got {value!r}")
+    return float(value)
+
+
+def _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduction, impl, ignore_index,
+                     softcap=None, logit_scale=None) -> None:
     check_choice("head", head, HEADS)
+    check_logit_option("softcap", softcap)
+    check_logit_option("logit_scale", logit_scale)
     check_choice("reduction", reduction, REDUCTIONS)
     check_choice("impl", impl, IMPLS)
     check_eps(eps)
@@ -123,8 +138,15 @@ def linear_nmst_loss(
     impl: str = "auto",
     chunk_size: Optional[int] = None,
     validate: bool = True,
+    softcap: Optional[float] = None,
+    logit_scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """NLL of ``targets`` under the NMST / ST / VA head on logits ``hidden @ weight.T + bias``.
+    """NLL of ``targets`` under the NMST / ST / VA head on the logits
+
+        y = softcap · tanh(logit_scale · z / softcap),   z = hidden @ weight.T + bias
+
+    (y = logit_scale · z without ``softcap``; no ``logit_scale`` means 1; neither: y = z). Every head
+    works on y as on plain logits: eos's logit is y_eos, L = logsumexp over the non-eos y, and so on.
 
     Never materializes the (N, V) logits (except ``impl="reference"``).
 
@@ -139,6 +161,7 @@ def linear_nmst_loss(
         steps: integer t per position, broadcastable to ``targets``. Default for
             (B, T): 1..T along T. Flat input needs it for "nmst"; "st" needs (B, T).
             t <= 0 marks context positions (p(eos) = 0); "nmst" rejects t < 0.
+            "st"'s running sum restarts at every t = 1 (packed rows: one sequence per restart).
         bias: (V,) or None.
         reduction: "mean" (over non-ignored targets; 0 if there are none), "sum",
             or "none" (per-position NLL in ``targets``' shape, 0 where ignored).
@@ -148,13 +171,22 @@ def linear_nmst_loss(
             byte budget for the (chunk, V) logits buffer).
         validate: run the data checks (target range, step signs, NaN/inf), one
             host sync; they are skipped automatically under ``torch.compile``.
+        softcap: c > 0 or None: cap the logits to (−c, c) by c · tanh(· / c), as Gemma 2/3's
+            ``final_logit_softcapping``. The fused backends apply it inside the row pass (the
+            torch one then halves its default chunk: it keeps a second (chunk, V) buffer).
+        logit_scale: a > 0 or None: multiply the logits by a before the cap, as Cohere's
+            ``logit_scale`` (Granite's ``logits_scaling`` s divides: pass 1/s). The fused backends
+            fold it into ``hidden`` and ``bias`` (one (N, H) product, in ``hidden``'s dtype).
     Returns:
         Scalar loss (or per-position losses) in ``hidden``'s dtype; under ``torch.autocast`` in
         float32 (as AMP's losses; float64 unchanged), with the op itself in autocast's dtype.
     """
     autocasting = _autocasting(hidden)
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
-    _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduction, impl, ignore_index)
+    _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduction, impl, ignore_index,
+                     softcap, logit_scale)
+    softcap = None if softcap is None else float(softcap)  # a numpy float as a plain one: the op's schema
+    logit_scale = None if logit_scale is None else float(logit_scale)
     # One integer dtype from here on: in uint8, `targets != -100` compares with -100 wrapped to 156.
     targets = targets.long()
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
@@ -179,7 +211,14 @@ def linear_nmst_loss(
                 hidden, weight, targets, eos_index=eos_index, eps=eps, head=head, steps=full_steps,
                 bias=bias, ignore_index=ignore_index, reduction=reduction,
                 logits_dtype=torch.promote_types(hidden.dtype, torch.float32) if autocasting else None,
+                softcap=softcap, logit_scale=logit_scale,
             )
+
+    if logit_scale is not None and logit_scale != 1.0:
+        # c·tanh(a·z / c) = c·tanh(z' / c) with z' = (a·h) Wᵀ + a·b: the op needs only the cap, and
+        # autograd carries the scale to dh and db (dW comes from the op with a·h already in it).
+        hidden = hidden * logit_scale
+        bias = None if bias is None else bias * logit_scale
 
     H = hidden.shape[-1]
     flat_hidden = hidden.reshape(-1, H).contiguous()
@@ -187,7 +226,9 @@ def linear_nmst_loss(
     flat_steps = None if full_steps is None else full_steps.reshape(-1).contiguous()
     seq_len = targets.shape[-1] if layout_3d else 1
     N = flat_hidden.shape[0]
-    chunk_rows = chunk_size or default_chunk_rows(N, weight.shape[0], hidden.dtype, hidden.device)
+    # The torch row pass keeps x / c beside the chunk for the cap's gradient: two buffers share the budget.
+    buffers = 2 if softcap is not None and backend == "chunked" else 1
+    chunk_rows = chunk_size or default_chunk_rows(N, weight.shape[0], hidden.dtype, hidden.device, buffers=buffers)
     grad_on = torch.is_grad_enabled()
     loss, _lse, _dh, _dw, _db = torch.ops.nmst_fast.linear_loss(
         flat_hidden,
@@ -206,6 +247,7 @@ def linear_nmst_loss(
         grad_on and hidden.requires_grad,
         grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad,
+        softcap,
     )
     # The op's loss is at least fp32. Under autocast it stays so (AMP's losses are fp32: a GradScaler's
     # 65536 would be inf as an fp16 upstream gradient); otherwise it takes hidden's dtype, as F.cross_entropy.

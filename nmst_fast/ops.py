@@ -10,6 +10,9 @@ inside an ordinary autograd formula:
   active-row count for "mean", in fp32 or wider, so fp16's range never sees 1/N alone).
 * reduction "none": the upstream gradient is per row, so backward recomputes
   each chunk's logits from the saved per-row L (one extra GEMM per chunk).
+
+``softcap`` (last argument, default None): the heads see c·tanh(z / c) (see :mod:`nmst_fast.fused`);
+the gradients returned are still with respect to hidden, weight and bias.
 """
 
 from __future__ import annotations
@@ -46,11 +49,12 @@ def linear_loss(
     need_grad_hidden: bool,
     need_grad_weight: bool,
     need_grad_bias: bool,
+    softcap: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (loss in at least fp32, lse (N,) float64, dh, dW, db); grads are empty unless computed in this pass.
 
     dW and db come in at least fp32 (the accumulators): backward scales and casts them."""
-    cfg = HeadConfig(head, eos_index, eps, ignore_index, seq_len)
+    cfg = HeadConfig(head, eos_index, eps, ignore_index, seq_len, softcap)
     need = (need_grad_hidden, need_grad_weight, need_grad_bias and bias is not None)  # as the fake kernel
     if reduction == "none":
         need = (False, False, False)  # per-row upstream grads are only known in backward
@@ -66,7 +70,7 @@ def linear_loss(
 
 @linear_loss.register_fake
 def _(hidden, weight, bias, targets, steps, seq_len, head, eos_index, eps, ignore_index, reduction, backend,
-      chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias):
+      chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap=None):
     N = hidden.shape[0]
     in_forward = reduction != "none"
     loss = hidden.new_empty((N,) if reduction == "none" else (), dtype=torch.promote_types(hidden.dtype, torch.float32))
@@ -98,8 +102,9 @@ def linear_loss_backward(
     need_grad_hidden: bool,
     need_grad_weight: bool,
     need_grad_bias: bool,
+    softcap: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    cfg = HeadConfig(head, eos_index, eps, ignore_index, seq_len)
+    cfg = HeadConfig(head, eos_index, eps, ignore_index, seq_len, softcap)
     with torch.autocast(hidden.device.type, enabled=False):  # as in linear_loss
         dh, dw, db = fused_backward_from_lse(
             grad_rows, hidden, weight, bias, targets, steps, lse, cfg,
@@ -111,7 +116,7 @@ def linear_loss_backward(
 
 @linear_loss_backward.register_fake
 def _(grad_rows, hidden, weight, bias, targets, steps, lse, seq_len, head, eos_index, eps, ignore_index, backend,
-      chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias):
+      chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap=None):
     dh = torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty(0)
     dw = torch.empty_like(weight) if need_grad_weight else weight.new_empty(0)
     db = torch.empty_like(bias) if (need_grad_bias and bias is not None) else weight.new_empty(0)
@@ -119,7 +124,7 @@ def _(grad_rows, hidden, weight, bias, targets, steps, lse, seq_len, head, eos_i
 
 
 _STATIC_ARGS = ("seq_len", "head", "eos_index", "eps", "ignore_index", "backend", "chunk_rows",
-                "need_grad_hidden", "need_grad_weight", "need_grad_bias")
+                "need_grad_hidden", "need_grad_weight", "need_grad_bias", "softcap")
 
 
 @torch.library.custom_op("nmst_fast::scale_cast", mutates_args=())
@@ -145,7 +150,7 @@ def _(acc, scale, dtype, backend):
 
 def _setup_context(ctx, inputs, output):
     (hidden, weight, bias, targets, steps, seq_len, head, eos_index, eps, ignore_index, reduction, backend,
-     chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias) = inputs
+     chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap) = inputs
     loss, lse, dh, dw, db = output
     # Only the loss is differentiable. Without these two calls autograd would hand
     # backward zero-filled gradients for lse/dh/dW/db: a V×H allocation for nothing.
@@ -153,7 +158,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     ctx.reduction = reduction
     ctx.static = dict(zip(_STATIC_ARGS, (seq_len, head, eos_index, eps, ignore_index, backend, chunk_rows,
-                                         need_grad_hidden, need_grad_weight, need_grad_bias)))
+                                         need_grad_hidden, need_grad_weight, need_grad_bias, softcap)))
     ctx.has_bias = bias is not None
     ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
     if reduction == "none":
@@ -167,7 +172,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db):
     st = ctx.static
     if grad_loss is None:  # grads are not materialized: None means the loss got no gradient
-        return (None,) * 16
+        return (None,) * 17
     if torch.is_grad_enabled():
         # create_graph=True: the gradients come from the forward (or a recomputation) as constants,
         # so their own derivatives would be silently zero. Refuse rather than give wrong Hessians.
@@ -194,7 +199,7 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db):
         dw if st["need_grad_weight"] else None,
         db if (st["need_grad_bias"] and ctx.has_bias) else None,
     )
-    return grads + (None,) * 13
+    return grads + (None,) * 14
 
 
 linear_loss.register_autograd(_backward, setup_context=_setup_context)

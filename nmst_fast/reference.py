@@ -9,6 +9,8 @@ Conventions (shared by every backend):
   * ``steps`` t is the position's step; t = 1 at the first token after the context.
   * t <= 0 marks a context position: p(eos) = 0 there (as in the paper's code),
     so log p(v) = z_v − L, and for "st" it adds nothing to the running sum.
+  * "st"'s running sum restarts at every t = 1: a packed row holding several sequences
+    (each 1, 2, …, n, context between them or not) gives each one the values it has alone.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .logmath import log1mexp
+from .logmath import log1mexp, segmented_cumsum
 
 
 def reference_log_survival(
@@ -27,14 +29,15 @@ def reference_log_survival(
 ) -> torch.Tensor:
     """log(1 − α_t) for every position; shape of ``eos_logits``; 0 at context positions.
 
-    For "st" the running sum goes along the last dimension of ``eos_logits``.
+    For "st" the running sum goes along the last dimension of ``eos_logits`` and restarts at
+    every position with t = 1 (from the row start when there is none).
     """
     active = steps >= 1
     if head == "nmst":
         value = F.logsigmoid(-eos_logits) + steps.to(eos_logits.dtype) * math.log1p(-eps)
     elif head == "st":
         per_step = F.logsigmoid(eos_logits) + math.log1p(-eps)
-        value = torch.cumsum(torch.where(active, per_step, torch.zeros_like(per_step)), dim=-1)
+        value = segmented_cumsum(torch.where(active, per_step, torch.zeros_like(per_step)), steps == 1)
     else:
         raise ValueError(f"head must be 'nmst' or 'st' here, got {head!r}")
     return torch.where(active, value, torch.zeros_like(value))
@@ -96,8 +99,11 @@ def reference_linear_nmst_loss(
     ignore_index: int,
     reduction: str,
     logits_dtype: Optional[torch.dtype] = None,
+    softcap: Optional[float] = None,
+    logit_scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """NLL of ``targets`` under :func:`nmst_log_probs` of ``hidden @ weight.T + bias``.
+    """NLL of ``targets`` under :func:`nmst_log_probs` of y = softcap·tanh(logit_scale·z / softcap),
+    z = ``hidden @ weight.T + bias`` (y = logit_scale·z without a softcap; a missing scale is 1).
 
     Arguments are already validated by the public entry point. ``logits_dtype``: the dtype the
     log-probabilities are computed in (default: the projection's own; autocast's caller takes fp32).
@@ -105,6 +111,10 @@ def reference_linear_nmst_loss(
     logits = F.linear(hidden, weight, bias)
     if logits_dtype is not None:
         logits = logits.to(logits_dtype)
+    if logit_scale is not None:
+        logits = logits * logit_scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     log_p = nmst_log_probs(logits, eos_index=eos_index, eps=eps, head=head, steps=steps)
     active = targets != ignore_index
     # gather takes int64 indices; targets may come in any integer dtype.

@@ -15,6 +15,10 @@ Contract:
   z is then overwritten with dz (see :mod:`nmst_fast.head_math`).
   ``grad_from_lse_(z, lse, targets, eos_index, coefficients)`` writes dz when
   L is already known (the recompute backward).
+
+  With ``softcap`` c (given to the constructor) z holds the raw logits x, the head sees
+  y = c · tanh(x / c): L, z_target and the coefficients are y's, and the dz written is the
+  gradient with respect to x (y's gradient times sech²(x / c)).
 """
 
 from __future__ import annotations
@@ -29,9 +33,43 @@ CoefficientsFn = Callable[[torch.Tensor], GradCoefficients]
 
 
 class TorchRowOps:
-    """In-place torch row pass: never allocates a second rows×V tensor (fp32/fp64)."""
+    """In-place torch row pass (fp32/fp64). Without a softcap it never allocates a second
+    rows×V tensor; a softcap's gradient needs x / c kept while dz overwrites the chunk, in one
+    reused rows×V buffer (the driver halves that path's chunk, ``default_chunk_rows(buffers=2)``)."""
 
     name = "chunked"
+
+    def __init__(self, softcap: Optional[float] = None) -> None:
+        self.softcap = softcap
+        self._scratch: Optional[torch.Tensor] = None  # flat, reused across chunks
+
+    def _scaled_copy(self, z: torch.Tensor) -> torch.Tensor:
+        """u = z / c in a buffer laid out like z (a (rows, V) view of either major order)."""
+        if self._scratch is None or self._scratch.numel() < z.numel() or self._scratch.dtype != z.dtype:
+            self._scratch = torch.empty(z.numel(), dtype=z.dtype, device=z.device)
+        if z.is_contiguous() or z.t().is_contiguous():
+            u = self._scratch[: z.numel()].as_strided(z.shape, z.stride())
+        else:
+            u = torch.empty_like(z)
+        return torch.div(z, self.softcap, out=u)
+
+    def _cap_(self, z: torch.Tensor, keep_for_grad: bool) -> Optional[torch.Tensor]:
+        """z ← c · tanh(z / c) in place; returns u = z / c (raw) when the gradient will need it."""
+        if self.softcap is None:
+            return None
+        if not keep_for_grad:
+            z.div_(self.softcap).tanh_().mul_(self.softcap)
+            return None
+        u = self._scaled_copy(z)
+        torch.tanh(u, out=z).mul_(self.softcap)
+        return u
+
+    @staticmethod
+    def _chain_cap_(dz: torch.Tensor, u: Optional[torch.Tensor]) -> None:
+        """dz ← dz · sech²(u), the cap's derivative: accurate in relative terms at any |u| and in
+        any dtype (1 − tanh² would round to 0 in bf16 once tanh rounds to 1); cosh's overflow gives 0."""
+        if u is not None:
+            dz.mul_(u.cosh_().square_().reciprocal_())
 
     @staticmethod
     def vocab_major(device: torch.device) -> bool:
@@ -59,6 +97,7 @@ class TorchRowOps:
         self, z: torch.Tensor, targets: torch.Tensor, eos_index: int, coefficients: Optional[CoefficientsFn]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         stats_dtype = torch.promote_types(z.dtype, torch.float32)
+        u = self._cap_(z, keep_for_grad=coefficients is not None)
         z_target = z.gather(1, targets.unsqueeze(1)).squeeze(1).to(stats_dtype)
         row_max = self._exp_shifted_(z, eos_index)
         # Sum in z's precision (>= fp32): torch's sum with dtype=float64 is ~20x slower on CPU.
@@ -67,14 +106,17 @@ class TorchRowOps:
         if coefficients is not None:
             coefs = coefficients(lse)
             self._finish_grad_(z, coefs.coef_lse / sum_exp, coefs, targets, eos_index)
+            self._chain_cap_(z, u)
         return lse, z_target  # float64: L − z_target stays exact to the sum's rounding at any |L|
 
     def grad_from_lse_(
         self, z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, eos_index: int, coefs: GradCoefficients
     ) -> None:
+        u = self._cap_(z, keep_for_grad=True)
         # Shift by the row max (exact in z's dtype), not by L, so bf16 never rounds L.
         row_max = self._exp_shifted_(z, eos_index)
         self._finish_grad_(z, coefs.coef_lse * torch.exp(row_max - lse.to(torch.float64)), coefs, targets, eos_index)
+        self._chain_cap_(z, u)
 
 
 class TritonRowOps:
@@ -86,15 +128,16 @@ class TritonRowOps:
     def vocab_major(device: torch.device) -> bool:
         return False  # the kernels walk a row with unit stride
 
-    def __init__(self) -> None:
+    def __init__(self, softcap: Optional[float] = None) -> None:
         from nmst_fast.kernels import split_softmax  # imported lazily: triton decides interpret mode at import
 
         self._kernels = split_softmax
+        self.softcap = softcap  # applied on load by the kernels: no second buffer
 
     def lse_and_grad_(
         self, z: torch.Tensor, targets: torch.Tensor, eos_index: int, coefficients: Optional[CoefficientsFn]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        lse, z_target = self._kernels.split_lse(z, targets, eos_index)
+        lse, z_target = self._kernels.split_lse(z, targets, eos_index, self.softcap)
         if coefficients is not None:
             self.grad_from_lse_(z, lse, targets, eos_index, coefficients(lse))
         return lse, z_target
@@ -110,4 +153,5 @@ class TritonRowOps:
             coefs.grad_eos.float(),
             coefs.grad_target.float(),
             eos_index,
+            self.softcap,
         )

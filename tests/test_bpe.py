@@ -85,7 +85,7 @@ def test_gpt2_fine_tuning_command_end_to_end(tokenizer_dir, tmp_path):
     results = json.loads((out / "results.json").read_text())["nmst"]
     assert results["perplexity"] > 1 and set(results["r_nt"]) >= {"greedy", "top-k 2", "nucleus 0.4", "beam 4"}
     saved = transformers.GPT2LMHeadModel.from_pretrained(out / "model").config
-    assert saved.nmst == dict(head="nmst", eps=0.05, context_length=10)
+    assert saved.nmst == dict(head="nmst", eps=0.05, context_length=10, eos_token_id=saved.eos_token_id)
     # Interrupted after one of two epochs, then resumed: the same model as an uninterrupted run.
     common = files + ["--head", "st", "--eps", "0.05", "--epochs", "2"]
     full = main(common + ["--out", str(tmp_path / "full")])
@@ -143,7 +143,8 @@ def test_gpt2_command_resumes_only_its_own_run_and_survives_a_cut_swap(tokenizer
 
     import transformers
 
-    from train.gpt2 import main, recover_model_dir
+    from train.gpt2 import main
+    from train.hf import recover_model_dir
 
     common = _gpt2_run_files(tokenizer_dir, tmp_path) + ["--max-tokens", "256", "--eps", "0.05"]
     out = main(common + ["--head", "nmst", "--out", str(tmp_path / "run"), "--stop-after", "1", "--epochs", "2"])
@@ -164,8 +165,9 @@ def test_gpt2_command_stops_on_divergence_and_resumes_only_on_its_data(tokenizer
     before its state was saved), a NaN went on into the weights, and a rerun on other data resumed."""
     import types
 
-    import train.gpt2
-    from train.gpt2 import main, perplexity
+    import train.hf
+    from train.gpt2 import main
+    from train.hf import perplexity
 
     class Huge(torch.nn.Module):  # a model whose summed NLL overflows exp
         def forward(self, input_ids, **kwargs):
@@ -180,7 +182,7 @@ def test_gpt2_command_stops_on_divergence_and_resumes_only_on_its_data(tokenizer
         main(common + ["--out", str(out)])
     assert exit_info.value.code == 2
     assert "data=" in capsys.readouterr().err
-    monkeypatch.setattr(train.gpt2, "perplexity", lambda *args: float("nan"))
+    monkeypatch.setattr(train.hf, "perplexity", lambda *args: float("nan"))
     with pytest.raises(SystemExit) as exit_info:
         main(common + ["--out", str(tmp_path / "nan")])
     message = str(exit_info.value.code)

@@ -84,7 +84,8 @@ def test_greedy_agrees_with_hf():
 # --- training patch and HF-generate processor ------------------------------------------------
 
 from nmst_fast import linear_nmst_loss  # noqa: E402
-from nmst_fast.integrations.hf_gpt2 import NMSTLogitsProcessor, apply_nmst_to_gpt2, prediction_steps  # noqa: E402
+from nmst_fast.integrations.hf import steps_from_positions  # noqa: E402
+from nmst_fast.integrations.hf_gpt2 import NMSTLogitsProcessor, apply_nmst_to_gpt2  # noqa: E402
 
 
 def _train_batch(seed=0, B=3, T=14):
@@ -116,7 +117,7 @@ def test_patched_nmst_loss_equals_reference_on_hidden_states(head):
     model = apply_nmst_to_gpt2(_model(5).eval(), head=head, eps=0.05, context_length=4)
     loss = model(ids, labels=labels).loss
     hidden = model.transformer(ids).last_hidden_state
-    steps = prediction_steps(ids.shape[1], 4, ids.device).expand(ids.shape[0], -1)
+    steps = steps_from_positions(torch.arange(ids.shape[1]), 4)[1:].expand(ids.shape[0], -1)
     assert steps[0, :4].tolist() == [0, 0, 0, 1]  # tokens 0..3 are the context; token 4 is t = 1
     expected = linear_nmst_loss(hidden[:, :-1], model.lm_head.weight, labels[:, 1:], eos_index=49, eps=0.05,
                                 head=head, steps=steps, impl="reference")
@@ -131,7 +132,7 @@ def test_settings_survive_save_pretrained_and_conflicts_are_refused(tmp_path):
     model.save_pretrained(tmp_path)
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
     apply_nmst_to_gpt2(loaded)  # no arguments: the recorded head is used, never vanilla by default
-    assert loaded.config.nmst == dict(head="st", eps=0.01, context_length=3)
+    assert loaded.config.nmst == dict(head="st", eps=0.01, context_length=3, eos_token_id=49)
     with pytest.raises(ValueError, match="head='st'"):
         apply_nmst_to_gpt2(transformers.GPT2LMHeadModel.from_pretrained(tmp_path), head="va")
     with pytest.raises(ValueError, match="eps"):

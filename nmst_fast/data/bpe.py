@@ -35,6 +35,36 @@ def load_gpt2_tokenizer(path: str | Path):
     return GPT2TokenizerFast.from_pretrained(root)  # reads either layout, across transformers versions
 
 
+def load_tokenizer(path: str | Path):
+    """Any HF tokenizer from a local directory: ``from_pretrained`` files (tokenizer.json or a
+    tokenizer_config.json), or GPT-2's vocab.json + merges.txt."""
+    from transformers import AutoTokenizer
+
+    root = Path(path)
+    if (root / "tokenizer.json").is_file() or (root / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(root)
+    return load_gpt2_tokenizer(root)
+
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+def train_byte_level_bpe(lines: Iterable[str], *, vocab_size: int):
+    """A byte-level BPE (GPT-2's scheme) trained on ``lines`` as :func:`encode_bpe_lines` feeds them
+    (" " + stripped line), with ``<|endoftext|>`` as eos: a tokenizer for a corpus that comes without one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator((" " + line.strip() for line in lines if line.strip()), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
+                                   pad_token=EOS_TOKEN)
+
+
 def encode_bpe_lines(lines: Iterable[str], tokenizer, *, min_tokens: int = MIN_TOKENS,
                      max_tokens: int = MAX_TOKENS) -> list[list[int]]:
     """Token ids + eos of every non-empty line whose length (eos included) is in [min_tokens, max_tokens].

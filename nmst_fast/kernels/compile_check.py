@@ -163,12 +163,16 @@ def launches() -> list[Launch]:
     out += _small_vocab_launches(seed)
     zb = z.to(torch.bfloat16)
     targets = torch.zeros(4, dtype=torch.long)
-    out.append(_record(split_softmax, "_split_lse_kernel", lambda: split_softmax.split_lse(zb, targets, 5),
-                       "split_lse bf16", {}))
     stats = [torch.zeros(4) for _ in range(3)]
-    out.append(_record(split_softmax, "_split_softmax_grad_kernel",
-                       lambda: split_softmax.split_softmax_grad_(zb, targets, torch.zeros(4), *stats, 5),
-                       "split_softmax_grad bf16", {}))
+    for softcap in (None, 30.0):  # Gemma's logit cap is a constexpr variant of both row kernels
+        cap = "" if softcap is None else " softcap"
+        out.append(_record(split_softmax, "_split_lse_kernel",
+                           lambda: split_softmax.split_lse(zb, targets, 5, softcap=softcap),
+                           f"split_lse bf16{cap}", {}))
+        out.append(_record(split_softmax, "_split_softmax_grad_kernel",
+                           lambda: split_softmax.split_softmax_grad_(zb, targets, torch.zeros(4), *stats, 5,
+                                                                     softcap=softcap),
+                           f"split_softmax_grad bf16{cap}", {}))
     # fp32 accumulators to every parameter dtype; the loss's bf16 / fp16 dh to its own dtype.
     for src_dtype, dtype in [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
                              (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),

@@ -7,15 +7,37 @@ Arithmetic is fp32 whatever the storage dtype (bf16/fp16/fp32).
 * ``split_lse``: L = logsumexp over non-eos columns (online max/sum) and z_target.
 * ``split_softmax_grad_``: overwrite the row with its logit gradient
   dz_v = coef · exp(z_v − L) (v ≠ eos), dz_eos = grad_eos, plus grad_target at the target.
+
+With ``softcap`` c (the SOFTCAP constexpr) both kernels read the row's raw logits x and work on
+y = c · tanh(x / c) (Gemma 2/3's final logit softcapping): L, z_target and the gradient are the
+capped logits', and the grad kernel multiplies each finished column gradient (eos and target
+entries included) by dy/dx = 1 − tanh² = sech²(x / c).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from .host_math import next_power_of_2
+
+
+@triton.jit
+def _softcap(x, softcap):
+    """(c · tanh(x / c), sech²(x / c)) in fp32 for x fp32, accurate to a few ulps at any |x| (no
+    overflow: only e^(−2|u|) ≤ 1 is formed; NaN stays NaN). Small |u| take tanh's odd series, where
+    1 − e^(−2|u|) would cancel."""
+    u = x / softcap
+    a = tl.abs(u)
+    e = tl.exp(-2.0 * a)
+    us = tl.where(a < 0.25, u, 0.0)  # the series' argument: no overflow in u² where it goes unused
+    u2 = us * us
+    series = us * (1.0 + u2 * (-1.0 / 3.0 + u2 * (2.0 / 15.0 + u2 * (-17.0 / 315.0 + u2 * (62.0 / 2835.0)))))
+    t = tl.where(a < 0.25, series, tl.where(u < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e))
+    return softcap * t, 4.0 * e / ((1.0 + e) * (1.0 + e))
 
 
 @triton.jit
@@ -27,7 +49,9 @@ def _split_lse_kernel(
     z_target_ptr,
     V,
     eos_index,
+    softcap,
     BLOCK_V: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * z_row_stride
@@ -37,6 +61,8 @@ def _split_lse_kernel(
         cols = start + tl.arange(0, BLOCK_V)
         keep = (cols < V) & (cols != eos_index)
         x = tl.load(z_row + cols, mask=keep, other=float("-inf")).to(tl.float32)
+        if SOFTCAP:
+            x = tl.where(keep, _softcap(x, softcap)[0], float("-inf"))  # masked columns stay -inf, not -c
         new_max = tl.maximum(running_max, tl.max(x, axis=0))
         # A tile holding only eos/out-of-range columns leaves the max at -inf; shift by 0 then,
         # since exp(-inf - -inf) would be NaN.
@@ -47,7 +73,10 @@ def _split_lse_kernel(
     # |L| = 1e4) in the loss L − z_target; this keeps it at the sum's own ~1e-7.
     tl.store(lse_ptr + row, running_max.to(tl.float64) + tl.log(running_sum.to(tl.float64)))
     target = tl.load(targets_ptr + row)
-    tl.store(z_target_ptr + row, tl.load(z_row + target).to(tl.float32))
+    z_target = tl.load(z_row + target).to(tl.float32)
+    if SOFTCAP:
+        z_target = _softcap(z_target, softcap)[0]
+    tl.store(z_target_ptr + row, z_target)
 
 
 @triton.jit
@@ -61,7 +90,9 @@ def _split_softmax_grad_kernel(
     grad_target_ptr,
     V,
     eos_index,
+    softcap,
     BLOCK_V: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * z_row_stride
@@ -74,9 +105,13 @@ def _split_softmax_grad_kernel(
         cols = start + tl.arange(0, BLOCK_V)
         in_range = cols < V
         x = tl.load(z_row + cols, mask=in_range, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            x, dy_dx = _softcap(x, softcap)
         g = coef * tl.exp(x - lse)
         g = tl.where(cols == eos_index, grad_eos, g)
         g = tl.where(cols == target, g + grad_target, g)
+        if SOFTCAP:
+            g = g * dy_dx  # the chain rule through the cap, on the finished column gradient
         tl.store(z_row + cols, g.to(z_ptr.dtype.element_ty), mask=in_range)
 
 
@@ -86,9 +121,18 @@ def _split_softmax_grad_kernel(
 LAUNCH = {"lse": (4096, 4), "grad": (4096, 16)}
 
 
-def _launch_args(kernel: str, V: int) -> dict:
+def _launch_args(kernel: str, V: int, softcap) -> dict:
     block_v, num_warps = LAUNCH[kernel]
-    return {"BLOCK_V": min(block_v, next_power_of_2(V)), "num_warps": num_warps}
+    return {"BLOCK_V": min(block_v, next_power_of_2(V)), "num_warps": num_warps, "SOFTCAP": softcap is not None}
+
+
+def _check_softcap(softcap) -> float:
+    """The cap as the kernels' runtime float (1.0, unused, without one)."""
+    if softcap is None:
+        return 1.0
+    if not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap!r}")
+    return float(softcap)
 
 
 def _check_rows(z: torch.Tensor, targets: torch.Tensor) -> None:
@@ -98,13 +142,16 @@ def _check_rows(z: torch.Tensor, targets: torch.Tensor) -> None:
         raise ValueError(f"targets must have shape ({z.shape[0]},), got {tuple(targets.shape)}")
 
 
-def split_lse(z: torch.Tensor, targets: torch.Tensor, eos_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_lse(
+    z: torch.Tensor, targets: torch.Tensor, eos_index: int, softcap: Optional[float] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row logsumexp over non-eos columns and the target logit.
 
     Args:
         z: (rows, V) logits, fp16/bf16/fp32, unit stride along V.
         targets: (rows,) int64 in [0, V) (callers clamp ignored targets).
         eos_index: column excluded from the logsumexp.
+        softcap: c > 0 or None: work on c · tanh(z / c) (z itself is only read).
     Returns:
         (lse float64, z_target float32), each (rows,).
     """
@@ -113,7 +160,8 @@ def split_lse(z: torch.Tensor, targets: torch.Tensor, eos_index: int) -> tuple[t
     lse = torch.empty(rows, device=z.device, dtype=torch.float64)
     z_target = torch.empty(rows, device=z.device, dtype=torch.float32)
     if rows:
-        _split_lse_kernel[(rows,)](z, z.stride(0), targets, lse, z_target, V, eos_index, **_launch_args("lse", V))
+        _split_lse_kernel[(rows,)](z, z.stride(0), targets, lse, z_target, V, eos_index, _check_softcap(softcap),
+                                   **_launch_args("lse", V, softcap))
     return lse, z_target
 
 
@@ -125,13 +173,18 @@ def split_softmax_grad_(
     grad_eos: torch.Tensor,
     grad_target: torch.Tensor,
     eos_index: int,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Overwrite ``z`` (rows, V) with its logit gradient; every other argument is (rows,) float32
-    (``lse`` may come as :func:`split_lse` gives it, float64: the kernel takes it in fp32)."""
+    (``lse`` may come as :func:`split_lse` gives it, float64: the kernel takes it in fp32).
+
+    With ``softcap`` c, ``z`` holds raw logits x, ``lse`` / ``coef`` / ``grad_*`` are those of the
+    capped y = c · tanh(x / c), and ``z`` becomes the gradient with respect to x."""
     _check_rows(z, targets)
     rows, V = z.shape
     if rows:
         _split_softmax_grad_kernel[(rows,)](
-            z, z.stride(0), targets, lse.float(), coef, grad_eos, grad_target, V, eos_index, **_launch_args("grad", V)
+            z, z.stride(0), targets, lse.float(), coef, grad_eos, grad_target, V, eos_index, _check_softcap(softcap),
+            **_launch_args("grad", V, softcap),
         )
     return z

@@ -1,0 +1,60 @@
+"""Tiny random Hugging Face causal LMs of many families, and a float64 reference loss on their own logits."""
+
+import torch
+import transformers
+
+from nmst_fast import nmst_log_probs
+
+V, EOS = 61, 60
+SHARED = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+               max_position_embeddings=64)
+GQA = dict(SHARED, num_key_value_heads=2)
+# Tiny configs of each family: the logit post-processing (softcap, scale, bias) is what varies.
+FAMILIES = {
+    "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=V),
+    "llama": GQA,
+    "qwen2": GQA,
+    "qwen3": dict(GQA, head_dim=8),
+    "mistral": GQA,
+    "gemma2": dict(GQA, head_dim=8, final_logit_softcapping=3.0),
+    "gemma3_text": dict(GQA, head_dim=8, final_logit_softcapping=3.0),
+    "gpt_neox": SHARED,
+    "gptj": dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, rotary_dim=4, vocab_size=V),  # lm_head bias
+    "opt": dict(SHARED, ffn_dim=48, word_embed_proj_dim=32),
+    "granite": dict(GQA, logits_scaling=4.0),
+    "cohere": dict(SHARED, logit_scale=0.25),
+    "phi3": SHARED,
+    "olmo2": SHARED,
+}
+
+
+def tiny_model(family: str, seed: int = 0, dtype=torch.float64, eos=EOS, **extra):
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.for_model(family, **FAMILIES[family], bos_token_id=0, pad_token_id=0,
+                                               eos_token_id=eos, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    with torch.no_grad():  # random init gives near-uniform logits: spread them so the heads differ
+        model.get_output_embeddings().weight.mul_(8.0)
+        if model.get_output_embeddings().bias is not None:
+            model.get_output_embeddings().bias.normal_()
+    return model
+
+
+def chat_batch(seed=0, B=3, T=12):
+    """Prompts masked with -100 (lengths 2, 5, 0) and one row right-padded: each row starts its own t."""
+    ids = torch.randint(1, V, (B, T), generator=torch.Generator().manual_seed(seed))
+    ids[1, 8] = EOS  # an eos target
+    labels = ids.clone()
+    labels[0, :2], labels[1, :5] = -100, -100
+    labels[2, -3:] = -100
+    return ids, labels
+
+
+def reference_loss(logits, labels, steps, head, eps):
+    """Float64 NLL of the shifted labels under the head, from the unpatched model's own logits."""
+    targets, steps = labels[:, 1:], steps[:, 1:]
+    log_p = nmst_log_probs(logits[:, :-1].double(), eos_index=EOS, eps=eps, head=head,
+                           steps=None if head == "va" else steps)
+    active = targets != -100
+    nll = -log_p.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(active, nll, 0.0).sum() / active.sum()

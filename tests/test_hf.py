@@ -1,0 +1,230 @@
+"""Any HF causal LM: the patched loss equals a float64 reference on the unpatched model's own logits,
+decoding agrees with HF's, and the per-row step rules, for tiny random models of many families."""
+
+import pytest
+import torch
+import transformers  # a test dependency (setup.py extra "test")
+from torch import nn
+
+from hf_models import EOS, FAMILIES, GQA, V, chat_batch, reference_loss, tiny_model
+from nmst_fast.generation import generate
+from nmst_fast.integrations.hf import (
+    HFDecoder,
+    NMSTLogitsProcessor,
+    apply_nmst,
+    default_steps,
+    steps_from_attention_mask,
+    steps_from_labels,
+    steps_from_positions,
+)
+
+def _inner_weight(model) -> nn.Parameter:
+    return next(p for name, p in model.base_model.named_parameters() if p.dim() == 2 and "emb" not in name
+                and "wte" not in name and "wpe" not in name)
+
+
+@pytest.mark.parametrize("head", ["nmst", "st", "va"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_patched_loss_equals_the_reference_on_the_models_own_logits(family, head):
+    ids, labels = chat_batch(sorted(FAMILIES).index(family))
+    plain = tiny_model(family)
+    logits = plain(ids).logits  # softcap / scale / bias as the model applies them
+    steps = steps_from_labels(labels)
+    want = reference_loss(logits, labels, steps, head, eps=0.05)
+    want.backward()
+    patched = apply_nmst(tiny_model(family), head=head, eps=0.05)
+    out = patched(ids, labels=labels)
+    assert out.logits is None
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, want, rtol=1e-10, atol=1e-10)
+    for pick in (lambda m: m.get_output_embeddings().weight, _inner_weight):
+        torch.testing.assert_close(pick(patched).grad, pick(plain).grad, rtol=1e-8, atol=1e-10)
+    if head == "va":  # the model's own loss (HF computes it in fp32: logits.float())
+        torch.testing.assert_close(out.loss.float(), plain(ids, labels=labels).loss, rtol=1e-6, atol=1e-6)
+
+
+def test_the_family_configs_exercise_every_post_processing():
+    """Guard for the test above: softcap, both scale conventions and an output bias are all present,
+    and each changes the logits away from the plain linear layer's."""
+    seen = set()
+    for family in FAMILIES:
+        model = tiny_model(family)
+        ids = torch.arange(1, 9)[None]
+        with torch.no_grad():
+            raw = model.get_output_embeddings()(model.base_model(ids).last_hidden_state)
+            if not torch.allclose(raw, model(ids).logits):
+                seen.add(family)
+        if model.get_output_embeddings().bias is not None:
+            seen.add(family)
+    assert {"gemma2", "gemma3_text", "granite", "cohere", "gptj"} <= seen
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gptj"])
+def test_explicit_steps_and_trainer_scaling(family):
+    ids, labels = chat_batch(7)
+    model = apply_nmst(tiny_model(family), head="nmst", eps=0.05)
+    steps = steps_from_labels(labels)
+    assert steps[0, :4].tolist() == [0, 0, 1, 2] and steps[1, 4:7].tolist() == [0, 1, 2]
+    assert steps[2, :3].tolist() == [0, 1, 2]  # no prompt: t = 1 at the first predicted token
+    default = model(ids, labels=labels).loss
+    torch.testing.assert_close(model(ids, labels=labels, nmst_steps=steps).loss, default, rtol=0, atol=0)
+    shifted = model(ids, labels=labels, nmst_steps=steps + 3).loss
+    want = reference_loss(tiny_model(family)(ids).logits, labels, steps + 3, "nmst", 0.05)
+    torch.testing.assert_close(shifted, want, rtol=1e-10, atol=1e-10)
+    n = int((labels[:, 1:] != -100).sum())
+    torch.testing.assert_close(model(ids, labels=labels, num_items_in_batch=7).loss, default * n / 7)
+
+
+def test_step_rules():
+    labels = torch.tensor([[5, -100, -100, 7, 8, 9, -100, 3],
+                           [-100, -100, 1, 2, 3, 4, 5, 6]])
+    assert steps_from_labels(labels).tolist() == [[0, 0, 0, 1, 2, 3, 4, 5], [0, 0, 1, 2, 3, 4, 5, 6]]
+    # Packed documents: position_ids restart at 0; a document's first token is never supervised.
+    packed = torch.tensor([[4, 5, 6, 7, 1, 2, 3, -100]])
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    assert steps_from_labels(packed, position_ids=positions).tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
+    assert steps_from_positions(positions, 2).tolist() == [[0, 0, 1, 2, 0, 0, 1, 2]]
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    assert steps_from_attention_mask(mask, 1).tolist() == [[0, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 0, 0]]
+    settings = dict(context_length=1)
+    assert default_steps(labels[:1], settings).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    left_padded = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]])
+    assert default_steps(labels[:1], settings, attention_mask=left_padded).tolist() == [[0, 0, 0, 1, 2, 3, 4, 5]]
+    assert default_steps(packed, settings, position_ids=positions).tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("head", ["nmst", "st"])
+def test_packed_rows_restart_t_and_sts_running_sum(head):
+    """position_ids restarting at 0 mark packed documents: the default steps restart per document,
+    and the loss equals the reference with those steps (ST's sum restarting at each t = 1)."""
+    model = apply_nmst(tiny_model("llama"), head=head, eps=0.05)
+    ids = torch.randint(1, V, (1, 12), generator=torch.Generator().manual_seed(3))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+    labels = ids.clone()
+    labels[0, 5] = -100  # the second document's first token is predicted by nothing of its own
+    loss = model(ids, labels=labels, position_ids=positions).loss
+    steps = steps_from_labels(labels, position_ids=positions)
+    assert steps.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]]
+    # Without a cache, HF masks attention per document of a packed row (as training runs).
+    plain = tiny_model("llama")(ids, position_ids=positions, use_cache=False)
+    want = reference_loss(plain.logits, labels, steps, head, 0.05)
+    torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_through_hf_generate_equals_ours(family):
+    model = tiny_model(family)
+    contexts = torch.randint(1, V - 1, (3, 4), generator=torch.Generator().manual_seed(1))
+    processor = NMSTLogitsProcessor(eos_token_id=EOS, head="nmst", eps=0.2)
+    with torch.no_grad():
+        hf = model.generate(contexts, attention_mask=torch.ones_like(contexts), do_sample=False, max_new_tokens=12,
+                            eos_token_id=EOS, pad_token_id=0, logits_processor=[processor])
+    ours = generate(HFDecoder(model, head="nmst", eps=0.2), contexts, strategy="greedy", max_length=12)
+    for b in range(3):
+        cont = hf[b, 4:].tolist()
+        cont = cont[: cont.index(EOS) + 1] if EOS in cont else cont
+        assert ours.tokens[b, : ours.lengths[b]].tolist() == cont, f"item {b}"
+    assert ours.terminated.all()  # t½ = 4 at ε = 0.2
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gptj", "opt", "cohere"])
+def test_hf_beam_search_with_generation_logits_equals_ours(family):
+    model = apply_nmst(tiny_model(family), head="nmst", eps=0.1, generation_logits=True)
+    contexts = torch.randint(1, V - 1, (2, 4), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hf = model.generate(contexts, attention_mask=torch.ones_like(contexts), num_beams=3, do_sample=False,
+                            max_new_tokens=10, eos_token_id=EOS, pad_token_id=0, length_penalty=0.0)
+    ours = generate(HFDecoder(tiny_model(family), head="nmst", eps=0.1), contexts, strategy="beam", num_beams=3,
+                    max_length=10)
+    for b in range(2):
+        cont = hf[b, 4:].tolist()
+        cont = cont[: cont.index(EOS) + 1] if EOS in cont else cont
+        assert ours.tokens[b, : ours.lengths[b]].tolist() == cont, f"item {b}"
+
+
+def test_settings_survive_save_pretrained(tmp_path):
+    model = apply_nmst(tiny_model("qwen2"), head="st", eps=0.01)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    assert loaded.config.nmst == dict(head="st", eps=0.01, context_length=None, eos_token_id=EOS)
+    decoder = HFDecoder(loaded)
+    assert (decoder.nmst_head.head, decoder.nmst_head.eps) == ("st", 0.01)
+    with pytest.raises(ValueError, match="eps"):
+        apply_nmst(loaded, eps=1e-5)
+    apply_nmst(loaded)  # the recorded settings
+    ids, labels = chat_batch(1)
+    torch.testing.assert_close(loaded(ids, labels=labels).loss, model(ids, labels=labels).loss)
+
+
+def test_an_eos_list_must_be_resolved_and_every_id_stops_generation():
+    model = tiny_model("llama", eos=[EOS, 7])
+    with pytest.raises(ValueError, match="eos_token_id="):
+        apply_nmst(model)
+    with pytest.raises(ValueError, match="eos_token_id="):
+        HFDecoder(model)
+    decoder = HFDecoder(model, head="va", eos_token_id=EOS)
+    assert decoder.stop_token_ids == (EOS, 7)
+    contexts = torch.randint(1, V - 1, (6, 3), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():  # 7 takes over the most generated token's place, so some rows stop on it
+        before = model.generate(contexts, attention_mask=torch.ones_like(contexts), do_sample=False,
+                                max_new_tokens=10, eos_token_id=EOS, pad_token_id=0)[:, 3:]
+        common = torch.bincount(before[(before != EOS) & (before != 7)], minlength=V).argmax()
+        model.get_output_embeddings().weight[7] = model.get_output_embeddings().weight[common] * 1.2
+    for strategy in ("greedy", "beam"):
+        ours = generate(decoder, contexts, strategy=strategy, num_beams=2, max_length=10)
+        with torch.no_grad():
+            hf = model.generate(contexts, attention_mask=torch.ones_like(contexts), do_sample=False,
+                                num_beams=1 if strategy == "greedy" else 2, max_new_tokens=10,
+                                eos_token_id=[EOS, 7], pad_token_id=0, length_penalty=0.0)
+        stopped_on_7 = 0
+        for b in range(6):
+            cont = hf[b, 3:].tolist()
+            end = next((i for i, tok in enumerate(cont) if tok in (EOS, 7)), None)
+            cont = cont if end is None else cont[: end + 1]
+            assert ours.tokens[b, : ours.lengths[b]].tolist() == cont, f"{strategy} item {b}"
+            assert bool(ours.terminated[b]) == (end is not None)
+            stopped_on_7 += end is not None and cont[-1] == 7
+        assert stopped_on_7 > 0
+    assert apply_nmst(model, eos_token_id=EOS).config.nmst["eos_token_id"] == EOS
+
+
+def test_the_probe_refuses_logits_it_cannot_reproduce():
+    # Llama applies no softcap: a config key that says otherwise must not give a silently wrong loss.
+    model = tiny_model("llama", final_logit_softcapping=2.0)
+    with pytest.raises(ValueError, match="llama"):
+        apply_nmst(model)
+
+    class Tempered(transformers.LlamaForCausalLM):  # an unknown post-processing
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits / 1.7
+            return out
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**GQA, eos_token_id=EOS)
+    with pytest.raises(ValueError, match="Tempered|LlamaForCausalLM"):
+        apply_nmst(Tempered(config))
+
+
+def test_bad_input_is_refused_before_anything_runs():
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        apply_nmst(nn.Linear(3, 4))
+    base = transformers.AutoModel.from_config(transformers.AutoConfig.for_model("llama", **GQA))
+    with pytest.raises(ValueError, match="causal LM"):
+        apply_nmst(base)
+    headless = tiny_model("llama")
+    headless.lm_head = nn.Identity()
+    with pytest.raises(ValueError, match="nn.Linear"):
+        apply_nmst(headless)
+    with pytest.raises(ValueError, match="eos_token_id"):
+        apply_nmst(tiny_model("llama", eos=None))
+    with pytest.raises(ValueError, match="eos_token_id"):
+        apply_nmst(tiny_model("llama"), eos_token_id=V)
+    model = apply_nmst(tiny_model("llama"))
+    ids, labels = chat_batch()
+    with pytest.raises(ValueError, match="nmst_steps"):
+        model(ids, labels=labels, nmst_steps=torch.ones(3, 11, dtype=torch.long))
+    with pytest.raises(TypeError, match="nmst_steps"):
+        model(ids, labels=labels, nmst_steps=torch.ones(3, 12))
+    with pytest.raises(ValueError, match="nmst_steps"):
+        model(ids, nmst_steps=torch.ones(3, 12, dtype=torch.long))

@@ -1,0 +1,322 @@
+"""Train or fine-tune any Hugging Face causal LM with a VA / ST / NMST head on WikiText lines.
+
+    python -m train.hf --data-dir DIR                                  # a tiny random-init Llama
+    python -m train.hf --data-dir DIR --config qwen3 --size small      # another family, random init
+    python -m train.hf --data-dir DIR --model-dir MODEL_DIR [--tokenizer-dir TOKENIZER_DIR]
+
+The model is ``from_pretrained(--model-dir)`` (local files, no hub access) or a random-init
+``--config FAMILY`` (any transformers ``model_type``) of ``--size`` tiny or small. The tokenizer is
+``--tokenizer-dir`` (else the model directory's), or a byte-level BPE trained on the training lines
+with the ``tokenizers`` library (saved to ``--out/tokenizer``). Each line becomes " " + line + eos;
+the first ``--context-length`` tokens are context (t <= 0, p(eos) = 0), t = 1 at the next. The
+loss is the fused one (:func:`nmst_fast.integrations.hf.apply_nmst`), so the (B, T, V) logits are
+never formed. Recipe (the paper's GPT-2 one): AdamW, lr decaying linearly to 0, gradient clipping 1.0,
+length-bucketed batches of at most ``--max-tokens`` tokens; the best model by validation perplexity
+is saved (atomically) to ``--out/model`` with its head settings in the config; after every epoch
+the latest weights and the optimizer / schedule / RNG state are saved too, and rerunning with the
+same ``--out`` resumes (``run.json`` binds the directory to this command, its data and model shape:
+another run there is refused; a non-finite loss, gradient or validation perplexity stops with an
+error). Evaluation as ``python -m train``: perplexity after the context and r_nt(L) for every
+decoder, in ``results.json``, and the r_nt plot ``r_nt.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from nmst_fast import metrics
+from nmst_fast.data.bpe import bucket_batches, collate_bpe, encode_bpe_lines, load_tokenizer, train_byte_level_bpe
+from nmst_fast.data.wikitext import find_split_file, read_lines
+from nmst_fast.integrations.hf import HFDecoder, apply_nmst
+from nmst_fast.validation import HEADS
+
+from .checkpoint import Diverged, claim_directory, data_fingerprint, refuse_another_run, require_finite, save_atomic
+from .evaluate import non_termination
+from .report import plot_r_nt
+from .runner import check_device
+
+# Random-init model sizes (--config FAMILY --size): generic config keys, which every family maps.
+SIZES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256),
+    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024),
+}
+MAX_POSITIONS = 1024  # position table of a random-init model: context + the largest r_nt L
+
+
+def parser(prog: str = "python -m train.hf", doc: str = __doc__, *, preset: bool = False) -> argparse.ArgumentParser:
+    """The command's flags; ``preset`` (GPT-2's): a model and tokenizer directory are required."""
+    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", type=Path, required=preset, help="a from_pretrained directory (weights + config)")
+    p.add_argument("--tokenizer-dir", type=Path, required=preset,
+                   help="tokenizer files (tokenizer.json, or vocab.json + merges.txt); default: the model "
+                        "directory's, or a byte-level BPE trained on the training lines")
+    if not preset:
+        p.add_argument("--config", default="llama", help="model_type of a random-init model (without --model-dir)")
+        p.add_argument("--size", default="tiny", choices=list(SIZES))
+        p.add_argument("--vocab-size", type=int, default=2048, help="of the BPE trained without --tokenizer-dir")
+    p.add_argument("--data-dir", type=Path, required=True, help="WikiText directory (wiki.*.tokens or *.txt)")
+    p.add_argument("--train-split", default="train")
+    p.add_argument("--valid-split", default="valid")
+    p.add_argument("--eval-split", default="test")
+    p.add_argument("--head", default="nmst", choices=list(HEADS))
+    p.add_argument("--eps", type=float, default=1e-5)
+    p.add_argument("--context-length", type=int, default=10)
+    p.add_argument("--lr", type=float, default=5e-5 if preset else None,
+                   help="default: 5e-5 to fine-tune (--model-dir), 1e-3 from random init")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=1024, help="tokens (rows × longest row) per batch")
+    p.add_argument("--max-length", type=int, default=1000, help="largest L of r_nt(L)")
+    p.add_argument("--eval-contexts", type=int, default=None, help="decode only the first N contexts (default all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: interrupt after N epochs
+    return p
+
+
+def _batches(seqs: list[list[int]], max_tokens: int, seed: int, pad_id: int, shuffle: bool = True):
+    for index in bucket_batches([len(s) for s in seqs], max_tokens=max_tokens, seed=seed, shuffle=shuffle):
+        yield collate_bpe([seqs[i] for i in index], pad_id)
+
+
+@torch.no_grad()
+def perplexity(model, seqs: list[list[int]], context_length: int, max_tokens: int, pad_id: int, device: str) -> float:
+    """exp(mean NLL) of the tokens after the context (eos included)."""
+    model.eval()
+    total, count = 0.0, 0
+    for batch in _batches(seqs, max_tokens, 0, pad_id, shuffle=False):
+        labels = batch.labels.clone()
+        labels[:, :context_length] = -100  # the context is given, not predicted
+        out = model(batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                    labels=labels.to(device), num_items_in_batch=1)  # = the summed NLL
+        total += float(out.loss)
+        count += int((labels[:, 1:] != -100).sum())
+    return metrics.perplexity(total, count)  # inf, not OverflowError, past a mean NLL of ~709.8
+
+
+def recover_model_dir(path: Path) -> None:
+    """Undo a swap :func:`save_model_atomic` did not finish: a crash between its two renames leaves
+    ``path.old`` (the previous model, complete) and no ``path``."""
+    old = path.with_name(path.name + ".old")
+    if not path.exists() and old.exists():
+        os.replace(old, path)
+
+
+def save_model_atomic(model, path: Path) -> None:
+    """save_pretrained into a fresh directory, then swap it in: a crash never leaves half a model
+    (at worst the previous one as ``path.old``, which :func:`recover_model_dir` puts back)."""
+    recover_model_dir(path)
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# The flags that define a run: resuming its state under other values would continue another run.
+RUN_DEFINING = ("head", "eps", "context_length", "lr", "epochs", "max_tokens", "seed")
+
+
+def _check_arguments(args) -> None:
+    """Numeric flags and the device, before any data is read or model loaded."""
+    if getattr(args, "vocab_size", 2) < 2:
+        raise ValueError(f"--vocab-size must be at least 2, got {args.vocab_size}")
+    for name in ("epochs", "context_length", "max_length", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {getattr(args, name)}")
+    if args.eval_contexts is not None and args.eval_contexts < 1:
+        raise ValueError(f"--eval-contexts must be a positive int, got {args.eval_contexts}")
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be positive, got {args.lr}")
+    if args.max_tokens <= args.context_length:
+        raise ValueError(f"--max-tokens ({args.max_tokens}) must exceed --context-length ({args.context_length}): "
+                         "a sequence is a context plus at least one token")
+    check_device(args.device)
+
+
+# The model settings a run directory is bound to (a resumed state must fit the model it came from).
+MODEL_DEFINING = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def _tokenizer(args, lines: list[str]):
+    """--tokenizer-dir, else the model directory's, else a byte-level BPE trained on ``lines``."""
+    source = args.tokenizer_dir or args.model_dir
+    if source is not None:
+        return load_tokenizer(source)
+    return train_byte_level_bpe(lines, vocab_size=args.vocab_size)
+
+
+def _random_model(family: str, size: str, tokenizer):
+    """A random-init causal LM of ``family`` whose vocabulary is the tokenizer's, eos its eos."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dims = dict(SIZES[size])
+    default = AutoConfig.for_model(family)
+    # Keys some families size apart from hidden_size (GQA heads, head_dim, OPT's ffn_dim): tie them to it.
+    for key, value in (("num_key_value_heads", dims["num_attention_heads"]),
+                       ("head_dim", dims["hidden_size"] // dims["num_attention_heads"]),
+                       ("ffn_dim", dims["intermediate_size"]), ("n_inner", dims["intermediate_size"]),
+                       ("word_embed_proj_dim", dims["hidden_size"])):
+        if hasattr(default, key):
+            dims[key] = value
+    eos = tokenizer.eos_token_id
+    config = AutoConfig.for_model(family, vocab_size=len(tokenizer), max_position_embeddings=MAX_POSITIONS,
+                                  bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, **dims)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def load_model(args, tokenizer):
+    """The model to train, patched with the fused loss (eos: the tokenizer's, which ends every line)."""
+    from transformers import AutoModelForCausalLM
+
+    if args.model_dir is not None:
+        if not args.model_dir.is_dir():
+            raise FileNotFoundError(f"model directory {str(args.model_dir)!r} does not exist")
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir)
+    else:
+        model = _random_model(args.config, args.size, tokenizer)
+    return apply_nmst(model, head=args.head, eps=args.eps, context_length=args.context_length,
+                      eos_token_id=tokenizer.eos_token_id)
+
+
+def _train_epochs(args, model, optimizer, schedule, seqs, pad, steps_per_epoch, out, settings, best, history,
+                  start_epoch):
+    """The epochs from ``start_epoch``: AdamW steps, then the validation perplexity, the best model and
+    the resumable state, each saved atomically. Returns (best valid perplexity, history, whether every
+    epoch ran: False when ``--stop-after`` interrupted). Raises Diverged on a non-finite loss,
+    gradient norm or validation perplexity, before anything non-finite is saved."""
+    for epoch in range(start_epoch, args.epochs):
+        if args.stop_after is not None and epoch - start_epoch >= args.stop_after:
+            return best, history, False
+        model.train()
+        bar = tqdm(_batches(seqs["train"], args.max_tokens, args.seed * 1_000_003 + epoch, pad),
+                   total=steps_per_epoch, disable=args.quiet, desc=f"{args.head} epoch {epoch + 1}")
+        for batch_no, batch in enumerate(bar, start=1):
+            where = f"epoch {epoch + 1}, batch {batch_no}"
+            loss = model(batch.input_ids.to(args.device), attention_mask=batch.attention_mask.to(args.device),
+                         labels=batch.labels.to(args.device)).loss
+            value = require_finite(loss.item(), f"the training loss ({where})")  # before a NaN reaches the weights
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            require_finite(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)), f"the gradient norm ({where})")
+            optimizer.step()
+            schedule.step()
+            bar.set_postfix(loss=f"{value:.3f}")
+        valid = require_finite(perplexity(model, seqs["valid"], args.context_length, args.max_tokens, pad, args.device),
+                               f"the validation perplexity (epoch {epoch + 1})")
+        history.append(dict(epoch=epoch + 1, valid_perplexity=valid))
+        if valid < best:
+            best = valid
+            save_model_atomic(model, out / "model")
+        save_atomic(dict(epoch=epoch + 1, best=best, history=history, settings=settings, model=model.state_dict(),
+                         optimizer=optimizer.state_dict(), schedule=schedule.state_dict(), rng=torch.get_rng_state(),
+                         cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None),
+                    out / "train_state.pt")
+        save_model_atomic(model, out / "last")  # the latest weights, loadable with from_pretrained
+    return best, history, True
+
+
+def main(argv: list[str] | None = None, *, command: Optional[argparse.ArgumentParser] = None,
+         entry: str = "train.hf") -> Path:
+    """Run the command (``command``/``entry``: a preset's parser and name, as ``train.gpt2``'s)."""
+    command = command or parser()
+    args = command.parse_args(argv)
+    if args.lr is None:
+        args.lr = 5e-5 if args.model_dir is not None else 1e-3
+    try:
+        _check_arguments(args)
+        text = {k: read_lines(find_split_file(args.data_dir, split)) for k, split in
+                (("train", args.train_split), ("valid", args.valid_split), ("eval", args.eval_split))}
+        tokenizer = _tokenizer(args, text["train"])
+        model = load_model(args, tokenizer).to(args.device)
+        positions = HFDecoder(model).max_positions
+        if positions is not None and args.context_length + args.max_length - 1 > positions:  # the last token is not fed
+            raise ValueError(f"--context-length + --max-length - 1 = {args.context_length + args.max_length - 1} "
+                             f"exceeds the model's {positions} positions")
+    except (ValueError, FileNotFoundError, OSError) as err:
+        command.error(str(err))
+    torch.manual_seed(args.seed)
+    # A line longer than the position table cannot be trained on (nor one over a batch's budget).
+    longest = min(args.max_tokens, positions or args.max_tokens)
+    seqs = {k: encode_bpe_lines(lines, tokenizer, min_tokens=args.context_length + 1, max_tokens=longest)
+            for k, lines in text.items()}
+    empty = [k for k, v in seqs.items() if not v]
+    if empty:
+        command.error(f"no sequence of {args.context_length + 1} to {longest} tokens in the "
+                     f"{', '.join(empty)} split(s)")
+    pad = tokenizer.eos_token_id
+    out = args.out or Path("runs") / (entry.split(".")[-1] + "-" + time.strftime("%Y%m%d-%H%M%S"))
+    data_id = data_fingerprint(seqs["train"], seqs["valid"])  # the corpus, splits and tokenizer
+    try:
+        claim_directory(out, dict(entry=entry, data=data_id,
+                                  model={k: getattr(model.config, k) for k in MODEL_DEFINING}))
+    except ValueError as err:
+        command.error(str(err))
+    if args.tokenizer_dir is None and args.model_dir is None:  # the trained BPE: kept with the run
+        tokenizer.save_pretrained(out / "tokenizer")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    steps_per_epoch = len(bucket_batches([len(s) for s in seqs["train"]], max_tokens=args.max_tokens))
+    total_steps = max(1, args.epochs * steps_per_epoch)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / total_steps))
+    best, history, start_epoch = math.inf, [], 0
+    state_path = out / "train_state.pt"
+    settings = {name: getattr(args, name) for name in RUN_DEFINING} | dict(data=data_id)
+    recover_model_dir(out / "model")
+    recover_model_dir(out / "last")
+    if state_path.exists():  # an interrupted run: continue from its last finished epoch
+        state = torch.load(state_path, weights_only=False)
+        try:
+            refuse_another_run(state_path, state.get("settings", {}), settings)
+        except ValueError as err:
+            command.error(str(err))
+        # The weights come from the state file itself, written in one piece with the optimizer and
+        # epoch (``last/`` is a copy for users): a crash can never pair one epoch's weights with
+        # another's optimizer.
+        model.load_state_dict(state["model"])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / total_steps))
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        torch.set_rng_state(state["rng"])
+        if state.get("cuda_rng") is not None and torch.device(args.device).type == "cuda":
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        best, history, start_epoch = state["best"], state["history"], state["epoch"]
+    try:
+        best, history, finished = _train_epochs(args, model, optimizer, schedule, seqs, pad, steps_per_epoch, out,
+                                                settings, best, history, start_epoch)
+    except Diverged as err:  # not a usage error: the run itself failed
+        sys.exit(f"{command.prog}: {err}")
+    if not finished:  # --stop-after (tests)
+        return out
+    from transformers import AutoModelForCausalLM
+
+    model = apply_nmst(AutoModelForCausalLM.from_pretrained(out / "model")).to(args.device).eval()  # its recorded head
+    contexts = torch.tensor([s[: args.context_length] for s in seqs["eval"][: args.eval_contexts]], dtype=torch.long)
+    decoding = non_termination(HFDecoder(model), contexts, args.max_length, seed=args.seed, device=args.device)
+    r_nt = {name: d["r_nt"] for name, d in decoding.items()}
+    results = {args.head: dict(
+        perplexity=perplexity(model, seqs["eval"], args.context_length, args.max_tokens, pad, args.device),
+        valid_perplexity=best, r_nt=r_nt, history=history, eps=args.eps)}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    plot_r_nt(out, json.loads(json.dumps(results)))
+    print(f"results: {out / 'results.json'}", flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
