@@ -24,6 +24,7 @@ from .validation import (
     check_float_tensor,
     check_index,
     check_int_tensor,
+    check_not_dtensor,
     check_same_device,
     expand_steps,
     should_check_data,
@@ -84,6 +85,7 @@ def check_logit_option(name: str, value) -> Optional[float]:
 
 def _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduction, impl, ignore_index,
                      softcap=None, logit_scale=None) -> None:
+    check_not_dtensor([("hidden", hidden), ("weight", weight), ("targets", targets), ("bias", bias)])
     check_choice("head", head, HEADS)
     check_logit_option("softcap", softcap)
     check_logit_option("logit_scale", logit_scale)

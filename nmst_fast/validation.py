@@ -56,6 +56,23 @@ def check_int_tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
+def check_not_dtensor(pairs: list[tuple[str, Optional[torch.Tensor]]]) -> None:
+    """Refuse DTensors (a tensor-parallel or FSDP2-sharded parameter read outside its module's
+    call): inside the fused op one fails with an unreadable error (``.tolist()`` of a tensor
+    subclass, or mixed torch.Tensor and DTensor)."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.tensor import DTensor
+
+    for name, t in pairs:
+        if isinstance(t, DTensor):
+            raise TypeError(
+                f"{name} is a DTensor (placements {tuple(t.placements)}): the fused loss takes plain tensors. "
+                "An FSDP2-sharded output layer must run the loss inside its own forward, where its weight "
+                "is gathered (nmst_fast.integrations.hf.apply_nmst does this); a replicated DTensor can be "
+                "passed as .to_local() or .full_tensor()")
+
+
 def check_same_device(pairs: list[tuple[str, Optional[torch.Tensor]]]) -> None:
     present = [(n, t) for n, t in pairs if t is not None]
     first_name, first = present[0]
