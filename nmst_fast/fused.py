@@ -28,6 +28,7 @@ import torch
 
 from . import head_math
 from .row_ops import TorchRowOps, TritonRowOps
+from .vocab_shard import VocabShard
 
 _CHUNK_BYTES = {"cpu": 192 * 2**20, "cuda": 1024 * 2**20}
 
@@ -63,16 +64,20 @@ def row_ops_for(backend: str, softcap: Optional[float] = None):
 
 def eos_logits(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eos_index: int,
-    softcap: Optional[float] = None,
+    softcap: Optional[float] = None, shard: Optional[VocabShard] = None,
 ) -> torch.Tensor:
-    """s = h · W[eos] (+ b[eos]) for every row, in at least float32; c · tanh(s / c) with a softcap c."""
+    """s = h · W[eos] (+ b[eos]) for every row, in at least float32; c · tanh(s / c) with a softcap c.
+    ``eos_index`` is global; with a vocabulary ``shard``, eos's owner computes s and every rank gets it."""
     dtype = torch.promote_types(hidden.dtype, torch.float32)
-    s = hidden.to(dtype) @ weight[eos_index].to(dtype)
+    local = eos_index if shard is None else shard.local(eos_index)
+    if local < 0:
+        return shard.sum_(hidden.new_zeros(hidden.shape[0], dtype=dtype))
+    s = hidden.to(dtype) @ weight[local].to(dtype)
     if bias is not None:
-        s = s + bias[eos_index].to(dtype)
+        s = s + bias[local].to(dtype)
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
-    return s
+    return s if shard is None else shard.sum_(s)
 
 
 @dataclass
@@ -225,6 +230,7 @@ def fused_forward(
     backend: str,
     chunk_rows: int,
     need: tuple[bool, bool, bool],
+    shard: Optional[VocabShard] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Loss (and, for "mean"/"sum", the gradients) of the fused head.
 
@@ -232,6 +238,9 @@ def fused_forward(
         hidden: (N, H) contiguous; weight (V, H) contiguous; bias (V,) or None.
         targets: (N,) int; steps: (N,) int64 (None for "va").
         need: which of (dh, dW, db) to compute in this pass; must be all False for "none".
+        shard: with a process group, ``weight`` / ``bias`` hold the vocabulary rows
+            [shard.start, shard.start + V) and ``targets`` / ``cfg.eos_index`` are global: the loss,
+            L and dh come out whole on every rank, dW and db for this rank's rows.
     Returns:
         loss (() or (N,), in at least float32), L (N,) in at least float32, dh (hidden's dtype),
         dW, db (or None). dW and db stay in at least fp32 (their accumulators): backward scales
@@ -239,6 +248,7 @@ def fused_forward(
         the three are the gradients of the *sum*: backward divides by the active-row count.
     """
     want_grad = any(need)
+    shard = shard or VocabShard(0, weight.shape[0])
 
     @functools.cache
     def prep() -> _HeadPrep:
@@ -246,7 +256,7 @@ def fused_forward(
         # row pass, i.e. after the first chunk's GEMM is queued: on a GPU those kernels are
         # launched while that GEMM runs instead of holding it back.
         rows = _RowTargets.build(targets, cfg)
-        s = eos_logits(hidden, weight, bias, cfg.eos_index, cfg.softcap)
+        s = eos_logits(hidden, weight, bias, cfg.eos_index, cfg.softcap, shard)
         log_surv = None if cfg.head == "va" else head_math.log_survival(cfg.head, s, steps, cfg.eps, cfg.seq_len)
         # Unit row weights for every reduction: "mean" forms the gradients of the sum and backward
         # divides by the row count with the upstream gradient, in fp32 or wider: dz = p_v / N in fp16
@@ -263,27 +273,36 @@ def fused_forward(
     lse = torch.empty(N, dtype=torch.float64, device=hidden.device)  # O(N): L − z_target needs its digits
     z_target = torch.empty(N, dtype=stats_dtype, device=hidden.device)
     row_ops = row_ops_for(backend, cfg.softcap)
+    local_eos = shard.local(cfg.eos_index)  # -1: another rank holds eos
 
     def row_pass(start: int, stop: int, z: torch.Tensor) -> None:
         p = prep()
+        targets_here = p.rows.safe[start:stop]
 
-        def coefficients(chunk_lse: torch.Tensor) -> head_math.GradCoefficients:
-            return head_math.grad_coefficients(
+        def coefficients(local_lse: torch.Tensor) -> head_math.GradCoefficients:
+            lse[start:stop] = shard.global_lse(local_lse)
+            coefs = head_math.grad_coefficients(
                 cfg.head,
-                chunk_lse,
+                lse[start:stop],
                 p.s[start:stop],
                 p.rows.is_eos[start:stop],
                 p.row_weight[start:stop],
                 None if p.eos_grads is None else p.eos_grads[start:stop],
             )
+            return _local_coefficients(coefs, shard, local_lse, lse[start:stop], targets_here)
 
-        chunk_lse, chunk_target = row_ops.lse_and_grad_(
-            z, p.rows.safe[start:stop], cfg.eos_index, coefficients if want_grad else None
+        local_lse, chunk_target = row_ops.lse_and_grad_(
+            z, shard.local_tokens(targets_here), local_eos, coefficients if want_grad else None
         )
-        lse[start:stop] = chunk_lse
-        z_target[start:stop] = chunk_target
+        if not want_grad:
+            lse[start:stop] = shard.global_lse(local_lse)
+        z_target[start:stop] = chunk_target if shard.group is None else torch.where(
+            shard.owned(targets_here), chunk_target, 0.0)
 
     dh, dw, db = _chunk_loop(hidden, weight, bias, chunk_rows, row_pass, need, row_ops.vocab_major(hidden.device))
+    shard.sum_(z_target)
+    if dh is not None:
+        shard.sum_(dh)
     p = prep()
     z_target_exact = torch.where(p.rows.is_eos, p.s.to(stats_dtype), z_target)
     losses = head_math.row_losses(cfg.head, lse, p.s, z_target_exact, p.rows.is_eos, p.log_surv)
@@ -292,6 +311,17 @@ def fused_forward(
     # stays fp32, so a GradScaler's 65536 reaches backward as a finite fp32 upstream gradient.
     loss = _reduce(losses, p.rows, reduction).to(stats_dtype)
     return loss, lse, dh, dw, db
+
+
+def _local_coefficients(coefs: head_math.GradCoefficients, shard: VocabShard, local_lse: torch.Tensor,
+                        lse: torch.Tensor, targets: torch.Tensor) -> head_math.GradCoefficients:
+    """A shard's part of the coefficients: its row pass normalizes by its own L (``local_lse``; the
+    global L when it has no group), so exp(L_local − L) rescales it, and only the target's owner
+    adds grad_target."""
+    if shard.group is None:
+        return coefs
+    return head_math.GradCoefficients(coefs.coef_lse * torch.exp(local_lse - lse), coefs.grad_eos,
+                                      torch.where(shard.owned(targets), coefs.grad_target, 0.0))
 
 
 def fused_backward_from_lse(
@@ -307,20 +337,28 @@ def fused_backward_from_lse(
     backend: str,
     chunk_rows: int,
     need: tuple[bool, bool, bool],
+    shard: Optional[VocabShard] = None,
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Gradients for reduction="none": recompute each chunk's logits and weight rows by ``grad_rows`` (N,)."""
+    """Gradients for reduction="none": recompute each chunk's logits and weight rows by ``grad_rows`` (N,).
+    ``lse`` is the forward's (global) L; ``shard`` as in :func:`fused_forward`."""
+    shard = shard or VocabShard(0, weight.shape[0])
     rows = _RowTargets.build(targets, cfg)
-    s = eos_logits(hidden, weight, bias, cfg.eos_index, cfg.softcap)
+    s = eos_logits(hidden, weight, bias, cfg.eos_index, cfg.softcap, shard)
     row_weight = torch.where(rows.active, grad_rows.to(torch.float64), 0.0)
     eos_grads = None
     if cfg.head != "va":
         log_surv = head_math.log_survival(cfg.head, s, steps, cfg.eps, cfg.seq_len)
         eos_grads = head_math.eos_logit_grads(cfg.head, s, log_surv, rows.is_eos, row_weight, steps, cfg.seq_len)
     coefs = head_math.grad_coefficients(cfg.head, lse, s, rows.is_eos, row_weight, eos_grads)
+    # The row pass normalizes by the global L here, so a shard only keeps grad_target to the owner.
+    coefs = _local_coefficients(coefs, shard, lse, lse, rows.safe)
     row_ops = row_ops_for(backend, cfg.softcap)
+    local_targets, local_eos = shard.local_tokens(rows.safe), shard.local(cfg.eos_index)
 
     def row_pass(start: int, stop: int, z: torch.Tensor) -> None:
-        row_ops.grad_from_lse_(z, lse[start:stop], rows.safe[start:stop], cfg.eos_index, coefs.rows(start, stop))
+        row_ops.grad_from_lse_(z, lse[start:stop], local_targets[start:stop], local_eos, coefs.rows(start, stop))
 
     dh, dw, db = _chunk_loop(hidden, weight, bias, chunk_rows, row_pass, need, row_ops.vocab_major(hidden.device))
+    if dh is not None:
+        shard.sum_(dh)
     return dh, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype)

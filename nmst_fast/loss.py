@@ -14,6 +14,7 @@ from . import ops  # noqa: F401  (registers torch.ops.nmst_fast.*)
 from .backends import triton_available
 from .fused import default_chunk_rows
 from .reference import reference_linear_nmst_loss
+from .vocab_shard import check_vocab_shards, group_name_of
 from .validation import (
     HEADS,
     IMPLS,
@@ -83,8 +84,29 @@ def check_logit_option(name: str, value) -> Optional[float]:
     return float(value)
 
 
+def _check_vocab_parallel(process_group, vocab_start, impl: str, weight: torch.Tensor, eos_index) -> None:
+    """The vocabulary-parallel arguments, before any collective runs."""
+    if vocab_start is None:
+        raise ValueError("process_group needs vocab_start: the global index of weight's first row")
+    if isinstance(vocab_start, bool) or not isinstance(vocab_start, numbers.Integral):
+        raise TypeError(f"vocab_start must be an int, got {type(vocab_start).__name__}")
+    if vocab_start < 0:
+        raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        raise ValueError("process_group given, but torch.distributed is not initialized (init_process_group)")
+    if impl == "reference":
+        raise ValueError("impl='reference' materializes the whole vocabulary's logits: a vocabulary-parallel "
+                         "loss (process_group) takes impl 'auto', 'chunked' or 'triton'")
+    if isinstance(eos_index, bool) or not isinstance(eos_index, numbers.Integral):
+        raise TypeError(f"eos_index must be an int, got {type(eos_index).__name__}")
+    if weight.shape[0] - (vocab_start <= eos_index < vocab_start + weight.shape[0]) < 1:
+        raise ValueError(f"weight holds rows {vocab_start}..{vocab_start + weight.shape[0] - 1} of the vocabulary, "
+                         "no non-eos row: every shard needs at least one")
+
+
 def _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduction, impl, ignore_index,
-                     softcap=None, logit_scale=None) -> None:
+                     softcap=None, logit_scale=None, vocab_size=None) -> None:
+    """``vocab_size``: the global V of a vocabulary-parallel weight (None: weight's own rows)."""
     check_not_dtensor([("hidden", hidden), ("weight", weight), ("targets", targets), ("bias", bias)])
     check_choice("head", head, HEADS)
     check_logit_option("softcap", softcap)
@@ -100,7 +122,7 @@ def _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduct
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be (V, H) with H={hidden.shape[-1]}, got shape {tuple(weight.shape)}")
     V = weight.shape[0]
-    if V < 2:
+    if vocab_size is None and V < 2:
         raise ValueError(f"weight must have at least 2 rows (eos and one other token), got V={V}")
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(
@@ -116,7 +138,10 @@ def _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduct
         if bias.dtype != hidden.dtype:
             raise TypeError(f"bias dtype {bias.dtype} differs from hidden dtype {hidden.dtype}")
     check_same_device([("hidden", hidden), ("weight", weight), ("targets", targets), ("bias", bias)])
-    check_index("eos_index", eos_index, V, "V")
+    if vocab_size is None:
+        check_index("eos_index", eos_index, V, "V")
+    elif vocab_size >= 0:  # the shards' V, when gathered (validate=True)
+        check_index("eos_index", eos_index, vocab_size, "V")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     if not -2**63 <= ignore_index < 2**63:  # the targets are int64
@@ -142,6 +167,8 @@ def linear_nmst_loss(
     validate: bool = True,
     softcap: Optional[float] = None,
     logit_scale: Optional[float] = None,
+    process_group: Optional["torch.distributed.ProcessGroup"] = None,
+    vocab_start: Optional[int] = None,
 ) -> torch.Tensor:
     """NLL of ``targets`` under the NMST / ST / VA head on the logits
 
@@ -173,6 +200,16 @@ def linear_nmst_loss(
             byte budget for the (chunk, V) logits buffer).
         validate: run the data checks (target range, step signs, NaN/inf), one
             host sync; they are skipped automatically under ``torch.compile``.
+        process_group, vocab_start: vocabulary-parallel (Megatron's layout): ``weight`` (and
+            ``bias``) hold the rows [vocab_start, vocab_start + weight.shape[0]) of the global
+            vocabulary, one contiguous slice per rank of ``process_group`` (uneven slices are fine;
+            each needs a non-eos row); ``targets`` and ``eos_index`` are global, and every rank passes
+            the same ``hidden``, ``targets`` and ``steps``. Every rank gets the whole loss and dh (summed
+            over the group), and dW / db for its own rows. Traffic per call: O(N) per-row scalars
+            (a MAX and a SUM all-reduce per chunk for L, SUMs for s and z_target) and one SUM of dh
+            (N, H); see :mod:`nmst_fast.vocab_shard`. With ``validate``, the shards' extents are
+            gathered once and checked to tile [0, V), and a data check that fails on any rank fails
+            on every rank (no rank is left waiting in a collective).
         softcap: c > 0 or None: cap the logits to (−c, c) by c · tanh(· / c), as Gemma 2/3's
             ``final_logit_softcapping``. The fused backends apply it inside the row pass (the
             torch one then halves its default chunk: it keeps a second (chunk, V) buffer).
@@ -185,8 +222,15 @@ def linear_nmst_loss(
     """
     autocasting = _autocasting(hidden)
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
+    vocab_size = None
+    if process_group is not None:
+        check_float_tensor("weight", weight)
+        _check_vocab_parallel(process_group, vocab_start, impl, weight, eos_index)
+        vocab_size = -1  # unknown until the shards are gathered (validate=True)
+        if validate and should_check_data():
+            vocab_size = check_vocab_shards(process_group, int(vocab_start), weight.shape[0], weight.device)
     _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduction, impl, ignore_index,
-                     softcap, logit_scale)
+                     softcap, logit_scale, vocab_size)
     softcap = None if softcap is None else float(softcap)  # a numpy float as a plain one: the op's schema
     logit_scale = None if logit_scale is None else float(logit_scale)
     # One integer dtype from here on: in uint8, `targets != -100` compares with -100 wrapped to 156.
@@ -198,11 +242,12 @@ def linear_nmst_loss(
     if validate and should_check_data():
         check_data(
             head=head,
-            vocab_size=weight.shape[0],
+            vocab_size=weight.shape[0] if vocab_size is None else vocab_size,
             targets=targets,
             ignore_index=ignore_index,
             steps=full_steps,
             tensors=[("hidden", hidden), ("weight", weight), ("bias", bias)],
+            group=process_group,
         )
     backend = resolve_impl(impl, hidden.device, hidden.dtype)
     if backend == "reference":
@@ -250,6 +295,8 @@ def linear_nmst_loss(
         grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad,
         softcap,
+        None if process_group is None else group_name_of(process_group),
+        0 if process_group is None else int(vocab_start),
     )
     # The op's loss is at least fp32. Under autocast it stays so (AMP's losses are fp32: a GradScaler's
     # 65536 would be inf as an fp16 upstream gradient); otherwise it takes hidden's dtype, as F.cross_entropy.

@@ -11,8 +11,10 @@ inside an ordinary autograd formula:
 * reduction "none": the upstream gradient is per row, so backward recomputes
   each chunk's logits from the saved per-row L (one extra GEMM per chunk).
 
-``softcap`` (last argument, default None): the heads see c·tanh(z / c) (see :mod:`nmst_fast.fused`);
-the gradients returned are still with respect to hidden, weight and bias.
+``softcap`` (default None): the heads see c·tanh(z / c) (see :mod:`nmst_fast.fused`); the gradients
+returned are still with respect to hidden, weight and bias. ``vocab_group`` (a process group's name,
+default None) and ``vocab_start``: ``weight`` holds that group's vocabulary rows from ``vocab_start``
+(:mod:`nmst_fast.vocab_shard`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .fused import HeadConfig, fused_backward_from_lse, fused_forward, mean_divisor
+from .vocab_shard import VocabShard
 
 
 
@@ -50,6 +53,8 @@ def linear_loss(
     need_grad_weight: bool,
     need_grad_bias: bool,
     softcap: Optional[float] = None,
+    vocab_group: Optional[str] = None,
+    vocab_start: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (loss in at least fp32, lse (N,) float64, dh, dW, db); grads are empty unless computed in this pass.
 
@@ -63,14 +68,14 @@ def linear_loss(
     with torch.autocast(hidden.device.type, enabled=False):
         loss, lse, dh, dw, db = fused_forward(
             hidden, weight, bias, targets, steps, cfg, reduction=reduction, backend=backend, chunk_rows=chunk_rows,
-            need=need,
+            need=need, shard=VocabShard.of(vocab_group, vocab_start, weight.shape[0]),
         )
     return loss, lse, _empty_like_none(dh, hidden), _empty_like_none(dw, weight), _empty_like_none(db, weight)
 
 
 @linear_loss.register_fake
 def _(hidden, weight, bias, targets, steps, seq_len, head, eos_index, eps, ignore_index, reduction, backend,
-      chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap=None):
+      chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap=None, vocab_group=None, vocab_start=0):
     N = hidden.shape[0]
     in_forward = reduction != "none"
     loss = hidden.new_empty((N,) if reduction == "none" else (), dtype=torch.promote_types(hidden.dtype, torch.float32))
@@ -103,6 +108,8 @@ def linear_loss_backward(
     need_grad_weight: bool,
     need_grad_bias: bool,
     softcap: Optional[float] = None,
+    vocab_group: Optional[str] = None,
+    vocab_start: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     cfg = HeadConfig(head, eos_index, eps, ignore_index, seq_len, softcap)
     with torch.autocast(hidden.device.type, enabled=False):  # as in linear_loss
@@ -110,13 +117,14 @@ def linear_loss_backward(
             grad_rows, hidden, weight, bias, targets, steps, lse, cfg,
             backend=backend, chunk_rows=chunk_rows,
             need=(need_grad_hidden, need_grad_weight, need_grad_bias and bias is not None),
+            shard=VocabShard.of(vocab_group, vocab_start, weight.shape[0]),
         )
     return _empty_like_none(dh, hidden), _empty_like_none(dw, weight), _empty_like_none(db, weight)
 
 
 @linear_loss_backward.register_fake
 def _(grad_rows, hidden, weight, bias, targets, steps, lse, seq_len, head, eos_index, eps, ignore_index, backend,
-      chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap=None):
+      chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap=None, vocab_group=None, vocab_start=0):
     dh = torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty(0)
     dw = torch.empty_like(weight) if need_grad_weight else weight.new_empty(0)
     db = torch.empty_like(bias) if (need_grad_bias and bias is not None) else weight.new_empty(0)
@@ -124,7 +132,7 @@ def _(grad_rows, hidden, weight, bias, targets, steps, lse, seq_len, head, eos_i
 
 
 _STATIC_ARGS = ("seq_len", "head", "eos_index", "eps", "ignore_index", "backend", "chunk_rows",
-                "need_grad_hidden", "need_grad_weight", "need_grad_bias", "softcap")
+                "need_grad_hidden", "need_grad_weight", "need_grad_bias", "softcap", "vocab_group", "vocab_start")
 
 
 @torch.library.custom_op("nmst_fast::scale_cast", mutates_args=())
@@ -150,7 +158,7 @@ def _(acc, scale, dtype, backend):
 
 def _setup_context(ctx, inputs, output):
     (hidden, weight, bias, targets, steps, seq_len, head, eos_index, eps, ignore_index, reduction, backend,
-     chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap) = inputs
+     chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap, vocab_group, vocab_start) = inputs
     loss, lse, dh, dw, db = output
     # Only the loss is differentiable. Without these two calls autograd would hand
     # backward zero-filled gradients for lse/dh/dW/db: a V×H allocation for nothing.
@@ -158,7 +166,8 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     ctx.reduction = reduction
     ctx.static = dict(zip(_STATIC_ARGS, (seq_len, head, eos_index, eps, ignore_index, backend, chunk_rows,
-                                         need_grad_hidden, need_grad_weight, need_grad_bias, softcap)))
+                                         need_grad_hidden, need_grad_weight, need_grad_bias, softcap, vocab_group,
+                                         vocab_start)))
     ctx.has_bias = bias is not None
     ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
     if reduction == "none":
@@ -172,7 +181,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db):
     st = ctx.static
     if grad_loss is None:  # grads are not materialized: None means the loss got no gradient
-        return (None,) * 17
+        return (None,) * 19
     if torch.is_grad_enabled():
         # create_graph=True: the gradients come from the forward (or a recomputation) as constants,
         # so their own derivatives would be silently zero. Refuse rather than give wrong Hessians.
@@ -199,7 +208,7 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db):
         dw if st["need_grad_weight"] else None,
         db if (st["need_grad_bias"] and ctx.has_bias) else None,
     )
-    return grads + (None,) * 14
+    return grads + (None,) * 16
 
 
 linear_loss.register_autograd(_backward, setup_context=_setup_context)

@@ -13,6 +13,7 @@ Contract:
   |L|), z_target in at least float32. If ``coefficients``
   is given it is called with L and must return :class:`GradCoefficients`;
   z is then overwritten with dz (see :mod:`nmst_fast.head_math`).
+  ``eos_index`` -1: the chunk holds no eos column (a vocabulary shard without it).
   ``grad_from_lse_(z, lse, targets, eos_index, coefficients)`` writes dz when
   L is already known (the recompute backward).
 
@@ -78,8 +79,10 @@ class TorchRowOps:
 
     @staticmethod
     def _exp_shifted_(z: torch.Tensor, eos_index: int) -> torch.Tensor:
-        # Masking eos with -inf makes every reduction below range over non-eos columns only.
-        z[:, eos_index] = float("-inf")
+        # Masking eos with -inf makes every reduction below range over non-eos columns only
+        # (eos_index -1: a vocabulary shard without eos).
+        if eos_index >= 0:
+            z[:, eos_index] = float("-inf")
         row_max = z.amax(dim=1, keepdim=True)
         z.sub_(row_max).exp_()
         return row_max.squeeze(1).to(torch.float64)
@@ -90,7 +93,8 @@ class TorchRowOps:
     ) -> None:
         # z holds exp(z − m); scale = coef_L · exp(m − L) turns it into coef_L · exp(z − L).
         z.mul_(scale.to(z.dtype).unsqueeze(1))
-        z[:, eos_index] = coefs.grad_eos.to(z.dtype)
+        if eos_index >= 0:
+            z[:, eos_index] = coefs.grad_eos.to(z.dtype)
         z.scatter_add_(1, targets.unsqueeze(1), coefs.grad_target.to(z.dtype).unsqueeze(1))
 
     def lse_and_grad_(

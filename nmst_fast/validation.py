@@ -113,6 +113,14 @@ def should_check_data() -> bool:
     return not torch.compiler.is_compiling()
 
 
+def _all_finite(t: torch.Tensor, group) -> bool:
+    """Whether ``t`` holds no NaN / inf — on every rank of ``group``, when given."""
+    finite = torch.isfinite(t).all().to(torch.int32)
+    if group is not None:
+        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(finite)
+
+
 def check_data(
     *,
     head: str,
@@ -121,8 +129,10 @@ def check_data(
     ignore_index: int,
     steps: Optional[torch.Tensor],
     tensors: list[tuple[str, Optional[torch.Tensor]]],
+    group=None,
 ) -> None:
-    """Value checks that need to look at data, done with a single host sync."""
+    """Value checks that need to look at data, done with a single host sync. With a process
+    ``group`` the verdicts are OR-ed over its ranks first, so every rank raises together."""
     names: list[str] = []
     flags: list[torch.Tensor] = []
     values: list[Optional[torch.Tensor]] = []  # the float tensor behind each flag, if any
@@ -141,11 +151,15 @@ def check_data(
             # (an elementwise isfinite costs several passes and a bool copy of the weight).
             flags.append(~torch.isfinite(t.sum(dtype=torch.promote_types(t.dtype, torch.float32))))
             values.append(t)
-    bad = torch.stack(flags).tolist()
+    verdicts = torch.stack(flags)
+    if group is not None:
+        verdicts = verdicts.to(torch.int32)
+        torch.distributed.all_reduce(verdicts, op=torch.distributed.ReduceOp.MAX, group=group)
+    bad = verdicts.bool().tolist()
     for name, is_bad, t in zip(names, bad, values):
         if not is_bad:
             continue
-        if t is not None and bool(torch.isfinite(t).all()):
+        if t is not None and _all_finite(t, group):
             continue  # only the sum overflowed (huge finite values): checked exactly, on this rare path
         if name == "targets":
             raise ValueError(

@@ -1,0 +1,82 @@
+"""The vocabulary-parallel loss on 2 and 3 gloo ranks under torchrun equals one process on the whole
+weight (tests/distributed/vocab_parallel_ranks.py checks every head, reduction and backend); a
+rank's bad input stops every rank with its error; bad arguments are refused before any collective."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nmst_fast import linear_nmst_loss
+
+SCRIPT = Path(__file__).parent / "distributed" / "vocab_parallel_ranks.py"
+REPO = Path(__file__).parents[1]
+
+
+def _torchrun(ranks: int, *flags: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+               str(SCRIPT), *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_vocab_parallel_equals_one_process(ranks):
+    run = _torchrun(ranks)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    for rank in range(ranks):
+        assert f"rank {rank}/{ranks}: 54 cases equal to one process" in run.stdout
+
+
+@pytest.mark.parametrize("flags, error", [(("--fail-rank", "1"), "weight contains NaN or inf"),
+                                          (("--overlap",), "must tile")])
+def test_a_bad_rank_stops_every_rank_with_its_error(flags, error):
+    run = _torchrun(3, *flags)
+    assert run.returncode != 0
+    for rank in range(3):  # every rank raised it: none was left waiting in a collective
+        assert f"[rank{rank}]: ValueError" in run.stderr and error in run.stderr, run.stderr[-4000:]
+
+
+def test_vocab_parallel_arguments_are_checked_before_any_collective():
+    hidden, weight, targets = torch.randn(2, 4, 8), torch.randn(5, 8), torch.randint(0, 5, (2, 4))
+    group = object()  # never used: each check fires before a collective would
+    with pytest.raises(ValueError, match="vocab_start"):
+        linear_nmst_loss(hidden, weight, targets, eos_index=4, process_group=group)
+    with pytest.raises(TypeError, match="vocab_start"):
+        linear_nmst_loss(hidden, weight, targets, eos_index=4, process_group=group, vocab_start=1.0)
+    with pytest.raises(ValueError, match="vocab_start"):
+        linear_nmst_loss(hidden, weight, targets, eos_index=4, process_group=group, vocab_start=-1)
+    with pytest.raises(ValueError, match="not initialized"):
+        linear_nmst_loss(hidden, weight, targets, eos_index=4, process_group=group, vocab_start=0)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_group_and_its_refusals(one_rank):
+    gen = torch.Generator().manual_seed(4)
+    hidden, weight = torch.randn(2, 4, 8, generator=gen), torch.randn(5, 8, generator=gen)
+    targets = torch.randint(0, 5, (2, 4), generator=gen)
+    plain = linear_nmst_loss(hidden, weight, targets, eos_index=4, eps=0.1)
+    split = linear_nmst_loss(hidden, weight, targets, eos_index=4, eps=0.1, process_group=one_rank, vocab_start=0)
+    torch.testing.assert_close(split, plain)
+    with pytest.raises(ValueError, match="reference"):
+        linear_nmst_loss(hidden, weight, targets, eos_index=4, process_group=one_rank, vocab_start=0,
+                         impl="reference")
+    with pytest.raises(ValueError, match="non-eos row"):
+        linear_nmst_loss(hidden, weight[4:], targets, eos_index=4, process_group=one_rank, vocab_start=4)
+    with pytest.raises(ValueError, match="tile"):  # one rank holding rows 1..5 leaves row 0 out
+        linear_nmst_loss(hidden, weight, targets, eos_index=4, process_group=one_rank, vocab_start=1)
+    with pytest.raises(ValueError, match="eos_index"):
+        linear_nmst_loss(hidden, weight, targets, eos_index=5, process_group=one_rank, vocab_start=0)
