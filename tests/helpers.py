@@ -82,3 +82,18 @@ def assert_matches_truth(fast, naive, truth, *, factor: float = 4.0, rel_atol: f
         scale = max(t.abs().max().item(), 1e-30) if t.numel() else 1.0
         bound = factor * max_err(n, t) + rel_atol * scale
         assert max_err(f, t) <= bound, f"{what} {name}: error {max_err(f, t):.3e} > bound {bound:.3e}"
+
+
+def torchrun(script: str, ranks: int, *flags: str):
+    """``torchrun --standalone --nproc_per_node ranks tests/distributed/<script> flags`` on gloo, with this
+    checkout first on the path and Triton in its interpreter; the finished process (10-minute limit)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+               str(repo / "tests" / "distributed" / script), *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=repo)

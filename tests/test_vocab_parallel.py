@@ -2,25 +2,15 @@
 weight (tests/distributed/vocab_parallel_ranks.py checks every head, reduction and backend); a
 rank's bad input stops every rank with its error; bad arguments are refused before any collective."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from helpers import torchrun
 from nmst_fast import linear_nmst_loss
 
-SCRIPT = Path(__file__).parent / "distributed" / "vocab_parallel_ranks.py"
-REPO = Path(__file__).parents[1]
 
-
-def _torchrun(ranks: int, *flags: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-               str(SCRIPT), *flags]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+def _torchrun(ranks: int, *flags: str):
+    return torchrun("vocab_parallel_ranks.py", ranks, *flags)
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
