@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import nmst_fast
 
@@ -97,3 +98,18 @@ def torchrun(script: str, ranks: int, *flags: str):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
                str(repo / "tests" / "distributed" / script), *flags]
     return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=repo)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any op produces (``.largest``, in elements) while it is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out

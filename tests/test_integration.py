@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import nmst_fast
 from nmst_fast.fused import HeadConfig, fused_backward_from_lse, fused_forward
 
-from helpers import DEVICE
+from helpers import DEVICE, LargestTensor
 
 
 def test_torch_compile_traces_without_graph_breaks():
@@ -89,28 +89,13 @@ def test_nmst_head_with_bias_and_flat_steps():
     torch.testing.assert_close(head.loss(h, y), torch.nn.functional.cross_entropy(head(h), y))
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest tensor any op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_chunked_driver_never_allocates_n_by_v():
     N, H, V, chunk = 600, 16, 500, 64
     h, W, b = torch.randn(N, H), torch.randn(V, H), torch.randn(V)
     y, steps = torch.randint(0, V, (N,)), torch.randint(1, 50, (N,))
     for head in ("nmst", "st", "va"):
         cfg = HeadConfig(head, 7, 1e-3, -100, seq_len=N // 10)
-        with _LargestTensor() as mode:
+        with LargestTensor() as mode:
             _, lse, *_ = fused_forward(h, W, b, y, steps, cfg, reduction="mean", backend="chunked",
                                        chunk_rows=chunk, need=(True, True, True))
             fused_backward_from_lse(torch.ones(N), h, W, b, y, steps, lse, cfg, backend="chunked",

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nmst_fast
-from helpers import DEVICE, assert_matches_truth, make_case
+from helpers import DEVICE, LargestTensor, assert_matches_truth, make_case
 
 HEADS = ("nmst", "st", "va")
 IMPLS = ("reference", "chunked", "triton")
@@ -222,25 +222,13 @@ def test_integer_and_numpy_values_are_accepted():
 def test_the_memory_bound_holds_with_a_softcap():
     """The torch row pass's second (chunk, V) buffer is the only extra one, and the default chunk
     halves so the two share the usual byte budget."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from nmst_fast.fused import HeadConfig, default_chunk_rows, fused_backward_from_lse, fused_forward
-
-    class Largest(TorchDispatchMode):
-        largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    self.largest = max(self.largest, t.numel())
-            return out
 
     N, H, V, chunk = 300, 8, 400, 32
     h, W, b = torch.randn(N, H), torch.randn(V, H), torch.randn(V)
     y, steps = torch.randint(0, V, (N,)), torch.randint(1, 50, (N,))
     cfg = HeadConfig("nmst", 7, 1e-3, -100, 1, softcap=3.0)
-    with Largest() as mode:
+    with LargestTensor() as mode:
         _, lse, *_ = fused_forward(h, W, b, y, steps, cfg, reduction="mean", backend="chunked", chunk_rows=chunk,
                                    need=(True, True, True))
         fused_backward_from_lse(torch.ones(N), h, W, b, y, steps, lse, cfg, backend="chunked", chunk_rows=chunk,
