@@ -62,7 +62,8 @@ def _check_causal_lm(model: Any) -> nn.Module:
     """The model's output layer, after checking that ``model`` is a causal LM this module can patch."""
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel (a …ForCausalLM), got {type(model).__name__}")
-    if type(model).__name__ not in _causal_lm_class_names() or model.config.is_encoder_decoder:
+    causal = _causal_lm_class_names()
+    if not any(cls.__name__ in causal for cls in type(model).__mro__) or model.config.is_encoder_decoder:
         raise ValueError(f"model must be a causal LM (AutoModelForCausalLM), got {type(model).__name__} "
                          f"(model_type {model.config.model_type!r})")
     layer = _output_layer(model)
