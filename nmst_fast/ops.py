@@ -25,7 +25,6 @@ from torch import Tensor
 from .fused import HeadConfig, fused_backward_from_lse, fused_forward, mean_divisor
 
 
-
 def _empty_like_none(t: Optional[Tensor], like: Tensor) -> Tensor:
     # Custom ops must return tensors; an empty one stands for "not computed".
     return t if t is not None else like.new_empty(0)
