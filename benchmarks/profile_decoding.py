@@ -30,8 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
-from nmst_fast.kernels.row_draw import (COMPACT_TOP_P, ROUND_CANDIDATES, TOP_P_LAYOUTS, cuda_launch, default_launch,
-                                        draw_rows)
+from nmst_fast.kernels.row_draw import (
+    COMPACT_TOP_P,
+    ROUND_CANDIDATES,
+    TOP_P_LAYOUTS,
+    cuda_launch,
+    default_launch,
+    draw_rows,
+)
 from nmst_fast.kernels.row_scan import launch_shape, scan_partials, split_layout
 from nmst_fast.kernels.row_select import select_from_scan
 
@@ -289,7 +295,8 @@ def _case(B: int, V: int, bandwidth: float) -> tuple[torch.Tensor, float]:
 
 def _row_draw_table(vocabs, bandwidth, timer, quick) -> None:
     print("\nrow draw launch sweep, B = 256")
-    print("| V | mode | BLOCK_V | warps | prefetch | ms | read TB/s | x floor |\n|---:|---|---:|---:|---|---:|---:|---:|")
+    print("| V | mode | BLOCK_V | warps | prefetch | ms | read TB/s | x floor |\n"
+          "|---:|---|---:|---:|---|---:|---:|---:|")
     for V in vocabs:
         logits, floor_ms = _case(256, V, bandwidth)
         for mode, top_p in (("sampling", None), ("top-p 0.9", 0.9)):
@@ -343,7 +350,8 @@ def _scan_table(vocabs, bandwidth, timer, quick) -> None:
     for V, draw in [(V, False) for V in vocabs] + [(50257, True)]:
         logits, floor_ms = _case(256, V, bandwidth)
         _, default_block_v, default_splits = launch_shape(logits, 0)
-        launches = [(block_v, splits) for block_v in (1024, 2048, 4096) for splits in SPLITS if splits * block_v < 2 * V]
+        launches = [(block_v, splits) for block_v in (1024, 2048, 4096) for splits in SPLITS
+                    if splits * block_v < 2 * V]
         for (block_v, splits), ms in scan_sweep(logits, launches, timer, draw=draw):
             mark = "*" if (block_v, splits) == (default_block_v, default_splits) else ""
             print(f"| {V} | {'sampling' if draw else 'greedy'} | {block_v} | {splits}{mark} | {256 * splits} | "

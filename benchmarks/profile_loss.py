@@ -22,8 +22,8 @@ import time
 import torch
 
 import nmst_fast
-from nmst_fast.kernels import split_softmax
 from nmst_fast import fused as fused_driver
+from nmst_fast.kernels import split_softmax
 
 from .cases import GPU_SHAPES, Inputs, make_inputs, three_gemms
 
@@ -57,10 +57,12 @@ def variants(x: Inputs) -> None:
     """End-to-end step for chunk sizes and the dW accumulator dtype (row kernels at their defaults)."""
     N, V = x.hidden.shape[0], x.weight.shape[0]
     floor = _bench(lambda: three_gemms(x))
-    print(f"| variant | ms | x floor | peak GB above inputs (incl. grads) |\n|---|---:|---:|---:|\n| three GEMMs | {floor:.2f} | 1.000 | |")
+    print("| variant | ms | x floor | peak GB above inputs (incl. grads) |\n|---|---:|---:|---:|\n"
+          f"| three GEMMs | {floor:.2f} | 1.000 | |")
     default_rows = fused_driver.default_chunk_rows(N, V, x.hidden.dtype, x.hidden.device)
     fp32_acc = fused_driver.dw_accumulator_dtype
-    configs = [(rows, acc) for rows in sorted({default_rows, -(-N // 4), -(-N // 2)}) for acc in ("fp32", "weight dtype")]
+    configs = [(rows, acc) for rows in sorted({default_rows, -(-N // 4), -(-N // 2)})
+               for acc in ("fp32", "weight dtype")]
     try:
         for rows, acc in configs:
             fused_driver.dw_accumulator_dtype = fp32_acc if acc == "fp32" else (lambda dtype: dtype)

@@ -2,8 +2,8 @@
 
 Times: every round runs each case once (on a GPU: five steps back to back, the
 steady state of a training loop), in one process; each case's ratio to the
-three-GEMM floor is taken within a round and the median over rounds is reported. Memory: one step per case in a fresh subprocess, so
-its peak is its own. Ratios compare cases measured
+three-GEMM floor is taken within a round and the median over rounds is reported. Memory: one step per
+case in a fresh subprocess, so its peak is its own. Ratios compare cases measured
 in this one run, never against stored absolute times.
 
     python -m benchmarks.report                 # issue shape on CPU: 4096x768x50257 fp32
@@ -79,7 +79,8 @@ def round_order(names: list[str], round_index: int) -> list[str]:
 
 def measure_times(shape: Shape, rounds: int) -> dict[str, list[float]]:
     """Every round runs each case once (on a GPU: the allocator's cache emptied, one untimed step,
-    then 5 timed back-to-back steps), in a fresh order each round (:func:`round_order`), in this process, on the same inputs.
+    then 5 timed back-to-back steps), in a fresh order each round (:func:`round_order`), in this process, on
+    the same inputs.
 
     Cases of one round run back to back, so dividing by that round's floor cancels
     the slow drifts of a shared machine (identical GEMM runs vary by ±15% here).

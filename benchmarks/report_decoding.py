@@ -26,8 +26,7 @@ import torch
 from nmst_fast.decoding.truncation import untruncated
 
 from .cold_reads import cold_graph_ms
-from .decoding_cases import (BATCHES, STRATEGIES, VOCABS, fast, flashinfer_sampler, make_logits,
-                             sort_based)
+from .decoding_cases import BATCHES, STRATEGIES, VOCABS, fast, flashinfer_sampler, make_logits, sort_based
 
 
 def _time(fn, logits, gen) -> float:
@@ -210,7 +209,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.flashinfer and args.build_only:
             if flashinfer_sampler(None, None) is None:
                 parser.error("--build-only: flashinfer is not installed")
-            print(f"FlashInfer's samplers built in {build_flashinfer(torch.Generator(device='cuda').manual_seed(0)):.1f} s")
+            seconds = build_flashinfer(torch.Generator(device="cuda").manual_seed(0))
+            print(f"FlashInfer's samplers built in {seconds:.1f} s")
         elif args.flashinfer:
             flashinfer_table(torch.Generator(device="cuda").manual_seed(0))
         else:

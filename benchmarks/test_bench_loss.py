@@ -19,7 +19,8 @@ SHAPES = [CPU_DEFAULT if os.environ.get("NMST_BENCH_FULL") == "1" else CPU_SMALL
 if torch.cuda.is_available():
     SHAPES += list(GPU_SHAPES)
 
-PARAMS = [pytest.param(shape, name, id=f"{shape.label()}-{name}") for shape in SHAPES for name in cases_for(shape.device)]
+PARAMS = [pytest.param(shape, name, id=f"{shape.label()}-{name}")
+          for shape in SHAPES for name in cases_for(shape.device)]
 
 
 @pytest.mark.parametrize("shape,name", PARAMS)

@@ -18,4 +18,5 @@ from .reference import nmst_log_probs
 
 __all__ = ["GenerationOutput", "NMSTHead", "decoding", "generate", "linear_nmst_loss", "metrics", "nmst_log_probs",
            "termination_bound"]
+# The one version source: pyproject.toml reads this literal without importing the package (keep it a literal).
 __version__ = "0.1.0"

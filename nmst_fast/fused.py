@@ -166,7 +166,8 @@ def _chunk_loop(
     dw = None
     if need_dw:
         dw = (torch.empty if N else torch.zeros)(weight.shape, dtype=acc_dtype, device=weight.device)
-    db = torch.zeros(V, dtype=torch.promote_types(weight.dtype, torch.float32), device=weight.device) if need_db else None
+    db = (torch.zeros(V, dtype=torch.promote_types(weight.dtype, torch.float32), device=weight.device)
+          if need_db else None)
     # One flat buffer, reused: each chunk views a contiguous prefix in its own shape.
     buffer = torch.empty(min(chunk_rows, N) * V, dtype=hidden.dtype, device=hidden.device)
     for start in range(0, N, chunk_rows):

@@ -22,8 +22,8 @@ from tqdm.auto import tqdm
 from .decoding.beam import beam_step
 from .decoding.distribution import check_temperature, effective_logits
 from .decoding.selection import _check_truncation, check_impl, select, try_fused_sample
-from .logmath import termination_bound
 from .head import NMSTHead
+from .logmath import termination_bound
 from .validation import check_int_tensor
 
 STRATEGIES = ("greedy", "top_k", "nucleus", "beam")

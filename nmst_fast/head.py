@@ -72,7 +72,8 @@ class NMSTHead(nn.Module):
         if weight is None:
             weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
         elif tuple(weight.shape) != (vocab_size, hidden_size):
-            raise ValueError(f"weight must be (vocab_size, hidden_size)=({vocab_size}, {hidden_size}), got {tuple(weight.shape)}")
+            raise ValueError(f"weight must be (vocab_size, hidden_size)=({vocab_size}, {hidden_size}), "
+                             f"got {tuple(weight.shape)}")
         self.weight = weight
         if isinstance(bias, nn.Parameter):
             if tuple(bias.shape) != (vocab_size,):

@@ -136,7 +136,8 @@ def grad_coefficients(
     if head == "va":
         lse, s = lse.to(_F64), s.to(_F64)
         # softmax over all V: exp(z_v − LSE) = exp(z_v − L) · σ(L − s); its eos entry is σ(s − L).
-        return GradCoefficients(coef_lse=w * torch.sigmoid(lse - s), grad_eos=w * torch.sigmoid(s - lse), grad_target=-w)
+        return GradCoefficients(coef_lse=w * torch.sigmoid(lse - s), grad_eos=w * torch.sigmoid(s - lse),
+                                grad_target=-w)
     # Non-eos targets: ℓ = −a − z_y + L, so the non-eos part is the split softmax minus one-hot.
     non_eos_weight = torch.where(targets_eos, 0.0, w)
     return GradCoefficients(coef_lse=non_eos_weight, grad_eos=eos_grads, grad_target=-non_eos_weight)

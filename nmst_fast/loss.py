@@ -14,7 +14,6 @@ from . import ops  # noqa: F401  (registers torch.ops.nmst_fast.*)
 from .backends import triton_available
 from .fused import default_chunk_rows
 from .reference import reference_linear_nmst_loss
-from .vocab_shard import check_vocab_shards, group_name_of
 from .validation import (
     HEADS,
     IMPLS,
@@ -30,6 +29,7 @@ from .validation import (
     expand_steps,
     should_check_data,
 )
+from .vocab_shard import check_vocab_shards, group_name_of
 
 
 def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:

@@ -28,7 +28,6 @@ from .fused import HeadConfig, fused_backward_from_lse, fused_forward, mean_divi
 from .vocab_shard import VocabShard
 
 
-
 def _empty_like_none(t: Optional[Tensor], like: Tensor) -> Tensor:
     # Custom ops must return tensors; an empty one stands for "not computed".
     return t if t is not None else like.new_empty(0)

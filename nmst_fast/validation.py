@@ -81,7 +81,8 @@ def check_same_device(pairs: list[tuple[str, Optional[torch.Tensor]]]) -> None:
             raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}")
 
 
-def expand_steps(steps: Optional[torch.Tensor], targets: torch.Tensor, head: str, layout_3d: bool) -> Optional[torch.Tensor]:
+def expand_steps(steps: Optional[torch.Tensor], targets: torch.Tensor, head: str,
+                 layout_3d: bool) -> Optional[torch.Tensor]:
     """Check ``steps`` and broadcast it to ``targets``' shape (int64), or build the default.
 
     Default for the (B, T) layout is 1..T along T. The flat layout has no notion

@@ -27,7 +27,8 @@ def test_lines_become_eos_terminated_sequences_of_11_to_1024_tokens(tokenizer_di
     tok = load_gpt2_tokenizer(tokenizer_dir)
     lines = ["", " = Heading = ", "the river", " ".join(["harbor bells ring"] * 5), " ".join(["stone"] * 2000)]
     seqs = encode_bpe_lines(lines, tok)
-    lengths = [len(tok(" " + line.strip(), add_special_tokens=False)["input_ids"]) + 1 for line in lines if line.strip()]
+    lengths = [len(tok(" " + line.strip(), add_special_tokens=False)["input_ids"]) + 1
+               for line in lines if line.strip()]
     expected = [n for n in lengths if 11 <= n <= 1024]
     assert [len(s) for s in seqs] == expected and len(expected) < len(lengths)  # short and long lines dropped
     assert all(s[-1] == tok.eos_token_id for s in seqs)

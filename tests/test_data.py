@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from nmst_fast.data import (CONTEXT_LENGTH, Vocabulary, collate, encode_lines, find_split_file,
-                            load_wikitext_split)
+from nmst_fast.data import CONTEXT_LENGTH, Vocabulary, collate, encode_lines, find_split_file, load_wikitext_split
 
 TRAIN = [" = Heading = ", "", " the cat sat on the mat because it was warm and dry today . ", " short line "]
 

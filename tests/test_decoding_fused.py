@@ -5,9 +5,9 @@ import torch
 
 import nmst_fast.decoding
 from nmst_fast.decoding import effective_logits, sample
-from nmst_fast.kernels.row_scan import MAX_CANDIDATES
 from nmst_fast.decoding.fused import fused_select, fused_truncated
 from nmst_fast.generation import generate
+from nmst_fast.kernels.row_scan import MAX_CANDIDATES
 
 from helpers import DEVICE
 from test_decoding import DRAWS, _g_test, _reference_log_probs, _row, _st_state_before, check_sampling_distribution
@@ -40,8 +40,8 @@ def _sampled(z, sampling_path, *, generator, **args):
     with no truncation, the alternative ``benchmarks.profile_decoding`` times against it)."""
     if sampling_path == "one launch":
         return fused_select(z, greedy=False, generator=generator, **args)
-    from nmst_fast.kernels.row_draw import draw_rows
     from nmst_fast.decoding.fused import _seed
+    from nmst_fast.kernels.row_draw import draw_rows
 
     args.setdefault("steps", 1)
     picked, _ = draw_rows(z, temperature=args.pop("temperature", 1.0), state=args.pop("state", None),
@@ -62,8 +62,8 @@ def test_fused_log_probs_of_chosen_tokens(head, sampling_path):
 
 def _torch_head_math(z, head, eos, eps, steps, state, temperature):
     """L merged in float64 from the same scan's partials, then the head's float64 scalars in torch."""
-    from nmst_fast.kernels.row_scan import scan_partials
     from nmst_fast.decoding.distribution import eos_terms
+    from nmst_fast.kernels.row_scan import scan_partials
 
     parts = scan_partials(z, eos_index=None if head == "va" else eos, temperature=temperature).parts
     lse = torch.logsumexp(parts["max"].double() + parts["sum"].double().log(), dim=1)
@@ -560,8 +560,8 @@ def test_fused_select_takes_one_launch_except_for_shared_rows(monkeypatch):
     """``fused_select`` runs greedy and split-scan sampling as the one-launch step, except rows repeated
     with stride 0 under greedy, which one row's scan serves (its two-launch path); ``fused_truncated``
     likewise for top-k (its candidate scan draws no noise, so shared rows always share it)."""
-    import nmst_fast.kernels.scan_select as scan_select_module
     import nmst_fast.kernels.row_select as row_select_module
+    import nmst_fast.kernels.scan_select as scan_select_module
 
     calls = []
     real_one, real_two = scan_select_module.scan_select, row_select_module.select_from_scan
@@ -817,7 +817,8 @@ def test_lane_scan_matches_float64_on_fresh_rows():
         where = f"seed={seed} V={V} launch={launch} eos={eos} T={temperature}"
         got_idx, got_val, lse = scan["top_idx"].cpu(), scan["top_val"].cpu().double(), scan["lse"].cpu().double()
         assert torch.equal(got_idx[ok], order[ok]), where
-        assert torch.equal(got_val[ok], (z.float() * (1.0 / temperature)).double().gather(1, order[:, None])[ok, 0]), where
+        want_val = (z.float() * (1.0 / temperature)).double().gather(1, order[:, None])[ok, 0]
+        assert torch.equal(got_val[ok], want_val), where
         torch.testing.assert_close(lse[ok], torch.logsumexp(x[ok], dim=1), rtol=1e-5, atol=1e-5, msg=where)
         empty = ~torch.isfinite(x).any(dim=1) & ~torch.isnan(x).any(dim=1) & ~(x == float("inf")).any(dim=1)
         assert (lse[empty] == float("-inf")).all() and (got_idx[empty] == 0).all(), where

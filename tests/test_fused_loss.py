@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import nmst_fast
+
 from helpers import DEVICE, FAST_IMPLS, Case, assert_matches_truth, make_case, run
 
 HEADS = ("nmst", "st", "va")
@@ -105,7 +106,8 @@ def test_fp32_loss_keeps_its_digits_at_large_logits(impl, reduction):
         exact = F.cross_entropy(hidden.double() @ weight.double().T + bias.double(), targets, reduction=reduction)
         ce32 = F.cross_entropy(hidden @ weight.T + bias, targets, reduction=reduction).double()
         ours = nmst_fast.linear_nmst_loss(hidden.to(DEVICE), weight.to(DEVICE), targets.to(DEVICE), eos_index=0,
-                                          head="va", bias=bias.to(DEVICE), reduction=reduction, impl=impl).double().cpu()
+                                          head="va", bias=bias.to(DEVICE), reduction=reduction,
+                                          impl=impl).double().cpu()
         assert float((ours - exact).abs().max()) <= 4 * float((ce32 - exact).abs().max()) + 1e-6, shift
 
 

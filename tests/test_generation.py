@@ -332,8 +332,8 @@ def test_metrics():
     assert metrics.non_termination_curve(lengths, [1, 5, 10], terminated) == {1: 1.0, 5: 0.5, 10: 0.25}
     assert metrics.log_grid(1000)[0] == 1 and metrics.log_grid(1000)[-1] == 1000
     assert metrics.log_grid(1) == [1]
-    for bad in (dict(max_length=0), dict(max_length=2.5), dict(max_length=True), dict(max_length=10, points_per_decade=0),
-                dict(max_length=10, points_per_decade=-1)):
+    for bad in (dict(max_length=0), dict(max_length=2.5), dict(max_length=True),
+                dict(max_length=10, points_per_decade=0), dict(max_length=10, points_per_decade=-1)):
         with pytest.raises(ValueError, match="max_length|points_per_decade"):
             metrics.log_grid(**bad)
     counts, edges = metrics.length_histogram(lengths, bins=[0, 10, 1000])

@@ -3,10 +3,9 @@ decoding agrees with HF's, and the per-row step rules, for tiny random models of
 
 import pytest
 import torch
-import transformers  # a test dependency (setup.py extra "test")
+import transformers  # a test dependency (pyproject.toml extra "test")
 from torch import nn
 
-from hf_models import EOS, FAMILIES, GQA, V, chat_batch, reference_loss, tiny_model
 from nmst_fast.generation import generate
 from nmst_fast.integrations.hf import (
     HFDecoder,
@@ -17,6 +16,9 @@ from nmst_fast.integrations.hf import (
     steps_from_labels,
     steps_from_positions,
 )
+
+from hf_models import EOS, FAMILIES, GQA, V, chat_batch, reference_loss, tiny_model
+
 
 def _inner_weight(model) -> nn.Parameter:
     return next(p for name, p in model.base_model.named_parameters() if p.dim() == 2 and "emb" not in name

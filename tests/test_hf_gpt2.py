@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-import transformers  # a test dependency (setup.py extra "test")
+import transformers  # a test dependency (pyproject.toml extra "test")
 
 from nmst_fast.generation import generate
 from nmst_fast.integrations.hf_gpt2 import GPT2Decoder
@@ -210,8 +210,9 @@ def test_hf_beam_search_on_the_nmst_distribution_agrees_with_ours(num_beams, see
     model = apply_nmst_to_gpt2(_model(seed), head="nmst", eps=0.05, generation_logits=True)
     contexts = torch.randint(0, 49, (3, 5), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
+        # early_stopping left at HF's default
         hf = model.generate(contexts, attention_mask=torch.ones_like(contexts), num_beams=num_beams, do_sample=False,
-                            max_new_tokens=16, eos_token_id=49, pad_token_id=49, length_penalty=0.0)  # HF's default early_stopping
+                            max_new_tokens=16, eos_token_id=49, pad_token_id=49, length_penalty=0.0)
         hf_greedy = model.generate(contexts, attention_mask=torch.ones_like(contexts), do_sample=False,
                                    max_new_tokens=16, eos_token_id=49, pad_token_id=49)
     plain = _model(seed)  # the same weights, decoded by nmst_fast

@@ -6,9 +6,10 @@ import torch
 import transformers
 
 from nmst_fast.integrations.hf import apply_nmst, steps_from_labels
+
 from hf_models import EOS, V, chat_batch, reference_loss, tiny_model
 
-peft = pytest.importorskip("peft")  # a test dependency (setup.py extra "test"): present in CI
+peft = pytest.importorskip("peft")  # a test dependency (pyproject.toml extra "test"): present in CI
 
 
 def _lora(model):

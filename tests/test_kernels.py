@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from helpers import DEVICE
 from nmst_fast.kernels.split_softmax import split_lse, split_softmax_grad_
+
+from helpers import DEVICE
 
 
 def _reference_stats(z, targets, eos):

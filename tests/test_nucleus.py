@@ -38,7 +38,8 @@ def _random_case(gen: torch.Generator) -> dict:
                 top_p=float(torch.rand(1, generator=gen)) * 0.999 + 0.001,
                 temperature=[1.0, 0.7, 1.5][int(torch.randint(0, 3, (1,), generator=gen))],
                 eps=[1e-8, 1e-3, 0.5][int(torch.randint(0, 3, (1,), generator=gen))],
-                t=int(torch.randint(-1, 10**6, (1,), generator=gen)) // int(torch.randint(1, 10**4, (1,), generator=gen)),
+                t=(int(torch.randint(-1, 10**6, (1,), generator=gen))
+                   // int(torch.randint(1, 10**4, (1,), generator=gen))),
                 state=torch.rand(B, generator=gen, dtype=torch.float64) * -3 if head == "st" else None)
 
 
@@ -154,8 +155,8 @@ def test_unresolved_cut_falls_back_to_the_torch_path(monkeypatch):
     """No rejection round allowed sends the rows to the cut; with no bracket pass allowed either, a
     nucleus cut among more than C distinct values is unresolved: the step takes the torch path,
     starting from the whole row on CUDA."""
-    import nmst_fast.kernels.row_draw as row_draw
     import nmst_fast.decoding.selection as selection
+    import nmst_fast.kernels.row_draw as row_draw
 
     z = torch.randn(3, 500, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     monkeypatch.setattr(row_draw, "MAX_ROUNDS", 0)  # every row goes to the cut (rounds exhausted)

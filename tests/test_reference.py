@@ -47,7 +47,8 @@ def test_distribution_normalizes(head):
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 50, 41, generator=gen, dtype=torch.float64) * 30
     steps = torch.arange(-3, 47).expand(3, 50)
-    logp = nmst_fast.nmst_log_probs(logits, eos_index=40, eps=0.01, head=head, steps=steps.clamp(min=0) if head == "nmst" else steps)
+    logp = nmst_fast.nmst_log_probs(logits, eos_index=40, eps=0.01, head=head,
+                                    steps=steps.clamp(min=0) if head == "nmst" else steps)
     torch.testing.assert_close(torch.logsumexp(logp, -1), torch.zeros(3, 50, dtype=torch.float64), atol=1e-12, rtol=0)
 
 

@@ -8,11 +8,11 @@ can finish: accepted in a round, finished by ranking after a rejection, or after
 import pytest
 import torch
 
-from nmst_fast.decoding import effective_logits, sample
-from nmst_fast.decoding import distribution, selection
+from nmst_fast.decoding import distribution, effective_logits, sample, selection
 from nmst_fast.decoding.reference import truncated_distribution
 from nmst_fast.decoding.rejection import _Ranking, nucleus_by_rejection
 from nmst_fast.decoding.truncation import draw, search_cdf
+
 from test_decoding import DRAWS, _g_test, _reference_log_probs, _st_state_before
 
 EOS = 2
@@ -95,7 +95,8 @@ def test_sample_takes_rejection_past_the_first_list(monkeypatch):
     monkeypatch.setattr(selection, "_FIRST_CANDIDATES", 8)
     calls = []
     real = selection.nucleus_by_rejection
-    monkeypatch.setattr(selection, "nucleus_by_rejection", lambda *a, **k: calls.append(a[0].zeta.shape) or real(*a, **k))
+    monkeypatch.setattr(selection, "nucleus_by_rejection",
+                        lambda *a, **k: calls.append(a[0].zeta.shape) or real(*a, **k))
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
     z = _row(gen, 40, 0.7)

@@ -1,6 +1,6 @@
 """Top-p by rejection rounds in one program per row (nmst_fast/kernels/row_draw.py). Draws as a distribution,
-every draw inside the float64 nucleus, reproducibility, the round count, the fallback to the cut. The row draw's plain sampling: its
-G-tests are test_decoding_fused's (path "row draw"); here the rest."""
+every draw inside the float64 nucleus, reproducibility, the round count, the fallback to the cut. The row draw's
+plain sampling: its G-tests are test_decoding_fused's (path "row draw"); here the rest."""
 
 import pytest
 import torch
@@ -341,9 +341,7 @@ def test_launch_sweep_runs_every_variant():
     top_k_launches = [(1024, 2), (2048, 1)]  # the top-k-scan table's steps (one-launch top-k)
     rows = scan_sweep(logits, top_k_launches, lambda step, z: timed.append(step(z)) or 1.0, top_k=4)
     assert [launch for launch, _ in rows] == top_k_launches and len(timed) == 2 * len(variants()) + 15
-    from benchmarks.profile_decoding import TABLES, _TABLE_RUNNERS, main
-
-    from benchmarks.profile_decoding import bare_read, read_floor_parts
+    from benchmarks.profile_decoding import _TABLE_RUNNERS, TABLES, bare_read, main, read_floor_parts
 
     parts = read_floor_parts(logits, lambda step, z: timed.append(step(z)) or 1.0)
     assert [name.split(" (")[0] for name, _ in parts] == [
@@ -404,7 +402,8 @@ def test_rounds_distribution_on_pivot_and_scaled_rows(case, round_candidates):
     assert picked.flags.tolist() == [DRAWS, DRAWS]
     assert int(rounds.max()) >= 2
     if case == "eos pivot":
-        assert float(reference[eos]) == 0.0 and 0.1 < float(_reference_log_probs(z, head, eos, eps, t)[eos].exp()) < 0.35
+        assert (float(reference[eos]) == 0.0
+                and 0.1 < float(_reference_log_probs(z, head, eos, eps, t)[eos].exp()) < 0.35)
     assert _g_test(picked.tokens.cpu(), reference) > 1e-5, f"seed={seed}"
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nmst_fast
+
 from helpers import DEVICE, LargestTensor, assert_matches_truth, make_case
 
 HEADS = ("nmst", "st", "va")

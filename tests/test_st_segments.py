@@ -4,12 +4,13 @@ of its sequences laid out as separate rows, on every backend."""
 
 import pytest
 import torch
-from helpers import DEVICE, FAST_IMPLS, Case, make_case, run
 
 import nmst_fast
 from nmst_fast import head_math
 from nmst_fast.logmath import segmented_cumsum
 from nmst_fast.reference import reference_log_survival
+
+from helpers import DEVICE, FAST_IMPLS, Case, make_case, run
 
 LENGTHS = (3, 5, 1, 4)
 IMPLS = ("reference",) + FAST_IMPLS
@@ -224,4 +225,5 @@ def test_st_loss_does_not_depend_on_where_a_row_without_restarts_starts(impl):
     case.steps = torch.arange(5, 10).expand(2, 5).to(DEVICE)
     shifted = run(case, impl, dtype, reduction="none", chunk_size=None if impl == "reference" else 3)
     for a, b in zip(default, shifted):
-        torch.testing.assert_close(a, b, rtol=1e-6 if impl == "triton" else 1e-12, atol=1e-6 if impl == "triton" else 1e-12)
+        torch.testing.assert_close(a, b, rtol=1e-6 if impl == "triton" else 1e-12,
+                                   atol=1e-6 if impl == "triton" else 1e-12)

@@ -290,7 +290,8 @@ def test_training_stops_when_the_loss_or_the_gradient_turns_non_finite(tmp_path,
         with pytest.raises(Diverged, match=r"training loss \(nmst: epoch 2, batch 2\) is nan"):
             train(longer, tr, va, vocab, tmp_path / "c.pt", progress=False)
     after = load_checkpoint(tmp_path / "c.pt", vocab)
-    assert after["state"]["epoch"] == 1 and all(torch.equal(after["model"][k], before["model"][k]) for k in after["model"])
+    assert after["state"]["epoch"] == 1 and all(torch.equal(after["model"][k], before["model"][k])
+                                                for k in after["model"])
     with monkeypatch.context() as patch:
         patch.setattr(torch.nn.utils, "clip_grad_norm_", lambda parameters, clip: torch.tensor(float("inf")))
         with pytest.raises(Diverged, match=r"gradient norm \(nmst: epoch 2, batch 1\) is inf"):

@@ -32,7 +32,8 @@ def _run(corpus, out, *extra):
 def test_random_init_family_with_a_trained_bpe(corpus, tmp_path, family):
     out = _run(corpus, tmp_path / "run", "--config", family, "--head", "nmst", "--eps", "0.05")
     results = json.loads((out / "results.json").read_text())["nmst"]
-    assert 1 < results["perplexity"] < float("inf") and set(results["r_nt"]) >= {"greedy", "top-k 2", "nucleus 0.4", "beam 4"}
+    assert 1 < results["perplexity"] < float("inf")
+    assert set(results["r_nt"]) >= {"greedy", "top-k 2", "nucleus 0.4", "beam 4"}
     assert (out / "r_nt.png").stat().st_size > 0
     tokenizer = transformers.AutoTokenizer.from_pretrained(out / "tokenizer")
     saved = transformers.AutoModelForCausalLM.from_pretrained(out / "model")

@@ -5,8 +5,9 @@ rank's bad input stops every rank with its error; bad arguments are refused befo
 import pytest
 import torch
 
-from helpers import torchrun
 from nmst_fast import linear_nmst_loss
+
+from helpers import torchrun
 
 
 def _torchrun(ranks: int, *flags: str):

@@ -131,7 +131,8 @@ def load_checkpoint(path: str | Path, vocab: Optional[Vocabulary] = None, *, laz
     return ckpt
 
 
-def load_model(path: str | Path, vocab: Optional[Vocabulary] = None, *, best: bool = True) -> tuple[RecurrentLM, Vocabulary, TrainConfig]:
+def load_model(path: str | Path, vocab: Optional[Vocabulary] = None, *,
+               best: bool = True) -> tuple[RecurrentLM, Vocabulary, TrainConfig]:
     """Rebuild a trained model with the head and ε it was trained with (best weights by default)."""
     ckpt = load_checkpoint(path, vocab)
     model = build_model(ckpt["config"], ckpt["vocab"])

@@ -51,4 +51,5 @@ def prefix_corpus(num_lines: int, seed: int) -> list[str]:
 
 def builtin_splits(seed: int = 0, sizes: tuple[int, int, int] = (3000, 300, 300)) -> dict[str, list[str]]:
     """train / valid / test lines drawn independently (different seeds) from the same process."""
-    return {split: prefix_corpus(n, seed * 1000 + i) for i, (split, n) in enumerate(zip(("train", "valid", "test"), sizes))}
+    return {split: prefix_corpus(n, seed * 1000 + i)
+            for i, (split, n) in enumerate(zip(("train", "valid", "test"), sizes))}

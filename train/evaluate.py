@@ -12,8 +12,8 @@ from collections import defaultdict
 import torch
 
 from nmst_fast import generate, head_math, metrics
-from nmst_fast.logmath import log1mexp
 from nmst_fast.data.wikitext import CONTEXT_LENGTH, Vocabulary
+from nmst_fast.logmath import log1mexp
 
 from .loop import batches, perplexity
 

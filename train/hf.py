@@ -213,7 +213,8 @@ def _train_epochs(args, model, optimizer, schedule, seqs, pad, steps_per_epoch, 
             value = require_finite(loss.item(), f"the training loss ({where})")  # before a NaN reaches the weights
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            require_finite(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)), f"the gradient norm ({where})")
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+            require_finite(grad_norm, f"the gradient norm ({where})")
             optimizer.step()
             schedule.step()
             bar.set_postfix(loss=f"{value:.3f}")

@@ -25,7 +25,8 @@ BUILTIN = dict(size="tiny", max_epochs=6, eps=1e-2, max_length=1000)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Data, model and recipe arguments (not heads / ε / seeds / arch, which differ by command)."""
     p.add_argument("--out", type=Path, help="output directory (default: runs/<date-time>)")
-    p.add_argument("--data-dir", type=Path, help="WikiText directory (wiki.*.tokens or *.txt); default: built-in corpus")
+    p.add_argument("--data-dir", type=Path,
+                   help="WikiText directory (wiki.*.tokens or *.txt); default: built-in corpus")
     p.add_argument("--dataset", choices=["wikitext-2", "wikitext-103"],
                    help="read WikiText through the `datasets` library (needs it installed and online) instead")
     p.add_argument("--train-split", default="train")

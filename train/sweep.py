@@ -43,7 +43,8 @@ def _mean_std(values: list[float]) -> str:
     if len(values) == 1:
         return f"{values[0]:.3f}"
     if not all(math.isfinite(v) for v in values):  # statistics' exact arithmetic refuses inf and NaN
-        return f"{math.fsum(values) / len(values):.3f} (a seed's value is {'NaN' if any(map(math.isnan, values)) else 'inf'})"
+        bad = "NaN" if any(map(math.isnan, values)) else "inf"
+        return f"{math.fsum(values) / len(values):.3f} (a seed's value is {bad})"
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 

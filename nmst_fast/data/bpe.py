@@ -29,9 +29,11 @@ def load_gpt2_tokenizer(path: str | Path):
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"tokenizer directory {str(root)!r} does not exist")
-    has_files = (root / "tokenizer.json").is_file() or ((root / "vocab.json").is_file() and (root / "merges.txt").is_file())
+    has_files = (root / "tokenizer.json").is_file() or (
+        (root / "vocab.json").is_file() and (root / "merges.txt").is_file())
     if not has_files:
-        raise FileNotFoundError(f"no GPT-2 tokenizer in {str(root)!r}: expected tokenizer.json or vocab.json + merges.txt")
+        raise FileNotFoundError(f"no GPT-2 tokenizer in {str(root)!r}: expected tokenizer.json or "
+                                "vocab.json + merges.txt")
     return GPT2TokenizerFast.from_pretrained(root)  # reads either layout, across transformers versions
 
 

@@ -7,10 +7,10 @@ from typing import Optional
 
 import torch
 
+from ..validation import check_float_tensor
 from .distribution import Steps, effective_logits
 from .fused import fused_ranked_candidates
 from .selection import ranked_candidates, use_fused
-from ..validation import check_float_tensor
 
 
 @dataclass

@@ -24,11 +24,11 @@ from typing import Callable, Optional
 
 import torch
 
+from ..validation import check_float_tensor
 from .distribution import StepDistribution, Steps, effective_logits, row_blocks_of
 from .fused import FusedSelection, fused_available, fused_sample, fused_truncation_available
 from .rejection import nucleus_by_rejection
 from .truncation import draw, insert_eos, truncate, untruncated
-from ..validation import check_float_tensor
 
 _FIRST_CANDIDATES = 64
 

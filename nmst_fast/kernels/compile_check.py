@@ -238,7 +238,8 @@ def _small_vocab_launches(seed: torch.Tensor) -> list[Launch]:
                                         label=f"row draw V={V} {str(dtype)[6:]} top_p={top_p}"))
         cut_shape = nucleus.cuda_launch(V)
         sink: list = []
-        with _recording(nucleus, "_nucleus_cut_kernel", []), _recording(nucleus, "_nucleus_draw_kernel", sink) as kernel:
+        with (_recording(nucleus, "_nucleus_cut_kernel", []),
+              _recording(nucleus, "_nucleus_draw_kernel", sink) as kernel):
             nucleus.nucleus_select(z, head="va", eos_index=5, eps=1e-5, temperature=1.0, steps=3, state=None,
                                    top_p_threshold=0.9, seed=seed)
         shape = nucleus.draw_launch(64, V, cut_shape["BLOCK_V"], cuda=True) | {"BLOCK_V": cut_shape["BLOCK_V"]}

@@ -58,8 +58,8 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_power_of_2
-from .nucleus import _load_x, _row_head, tile_table_width
 from .lanes import LOG2E, fold_row_lanes, lane_pointers, merge_lanes, ranked_lane_mass
+from .nucleus import _load_x, _row_head, tile_table_width
 from .reductions import FUSED, add_pair, crossing_with, lowest_key
 from .row_select import HEAD_CODES, Selection, _Outputs, _split_f64, _uniform_f64_stream
 

@@ -569,8 +569,9 @@ def row_scan(
             cover split merging and tile skipping on CPU).
     Returns:
         dict of (B,) tensors: "lse" (fp64), "top_val" (fp32 x) and "top_idx" (int64: the first column
-        of the largest z, so ties in x from rounding z · inv_temp go to the larger z); with candidates "cand_val" (B, K) fp32 and
-        "cand_idx" (B, K) int64 in rank order (padding: -inf and -1 when fewer than K columns).
+        of the largest z, so ties in x from rounding z · inv_temp go to the larger z); with candidates
+        "cand_val" (B, K) fp32 and "cand_idx" (B, K) int64 in rank order (padding: -inf and -1 when fewer
+        than K columns).
     """
     scan = scan_partials(z, eos_index=eos_index, temperature=temperature, candidates=candidates, launch=launch)
     return _merge_splits(scan.parts, scan.V, K=scan.K, inv_temp=1.0 / temperature)

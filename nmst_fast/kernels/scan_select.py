@@ -31,8 +31,16 @@ import triton.language as tl
 
 from .host_math import next_power_of_2
 from .row_scan import _as_seed, scan_launch, scan_split
-from .row_select import (HEAD_CODES, Selection, _head_inputs, _Outputs, _row_block, _split_f64,
-                         select_candidate_rows, select_rows)
+from .row_select import (
+    HEAD_CODES,
+    Selection,
+    _head_inputs,
+    _Outputs,
+    _row_block,
+    _split_f64,
+    select_candidate_rows,
+    select_rows,
+)
 
 
 @triton.jit
