@@ -34,7 +34,10 @@ def test_random_init_family_with_a_trained_bpe(corpus, tmp_path, family):
     results = json.loads((out / "results.json").read_text())["nmst"]
     assert 1 < results["perplexity"] < float("inf")
     assert set(results["r_nt"]) >= {"greedy", "top-k 2", "nucleus 0.4", "beam 4"}
-    assert (out / "r_nt.png").stat().st_size > 0
+    for artifact in ("r_nt.png", "p_eos.png", "lengths.png", "report.md"):  # as python -m train writes them
+        assert (out / artifact).stat().st_size > 0
+    assert results["p_eos"]["t"][0] == 1 and 0 <= min(results["p_eos"]["model"]) <= max(results["p_eos"]["model"]) <= 1
+    assert len(results["examples"]) == 3 and set(results["generated_lengths"]) == set(results["r_nt"])
     tokenizer = transformers.AutoTokenizer.from_pretrained(out / "tokenizer")
     saved = transformers.AutoModelForCausalLM.from_pretrained(out / "model")
     assert saved.config.model_type == family and saved.config.vocab_size == len(tokenizer) <= 300

@@ -16,34 +16,35 @@ is saved (atomically) to ``--out/model`` with its head settings in the config; a
 the latest weights and the optimizer / schedule / RNG state are saved too, and rerunning with the
 same ``--out`` resumes (``run.json`` binds the directory to this command, its data and model shape:
 another run there is refused; a non-finite loss, gradient or validation perplexity stops with an
-error). Evaluation as ``python -m train``: perplexity after the context and r_nt(L) for every
-decoder, in ``results.json``, and the r_nt plot ``r_nt.png``.
+error). Evaluation and report as ``python -m train``: perplexity after the context, r_nt(L) for
+every decoder, teacher-forced p(eos) vs t, continuation lengths and greedy examples, in
+``results.json`` and ``report.md``, with ``r_nt.png``, ``p_eos.png`` and ``lengths.png``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
 import torch
 from tqdm.auto import tqdm
 
-from nmst_fast import metrics
+from nmst_fast import generate, metrics, nmst_log_probs
 from nmst_fast.data.bpe import bucket_batches, collate_bpe, encode_bpe_lines, load_tokenizer, train_byte_level_bpe
 from nmst_fast.data.wikitext import find_split_file, read_lines
-from nmst_fast.integrations.hf import HFDecoder, apply_nmst
+from nmst_fast.integrations.hf import HFDecoder, apply_nmst, steps_from_attention_mask
 from nmst_fast.validation import HEADS
 
 from .checkpoint import Diverged, claim_directory, data_fingerprint, refuse_another_run, require_finite, save_atomic
 from .evaluate import non_termination
-from .report import plot_r_nt
+from .report import write_report
 from .runner import check_device
 
 # Random-init model sizes (--config FAMILY --size): generic config keys, which every family maps.
@@ -104,6 +105,42 @@ def perplexity(model, seqs: list[list[int]], context_length: int, max_tokens: in
         total += float(out.loss)
         count += int((labels[:, 1:] != -100).sum())
     return metrics.perplexity(total, count)  # inf, not OverflowError, past a mean NLL of ~709.8
+
+
+@torch.no_grad()
+def eos_probability_by_step(model, seqs: list[list[int]], context_length: int, max_tokens: int, pad_id: int,
+                            device: str, max_t: int = 100) -> dict:
+    """Teacher-forced mean p(eos) at continuation step t under the model's head, next to the data's
+    eos rate at t (``python -m train``'s p_eos curve)."""
+    head = HFDecoder(model).nmst_head
+    p_sum, eos_count, alive = defaultdict(float), defaultdict(int), defaultdict(int)
+    for batch in _batches(seqs, max_tokens, 0, pad_id, shuffle=False):
+        ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+        hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
+        steps = steps_from_attention_mask(mask, context_length)[:, 1:]  # t of the token each position predicts
+        log_p = nmst_log_probs(head(hidden).double(), eos_index=head.eos_index, eps=head.eps, head=head.head,
+                               steps=None if head.head == "va" else steps)
+        targets = batch.labels[:, 1:].to(device)
+        real = (targets != -100) & (steps >= 1) & (steps <= max_t)
+        for t, p, is_eos in zip(steps[real].tolist(), log_p[..., head.eos_index][real].exp().tolist(),
+                                (targets[real] == head.eos_index).tolist()):
+            p_sum[t] += p
+            eos_count[t] += is_eos
+            alive[t] += 1
+    ts = sorted(alive)
+    return dict(t=ts, model=[p_sum[t] / alive[t] for t in ts], data=[eos_count[t] / alive[t] for t in ts])
+
+
+@torch.no_grad()
+def examples(model, tokenizer, seqs: list[list[int]], context_length: int, device: str, count: int = 3,
+             max_length: int = 40) -> list[dict]:
+    """Greedy continuations of the first ``count`` contexts, as text."""
+    picked = seqs[:count]
+    contexts = torch.tensor([s[:context_length] for s in picked], dtype=torch.long, device=device)
+    out = generate(HFDecoder(model), contexts, strategy="greedy", max_length=max_length)
+    return [dict(context=tokenizer.decode(s[:context_length]), reference=tokenizer.decode(s[context_length:]),
+                 greedy=tokenizer.decode(tokens[:length]))
+            for s, tokens, length in zip(picked, out.tokens.tolist(), out.lengths.tolist())]
 
 
 def recover_model_dir(path: Path) -> None:
@@ -232,6 +269,11 @@ def _train_epochs(args, model, optimizer, schedule, seqs, pad, steps_per_epoch, 
     return best, history, True
 
 
+def _size(model) -> str:
+    count = sum(p.numel() for p in model.parameters())
+    return f"{count / 1e6:.2f}M" if count >= 1e5 else str(count)
+
+
 def main(argv: list[str] | None = None, *, command: Optional[argparse.ArgumentParser] = None,
          entry: str = "train.hf") -> Path:
     """Run the command (``command``/``entry``: a preset's parser and name, as ``train.gpt2``'s)."""
@@ -307,14 +349,19 @@ def main(argv: list[str] | None = None, *, command: Optional[argparse.ArgumentPa
     from transformers import AutoModelForCausalLM
 
     model = apply_nmst(AutoModelForCausalLM.from_pretrained(out / "model")).to(args.device).eval()  # its recorded head
-    contexts = torch.tensor([s[: args.context_length] for s in seqs["eval"][: args.eval_contexts]], dtype=torch.long)
+    decoded = seqs["eval"][: args.eval_contexts]
+    contexts = torch.tensor([s[: args.context_length] for s in decoded], dtype=torch.long)
     decoding = non_termination(HFDecoder(model), contexts, args.max_length, seed=args.seed, device=args.device)
-    r_nt = {name: d["r_nt"] for name, d in decoding.items()}
-    results = {args.head: dict(
+    evaluation = dict(
         perplexity=perplexity(model, seqs["eval"], args.context_length, args.max_tokens, pad, args.device),
-        valid_perplexity=best, r_nt=r_nt, history=history, eps=args.eps)}
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    plot_r_nt(out, json.loads(json.dumps(results)))
+        valid_perplexity=best, r_nt={name: d["r_nt"] for name, d in decoding.items()}, history=history,
+        eps=args.eps, generated_lengths={name: d["lengths"] for name, d in decoding.items()},
+        data_lengths=[len(s) - args.context_length for s in decoded],
+        p_eos=eos_probability_by_step(model, seqs["eval"], args.context_length, args.max_tokens, pad, args.device),
+        examples=examples(model, tokenizer, seqs["eval"], args.context_length, args.device))
+    notes = [f"`{command.prog}`: {model.config.model_type} ({_size(model)} parameters), head {args.head}, "
+             f"ε = {args.eps}, {args.context_length}-token context, r_nt over {len(decoded)} contexts."]
+    write_report(out, {args.head: evaluation}, f"{args.head.upper()} on {args.data_dir.name}", notes)
     print(f"results: {out / 'results.json'}", flush=True)
     return out
 
