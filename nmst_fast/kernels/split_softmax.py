@@ -150,7 +150,7 @@ def split_lse(
     Args:
         z: (rows, V) logits, fp16/bf16/fp32, unit stride along V.
         targets: (rows,) int64 in [0, V) (callers clamp ignored targets).
-        eos_index: column excluded from the logsumexp.
+        eos_index: column excluded from the logsumexp (-1: none, a vocabulary shard without eos).
         softcap: c > 0 or None: work on c · tanh(z / c) (z itself is only read).
     Returns:
         (lse float64, z_target float32), each (rows,).
