@@ -85,9 +85,10 @@ def assert_matches_truth(fast, naive, truth, *, factor: float = 4.0, rel_atol: f
         assert max_err(f, t) <= bound, f"{what} {name}: error {max_err(f, t):.3e} > bound {bound:.3e}"
 
 
-def torchrun(script: str, ranks: int, *flags: str):
-    """``torchrun --standalone --nproc_per_node ranks tests/distributed/<script> flags`` on gloo, with this
-    checkout first on the path and Triton in its interpreter; the finished process (10-minute limit)."""
+def torchrun(script: str, ranks: int, *flags: str, module: bool = False, timeout: float = 600):
+    """``torchrun --standalone --nproc_per_node ranks tests/distributed/<script> flags`` (``module``:
+    ``-m <script>``, e.g. ``-m train``) on gloo, with this checkout first on the path and Triton in
+    its interpreter; the finished process (``timeout`` seconds at most)."""
     import os
     import subprocess
     import sys
@@ -95,9 +96,10 @@ def torchrun(script: str, ranks: int, *flags: str):
 
     repo = Path(__file__).parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    target = ["-m", script] if module else [str(repo / "tests" / "distributed" / script)]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-               str(repo / "tests" / "distributed" / script), *flags]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=repo)
+               *target, *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=repo)
 
 
 class LargestTensor(TorchDispatchMode):

@@ -4,6 +4,7 @@
     python -m train --data-dir ../shared/data/wikitext-2 --train-split valid --eval-split test
     python -m train --data-dir DIR --size paper --eps 1e-5 --device cuda   # the paper's scale
     python -m train.sweep --eps 1e-2 1e-3 --seeds 0 1 2                   # paper-style tables
+    torchrun --standalone --nproc_per_node 2 -m train                     # data-parallel, 2 processes
 
 Writes to ``--out`` (default ``runs/<time>``): ``results.json`` (per head: test ``perplexity``
 and ``r_nt`` per decoder as L → ratio, plus p(eos) vs t, lengths and examples),
@@ -13,6 +14,11 @@ rerunning with the same ``--out`` resumes. A ``--out`` holding another run — o
 data, another command's files — is refused before anything is written. A run whose loss, gradient
 or validation perplexity turns non-finite stops with an error naming the epoch and batch (exit
 status 1); its checkpoint keeps the last finished epoch.
+
+Under ``torchrun`` (:mod:`train.distributed`) every rank trains on its share of each global batch of
+``--batch-size`` sequences (DDP), evaluation is split over the ranks, and rank 0 writes the files;
+the numbers are one process's (dropout masks aside), and ``run.json`` / ``results.json`` record the
+world size. A run may resume under another number of processes.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from pathlib import Path
 from nmst_fast.validation import HEADS
 
 from .checkpoint import Diverged, claim_directory
+from .distributed import World, close, init, on_main
 from .report import write_report
 from .runner import add_arguments, base_config, check_arguments, check_resumes, load_data, max_length, run_one
 
@@ -45,31 +52,51 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> Path:
     parser = _parser()
     args = parser.parse_args(argv)
-    try:  # bad arguments, missing data and a --out holding another run end in one clear line, not a traceback
+    try:
         check_arguments(args)
+    except ValueError as err:
+        parser.error(str(err))
+    world, args.device = init(args.device, args.dist_timeout)  # one process without torchrun
+    try:
+        return _run(parser, args, argv, world)
+    finally:
+        close()
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None, world: World) -> Path:
+    try:  # bad arguments, missing data and a --out holding another run end in one clear line, not a traceback
         base = base_config(args, arch=args.arch, eps=args.eps, seed=args.seed)
         configs = [replace(base, head=h).validate() for h in args.heads]
         L = max_length(args)
         data = load_data(args, args.seed)
-        out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-        claim_directory(out, dict(entry="train", source=data.source, data=data.fingerprint))
+
+        def claim() -> Path:
+            out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+            claim_directory(out, dict(entry="train", source=data.source, data=data.fingerprint),
+                            record=dict(world_size=world.size))
+            return out
+
+        out = on_main(claim, world)  # rank 0 names and claims the directory; every rank learns the outcome
         check_resumes([(config, out / config.head) for config in configs], data)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         parser.error(str(err))
-    (out / "config.json").write_text(json.dumps(dict(source=data.source, max_length=L, vocab_size=len(data.vocab),
-                                                     runs=[c.to_dict() for c in configs]), indent=1))
+    if world.is_main:
+        (out / "config.json").write_text(json.dumps(dict(source=data.source, max_length=L, vocab_size=len(data.vocab),
+                                                         world_size=world.size, runs=[c.to_dict() for c in configs]),
+                                                    indent=1))
     results = {}
     for config in configs:
         try:
             results[config.head] = run_one(config, data, out / config.head, L, progress=not args.quiet,
-                                           eval_contexts=args.eval_contexts)
-        except Diverged as err:  # not a usage error: the run itself failed
+                                           eval_contexts=args.eval_contexts, world=world)
+        except Diverged as err:  # not a usage error: the run itself failed (on every rank alike)
             sys.exit(f"python -m train: {err}")
-    notes = [f"Data: {data.source}; vocabulary {len(data.vocab)} words. Model: {base.arch}, size {base.size}; "
-             f"ε = {base.eps}; seed {base.seed}.",
-             "Reproduce: `" + " ".join(["python -m train", *(sys.argv[1:] if argv is None else argv)]) + "`"]
-    write_report(out, results, "VA vs ST vs NMST", notes)
-    print(f"report: {out / 'report.md'}", flush=True)
+    if world.is_main:
+        notes = [f"Data: {data.source}; vocabulary {len(data.vocab)} words. Model: {base.arch}, size {base.size}; "
+                 f"ε = {base.eps}; seed {base.seed}; {world.size} process(es).",
+                 "Reproduce: `" + " ".join(["python -m train", *(sys.argv[1:] if argv is None else argv)]) + "`"]
+        write_report(out, results, "VA vs ST vs NMST", notes)
+        print(f"report: {out / 'report.md'}", flush=True)
     return out
 
 

@@ -71,13 +71,14 @@ def data_fingerprint(*splits: Sequence[Sequence[int]]) -> str:
     return digest.hexdigest()[:16]
 
 
-def claim_directory(out: Path, identity: Mapping[str, Any]) -> None:
+def claim_directory(out: Path, identity: Mapping[str, Any], record: Mapping[str, Any] = {}) -> None:
     """Make ``out`` the home of the run ``identity`` describes (its entry point and data), or refuse.
 
     A new or empty directory is claimed (``run.json``, written atomically); one that already holds
     this run is resumed; one holding another kind of run, or a run on other data, raises ValueError
     before anything is written, so its results are never overwritten. A path that cannot be a
-    directory raises ValueError naming it."""
+    directory raises ValueError naming it. ``record`` (e.g. the world size) is written beside the
+    identity but does not bind the directory: a run may resume under other values."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -93,7 +94,7 @@ def claim_directory(out: Path, identity: Mapping[str, Any]) -> None:
         raise ValueError(f"--out {str(out)!r} already holds files but no run.json: it is not a run this "
                          "command wrote; write the run to another --out")
     tmp = marker.with_name(f".{marker.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(dict(identity), indent=1))
+    tmp.write_text(json.dumps(dict(identity) | dict(record), indent=1))
     os.replace(tmp, marker)
 
 

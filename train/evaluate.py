@@ -2,12 +2,12 @@
 
 r_nt(L) is measured the paper's way: decode every evaluation context once up to the
 largest L, then r_nt(L') for every L' on the grid is the fraction of continuations with
-no eos among their first L' tokens.
+no eos among their first L' tokens. With several ranks (:mod:`train.distributed`) the
+contexts and the scored sequences are split over them and the results gathered: the same
+numbers as one process's (decoding blocks are seeded by their index, not by the rank).
 """
 
 from __future__ import annotations
-
-from collections import defaultdict
 
 import torch
 
@@ -15,7 +15,12 @@ from nmst_fast import generate, head_math, metrics
 from nmst_fast.data.wikitext import CONTEXT_LENGTH, Vocabulary
 from nmst_fast.logmath import log1mexp
 
+from .distributed import World, all_sum, gather, share
 from .loop import batches, perplexity
+
+# Contexts decoded together. Block b draws from a generator seeded by (seed, b), so sampled
+# continuations do not depend on which rank decodes the block.
+DECODE_BLOCK = 256
 
 # The paper's decoders (name → generate() arguments).
 DECODERS = {
@@ -41,17 +46,28 @@ def data_lengths(sequences: list[list[int]]) -> list[int]:
 
 @torch.no_grad()
 def non_termination(model, contexts: torch.Tensor, max_length: int, *, seed: int = 0, device: str = "cpu",
-                    decoders: dict = DECODERS) -> dict:
-    """Per decoder: r_nt on a log grid of L up to ``max_length``, and the generated lengths."""
+                    decoders: dict = DECODERS, world: World = World(), block: int = DECODE_BLOCK) -> dict:
+    """Per decoder: r_nt on a log grid of L up to ``max_length``, and the generated lengths.
+
+    ``contexts`` (B, C) are decoded in blocks of ``block`` rows (see :data:`DECODE_BLOCK`); rank r
+    of ``world`` decodes blocks r, r + W, …, and every rank returns the whole result."""
     model.eval()
+    starts = range(0, len(contexts), block)
+    mine = {}
+    for start in starts[world.rank::world.size]:
+        rows = contexts[start:start + block].to(device)
+        for name, kwargs in decoders.items():
+            generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + start // block)
+            result = generate(model, rows, max_length=max_length, keep_tokens=False, generator=generator, **kwargs)
+            mine[start, name] = (result.lengths.tolist(), result.terminated.tolist())
+    decoded = {key: value for part in gather(mine, world) for key, value in part.items()}
     grid = metrics.log_grid(max_length)
     out = {}
-    for name, kwargs in decoders.items():
-        result = generate(model, contexts.to(device), max_length=max_length, keep_tokens=False,
-                          generator=torch.Generator(device=device).manual_seed(seed), **kwargs)
-        curve = metrics.non_termination_curve(result.lengths, grid, result.terminated)
-        out[name] = dict(r_nt={str(L): ratio for L, ratio in curve.items()},
-                         lengths=result.lengths.tolist(), terminated=result.terminated.tolist())
+    for name in decoders:
+        lengths = [n for start in starts for n in decoded[start, name][0]]
+        terminated = [done for start in starts for done in decoded[start, name][1]]
+        curve = metrics.non_termination_curve(torch.tensor(lengths), grid, torch.tensor(terminated))
+        out[name] = dict(r_nt={str(L): ratio for L, ratio in curve.items()}, lengths=lengths, terminated=terminated)
     return out
 
 
@@ -74,22 +90,40 @@ def eos_log_probs(model, inputs: torch.Tensor, steps: torch.Tensor) -> torch.Ten
     return log1mexp(log_surv)
 
 
+class EosRateByStep:
+    """Teacher-forced mean p(eos) at each continuation step t in [1, ``max_t``], next to the data's eos
+    rate at t: summed over batches (:meth:`add`) and ranks (:meth:`result`)."""
+
+    def __init__(self, max_t: int = 100):
+        self.max_t = max_t
+        self.sums = torch.zeros(3, max_t + 1, dtype=torch.float64)  # Σ p(eos), eos count, positions; by t
+
+    def add(self, steps: torch.Tensor, p_eos: torch.Tensor, is_eos: torch.Tensor, supervised: torch.Tensor) -> None:
+        """One batch, all (B, T): each position's step t, the model's p(eos), whether the data has eos
+        there, and whether it is scored at all (its target is not ignored)."""
+        counted = (supervised & (steps >= 1) & (steps <= self.max_t)).cpu()
+        t = steps.cpu()[counted]
+        for row, values in enumerate((p_eos.cpu()[counted], is_eos.cpu()[counted], torch.ones(len(t)))):
+            self.sums[row].index_add_(0, t, values.double())
+
+    def result(self, world: World = World()) -> dict:
+        """{t, model, data}: the steps seen, and the mean p(eos) and data eos rate at each."""
+        p_sum, eos_count, alive = all_sum(self.sums, world)
+        steps = alive.nonzero().flatten()
+        return dict(t=steps.tolist(), model=(p_sum[steps] / alive[steps]).tolist(),
+                    data=(eos_count[steps] / alive[steps]).tolist())
+
+
 @torch.no_grad()
 def eos_probability_by_step(model, sequences: list[list[int]], vocab: Vocabulary, max_t: int = 100,
-                            device: str = "cpu", batch_size: int = 16) -> dict:
+                            device: str = "cpu", batch_size: int = 16, world: World = World()) -> dict:
     """Teacher-forced mean p(eos) at continuation step t, next to the data's eos rate at t."""
     model.eval()
-    p_sum, eos_count, alive = defaultdict(float), defaultdict(int), defaultdict(int)
-    for batch in batches(sequences, vocab, batch_size):
-        p_eos = eos_log_probs(model, batch.inputs.to(device), batch.steps.to(device)).exp().cpu()
-        real = (batch.targets != -100) & (batch.steps >= 1) & (batch.steps <= max_t)
-        for t, p, is_eos in zip(batch.steps[real].tolist(), p_eos[real].tolist(),
-                                (batch.targets[real] == vocab.eos).tolist()):
-            p_sum[t] += p
-            eos_count[t] += is_eos
-            alive[t] += 1
-    steps = sorted(alive)
-    return dict(t=steps, model=[p_sum[t] / alive[t] for t in steps], data=[eos_count[t] / alive[t] for t in steps])
+    rate = EosRateByStep(max_t)
+    for batch in batches(share(sequences, world), vocab, batch_size):
+        p_eos = eos_log_probs(model, batch.inputs.to(device), batch.steps.to(device)).exp()
+        rate.add(batch.steps, p_eos, batch.targets == vocab.eos, batch.targets != -100)
+    return rate.result(world)
 
 
 @torch.no_grad()
@@ -108,16 +142,18 @@ def examples(model, sequences: list[list[int]], vocab: Vocabulary, count: int = 
 
 
 def evaluate(model, vocab: Vocabulary, *, valid: list[list[int]], test: list[list[int]], max_length: int,
-             seed: int = 0, device: str = "cpu", contexts: int | None = None) -> dict:
+             seed: int = 0, device: str = "cpu", contexts: int | None = None, world: World = World()) -> dict:
     """Everything the report shows for one trained model (r_nt over the first ``contexts`` test
-    sequences, default all; perplexity always over all of them)."""
-    decoding = non_termination(model, contexts_of(test[:contexts]), max_length, seed=seed, device=device)
+    sequences, default all; perplexity always over all of them). With several ranks the work is
+    split over them; every rank returns the numbers, rank 0 alone the greedy examples."""
+    decoding = non_termination(model, contexts_of(test[:contexts]), max_length, seed=seed, device=device,
+                               world=world)
     return dict(
-        perplexity=perplexity(model, test, vocab, device=device),
-        valid_perplexity=perplexity(model, valid, vocab, device=device),
+        perplexity=perplexity(model, test, vocab, device=device, world=world),
+        valid_perplexity=perplexity(model, valid, vocab, device=device, world=world),
         r_nt={name: d["r_nt"] for name, d in decoding.items()},
         generated_lengths={name: d["lengths"] for name, d in decoding.items()},
         data_lengths=data_lengths(test[:contexts]),
-        p_eos=eos_probability_by_step(model, test, vocab, device=device),
-        examples=examples(model, test, vocab, device=device),
+        p_eos=eos_probability_by_step(model, test, vocab, device=device, world=world),
+        examples=examples(model, test, vocab, device=device) if world.is_main else [],
     )

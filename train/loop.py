@@ -21,6 +21,7 @@ from nmst_fast.data.wikitext import CONTEXT_LENGTH, Vocabulary, collate
 
 from .checkpoint import FORMAT, build_model, load_checkpoint, refuse_another_run, require_finite, save_atomic
 from .config import TrainConfig
+from .distributed import World, all_sum, barrier, share
 
 
 @dataclass
@@ -32,35 +33,57 @@ class TrainState:
     history: list = field(default_factory=list)  # per epoch: train loss, valid perplexity, lr
 
 
-def batches(sequences: list[list[int]], vocab: Vocabulary, batch_size: int, order: Optional[torch.Tensor] = None):
-    """Padded :class:`~nmst_fast.data.wikitext.Batch` es in ``order`` (default: as given).
+def batches(sequences: list[list[int]], vocab: Vocabulary, batch_size: int, order: Optional[torch.Tensor] = None,
+            world: World = World()):
+    """Padded :class:`~nmst_fast.data.wikitext.Batch` es of ``batch_size`` sequences in ``order``
+    (default: as given); with several ranks, this rank's share of each such global batch.
 
-    Targets that are context padding (``<cpad>``) are ignored: they carry no text to learn.
+    Targets that are context padding (``<cpad>``) are ignored: they carry no text to learn. A rank
+    whose share of a global batch is empty gets its first sequence with every target ignored, so
+    every rank takes every step (DDP's gradient all-reduce needs them all) and adds nothing to it.
     """
     index = order.tolist() if order is not None else list(range(len(sequences)))
     cpad = vocab.ids["<cpad>"]
     for start in range(0, len(index), batch_size):
-        batch = collate([sequences[i] for i in index[start:start + batch_size]], pad_id=vocab.pad)
+        step = index[start:start + batch_size]
+        mine = share(step, world)
+        batch = collate([sequences[i] for i in (mine or step[:1])], pad_id=vocab.pad)
         batch.targets[batch.targets == cpad] = -100
+        if not mine:
+            batch.targets.fill_(-100)
         yield batch
 
 
 @torch.no_grad()
 def perplexity(model, sequences: list[list[int]], vocab: Vocabulary, batch_size: int = 64,
-               device: str = "cpu") -> float:
-    """exp(mean NLL) over the tokens after the context (t >= 1, eos included); context excluded."""
+               device: str = "cpu", world: World = World()) -> float:
+    """exp(mean NLL) over the tokens after the context (t >= 1, eos included); context excluded.
+    With several ranks each scores its share of ``sequences`` and the sums are reduced."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
-    for batch in batches(sequences, vocab, batch_size):
+    for batch in batches(share(sequences, world), vocab, batch_size):
         targets = torch.where(batch.steps >= 1, batch.targets, -100)
         total += float(model.loss(batch.inputs.to(device), targets.to(device), steps=batch.steps.to(device),
                                   reduction="sum"))
         count += int((targets != -100).sum())
     model.train(was_training)
+    total, count = all_sum([total, count], world).tolist()
     if count == 0:
         raise ValueError("no tokens after the context to score: every sequence is context only (or none)")
     return metrics.perplexity(total, count)
+
+
+class SummedLoss(torch.nn.Module):
+    """A model's summed loss as its ``forward``: the module DDP wraps (it arms its gradient
+    all-reduce in ``forward``, and :meth:`RecurrentLM.loss` is not ``forward``)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        return self.model.loss(inputs, targets, steps=steps, reduction="sum")
 
 
 # What a checkpoint's run is: resuming it under other values would continue another run's
@@ -88,8 +111,12 @@ def check_resume(config: TrainConfig, vocab: Vocabulary, checkpoint: str | Path,
     return ckpt
 
 
+def _epoch_seed(config: TrainConfig, epoch: int) -> int:
+    return config.seed * 1_000_003 + epoch
+
+
 def _epoch_order(config: TrainConfig, epoch: int, n: int) -> torch.Tensor:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(config.seed * 1_000_003 + epoch))
+    return torch.randperm(n, generator=torch.Generator().manual_seed(_epoch_seed(config, epoch)))
 
 
 def train(
@@ -102,6 +129,7 @@ def train(
     progress: bool = True,
     stop_after: Optional[int] = None,
     data_id: Optional[str] = None,
+    world: World = World(),
 ):
     """Train (or resume, if ``checkpoint`` exists) and return (model with its best weights, state).
 
@@ -113,12 +141,17 @@ def train(
         stop_after: return after this many epochs in this call (tests use it to interrupt).
         data_id: the data's fingerprint (:func:`~train.checkpoint.data_fingerprint`), saved in the
             checkpoint; a resume on other data is refused (None: not checked, not saved).
+        world: this process's rank (:func:`train.distributed.init`). With several ranks the model is
+            wrapped in DDP, each rank takes its share of every global batch of ``config.batch_size``
+            sequences, and the loss is divided by the global count of supervised tokens, so the
+            update is one process's on the whole batch (dropout masks aside); rank 0 alone writes
+            ``checkpoint``, and every rank reads it to resume.
     Raises:
         Diverged: a non-finite training loss, gradient norm or validation perplexity; the
             checkpoint keeps the last finished epoch (nothing non-finite is saved).
     """
     config.validate()
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.seed)  # the same initial weights on every rank
     model = build_model(config, vocab)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
                                   weight_decay=config.weight_decay)
@@ -131,35 +164,45 @@ def train(
         optimizer.load_state_dict(ckpt["optimizer"])
         state = TrainState(**ckpt["state"])
         best_weights = ckpt["best_model"]
-        torch.set_rng_state(ckpt["rng"])  # dropout continues exactly where it stopped
-        if ckpt.get("cuda_rng") is not None and torch.device(config.device).type == "cuda":
-            torch.cuda.set_rng_state_all(ckpt["cuda_rng"])  # dropout on a GPU draws from its own generator
+    step_loss = SummedLoss(model)
+    if world.size > 1:
+        device = torch.device(config.device)
+        step_loss = torch.nn.parallel.DistributedDataParallel(
+            step_loss, device_ids=[device] if device.type == "cuda" else None)
     epochs_run = 0
     while state.epoch < config.max_epochs and state.epochs_without_improvement < config.patience:
         if stop_after is not None and epochs_run >= stop_after:
             break
         for group in optimizer.param_groups:
             group["lr"] = state.lr
+        # Dropout draws from a generator seeded per (epoch, rank): a resumed run continues exactly,
+        # and ranks draw independent masks.
+        torch.manual_seed(_epoch_seed(config, state.epoch) * 4099 + world.rank)
         model.train()
         order = _epoch_order(config, state.epoch, len(train_sequences))
         total, count = 0.0, 0
-        bar = tqdm(batches(train_sequences, vocab, config.batch_size, order), disable=not progress,
+        bar = tqdm(batches(train_sequences, vocab, config.batch_size, order, world),
+                   disable=not (progress and world.is_main),
                    total=math.ceil(len(train_sequences) / config.batch_size),
                    desc=f"{config.head} epoch {state.epoch + 1}", leave=False)
         for batch_no, batch in enumerate(bar, start=1):
             where = f"{config.head}: epoch {state.epoch + 1}, batch {batch_no}"
-            loss = model.loss(batch.inputs.to(config.device), batch.targets.to(config.device),
-                              steps=batch.steps.to(config.device))
+            targets = batch.targets.to(config.device)
+            summed = step_loss(batch.inputs.to(config.device), targets, batch.steps.to(config.device))
+            # One all-reduce: the global loss (every rank judges the same value) and its token count.
+            global_sum, tokens = all_sum([summed.item(), int((targets != -100).sum())], world).tolist()
+            tokens = tokens or 1.0  # a batch with nothing to score adds nothing (and divides by nothing)
             # Checked before the step: a NaN would reach every weight through AdamW.
-            value = require_finite(loss.item(), f"the training loss ({where})")
+            value = require_finite(global_sum / tokens, f"the training loss ({where})")
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            # DDP averages the ranks' gradients: × world size makes that the global sum / tokens.
+            (summed * (world.size / tokens)).backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
             require_finite(float(norm), f"the gradient norm ({where})")
             optimizer.step()
             total, count = total + value, count + 1
             bar.set_postfix(loss=f"{total / count:.3f}")
-        valid_ppl = require_finite(perplexity(model, valid_sequences, vocab, device=config.device),
+        valid_ppl = require_finite(perplexity(model, valid_sequences, vocab, device=config.device, world=world),
                                    f"the validation perplexity ({config.head}: epoch {state.epoch + 1})")
         state.history.append(dict(epoch=state.epoch + 1, train_loss=total / max(count, 1),
                                   valid_perplexity=valid_ppl, lr=state.lr))
@@ -171,10 +214,11 @@ def train(
             state.lr /= 2
         state.epoch += 1
         epochs_run += 1
-        save_atomic(dict(format=FORMAT, config=config.to_dict(), vocab=vocab.to_json(), context_length=CONTEXT_LENGTH,
-                         data=data_id,
-                         model=model.state_dict(), best_model=best_weights, optimizer=optimizer.state_dict(),
-                         state=asdict(state), rng=torch.get_rng_state(),
-                         cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None), checkpoint)
+        if world.is_main:
+            save_atomic(dict(format=FORMAT, config=config.to_dict(), vocab=vocab.to_json(),
+                             context_length=CONTEXT_LENGTH, data=data_id, model=model.state_dict(),
+                             best_model=best_weights, optimizer=optimizer.state_dict(), state=asdict(state)),
+                        checkpoint)
+        barrier(world)  # no rank leaves (and resumes) before the checkpoint it would read is written
     model.load_state_dict(best_weights)
     return model, state

@@ -14,6 +14,7 @@ from nmst_fast.data.wikitext import Vocabulary, encode_lines, find_split_file, h
 from .checkpoint import data_fingerprint
 from .config import SIZES, TrainConfig
 from .corpus import builtin_splits
+from .distributed import DEFAULT_TIMEOUT_MINUTES, World
 from .evaluate import evaluate
 from .loop import check_resume, train
 
@@ -45,6 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode only the first N evaluation contexts for r_nt (default: all, as the paper)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_distributed_arguments(p)
+
+
+def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dist-timeout", type=float, default=DEFAULT_TIMEOUT_MINUTES, metavar="MINUTES",
+                   help="under torchrun: how long a collective waits for the other ranks before the run "
+                        "ends with an error")
 
 
 def is_builtin(args) -> bool:
@@ -88,6 +96,12 @@ def check_arguments(args) -> None:
     if args.eval_contexts is not None and args.eval_contexts < 1:
         raise ValueError(f"--eval-contexts must be a positive int, got {args.eval_contexts}")
     check_device(args.device)
+    check_dist_timeout(args.dist_timeout)
+
+
+def check_dist_timeout(minutes: float) -> None:
+    if not minutes > 0:
+        raise ValueError(f"--dist-timeout must be a positive number of minutes, got {minutes}")
 
 
 def check_device(device: str) -> None:
@@ -165,12 +179,14 @@ def check_resumes(runs: list[tuple[TrainConfig, Path]], data: Data) -> None:
 
 
 def run_one(config: TrainConfig, data: Data, run_dir: Path, L: int, *, progress: bool,
-            eval_contexts: int | None = None) -> dict:
-    """Train (resuming from ``run_dir/checkpoint.pt`` if present) and evaluate one model."""
+            eval_contexts: int | None = None, world: World = World()) -> dict:
+    """Train (resuming from ``run_dir/checkpoint.pt`` if present) and evaluate one model (data-parallel
+    over ``world``'s ranks; every rank returns the results)."""
     model, state = train(config, data.train, data.valid, data.vocab, run_dir / "checkpoint.pt", progress=progress,
-                         data_id=data.fingerprint)
-    print(f"{config.arch}/{config.head}/eps={config.eps}/seed={config.seed}: {state.epoch} epochs, "
-          f"best valid perplexity {state.best_perplexity:.3f}", flush=True)
+                         data_id=data.fingerprint, world=world)
+    if world.is_main:
+        print(f"{config.arch}/{config.head}/eps={config.eps}/seed={config.seed}: {state.epoch} epochs, "
+              f"best valid perplexity {state.best_perplexity:.3f}", flush=True)
     return dict(evaluate(model, data.vocab, valid=data.valid, test=data.eval, max_length=L, seed=config.seed,
-                         device=config.device, contexts=eval_contexts),
-                history=state.history, eps=config.eps, greedy_bound=config.greedy_bound)
+                         device=config.device, contexts=eval_contexts, world=world),
+                history=state.history, eps=config.eps, greedy_bound=config.greedy_bound, world_size=world.size)

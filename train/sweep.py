@@ -2,6 +2,7 @@
 
     python -m train.sweep                                      # built-in corpus, ε ∈ {0.01, 0.001}, 3 seeds
     python -m train.sweep --data-dir DIR --archs rnn lstm --eps 1e-4 1e-5 --seeds 0 1 2 3 4 --device cuda
+    torchrun --standalone --nproc_per_node 2 -m train.sweep ...    # each run data-parallel over 2 processes
 
 Every (arch, head, ε, seed) trains in its own directory under ``--out`` (a rerun resumes and
 skips finished runs' training); VA does not depend on ε and runs once per seed. Writes
@@ -24,6 +25,7 @@ from pathlib import Path
 from nmst_fast.validation import HEADS
 
 from .checkpoint import Diverged, claim_directory
+from .distributed import World, close, init, on_main
 from .report import HEAD_COLORS, plt
 from .runner import add_arguments, base_config, check_arguments, check_resumes, load_data, max_length, run_one
 
@@ -106,6 +108,17 @@ def main(argv: list[str] | None = None) -> Path:
     args.eps = list(by_directory.values())
     try:
         check_arguments(args)
+    except ValueError as err:
+        parser.error(str(err))
+    world, args.device = init(args.device, args.dist_timeout)  # one process without torchrun
+    try:
+        return _run(parser, args, world)
+    finally:
+        close()
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, world: World) -> Path:
+    try:
         plan = []
         for arch in args.archs:
             for seed in args.seeds:
@@ -115,8 +128,14 @@ def main(argv: list[str] | None = None) -> Path:
                         plan.append((config, eps))
         L = max_length(args)
         data = load_data(args, 0)  # one corpus; seeds vary the models
-        out = args.out or Path("runs") / ("sweep-" + time.strftime("%Y%m%d-%H%M%S"))
-        claim_directory(out, dict(entry="train.sweep", source=data.source, data=data.fingerprint))
+
+        def claim() -> Path:
+            out = args.out or Path("runs") / ("sweep-" + time.strftime("%Y%m%d-%H%M%S"))
+            claim_directory(out, dict(entry="train.sweep", source=data.source, data=data.fingerprint),
+                            record=dict(world_size=world.size))
+            return out
+
+        out = on_main(claim, world)
         plan = [(config, eps, out / config.arch / config.head / ("any" if eps is None else f"eps{eps:g}")
                  / f"seed{config.seed}") for config, eps in plan]
         check_resumes([(config, run_dir) for config, _, run_dir in plan], data)
@@ -125,15 +144,18 @@ def main(argv: list[str] | None = None) -> Path:
     runs = []
     for config, eps, run_dir in plan:
         try:
-            result = run_one(config, data, run_dir, L, progress=not args.quiet, eval_contexts=args.eval_contexts)
+            result = run_one(config, data, run_dir, L, progress=not args.quiet, eval_contexts=args.eval_contexts,
+                             world=world)
         except Diverged as err:  # not a usage error: the run itself failed
             sys.exit(f"python -m train.sweep: {err}")
         runs.append(dict(arch=config.arch, head=config.head, eps=eps, seed=config.seed,
                          perplexity=result["perplexity"], r_nt=result["r_nt"]))
-    (out / "sweep.json").write_text(json.dumps(dict(source=data.source, max_length=L, runs=runs), indent=1))
-    (out / "tables.md").write_text(tables(runs))
-    plot(out, runs)
-    print(f"tables: {out / 'tables.md'}", flush=True)
+    if world.is_main:
+        (out / "sweep.json").write_text(json.dumps(dict(source=data.source, max_length=L, world_size=world.size,
+                                                        runs=runs), indent=1))
+        (out / "tables.md").write_text(tables(runs))
+        plot(out, runs)
+        print(f"tables: {out / 'tables.md'}", flush=True)
     return out
 
 

@@ -1,0 +1,54 @@
+"""python -m train data-parallel under torchrun (2 gloo ranks): the training loop and the evaluation
+equal one process (tests/distributed/train_ranks.py), the command writes its files once from rank 0
+with the world size recorded, a refused --out stops every rank, and a rank that fails ends the run."""
+
+import json
+import time
+
+from helpers import torchrun
+
+from train.__main__ import main
+
+FLAGS = ("--builtin-lines", "50", "--max-epochs", "2", "--max-length", "20", "--batch-size", "7", "--heads",
+         "nmst", "va", "--quiet")
+
+
+def test_training_and_evaluation_over_ranks_equal_one_process(tmp_path):
+    run = torchrun("train_ranks.py", 2, str(tmp_path))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    for rank in (0, 1):
+        assert f"rank {rank}/2: training and evaluation equal one process" in run.stdout
+
+
+def test_a_failing_rank_ends_the_run_with_its_error(tmp_path):
+    start = time.monotonic()
+    run = torchrun("train_ranks.py", 2, str(tmp_path), "--fail-rank", "1", timeout=300)
+    assert run.returncode != 0
+    assert "rank 1 failed on purpose" in run.stdout + run.stderr
+    assert time.monotonic() - start < 240  # the other rank did not wait out a collective
+
+
+def test_the_command_under_torchrun_writes_once_and_matches_one_process(tmp_path):
+    run = torchrun("train", 2, "--out", str(tmp_path / "two"), *FLAGS, module=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    assert run.stdout.count("report:") == 1  # rank 0 alone reports
+    assert json.loads((tmp_path / "two" / "run.json").read_text())["world_size"] == 2
+    two = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert not [p for p in (tmp_path / "two").rglob("*") if p.name.endswith(".tmp")]
+    one = json.loads((main(["--out", str(tmp_path / "one"), *FLAGS]) / "results.json").read_text())
+    for head in ("nmst", "va"):
+        assert two[head]["world_size"] == 2 and one[head]["world_size"] == 1
+        for key in ("perplexity", "valid_perplexity"):
+            assert abs(two[head][key] - one[head][key]) <= 1e-4 * one[head][key], (head, key)
+    # Rerun on the same --out: every rank resumes the finished runs (no epoch trains again).
+    again = torchrun("train", 2, "--out", str(tmp_path / "two"), *FLAGS, module=True)
+    assert again.returncode == 0, again.stderr[-6000:]
+    assert json.loads((tmp_path / "two" / "results.json").read_text())["va"]["history"] == two["va"]["history"]
+
+
+def test_a_refused_out_stops_every_rank(tmp_path):
+    (tmp_path / "notes.txt").write_text("a user's file")
+    run = torchrun("train", 2, "--out", str(tmp_path), *FLAGS, module=True, timeout=300)
+    assert run.returncode != 0
+    assert run.stderr.count("no run.json") == 2  # rank 0's refusal, raised on both ranks
+    assert (tmp_path / "notes.txt").read_text() == "a user's file" and not (tmp_path / "run.json").exists()

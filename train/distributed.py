@@ -1,0 +1,119 @@
+"""Data-parallel runs on torch.distributed: one process per device, launched by ``torchrun``.
+
+    torchrun --standalone --nproc_per_node 2 -m train                 # one machine, 2 processes
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 -m train ...
+
+The training commands call :func:`init` first: without torchrun's environment (``WORLD_SIZE`` unset or
+1) they run as one process and nothing here communicates. Under torchrun every rank reads the same data
+and builds the same model from the same seed; each takes a contiguous share of every global batch
+(:func:`share`), and the loss is normalized by the global count of supervised tokens, so N processes
+make the update one process makes on the same global batch. Rank 0 alone writes files; a step that
+only rank 0 takes (claiming the output directory) reports its error to every rank (:func:`on_main`),
+and every collective has a timeout, so a failed rank ends the run instead of leaving the others waiting.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+DEFAULT_TIMEOUT_MINUTES = 30.0
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the run: ``rank`` of ``size`` (0 of 1 without torchrun)."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process writes the run's files and prints its progress."""
+        return self.rank == 0
+
+
+def init(device: str, timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> tuple[World, str]:
+    """Join the process group torchrun describes (gloo on CPU, NCCL on CUDA) and return (world, the
+    device this rank uses: ``cuda:LOCAL_RANK`` for a CUDA device). Without torchrun: (World(), device).
+
+    ``timeout_minutes`` bounds every collective: a rank that died or hangs ends the run with an error."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1:
+        return World(), device
+    if not timeout_minutes > 0:
+        raise ValueError(f"the collective timeout must be positive, got {timeout_minutes} minutes")
+    if torch.device(device).type == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+    return World(dist.get_rank(), dist.get_world_size()), device
+
+
+def close() -> None:
+    """Leave the process group (if this process joined one)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def share(items: Sequence[T], world: World) -> Sequence[T]:
+    """This rank's contiguous share of ``items``: sizes differ by at most one, and may be 0."""
+    n = len(items)
+    return items[world.rank * n // world.size:(world.rank + 1) * n // world.size]
+
+
+def all_sum(values: Sequence[float] | torch.Tensor, world: World) -> torch.Tensor:
+    """The float64 sum over the ranks of ``values`` (one tensor, one all-reduce); the values
+    themselves with one process."""
+    total = torch.as_tensor(values, dtype=torch.float64).clone()
+    if world.size > 1:
+        backend_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        moved = total.to(backend_device)
+        dist.all_reduce(moved)
+        total = moved.cpu()
+    return total
+
+
+def gather(obj: Any, world: World) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+    if world.size == 1:
+        return [obj]
+    out: list[Any] = [None] * world.size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def on_main(fn: Callable[[], T], world: World) -> T:
+    """Run ``fn`` on rank 0 alone and give every rank its outcome: its return value (picklable), or its
+    ValueError / FileNotFoundError / OSError raised on every rank, so a refused output directory stops
+    all of them and none is left waiting."""
+    outcome: list[Any] = [None, None]  # (result, (error type, message))
+    if world.is_main:
+        try:
+            outcome[0] = fn()
+        except (ValueError, FileNotFoundError, OSError) as err:
+            if world.size == 1:
+                raise
+            outcome[1] = (type(err).__name__, str(err))
+    if world.size > 1:
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[1] is not None:
+            kind, message = outcome[1]
+            raise {"FileNotFoundError": FileNotFoundError, "OSError": OSError}.get(kind, ValueError)(message)
+    return outcome[0]
+
+
+def barrier(world: World) -> None:
+    """Wait for every rank (e.g. for rank 0's files)."""
+    if world.size > 1:
+        dist.barrier()
