@@ -1,5 +1,7 @@
 import os
+import random
 
+import pytest
 import torch
 
 # Triton decides at decoration time whether kernels run in its interpreter, so this
@@ -13,3 +15,18 @@ if not torch.cuda.is_available():
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
+
+WORDS = "the river flows past stone and reed while bells ring out over the harbor".split()
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """A WikiText-style directory (train / valid / test .txt) of random lines of 12-30 words."""
+    rng = random.Random(3)
+    data = tmp_path / "wikitext"
+    data.mkdir()
+    for split, n in (("train", 40), ("valid", 8), ("test", 8)):
+        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(12, 30))) for _ in range(n)]
+        (data / f"{split}.txt").write_text("\n".join(lines) + "\n")
+    return data

@@ -5,9 +5,9 @@ with the world size recorded, a refused --out stops every rank, and a rank that 
 import json
 import time
 
-from helpers import torchrun
-
 from train.__main__ import main
+
+from helpers import torchrun
 
 FLAGS = ("--builtin-lines", "50", "--max-epochs", "2", "--max-length", "20", "--batch-size", "7", "--heads",
          "nmst", "va", "--quiet")

@@ -2,25 +2,11 @@
 the corpus when no tokenizer is given; the fused loss, evaluation, plots and the saved head."""
 
 import json
-import random
 
 import pytest
 import transformers
 
 from train.hf import main
-
-WORDS = "the river flows past stone and reed while bells ring out over the harbor".split()
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    rng = random.Random(3)
-    data = tmp_path / "wikitext"
-    data.mkdir()
-    for split, n in (("train", 40), ("valid", 8), ("test", 8)):
-        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(12, 30))) for _ in range(n)]
-        (data / f"{split}.txt").write_text("\n".join(lines) + "\n")
-    return data
 
 
 def _run(corpus, out, *extra):

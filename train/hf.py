@@ -29,7 +29,6 @@ import os
 import shutil
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
@@ -43,9 +42,10 @@ from nmst_fast.integrations.hf import HFDecoder, apply_nmst, steps_from_attentio
 from nmst_fast.validation import HEADS
 
 from .checkpoint import Diverged, claim_directory, data_fingerprint, refuse_another_run, require_finite, save_atomic
-from .evaluate import non_termination
+from .distributed import World, all_sum, barrier, close, init, on_main, share
+from .evaluate import EosRateByStep, non_termination
 from .report import write_report
-from .runner import check_device
+from .runner import add_distributed_arguments, check_device, check_dist_timeout
 
 # Random-init model sizes (--config FAMILY --size): generic config keys, which every family maps.
 SIZES = {
@@ -83,52 +83,61 @@ def parser(prog: str = "python -m train.hf", doc: str = __doc__, *, preset: bool
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard the model with FSDP2 (fully_shard per decoder block, on the output "
+                        "layer and the root) instead of replicating it with DDP")
+    add_distributed_arguments(p)
     p.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: interrupt after N epochs
     return p
 
 
-def _batches(seqs: list[list[int]], max_tokens: int, seed: int, pad_id: int, shuffle: bool = True):
+def _batches(seqs: list[list[int]], max_tokens: int, seed: int, pad_id: int, shuffle: bool = True,
+             world: World = World()):
+    """(this rank's share of each length-bucketed global batch, the global batch's count of predicted
+    tokens). A rank whose share is empty gets the batch's first row with every label ignored, so every
+    rank runs every step (DDP's and FSDP's collectives need them all) and adds nothing to it."""
     for index in bucket_batches([len(s) for s in seqs], max_tokens=max_tokens, seed=seed, shuffle=shuffle):
-        yield collate_bpe([seqs[i] for i in index], pad_id)
+        mine = share(index, world)
+        batch = collate_bpe([seqs[i] for i in (mine or index[:1])], pad_id)
+        if not mine:
+            batch.labels.fill_(-100)
+        yield batch, sum(len(seqs[i]) - 1 for i in index)  # HF shifts labels: the first token is not predicted
 
 
 @torch.no_grad()
-def perplexity(model, seqs: list[list[int]], context_length: int, max_tokens: int, pad_id: int, device: str) -> float:
-    """exp(mean NLL) of the tokens after the context (eos included)."""
+def perplexity(model, seqs: list[list[int]], context_length: int, max_tokens: int, pad_id: int, device: str,
+               world: World = World()) -> float:
+    """exp(mean NLL) of the tokens after the context (eos included); with several ranks each scores its
+    share of every batch (in step, as a sharded model needs) and the sums are reduced."""
     model.eval()
     total, count = 0.0, 0
-    for batch in _batches(seqs, max_tokens, 0, pad_id, shuffle=False):
+    for batch, _ in _batches(seqs, max_tokens, 0, pad_id, shuffle=False, world=world):
         labels = batch.labels.clone()
         labels[:, :context_length] = -100  # the context is given, not predicted
         out = model(batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
                     labels=labels.to(device), num_items_in_batch=1)  # = the summed NLL
         total += float(out.loss)
         count += int((labels[:, 1:] != -100).sum())
+    total, count = all_sum([total, count], world).tolist()
     return metrics.perplexity(total, count)  # inf, not OverflowError, past a mean NLL of ~709.8
 
 
 @torch.no_grad()
 def eos_probability_by_step(model, seqs: list[list[int]], context_length: int, max_tokens: int, pad_id: int,
-                            device: str, max_t: int = 100) -> dict:
+                            device: str, max_t: int = 100, world: World = World()) -> dict:
     """Teacher-forced mean p(eos) at continuation step t under the model's head, next to the data's
     eos rate at t (``python -m train``'s p_eos curve)."""
     head = HFDecoder(model).nmst_head
-    p_sum, eos_count, alive = defaultdict(float), defaultdict(int), defaultdict(int)
-    for batch in _batches(seqs, max_tokens, 0, pad_id, shuffle=False):
+    rate = EosRateByStep(max_t)
+    for batch, _ in _batches(share(seqs, world), max_tokens, 0, pad_id, shuffle=False):
         ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
         hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
         steps = steps_from_attention_mask(mask, context_length)[:, 1:]  # t of the token each position predicts
         log_p = nmst_log_probs(head(hidden).double(), eos_index=head.eos_index, eps=head.eps, head=head.head,
                                steps=None if head.head == "va" else steps)
         targets = batch.labels[:, 1:].to(device)
-        real = (targets != -100) & (steps >= 1) & (steps <= max_t)
-        for t, p, is_eos in zip(steps[real].tolist(), log_p[..., head.eos_index][real].exp().tolist(),
-                                (targets[real] == head.eos_index).tolist()):
-            p_sum[t] += p
-            eos_count[t] += is_eos
-            alive[t] += 1
-    ts = sorted(alive)
-    return dict(t=ts, model=[p_sum[t] / alive[t] for t in ts], data=[eos_count[t] / alive[t] for t in ts])
+        rate.add(steps, log_p[..., head.eos_index].exp(), targets == head.eos_index, targets != -100)
+    return rate.result(world)
 
 
 @torch.no_grad()
@@ -151,13 +160,14 @@ def recover_model_dir(path: Path) -> None:
         os.replace(old, path)
 
 
-def save_model_atomic(model, path: Path) -> None:
-    """save_pretrained into a fresh directory, then swap it in: a crash never leaves half a model
-    (at worst the previous one as ``path.old``, which :func:`recover_model_dir` puts back)."""
+def save_model_atomic(model, path: Path, state_dict: Optional[dict] = None) -> None:
+    """save_pretrained (of ``state_dict``, default the model's own) into a fresh directory, then swap it
+    in: a crash never leaves half a model (at worst the previous one as ``path.old``, which
+    :func:`recover_model_dir` puts back)."""
     recover_model_dir(path)
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=None if state_dict is None else dict(state_dict))  # it pops entries
     shutil.rmtree(old, ignore_errors=True)
     if path.exists():
         os.replace(path, old)
@@ -184,6 +194,7 @@ def _check_arguments(args) -> None:
         raise ValueError(f"--max-tokens ({args.max_tokens}) must exceed --context-length ({args.context_length}): "
                          "a sequence is a context plus at least one token")
     check_device(args.device)
+    check_dist_timeout(args.dist_timeout)
 
 
 # The model settings a run directory is bound to (a resumed state must fit the model it came from).
@@ -231,41 +242,95 @@ def load_model(args, tokenizer):
                       eos_token_id=tokenizer.eos_token_id)
 
 
-def _train_epochs(args, model, optimizer, schedule, seqs, pad, steps_per_epoch, out, settings, best, history,
-                  start_epoch):
-    """The epochs from ``start_epoch``: AdamW steps, then the validation perplexity, the best model and
-    the resumable state, each saved atomically. Returns (best valid perplexity, history, whether every
-    epoch ran: False when ``--stop-after`` interrupted). Raises Diverged on a non-finite loss,
-    gradient norm or validation perplexity, before anything non-finite is saved."""
+def shard(model, world: World, fsdp: bool):
+    """The module a training step calls: ``model`` itself with one process; under torchrun DDP over it,
+    or (``fsdp``) ``model`` sharded in place with FSDP2: ``fully_shard`` on every decoder block (the
+    classes the model lists in ``_no_split_modules``), on an untied output layer, and on the root."""
+    if world.size == 1:
+        return model
+    if not fsdp:
+        device = next(model.parameters()).device
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    for module in list(model.modules()):
+        if type(module).__name__ in blocks:
+            fully_shard(module)
+    output = model.get_output_embeddings()
+    if output.weight is not model.get_input_embeddings().weight:  # a tied one belongs to the root's unit
+        fully_shard(output)
+    fully_shard(model)
+    return model
+
+
+def _full(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def full_state(model, optimizer) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts whole and on the CPU, whether the model is plain, under DDP or
+    sharded (a collective then: every rank calls it; rank 0 receives them)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(model, optimizer, options=_full(cpu_offload=True))
+
+
+def backward(step, batch, tokens: int, world: World, device: str, where: str = "") -> float:
+    """Forward and backward of this rank's share ``batch`` of a global batch with ``tokens`` predicted
+    tokens, through ``step`` (:func:`shard`). The rank's summed loss is divided by ``tokens``, so the
+    ranks' losses add up to the global mean; DDP and FSDP average the ranks' gradients, so it is
+    multiplied by the world size before backward: the gradient is one process's on the global batch.
+    Returns the global mean loss (the same on every rank); Diverged, before backward, if it is not finite."""
+    loss = step(batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                labels=batch.labels.to(device), num_items_in_batch=tokens).loss
+    value = require_finite(float(all_sum([loss.item()], world)), f"the training loss ({where})")
+    (loss * world.size).backward()
+    return value
+
+
+def _train_epochs(args, model, step, optimizer, schedule, seqs, pad, steps_per_epoch, out, settings, best, history,
+                  start_epoch, world: World):
+    """The epochs from ``start_epoch``: AdamW steps through ``step`` (``model`` itself, or DDP over it),
+    then the validation perplexity, the best model and the resumable state, each saved atomically by
+    rank 0. Returns (best valid perplexity, history, whether every epoch ran: False when
+    ``--stop-after`` interrupted). Raises Diverged on a non-finite loss, gradient norm or validation
+    perplexity (on every rank alike), before anything non-finite is saved."""
     for epoch in range(start_epoch, args.epochs):
         if args.stop_after is not None and epoch - start_epoch >= args.stop_after:
             return best, history, False
         model.train()
-        bar = tqdm(_batches(seqs["train"], args.max_tokens, args.seed * 1_000_003 + epoch, pad),
-                   total=steps_per_epoch, disable=args.quiet, desc=f"{args.head} epoch {epoch + 1}")
-        for batch_no, batch in enumerate(bar, start=1):
+        # Dropout draws from a generator seeded per (epoch, rank): a resumed run continues exactly,
+        # and ranks draw independent masks.
+        torch.manual_seed((args.seed * 1_000_003 + epoch) * 4099 + world.rank)
+        bar = tqdm(_batches(seqs["train"], args.max_tokens, args.seed * 1_000_003 + epoch, pad, world=world),
+                   total=steps_per_epoch, disable=args.quiet or not world.is_main,
+                   desc=f"{args.head} epoch {epoch + 1}")
+        for batch_no, (batch, tokens) in enumerate(bar, start=1):
             where = f"epoch {epoch + 1}, batch {batch_no}"
-            loss = model(batch.input_ids.to(args.device), attention_mask=batch.attention_mask.to(args.device),
-                         labels=batch.labels.to(args.device)).loss
-            value = require_finite(loss.item(), f"the training loss ({where})")  # before a NaN reaches the weights
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            value = backward(step, batch, tokens, world, args.device, where)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
             require_finite(grad_norm, f"the gradient norm ({where})")
             optimizer.step()
             schedule.step()
             bar.set_postfix(loss=f"{value:.3f}")
-        valid = require_finite(perplexity(model, seqs["valid"], args.context_length, args.max_tokens, pad, args.device),
+        valid = require_finite(perplexity(model, seqs["valid"], args.context_length, args.max_tokens, pad, args.device,
+                                          world),
                                f"the validation perplexity (epoch {epoch + 1})")
         history.append(dict(epoch=epoch + 1, valid_perplexity=valid))
-        if valid < best:
-            best = valid
-            save_model_atomic(model, out / "model")
-        save_atomic(dict(epoch=epoch + 1, best=best, history=history, settings=settings, model=model.state_dict(),
-                         optimizer=optimizer.state_dict(), schedule=schedule.state_dict(), rng=torch.get_rng_state(),
-                         cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None),
-                    out / "train_state.pt")
-        save_model_atomic(model, out / "last")  # the latest weights, loadable with from_pretrained
+        weights, optimizer_state = full_state(model, optimizer)
+        if world.is_main:
+            if valid < best:
+                save_model_atomic(model, out / "model", weights)
+            save_atomic(dict(epoch=epoch + 1, best=min(best, valid), history=history, settings=settings,
+                             model=weights, optimizer=optimizer_state, schedule=schedule.state_dict()),
+                        out / "train_state.pt")
+            save_model_atomic(model, out / "last", weights)  # the latest weights, loadable with from_pretrained
+        best = min(best, valid)
+        barrier(world)  # no rank reads the files (to resume or evaluate) before they are written
     return best, history, True
 
 
@@ -283,9 +348,22 @@ def main(argv: list[str] | None = None, *, command: Optional[argparse.ArgumentPa
         args.lr = 5e-5 if args.model_dir is not None else 1e-3
     try:
         _check_arguments(args)
+    except ValueError as err:
+        command.error(str(err))
+    world, args.device = init(args.device, args.dist_timeout)  # one process without torchrun
+    try:
+        return _run(command, args, entry, world)
+    finally:
+        close()
+
+
+def _run(command: argparse.ArgumentParser, args: argparse.Namespace, entry: str, world: World) -> Path:
+    try:
         text = {k: read_lines(find_split_file(args.data_dir, split)) for k, split in
                 (("train", args.train_split), ("valid", args.valid_split), ("eval", args.eval_split))}
-        tokenizer = _tokenizer(args, text["train"])
+        # Rank 0 trains the BPE (when there is none to load) and hands it to the others: one vocabulary.
+        tokenizer = on_main(lambda: _tokenizer(args, text["train"]), world)
+        torch.manual_seed(args.seed)  # the same random-init weights on every rank
         model = load_model(args, tokenizer).to(args.device)
         positions = HFDecoder(model).max_positions
         if positions is not None and args.context_length + args.max_length - 1 > positions:  # the last token is not fed
@@ -293,7 +371,6 @@ def main(argv: list[str] | None = None, *, command: Optional[argparse.ArgumentPa
                              f"exceeds the model's {positions} positions")
     except (ValueError, FileNotFoundError, OSError) as err:
         command.error(str(err))
-    torch.manual_seed(args.seed)
     # A line longer than the position table cannot be trained on (nor one over a batch's budget).
     longest = min(args.max_tokens, positions or args.max_tokens)
     seqs = {k: encode_bpe_lines(lines, tokenizer, min_tokens=args.context_length + 1, max_tokens=longest)
@@ -301,28 +378,29 @@ def main(argv: list[str] | None = None, *, command: Optional[argparse.ArgumentPa
     empty = [k for k, v in seqs.items() if not v]
     if empty:
         command.error(f"no sequence of {args.context_length + 1} to {longest} tokens in the "
-                     f"{', '.join(empty)} split(s)")
+                      f"{', '.join(empty)} split(s)")
     pad = tokenizer.eos_token_id
-    out = args.out or Path("runs") / (entry.split(".")[-1] + "-" + time.strftime("%Y%m%d-%H%M%S"))
     data_id = data_fingerprint(seqs["train"], seqs["valid"])  # the corpus, splits and tokenizer
+
+    def claim() -> Path:
+        out = args.out or Path("runs") / (entry.split(".")[-1] + "-" + time.strftime("%Y%m%d-%H%M%S"))
+        shape = {k: getattr(model.config, k) for k in MODEL_DEFINING}
+        claim_directory(out, dict(entry=entry, data=data_id, model=shape),
+                        record=dict(world_size=world.size, fsdp=args.fsdp))
+        if args.tokenizer_dir is None and args.model_dir is None:  # the trained BPE: kept with the run
+            tokenizer.save_pretrained(out / "tokenizer")
+        recover_model_dir(out / "model")
+        recover_model_dir(out / "last")
+        return out
+
     try:
-        claim_directory(out, dict(entry=entry, data=data_id,
-                                  model={k: getattr(model.config, k) for k in MODEL_DEFINING}))
-    except ValueError as err:
+        out = on_main(claim, world)
+    except (ValueError, OSError) as err:
         command.error(str(err))
-    if args.tokenizer_dir is None and args.model_dir is None:  # the trained BPE: kept with the run
-        tokenizer.save_pretrained(out / "tokenizer")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    steps_per_epoch = len(bucket_batches([len(s) for s in seqs["train"]], max_tokens=args.max_tokens))
-    total_steps = max(1, args.epochs * steps_per_epoch)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / total_steps))
-    best, history, start_epoch = math.inf, [], 0
     state_path = out / "train_state.pt"
     settings = {name: getattr(args, name) for name in RUN_DEFINING} | dict(data=data_id)
-    recover_model_dir(out / "model")
-    recover_model_dir(out / "last")
-    if state_path.exists():  # an interrupted run: continue from its last finished epoch
-        state = torch.load(state_path, weights_only=False)
+    state = torch.load(state_path, weights_only=False) if state_path.exists() else None
+    if state is not None:  # an interrupted run: continue from its last finished epoch
         try:
             refuse_another_run(state_path, state.get("settings", {}), settings)
         except ValueError as err:
@@ -330,39 +408,50 @@ def main(argv: list[str] | None = None, *, command: Optional[argparse.ArgumentPa
         # The weights come from the state file itself, written in one piece with the optimizer and
         # epoch (``last/`` is a copy for users): a crash can never pair one epoch's weights with
         # another's optimizer.
-        model.load_state_dict(state["model"])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / total_steps))
-        optimizer.load_state_dict(state["optimizer"])
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, state["model"], options=_full())  # the form full_state saved (ties once)
+    step = shard(model, world, args.fsdp)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    steps_per_epoch = len(bucket_batches([len(s) for s in seqs["train"]], max_tokens=args.max_tokens))
+    total_steps = max(1, args.epochs * steps_per_epoch)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / total_steps))
+    best, history, start_epoch = math.inf, [], 0
+    if state is not None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=_full())
         schedule.load_state_dict(state["schedule"])
-        torch.set_rng_state(state["rng"])
-        if state.get("cuda_rng") is not None and torch.device(args.device).type == "cuda":
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
         best, history, start_epoch = state["best"], state["history"], state["epoch"]
     try:
-        best, history, finished = _train_epochs(args, model, optimizer, schedule, seqs, pad, steps_per_epoch, out,
-                                                settings, best, history, start_epoch)
-    except Diverged as err:  # not a usage error: the run itself failed
+        best, history, finished = _train_epochs(args, model, step, optimizer, schedule, seqs, pad, steps_per_epoch,
+                                                out, settings, best, history, start_epoch, world)
+    except Diverged as err:  # not a usage error: the run itself failed (on every rank alike)
         sys.exit(f"{command.prog}: {err}")
     if not finished:  # --stop-after (tests)
         return out
     from transformers import AutoModelForCausalLM
 
-    model = apply_nmst(AutoModelForCausalLM.from_pretrained(out / "model")).to(args.device).eval()  # its recorded head
+    # Evaluated unsharded on every rank (inference needs no optimizer state): the best model, its recorded head.
+    model = apply_nmst(AutoModelForCausalLM.from_pretrained(out / "model")).to(args.device).eval()
     decoded = seqs["eval"][: args.eval_contexts]
     contexts = torch.tensor([s[: args.context_length] for s in decoded], dtype=torch.long)
-    decoding = non_termination(HFDecoder(model), contexts, args.max_length, seed=args.seed, device=args.device)
+    decoding = non_termination(HFDecoder(model), contexts, args.max_length, seed=args.seed, device=args.device,
+                               world=world)
     evaluation = dict(
-        perplexity=perplexity(model, seqs["eval"], args.context_length, args.max_tokens, pad, args.device),
+        perplexity=perplexity(model, seqs["eval"], args.context_length, args.max_tokens, pad, args.device, world),
         valid_perplexity=best, r_nt={name: d["r_nt"] for name, d in decoding.items()}, history=history,
         eps=args.eps, generated_lengths={name: d["lengths"] for name, d in decoding.items()},
-        data_lengths=[len(s) - args.context_length for s in decoded],
-        p_eos=eos_probability_by_step(model, seqs["eval"], args.context_length, args.max_tokens, pad, args.device),
-        examples=examples(model, tokenizer, seqs["eval"], args.context_length, args.device))
-    notes = [f"`{command.prog}`: {model.config.model_type} ({_size(model)} parameters), head {args.head}, "
-             f"ε = {args.eps}, {args.context_length}-token context, r_nt over {len(decoded)} contexts."]
-    write_report(out, {args.head: evaluation}, f"{args.head.upper()} on {args.data_dir.name}", notes)
-    print(f"results: {out / 'results.json'}", flush=True)
+        data_lengths=[len(s) - args.context_length for s in decoded], world_size=world.size,
+        p_eos=eos_probability_by_step(model, seqs["eval"], args.context_length, args.max_tokens, pad, args.device,
+                                      world=world))
+    if world.is_main:
+        evaluation["examples"] = examples(model, tokenizer, seqs["eval"], args.context_length, args.device)
+        notes = [f"`{command.prog}`: {model.config.model_type} ({_size(model)} parameters), head {args.head}, "
+                 f"ε = {args.eps}, {args.context_length}-token context, r_nt over {len(decoded)} contexts; "
+                 f"{world.size} process(es){' (FSDP2)' if args.fsdp and world.size > 1 else ''}."]
+        write_report(out, {args.head: evaluation}, f"{args.head.upper()} on {args.data_dir.name}", notes)
+        print(f"results: {out / 'results.json'}", flush=True)
     return out
 
 

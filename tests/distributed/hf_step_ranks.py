@@ -1,0 +1,64 @@
+"""Run under torchrun (gloo): ``python -m train.hf``'s training step over the ranks gives one process's
+loss and gradients, data-parallel (DDP) and sharded (FSDP2), for every head.
+
+    torchrun --standalone --nproc_per_node 2 tests/distributed/hf_step_ranks.py
+
+The step is the command's own: :func:`train.hf.shard` (DDP, or ``fully_shard`` per decoder layer, on
+the output layer and on the root), :func:`train.hf._batches` (each rank's share of a global batch of
+ragged rows: the shares hold different token counts, and one global batch holds a single row, so one
+rank's share is empty) and :func:`train.hf.backward`. Under FSDP2 the fused loss reads the output
+layer's weight inside that layer's own call, where it is gathered (outside, it is a sharded DTensor).
+"""
+
+import torch
+import transformers
+
+from nmst_fast.integrations.hf import apply_nmst
+from train import distributed
+from train.hf import _batches, backward, shard
+
+V, EOS = 61, 60
+
+
+def model(head: str):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=48, eos_token_id=EOS)
+    return apply_nmst(transformers.LlamaForCausalLM(config), head=head, eps=0.05, context_length=3)
+
+
+def sequences():
+    gen = torch.Generator().manual_seed(1)
+    lengths = [5, 6, 9, 12, 13, 14, 30]  # with 64 tokens a batch: [5 6 9 12], [13 14], [30]
+    return [torch.randint(0, EOS, (n - 1,), generator=gen).tolist() + [EOS] for n in lengths]
+
+
+def gradients(net, world, fsdp: bool):
+    step = shard(net, world, fsdp)
+    losses = [backward(step, batch, tokens, world, "cpu")
+              for batch, tokens in _batches(sequences(), 64, 0, EOS, shuffle=False, world=world)]
+    grads = {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+             for name, p in net.named_parameters()}
+    return losses, grads
+
+
+def main() -> None:
+    world, _ = distributed.init("cpu", timeout_minutes=2.0)
+    try:
+        for head in ("nmst", "st", "va"):
+            want_losses, want = gradients(model(head), distributed.World(), fsdp=False)
+            for fsdp in (False, True):
+                losses, grads = gradients(model(head), world, fsdp)
+                kind = "FSDP2" if fsdp else "DDP"
+                torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{kind} {head} losses: {m}")
+                for name, g in want.items():
+                    torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6,
+                                               msg=lambda m: f"{kind} {head} {name}: {m}")
+        print(f"rank {world.rank}/{world.size}: DDP and FSDP2 steps equal one process", flush=True)
+    finally:
+        distributed.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""python -m train.hf under torchrun (2 gloo ranks): data-parallel (DDP) and sharded (--fsdp) training
+update the weights as one process does, the evaluation equals one process's, rank 0 alone writes,
+and an FSDP run resumes under torchrun."""
+
+import json
+
+import torch
+import transformers
+
+from train.hf import main
+
+from helpers import torchrun
+
+# Batches of up to 128 tokens hold 3-8 rows: the two ranks' shares have different token counts.
+FLAGS = ("--max-length", "6", "--eval-contexts", "5", "--vocab-size", "300", "--max-tokens", "128", "--epochs",
+         "2", "--head", "st", "--eps", "0.05", "--quiet")
+
+
+def _weights(run):
+    return transformers.AutoModelForCausalLM.from_pretrained(run / "last").state_dict()
+
+
+def _results(run):
+    return json.loads((run / "results.json").read_text())["st"]
+
+
+def _torchrun(corpus, out, *extra):
+    run = torchrun("train.hf", 2, "--data-dir", str(corpus), "--out", str(out), *FLAGS, *extra, module=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    assert run.stdout.count("results:") == 1  # rank 0 alone reports
+    return out
+
+
+def test_ddp_and_fsdp_train_as_one_process(corpus, tmp_path):
+    one = main(["--data-dir", str(corpus), "--out", str(tmp_path / "one"), *FLAGS])
+    ddp = _torchrun(corpus, tmp_path / "ddp")
+    fsdp = _torchrun(corpus, tmp_path / "fsdp", "--fsdp")
+    # Rank 0 trained the BPE and handed it to rank 1: the vocabulary one process trains.
+    assert (ddp / "tokenizer" / "tokenizer.json").read_text() == (one / "tokenizer" / "tokenizer.json").read_text()
+    want = _weights(one)
+    for run in (ddp, fsdp):
+        for name, value in _weights(run).items():
+            torch.testing.assert_close(value, want[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{run.name} {name}: {m}")
+        got, ref = _results(run), _results(one)
+        assert got["world_size"] == 2 and ref["world_size"] == 1
+        assert json.loads((run / "run.json").read_text())["world_size"] == 2
+        for key in ("perplexity", "valid_perplexity"):
+            assert abs(got[key] - ref[key]) <= 1e-4 * ref[key], (run.name, key)
+        assert got["data_lengths"] == ref["data_lengths"] and len(got["examples"]) == 3
+    assert json.loads((fsdp / "run.json").read_text())["fsdp"] is True
+
+
+def test_an_fsdp_run_resumes_under_torchrun(corpus, tmp_path):
+    full = _torchrun(corpus, tmp_path / "full", "--fsdp")
+    cut = tmp_path / "cut"
+    first = torchrun("train.hf", 2, "--data-dir", str(corpus), "--out", str(cut), *FLAGS, "--fsdp", "--stop-after",
+                     "1", module=True)
+    assert first.returncode == 0, first.stderr[-6000:]
+    assert torch.load(cut / "train_state.pt", weights_only=False)["epoch"] == 1
+    _torchrun(corpus, cut, "--fsdp")
+    want = _weights(full)
+    for name, value in _weights(cut).items():
+        torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    assert _results(cut)["history"] == _results(full)["history"]
