@@ -19,6 +19,13 @@ another run there is refused; a non-finite loss, gradient or validation perplexi
 error). Evaluation and report as ``python -m train``: perplexity after the context, r_nt(L) for
 every decoder, teacher-forced p(eos) vs t, continuation lengths and greedy examples, in
 ``results.json`` and ``report.md``, with ``r_nt.png``, ``p_eos.png`` and ``lengths.png``.
+
+Under ``torchrun`` (:mod:`train.distributed`) every rank takes its share of each global batch and
+the model is replicated with DDP, or sharded with FSDP2 (``--fsdp``); the update and the evaluation
+are one process's, rank 0 writes the files (whole state dicts: a run resumes under any number of
+processes), and ``run.json`` / ``results.json`` record the world size:
+
+    torchrun --standalone --nproc_per_node 8 -m train.hf --data-dir DIR --model-dir MODEL_DIR --device cuda --fsdp
 """
 
 from __future__ import annotations
