@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wheels the lent GPU machines lack (they have no network), fetched here into .whl/ (git-ignored):
+# Wheels a GPU machine without network lacks, fetched here into .whl/ (git-ignored):
 # FlashInfer's sampling kernels for the VA comparison of `report_decoding --gpu --flashinfer`.
 # 0.6.0 is the newest FlashInfer whose wheel is small enough to travel (~7.5 MB; 0.7 is 62 MB
 # against the 64 MiB the device tool carries); it JIT-compiles its kernels with the machine's

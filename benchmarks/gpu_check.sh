@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU session's checks in one call: the test suite on CUDA (Triton kernels compiled for
+# The GPU checks in one call: the test suite on CUDA (Triton kernels compiled for
 # real, not interpreted), then the loss and decoding reports. Each step has its own time
 # limit so one slow step cannot take the others' results with it. Logs go to $OUT (or ./gpu_out).
 #   bash benchmarks/gpu_check.sh            # tests loss profile decoding
@@ -18,8 +18,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 # FlashInfer JIT-builds its samplers with nvcc on first use (~2 min on an H200 machine's 16 CPUs):
 # when the flashinfer step is asked for, the build starts now, beside the other steps, and that
-# step waits for it. It slows the test step's CPU-bound parts (the fourteenth session's tests
-# reached 97% of the GPU files in 185 s that way), not the timed GPU steps.
+# step waits for it. It slows the test step's CPU-bound parts (the tests reached 97% of the GPU
+# files in 185 s that way on an H200 machine), not the timed GPU steps.
 fi_build=
 if [[ " $steps " == *" flashinfer "* ]]; then
   timeout 400 python3 -m benchmarks.report_decoding --gpu --flashinfer --build-only > "$OUT/flashinfer_build.log" 2>&1 &

@@ -309,7 +309,7 @@ def _row_draw_table(vocabs, bandwidth, timer, quick) -> None:
 
 
 def _top_p_layout_table(vocabs, bandwidth, timer, quick) -> None:
-    # Untimed when chosen (nineteenth session): the compact layout runs a batch of 256 rows in one
+    # Not yet timed on a GPU: the compact layout runs a batch of 256 rows in one
     # wave of two programs per SM where the wide one took two waves of one.
     print("\nrow draw's top-p, wide (2048 columns, 16 warps) and compact (1024, 8 warps, 128 registers) "
           "programs, B = 256 (default: compact above one row per SM)")

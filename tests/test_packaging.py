@@ -10,9 +10,8 @@ KERNEL_DIR = Path(nmst_fast.kernels.__file__).parent
 
 
 def test_the_distribution_installs_one_top_level_package():
-    # A top-level ``kernels`` (where the kernels lived until the twenty-first session) is Hugging
-    # Face's hub-kernels package: transformers looks it up by that name, and pip would let either
-    # distribution overwrite the other's files. Only ``nmst_fast`` may be ours.
+    # A top-level ``kernels`` is Hugging Face's hub-kernels package: transformers looks it up by that
+    # name, and pip would let either distribution overwrite the other's files. Only ``nmst_fast`` may be ours.
     top_level = {name for name, distributions in importlib.metadata.packages_distributions().items()
                  if "nmst-fast" in distributions}
     assert top_level == {"nmst_fast"}

@@ -5,7 +5,7 @@ l, l + BLOCK_V, l + 2·BLOCK_V, …). Each lane keeps its own running state in r
 over the row's tiles has no block-wide reduction, no barrier and no shuffle: every warp streams
 on its own, and one reduction after the loop merges the lanes. The decoding kernels that reduced
 every tile instead spent 26-35 sm_90 instructions per element and 3-9 barriers per tile on it
-(``python -m nmst_fast.kernels.compile_check --loops``; RESULTS.md). Used by the split-V scan
+(read off their sm_90 SASS). Used by the split-V scan
 (``row_scan``: greedy and the split's draw) and the row draw (``row_draw``: sampling and top-p).
 
 Whole tiles clear of eos (every tile of a row but one or two) load without a mask

@@ -2,7 +2,7 @@
 
 A reduction across a 16-warp program costs a shuffle tree and two to three barriers (sm_90 PTX,
 Triton 3.6), and the decoding kernels' per-row finishing steps — top-p's rounds above all — were
-chains of such reductions, each waiting for the one before (RESULTS.md, seventeenth session). A
+chains of such reductions, each waiting for the one before (measured in sm_90 PTX). A
 ``tl.reduce`` of a tuple takes several values through one chain, so the kernels fold what used to be
 a pick followed by gathers into one reduction, with the combine functions below.
 
@@ -10,7 +10,7 @@ The CPU interpreter runs a tuple reduction element by element in Python (it has 
 only for the built-in min, max and sum), and pays ~0.2 ms for every call of a jitted helper, so
 where ``FUSED`` is off (interpreted) the kernels take the same values by separate built-in
 reductions, inline. The two forms compute the same result: ``tests/test_reductions.py`` runs both
-in the interpreter and compares them, and ``nmst_fast.kernels.compile_check`` compiles the fused one.
+in the interpreter and compares them, and ``tools/compile_check.py`` compiles the fused one.
 """
 
 from __future__ import annotations

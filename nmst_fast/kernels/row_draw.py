@@ -4,7 +4,7 @@ Top-p alone on a GPU takes this kernel. Its plain mode (``draw_rows`` without a 
 below, then one draw by inverse CDF from the whole distribution (eos by its float64 mass, a lane
 from the per-lane masses, then a column of that lane); plain sampling itself takes the split-V
 scan's one launch (``nmst_fast/kernels/scan_select.py``), which timed faster at every batch size (RESULTS.md,
-fifteenth session), so the plain mode is the rounds' first step and a benchmarked alternative. A lane is a
+GPU token selection), so the plain mode is the rounds' first step and a benchmarked alternative. A lane is a
 column position of the BLOCK_V-wide tile followed across the row's tiles (columns l, l + BLOCK_V,
 …): the passes keep their sums per lane, so their loops reduce nothing across the tile (no
 barrier; ``row_scan.fold_lanes``), and one reduction per pass merges the lanes.

@@ -269,7 +269,7 @@ def scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp,
         # PREFETCH: each tile's load issued one tile ahead. The 1024-column tiles put 8 values per
         # thread in flight where greedy's 2048 put 16 (4 resident programs either way at small K:
         # 117-124 registers); with it 16 too, for 2-4 registers (the row draw's plain sampling went
-        # 59 -> 42 µs with it at low occupancy: RESULTS.md, the tenth session's H100 run).
+        # 59 -> 42 µs with it at low occupancy: measured on an H100).
         DEPTH: tl.constexpr = 2 if K <= PAIR_MAX_K else (3 if K <= TRIPLE_MAX_K else 4)
         lane_max, lane_sum, lane_start, runners = fold_row_lanes(lane_ptrs, lo, hi, eos_index, neg_scale, True, DEPTH,
                                                                  True, HAS_EOS, BLOCK_B, BLOCK_V)
@@ -360,7 +360,7 @@ def interpreter_block_rows(rows: int, block_v: int) -> int:
 #
 # Plain and drawing scans (greedy, sampling): 2048-column tiles and
 # ⌊4·SMs / B⌋ splits per row (about 4 programs per SM, rounded down: B = 256 → 2 splits, 32 → 16,
-# 64 → 8 on 132 SMs). Measured on an H200 (RESULTS.md, fourteenth session; each cell twice, within
+# 64 → 8 on 132 SMs). Measured on an H200 (RESULTS.md, GPU token selection; each cell twice, within
 # 1%): that count was the best of those timed for greedy at B = 1, 32, 64 and 256 and for sampling
 # at 256 × 128256 and 32 × 128256, and within 12% of the best elsewhere; the earlier rule (1024
 # columns, ⌈7·SMs / B⌉, from the H100 sweep of the kernels that reduced every tile) took 1.1–1.43x
@@ -376,7 +376,7 @@ SCAN_PROGRAMS_PER_SM = 4
 # splits for K <= 16, 1 above). Each program also ends in one selection of its list (for large K
 # a sort as long as a few tiles' fold), so a wave of fewer, longer programs does less of it. Earlier,
 # ⌈5·SMs / B⌉ launched 1.16 waves at top-k 4 (its candidate scan timed 2.60x the one-read floor
-# where greedy's scan took 1.24x: RESULTS.md, fifteenth session); the large-K scans' ⌈4·SMs / B⌉
+# where greedy's scan took 1.24x on an H100); the large-K scans' ⌈4·SMs / B⌉
 # served a tl.topk per tile. Neither rule is timed yet.
 CANDIDATE_BLOCK_V = 1024
 SMALL_K_PROGRAMS_PER_SM = 4
@@ -458,8 +458,8 @@ def _as_seed(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _num_warps(K: int) -> int:
-    """Warps per program: 4 for every scan, from ptxas register counts (sm_90, ``python -m
-    nmst_fast.kernels.compile_check --resources``, Triton 3.6; candidate scans not timed per warp count). The
+    """Warps per program: 4 for every scan, from ptxas register counts (sm_90, ``python
+    tools/compile_check.py --resources``, Triton 3.6; candidate scans not timed per warp count). The
     plain and drawing scans (2048-column tiles) 96-128 registers at 4 warps, 4 resident programs
     (timed on an H200: the launch rule above). Candidate scans (1024-column tiles, the lanes' kept
     values, tiles loaded one ahead): K = 4 117 registers, 16 124 (at 8 warps 64 with 16 bytes

@@ -2,7 +2,7 @@
 
 ``nmst_fast/kernels/row_scan.py`` reads a row in V-splits (so a small batch fills the GPU) and leaves
 per-split partials; ``nmst_fast/kernels/row_select.py``'s kernels merge them and do the head math in a
-second launch. On an H100 (RESULTS.md, fifteenth session) that launch and the flags' fill cost
+second launch. On an H100 (RESULTS.md, GPU token selection) that launch and the flags' fill cost
 0.38x of the one-read floor at 256 × 50257 (greedy: scan alone 1.24x, step 1.62x) and doubled
 the step at B = 32: a launch's latency, then a dependent chain of small loads and float64 math
 while the memory system idles. Here every scan program, once its partials are stored, counts
@@ -12,7 +12,7 @@ finishes the row with the select kernels' code (``row_select.select_rows`` /
 waits for the slowest split. Measured there: greedy 1.55x, sampling 1.76x (the row draw: 1.81x);
 the fill and the last rows' finish chain are what is left (≈ 5 µs).
 
-No fill before the launch (sixteenth session): the per-row arrival counters, a count of finished
+No fill before the launch: the per-row arrival counters, a count of finished
 rows and the worst bad row live in the step workspace (``nmst_fast/kernels/workspace.py``), zero at rest —
 a row's last arrival zeroes its counter, and the program whose finished rows complete the batch
 writes the two flags and zeroes the shared slots. Programs with a bad row also count themselves

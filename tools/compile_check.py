@@ -7,14 +7,12 @@ wrappers run on small CPU tensors with every kernel replaced by a recorder, so a
 types come from the real call sites; block sizes are then set to the CUDA launch shapes
 (the wrappers pick bigger blocks for the interpreter on CPU).
 
-    python -m nmst_fast.kernels.compile_check             # sm_90 (H100/H200); exit status 1 on failure
-    python -m nmst_fast.kernels.compile_check --arch 80   # another compute capability
-    python -m nmst_fast.kernels.compile_check --resources # plus registers / spills per variant (ptxas -v)
-    python -m nmst_fast.kernels.compile_check --loops     # plus each loop's sm_90 instruction mix (nvdisasm)
-    python -m nmst_fast.kernels.compile_check --finish    # plus the one-launch steps' load groups on their tail
-                                                # and the fp64 math issued under them
+    python tools/compile_check.py             # sm_90 (H100/H200); exit status 1 on failure
+    python tools/compile_check.py --arch 80   # another compute capability
+    python tools/compile_check.py --resources # plus registers / spills per variant (ptxas -v)
 
-Must run without TRITON_INTERPRET (the kernels have to be JIT functions).
+Must run without TRITON_INTERPRET (the kernels have to be JIT functions). A developer tool, not part
+of the installed package: it imports ``nmst_fast`` (install the checkout first).
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,10 +35,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from . import nucleus, row_draw, row_scan, row_select, scale_cast, scan_select, split_softmax
-from .host_math import cdiv, next_power_of_2, scan_width
+from nmst_fast.kernels import nucleus, row_draw, row_scan, row_select, scale_cast, scan_select, split_softmax
+from nmst_fast.kernels.host_math import cdiv, next_power_of_2, scan_width
 
-H100_SMS = 132  # the lent GPUs' multiprocessors (H100 and H200 alike): split counts follow from it
+H100_SMS = 132  # an H100's or H200's multiprocessors: split counts follow from it
 
 
 @dataclass
@@ -327,148 +324,10 @@ def resources(compiled, arch: int) -> str:
             f"{resident} warps/SM by registers")
 
 
-@dataclass
-class LoopStats:
-    """One loop of a kernel's SASS: the instructions between its label and its backward branch
-    (both arms of any branch inside it), by opcode."""
-
-    start: int  # address of the loop's first instruction
-    end: int  # address of the backward branch
-    opcodes: Counter
-
-    @property
-    def size(self) -> int:
-        return sum(self.opcodes.values())
-
-    def summary(self) -> str:
-        c = self.opcodes
-        return (f"loop {self.start:#06x}-{self.end:#06x}: {self.size} instructions; LDG {c['LDG']} MUFU {c['MUFU']} "
-                f"BAR {c['BAR']} SHFL {c['SHFL']}")
-
-
-_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
-_SASS_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*);")
-
-
-def sass_loops(sass: str) -> list[LoopStats]:
-    """Every loop of ``nvdisasm -c`` output (a backward branch to a label), innermost first.
-
-    A static signal, not a timing: a streaming loop's instructions per element, and the barriers
-    (BAR) and shuffles (SHFL) of block-wide reductions it runs per tile, bound how fast it can
-    issue; the decoding kernels were issue-bound, not bandwidth-bound (RESULTS.md)."""
-    instructions: list[tuple[int, str, str]] = []
-    labels: dict[str, int] = {}
-    pending: list[str] = []
-    for line in sass.splitlines():
-        label = _SASS_LABEL.match(line)
-        if label:
-            pending.append(label.group(1))
-            continue
-        found = _SASS_INSTRUCTION.search(line)
-        if found:
-            address = int(found.group(1), 16)
-            labels.update((name, address) for name in pending)
-            pending = []
-            instructions.append((address, found.group(2), found.group(3)))
-    loops = []
-    for address, opcode, operands in instructions:
-        target = re.search(r"\((\.L_x_\d+)\)", operands) if opcode.startswith("BRA") else None
-        if target and labels.get(target.group(1), address + 1) <= address:
-            start = labels[target.group(1)]
-            body = Counter(op.split(".")[0] for at, op, _ in instructions if start <= at <= address)
-            loops.append(LoopStats(start, address, body))
-    return sorted(loops, key=lambda loop: loop.size)
-
-
-# fp64 arithmetic and the special-function unit: what the finish's head math is made of.
-_MATH_OPCODES = ("DFMA", "DADD", "DMUL", "MUFU")
-# A register operand; "R2.64" names the pair R2, R3 (an address or a 64-bit value).
-_SASS_REGISTER = re.compile(r"\bR(\d+)(\.64|\.128)?\b")
-_REGISTERS_PER_WIDTH = {"": 1, ".64": 2, ".128": 4}
-
-
-@dataclass
-class FinishLoads:
-    """How a one-launch step's finish waits on memory (sm_90 SASS of ``scan_select``)."""
-
-    groups: int  # round trips one after another: loads issued after an instruction waited for earlier ones
-    math_under_loads: int  # fp64 / special-function instructions issued while the finish's loads were in flight
-
-
-def _register_span(first: int, width: str) -> range:
-    """The 32-bit registers an operand R<first><width> covers (width "", ".64" or ".128")."""
-    return range(first, first + _REGISTERS_PER_WIDTH[width])
-
-
-def _registers(operands: str) -> set[int]:
-    out: set[int] = set()
-    for number, width in _SASS_REGISTER.findall(operands):
-        out.update(_register_span(int(number), width))
-    return out
-
-
-def _loaded_registers(opcode: str, operands: str) -> set[int]:
-    """The registers a load writes: its first operand, widened by the opcode's .64 / .128."""
-    first = _SASS_REGISTER.search(operands.split(",")[0])
-    if first is None:
-        return set()
-    width = re.search(r"\.(?:64|128)\b", opcode)
-    return set(_register_span(int(first.group(1)), width.group(0) if width else ""))
-
-
-def finish_loads(sass: str) -> Optional[FinishLoads]:
-    """The finish's loads in ``nvdisasm -c`` output (None: no finish, not a one-launch step).
-
-    The finish runs between the row's arrival (the kernel's first 32-bit ``ATOMG.E.ADD``) and the
-    batch's count (its 64-bit one). A group of loads ends at the first instruction that names a
-    register one of them writes (it waits for the data); a load issued after that starts a new group,
-    another round trip to L2 (or HBM) on the step's tail. Math issued while a group is in flight
-    overlaps that round trip. Static signals, not timings: ``row_select`` loads everything first (one
-    group) and runs the head's survival terms under it (``_survival_terms``)."""
-    instructions = [(found.group(2), found.group(3)) for found in map(_SASS_INSTRUCTION.search, sass.splitlines())
-                    if found]
-    arrival = next((i for i, (op, _) in enumerate(instructions) if op.startswith("ATOMG") and ".ADD" in op
-                    and ".64" not in op), None)
-    if arrival is None:
-        return None
-    groups = math = 0
-    in_flight: set[int] = set()
-    for op, operands in instructions[arrival + 1:]:
-        if op.startswith("ATOMG") and ".ADD.64" in op:
-            break
-        named = _registers(operands)
-        if op.startswith("LDG"):
-            loaded = _loaded_registers(op, operands)
-            if in_flight & (named - loaded):  # its address is loaded data
-                in_flight = set()
-            groups += not in_flight
-            in_flight |= loaded
-        elif in_flight & named:
-            in_flight = set()
-        elif in_flight and op.split(".")[0] in _MATH_OPCODES:
-            math += 1
-    return FinishLoads(groups, math)
-
-
-def disassemble(compiled, arch: int) -> str:
-    """The SASS of a compiled kernel (``nvdisasm -c``, the nvdisasm Triton ships with ptxas)."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    nvdisasm = Path(get_ptxas(arch).path).with_name("nvdisasm")
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "kernel.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        return subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
     parser.add_argument("--resources", action="store_true", help="also print registers / spills (ptxas -v)")
-    parser.add_argument("--loops", action="store_true", help="also print each loop's instruction mix (nvdisasm)")
-    parser.add_argument("--finish", action="store_true",
-                        help="also print the one-launch steps' groups of loads on their finish and the fp64 "
-                             "math issued under them (nvdisasm)")
     parser.add_argument("--only", default="", help="compile only the variants whose name contains this")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -481,16 +340,6 @@ def main(argv: list[str] | None = None) -> int:
             compiled, seconds = compile_launch(launch, args.arch)
             extra = f"; {resources(compiled, args.arch)}" if args.resources else ""
             print(f"ok   {launch.name} ({seconds:.1f} s{extra})", flush=True)
-            wants_finish = args.finish and launch.name.startswith("scan_select")
-            sass = disassemble(compiled, args.arch) if wants_finish or args.loops else ""
-            if wants_finish:
-                finish = finish_loads(sass)
-                print(f"       finish: {finish.groups} load groups, {finish.math_under_loads} math instructions under "
-                      "them" if finish else "       finish: none (no arrival atomic)", flush=True)
-            if args.loops:
-                for loop in sass_loops(sass):
-                    if loop.size > 1:  # the kernel's trailing self-branch
-                        print(f"       {loop.summary()}", flush=True)
         except Exception as err:  # report every failing variant, not only the first
             failures += 1
             # Triton's CompilationError holds the offending source lines and the cause: show them.
