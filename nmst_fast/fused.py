@@ -58,6 +58,17 @@ def default_chunk_rows(
     return max(1, -(-num_rows // num_chunks))
 
 
+# A chunk buffer's leading dimension is padded to a multiple of this many elements (128 bytes in bf16):
+# cuBLAS runs tensor-core GEMMs at full rate only when the output's leading dimension is aligned, and
+# an odd V (GPT-2's 50257) would otherwise leave every (chunk, V) GEMM misaligned.
+ROW_ALIGN = 64
+
+
+def padded_stride(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`ROW_ALIGN` (a chunk buffer's row stride)."""
+    return -(-n // ROW_ALIGN) * ROW_ALIGN
+
+
 def row_ops_for(backend: str, softcap: Optional[float] = None):
     return TritonRowOps(softcap) if backend == "triton" else TorchRowOps(softcap)
 
@@ -146,15 +157,18 @@ def _chunk_loop(
     row_pass: Callable[[int, int, torch.Tensor], None],
     need: tuple[bool, bool, bool],
     vocab_major: bool,
+    dw_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Run ``row_pass(start, stop, z)`` on each chunk's (rows, V) logits; fold the dz it leaves into grads.
 
-    Returns (dh in hidden's dtype, dW and db in at least fp32: their accumulators), each None
-    unless ``need`` asks for it.
+    Returns (dh in hidden's dtype, dW and db in at least fp32: their accumulators; dW in ``dw_dtype``
+    when given), each None unless ``need`` asks for it.
 
-    ``vocab_major`` stores a chunk's logits as (V, rows) and hands the row pass the
-    transposed view: MKL forms W·hᵀ (a tall output) ~1.7x faster than h·Wᵀ (a wide
-    one) for the same FLOPs, which outweighs the strided row reductions on CPU.
+    Row-major, the logits are a view of a reused buffer whose row stride is V padded to a multiple
+    of :data:`ROW_ALIGN` (whatever V is, every GEMM meets tensor-core alignment). ``vocab_major``
+    stores a chunk's logits as (V, rows) and hands the row pass the transposed view: MKL forms
+    W·hᵀ (a tall output) ~1.7x faster than h·Wᵀ (a wide one) for the same FLOPs, which outweighs
+    the strided row reductions on CPU.
     Triton's row kernels need unit stride along V, so they use the row-major layout.
     """
     need_dh, need_dw, need_db = need
@@ -165,11 +179,13 @@ def _chunk_loop(
     # The first chunk initializes dW (no zero fill); with no rows there is no first chunk.
     dw = None
     if need_dw:
-        dw = (torch.empty if N else torch.zeros)(weight.shape, dtype=acc_dtype, device=weight.device)
+        dw = (torch.empty if N else torch.zeros)(weight.shape, dtype=dw_dtype or acc_dtype, device=weight.device)
     db = (torch.zeros(V, dtype=torch.promote_types(weight.dtype, torch.float32), device=weight.device)
           if need_db else None)
-    # One flat buffer, reused: each chunk views a contiguous prefix in its own shape.
-    buffer = torch.empty(min(chunk_rows, N) * V, dtype=hidden.dtype, device=hidden.device)
+    # One flat buffer, reused: each chunk views a prefix of it in its own shape; row-major, the row
+    # stride is V padded to a multiple of ROW_ALIGN elements (see padded_stride).
+    ld = padded_stride(V)
+    buffer = torch.empty(min(chunk_rows, N) * (V if vocab_major else ld), dtype=hidden.dtype, device=hidden.device)
     for start in range(0, N, chunk_rows):
         stop = min(start + chunk_rows, N)
         h = hidden[start:stop]
@@ -181,7 +197,7 @@ def _chunk_loop(
                 torch.addmm(bias.unsqueeze(1), weight, h.t(), out=z_vr)
             z = z_vr.t()
         else:
-            z = buffer[: (stop - start) * V].view(stop - start, V)
+            z = buffer[: (stop - start) * ld].view(stop - start, ld)[:, :V]
             if bias is None:
                 torch.mm(h, weight.t(), out=z)
             else:
@@ -232,6 +248,7 @@ def fused_forward(
     chunk_rows: int,
     need: tuple[bool, bool, bool],
     shard: Optional[VocabShard] = None,
+    dw_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Loss (and, for "mean"/"sum", the gradients) of the fused head.
 
@@ -242,6 +259,7 @@ def fused_forward(
         shard: with a process group, ``weight`` / ``bias`` hold the vocabulary rows
             [shard.start, shard.start + V) and ``targets`` / ``cfg.eos_index`` are global: the loss,
             L and dh come out whole on every rank, dW and db for this rank's rows.
+        dw_dtype: dW's accumulator dtype (default: at least fp32; the weight's bf16 / fp16 to halve it).
     Returns:
         loss (() or (N,), in at least float32), L (N,) in at least float32, dh (hidden's dtype),
         dW, db (or None). dW and db stay in at least fp32 (their accumulators): backward scales
@@ -300,7 +318,8 @@ def fused_forward(
         z_target[start:stop] = chunk_target if shard.group is None else torch.where(
             shard.owned(targets_here), chunk_target, 0.0)
 
-    dh, dw, db = _chunk_loop(hidden, weight, bias, chunk_rows, row_pass, need, row_ops.vocab_major(hidden.device))
+    dh, dw, db = _chunk_loop(hidden, weight, bias, chunk_rows, row_pass, need, row_ops.vocab_major(hidden.device),
+                             dw_dtype)
     shard.sum_(z_target)
     if dh is not None:
         shard.sum_(dh)
@@ -339,6 +358,7 @@ def fused_backward_from_lse(
     chunk_rows: int,
     need: tuple[bool, bool, bool],
     shard: Optional[VocabShard] = None,
+    dw_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Gradients for reduction="none": recompute each chunk's logits and weight rows by ``grad_rows`` (N,).
     ``lse`` is the forward's (global) L; ``shard`` as in :func:`fused_forward`."""
@@ -359,7 +379,8 @@ def fused_backward_from_lse(
     def row_pass(start: int, stop: int, z: torch.Tensor) -> None:
         row_ops.grad_from_lse_(z, lse[start:stop], local_targets[start:stop], local_eos, coefs.rows(start, stop))
 
-    dh, dw, db = _chunk_loop(hidden, weight, bias, chunk_rows, row_pass, need, row_ops.vocab_major(hidden.device))
+    dh, dw, db = _chunk_loop(hidden, weight, bias, chunk_rows, row_pass, need, row_ops.vocab_major(hidden.device),
+                             dw_dtype)
     if dh is not None:
         shard.sum_(dh)
     return dh, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype)

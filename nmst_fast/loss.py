@@ -12,7 +12,7 @@ import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.nmst_fast.*)
 from .backends import triton_available
-from .fused import default_chunk_rows
+from .fused import default_chunk_rows, dw_accumulator_dtype
 from .reference import reference_linear_nmst_loss
 from .validation import (
     HEADS,
@@ -150,6 +150,17 @@ def _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduct
         raise ValueError("head='st' needs (B, T, H) hidden states: its running sum goes along T")
 
 
+def _check_dw_dtype(dw_dtype, weight: torch.Tensor) -> None:
+    if dw_dtype is None:
+        return
+    if not isinstance(dw_dtype, torch.dtype):
+        raise TypeError(f"dw_dtype must be a torch.dtype or None, got {type(dw_dtype).__name__}")
+    allowed = (dw_accumulator_dtype(weight.dtype), weight.dtype)
+    if dw_dtype not in allowed:
+        raise ValueError(f"dw_dtype must be the weight's dtype ({weight.dtype}) or {allowed[0]} (the default), "
+                         f"got {dw_dtype}")
+
+
 def linear_nmst_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -169,6 +180,7 @@ def linear_nmst_loss(
     logit_scale: Optional[float] = None,
     process_group: Optional["torch.distributed.ProcessGroup"] = None,
     vocab_start: Optional[int] = None,
+    dw_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """NLL of ``targets`` under the NMST / ST / VA head on the logits
 
@@ -216,6 +228,11 @@ def linear_nmst_loss(
         logit_scale: a > 0 or None: multiply the logits by a before the cap, as Cohere's
             ``logit_scale`` (Granite's ``logits_scaling`` s divides: pass 1/s). The fused backends
             fold it into ``hidden`` and ``bias`` (one (N, H) product, in ``hidden``'s dtype).
+        dw_dtype: the dtype the fused backends sum dW over chunks in. None (default): at least
+            float32, so a bf16 / fp16 weight's gradient is rounded once, at the end. The weight's own
+            bf16 / fp16 (opt-in) halves that (V, H) accumulator and rounds once per chunk (error
+            against float64: ``python -m benchmarks.dw_dtype``). ``impl="reference"`` ignores it
+            (autograd's dW is in the weight's dtype).
     Returns:
         Scalar loss (or per-position losses) in ``hidden``'s dtype; under ``torch.autocast`` in
         float32 (as AMP's losses; float64 unchanged), with the op itself in autocast's dtype.
@@ -231,6 +248,7 @@ def linear_nmst_loss(
             vocab_size = check_vocab_shards(process_group, int(vocab_start), weight.shape[0], weight.device)
     _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduction, impl, ignore_index,
                      softcap, logit_scale, vocab_size)
+    _check_dw_dtype(dw_dtype, weight)
     softcap = None if softcap is None else float(softcap)  # a numpy float as a plain one: the op's schema
     logit_scale = None if logit_scale is None else float(logit_scale)
     # One integer dtype from here on: in uint8, `targets != -100` compares with -100 wrapped to 156.
@@ -297,6 +315,7 @@ def linear_nmst_loss(
         softcap,
         None if process_group is None else group_name_of(process_group),
         0 if process_group is None else int(vocab_start),
+        None if dw_dtype == dw_accumulator_dtype(weight.dtype) else dw_dtype,
     )
     # The op's loss is at least fp32. Under autocast it stays so (AMP's losses are fp32: a GradScaler's
     # 65536 would be inf as an fp16 upstream gradient); otherwise it takes hidden's dtype, as F.cross_entropy.

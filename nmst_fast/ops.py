@@ -54,10 +54,12 @@ def linear_loss(
     softcap: Optional[float] = None,
     vocab_group: Optional[str] = None,
     vocab_start: int = 0,
+    dw_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (loss in at least fp32, lse (N,) float64, dh, dW, db); grads are empty unless computed in this pass.
 
-    dW and db come in at least fp32 (the accumulators): backward scales and casts them."""
+    dW and db come in at least fp32 (the accumulators; dW in ``dw_dtype`` when given): backward scales
+    and casts them."""
     cfg = HeadConfig(head, eos_index, eps, ignore_index, seq_len, softcap)
     need = (need_grad_hidden, need_grad_weight, need_grad_bias and bias is not None)  # as the fake kernel
     if reduction == "none":
@@ -67,19 +69,20 @@ def linear_loss(
     with torch.autocast(hidden.device.type, enabled=False):
         loss, lse, dh, dw, db = fused_forward(
             hidden, weight, bias, targets, steps, cfg, reduction=reduction, backend=backend, chunk_rows=chunk_rows,
-            need=need, shard=VocabShard.of(vocab_group, vocab_start, weight.shape[0]),
+            need=need, shard=VocabShard.of(vocab_group, vocab_start, weight.shape[0]), dw_dtype=dw_dtype,
         )
     return loss, lse, _empty_like_none(dh, hidden), _empty_like_none(dw, weight), _empty_like_none(db, weight)
 
 
 @linear_loss.register_fake
 def _(hidden, weight, bias, targets, steps, seq_len, head, eos_index, eps, ignore_index, reduction, backend,
-      chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap=None, vocab_group=None, vocab_start=0):
+      chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap=None, vocab_group=None, vocab_start=0,
+      dw_dtype=None):
     N = hidden.shape[0]
     in_forward = reduction != "none"
     loss = hidden.new_empty((N,) if reduction == "none" else (), dtype=torch.promote_types(hidden.dtype, torch.float32))
     lse = hidden.new_empty(N, dtype=torch.float64)
-    acc = torch.promote_types(weight.dtype, torch.float32)
+    acc = dw_dtype or torch.promote_types(weight.dtype, torch.float32)
     dh = torch.empty_like(hidden) if (need_grad_hidden and in_forward) else hidden.new_empty(0)
     dw = torch.empty_like(weight, dtype=acc) if (need_grad_weight and in_forward) else weight.new_empty(0)
     db = (torch.empty_like(bias, dtype=torch.promote_types(bias.dtype, torch.float32))
@@ -109,6 +112,7 @@ def linear_loss_backward(
     softcap: Optional[float] = None,
     vocab_group: Optional[str] = None,
     vocab_start: int = 0,
+    dw_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     cfg = HeadConfig(head, eos_index, eps, ignore_index, seq_len, softcap)
     with torch.autocast(hidden.device.type, enabled=False):  # as in linear_loss
@@ -116,14 +120,15 @@ def linear_loss_backward(
             grad_rows, hidden, weight, bias, targets, steps, lse, cfg,
             backend=backend, chunk_rows=chunk_rows,
             need=(need_grad_hidden, need_grad_weight, need_grad_bias and bias is not None),
-            shard=VocabShard.of(vocab_group, vocab_start, weight.shape[0]),
+            shard=VocabShard.of(vocab_group, vocab_start, weight.shape[0]), dw_dtype=dw_dtype,
         )
     return _empty_like_none(dh, hidden), _empty_like_none(dw, weight), _empty_like_none(db, weight)
 
 
 @linear_loss_backward.register_fake
 def _(grad_rows, hidden, weight, bias, targets, steps, lse, seq_len, head, eos_index, eps, ignore_index, backend,
-      chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap=None, vocab_group=None, vocab_start=0):
+      chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap=None, vocab_group=None, vocab_start=0,
+      dw_dtype=None):
     dh = torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty(0)
     dw = torch.empty_like(weight) if need_grad_weight else weight.new_empty(0)
     db = torch.empty_like(bias) if (need_grad_bias and bias is not None) else weight.new_empty(0)
@@ -131,7 +136,8 @@ def _(grad_rows, hidden, weight, bias, targets, steps, lse, seq_len, head, eos_i
 
 
 _STATIC_ARGS = ("seq_len", "head", "eos_index", "eps", "ignore_index", "backend", "chunk_rows",
-                "need_grad_hidden", "need_grad_weight", "need_grad_bias", "softcap", "vocab_group", "vocab_start")
+                "need_grad_hidden", "need_grad_weight", "need_grad_bias", "softcap", "vocab_group", "vocab_start",
+                "dw_dtype")
 
 
 @torch.library.custom_op("nmst_fast::scale_cast", mutates_args=())
@@ -157,7 +163,8 @@ def _(acc, scale, dtype, backend):
 
 def _setup_context(ctx, inputs, output):
     (hidden, weight, bias, targets, steps, seq_len, head, eos_index, eps, ignore_index, reduction, backend,
-     chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap, vocab_group, vocab_start) = inputs
+     chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap, vocab_group, vocab_start,
+     dw_dtype) = inputs
     loss, lse, dh, dw, db = output
     # Only the loss is differentiable. Without these two calls autograd would hand
     # backward zero-filled gradients for lse/dh/dW/db: a V×H allocation for nothing.
@@ -166,7 +173,7 @@ def _setup_context(ctx, inputs, output):
     ctx.reduction = reduction
     ctx.static = dict(zip(_STATIC_ARGS, (seq_len, head, eos_index, eps, ignore_index, backend, chunk_rows,
                                          need_grad_hidden, need_grad_weight, need_grad_bias, softcap, vocab_group,
-                                         vocab_start)))
+                                         vocab_start, dw_dtype)))
     ctx.has_bias = bias is not None
     ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
     if reduction == "none":
@@ -180,7 +187,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db):
     st = ctx.static
     if grad_loss is None:  # grads are not materialized: None means the loss got no gradient
-        return (None,) * 19
+        return (None,) * 20
     if torch.is_grad_enabled():
         # create_graph=True: the gradients come from the forward (or a recomputation) as constants,
         # so their own derivatives would be silently zero. Refuse rather than give wrong Hessians.
@@ -207,7 +214,7 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db):
         dw if st["need_grad_weight"] else None,
         db if (st["need_grad_bias"] and ctx.has_bias) else None,
     )
-    return grads + (None,) * 16
+    return grads + (None,) * 17
 
 
 linear_loss.register_autograd(_backward, setup_context=_setup_context)

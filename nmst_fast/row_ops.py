@@ -46,12 +46,12 @@ class TorchRowOps:
 
     def _scaled_copy(self, z: torch.Tensor) -> torch.Tensor:
         """u = z / c in a buffer laid out like z (a (rows, V) view of either major order)."""
-        if self._scratch is None or self._scratch.numel() < z.numel() or self._scratch.dtype != z.dtype:
-            self._scratch = torch.empty(z.numel(), dtype=z.dtype, device=z.device)
-        if z.is_contiguous() or z.t().is_contiguous():
-            u = self._scratch[: z.numel()].as_strided(z.shape, z.stride())
-        else:
-            u = torch.empty_like(z)
+        # The chunk buffers' views are dense up to a padded leading dimension: the scratch spans as many
+        # elements, so u gets z's strides (the elementwise ops then walk both alike).
+        span = 1 + sum((size - 1) * stride for size, stride in zip(z.shape, z.stride())) if z.numel() else 0
+        if self._scratch is None or self._scratch.numel() < span or self._scratch.dtype != z.dtype:
+            self._scratch = torch.empty(span, dtype=z.dtype, device=z.device)
+        u = self._scratch[:span].as_strided(z.shape, z.stride())
         return torch.div(z, self.softcap, out=u)
 
     def _cap_(self, z: torch.Tensor, keep_for_grad: bool) -> Optional[torch.Tensor]:
