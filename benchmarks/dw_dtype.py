@@ -1,6 +1,6 @@
 """dW's error against float64 with the default fp32 accumulator and with the opt-in ``dw_dtype``.
 
-    python -m benchmarks.dw_dtype                       # N = 4096, H = 512, V = 8192, bf16 inputs, CPU
+    python -m benchmarks.dw_dtype                       # N = 4096, H = 512, V = 8192, chunks of 512, bf16, CPU
     python -m benchmarks.dw_dtype --device cuda --rows 16384 --hidden 768 --vocab 50257
 
 For every head, the relative (Frobenius) error of dW for the same bf16 inputs, against the float64
@@ -29,7 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, default=4096, help="a multiple of 64 (sequences of 64 steps)")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--chunk", type=int, default=None, help="rows per chunk (default: the library's)")
+    p.add_argument("--chunk", type=int, default=512,
+                   help="rows per chunk: dW is a sum of rows / chunk GEMMs (the library's default chunk would "
+                        "take these rows in one)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", type=Path, help="also write the table here")
     return p
@@ -69,7 +71,8 @@ def measure(args) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     args = _parser().parse_args(argv)
     result = measure(args)
-    print(f"dW relative error vs float64, {args.rows} x {args.hidden} x {args.vocab}, bf16 inputs, {args.device}")
+    print(f"dW relative error vs float64, {args.rows} x {args.hidden} x {args.vocab}, chunks of {args.chunk} rows, "
+          f"bf16 inputs, {args.device}")
     print("| head | plain bf16 autograd | fused, fp32 accumulator | fused, dw_dtype=bf16 |")
     print("|---|---:|---:|---:|")
     for r in result["errors"]:
