@@ -1,6 +1,7 @@
 """python -m train data-parallel under torchrun (2 gloo ranks): the training loop and the evaluation
 equal one process (tests/distributed/train_ranks.py), the command writes its files once from rank 0
-with the world size recorded, a refused --out stops every rank, and a rank that fails ends the run."""
+with the world size recorded, a refused --out stops every rank, a rank that fails ends the run, and
+python -m train.sweep runs the same way."""
 
 import json
 import time
@@ -52,3 +53,14 @@ def test_a_refused_out_stops_every_rank(tmp_path):
     assert run.returncode != 0
     assert run.stderr.count("no run.json") == 2  # rank 0's refusal, raised on both ranks
     assert (tmp_path / "notes.txt").read_text() == "a user's file" and not (tmp_path / "run.json").exists()
+
+
+def test_the_sweep_under_torchrun(tmp_path):
+    run = torchrun("train.sweep", 2, "--out", str(tmp_path), "--builtin-lines", "30", "--max-epochs", "1",
+                   "--max-length", "10", "--seeds", "0", "--eps", "0.01", "--heads", "nmst", "va", "--quiet",
+                   module=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    assert run.stdout.count("tables:") == 1
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert sweep["world_size"] == 2 and [r["head"] for r in sweep["runs"]] == ["nmst", "va"]
+    assert (tmp_path / "tables.md").exists() and json.loads((tmp_path / "run.json").read_text())["world_size"] == 2

@@ -33,7 +33,7 @@ from pathlib import Path
 from nmst_fast.validation import HEADS
 
 from .checkpoint import Diverged, claim_directory
-from .distributed import World, close, init, on_main
+from .distributed import World, launch, on_main
 from .report import write_report
 from .runner import add_arguments, base_config, check_arguments, check_resumes, load_data, max_length, run_one
 
@@ -52,15 +52,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> Path:
     parser = _parser()
     args = parser.parse_args(argv)
-    try:
-        check_arguments(args)
-    except ValueError as err:
-        parser.error(str(err))
-    world, args.device = init(args.device, args.dist_timeout)  # one process without torchrun
-    try:
-        return _run(parser, args, argv, world)
-    finally:
-        close()
+    return launch(parser, args, check_arguments, lambda world: _run(parser, args, argv, world))
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None, world: World) -> Path:

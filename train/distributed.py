@@ -14,6 +14,7 @@ and every collective has a timeout, so a failed rank ends the run instead of lea
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -58,6 +59,22 @@ def init(device: str, timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> tuple
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
     return World(dist.get_rank(), dist.get_world_size()), device
+
+
+def launch(parser: argparse.ArgumentParser, args: argparse.Namespace, check: Callable[[argparse.Namespace], None],
+           run: Callable[[World], T]) -> T:
+    """A training command's frame: ``check`` the arguments (a ValueError ends in ``parser.error``,
+    before any process group is joined), join torchrun's world (:func:`init`, which also sets
+    ``args.device`` to this rank's device), ``run``, and leave the group whatever happens."""
+    try:
+        check(args)
+    except ValueError as err:
+        parser.error(str(err))
+    world, args.device = init(args.device, args.dist_timeout)  # one process without torchrun
+    try:
+        return run(world)
+    finally:
+        close()
 
 
 def close() -> None:

@@ -49,7 +49,7 @@ from nmst_fast.integrations.hf import HFDecoder, apply_nmst, steps_from_attentio
 from nmst_fast.validation import HEADS
 
 from .checkpoint import Diverged, claim_directory, data_fingerprint, refuse_another_run, require_finite, save_atomic
-from .distributed import World, all_sum, barrier, close, init, on_main, share
+from .distributed import World, all_sum, barrier, launch, on_main, share
 from .evaluate import EosRateByStep, non_termination
 from .report import write_report
 from .runner import add_distributed_arguments, check_device, check_dist_timeout
@@ -353,15 +353,7 @@ def main(argv: list[str] | None = None, *, command: Optional[argparse.ArgumentPa
     args = command.parse_args(argv)
     if args.lr is None:
         args.lr = 5e-5 if args.model_dir is not None else 1e-3
-    try:
-        _check_arguments(args)
-    except ValueError as err:
-        command.error(str(err))
-    world, args.device = init(args.device, args.dist_timeout)  # one process without torchrun
-    try:
-        return _run(command, args, entry, world)
-    finally:
-        close()
+    return launch(command, args, _check_arguments, lambda world: _run(command, args, entry, world))
 
 
 def _run(command: argparse.ArgumentParser, args: argparse.Namespace, entry: str, world: World) -> Path:

@@ -25,7 +25,7 @@ from pathlib import Path
 from nmst_fast.validation import HEADS
 
 from .checkpoint import Diverged, claim_directory
-from .distributed import World, close, init, on_main
+from .distributed import World, launch, on_main
 from .report import HEAD_COLORS, plt
 from .runner import add_arguments, base_config, check_arguments, check_resumes, load_data, max_length, run_one
 
@@ -106,15 +106,7 @@ def main(argv: list[str] | None = None) -> Path:
     for eps in args.eps:
         by_directory.setdefault(f"{eps:g}", eps)
     args.eps = list(by_directory.values())
-    try:
-        check_arguments(args)
-    except ValueError as err:
-        parser.error(str(err))
-    world, args.device = init(args.device, args.dist_timeout)  # one process without torchrun
-    try:
-        return _run(parser, args, world)
-    finally:
-        close()
+    return launch(parser, args, check_arguments, lambda world: _run(parser, args, world))
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, world: World) -> Path:
