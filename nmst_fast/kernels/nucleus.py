@@ -46,7 +46,7 @@ from .host_math import cdiv, next_power_of_2, scan_width
 from .row_scan import column_keys, decode_column_keys, first_crossing
 from .row_select import HEAD_CODES, Selection, _eos_terms, _Outputs, _split_f64, _uniform_f64
 
-BRACKET_SPLITS = 8  # NT: parts per bracket pass (compute per pass ∝ NT, passes ∝ 1/log NT; RESULTS.md)
+BRACKET_SPLITS = 8  # NT: parts per bracket pass (compute per pass ∝ NT, passes ∝ 1/log NT)
 BRACKET_CAPACITY = 64  # C: tokens the final bracket may hold (sorted in registers)
 MAX_PASSES = 8
 _NO_KEY = -(2**63)

@@ -3,8 +3,8 @@
 Top-p alone on a GPU takes this kernel. Its plain mode (``draw_rows`` without a threshold) is step 1
 below, then one draw by inverse CDF from the whole distribution (eos by its float64 mass, a lane
 from the per-lane masses, then a column of that lane); plain sampling itself takes the split-V
-scan's one launch (``nmst_fast/kernels/scan_select.py``), which timed faster at every batch size (RESULTS.md,
-GPU token selection), so the plain mode is the rounds' first step and a benchmarked alternative. A lane is a
+scan's one launch (``nmst_fast/kernels/scan_select.py``), which timed faster at every batch size on an
+H100, so the plain mode is the rounds' first step and a benchmarked alternative. A lane is a
 column position of the BLOCK_V-wide tile followed across the row's tiles (columns l, l + BLOCK_V,
 …): the passes keep their sums per lane, so their loops reduce nothing across the tile (no
 barrier; ``row_scan.fold_lanes``), and one reduction per pass merges the lanes.
@@ -68,7 +68,7 @@ from .row_select import HEAD_CODES, Selection, _Outputs, _split_f64, _uniform_f6
 MAX_ROUNDS = 64
 # Top-p candidates per round. A round the bounds reject costs about what a pass costs (a float64
 # inverse CDF over the lanes, a gather, reductions: latency), and p = 0.4 took up to 18 rounds on
-# an H200 (RESULTS.md): drawing several candidates from S at once and examining the first the bounds
+# an H200: drawing several candidates from S at once and examining the first the bounds
 # do not reject shares one cumulative sum and one set of reductions among them. One until the
 # GPU sweep times more (``profile_decoding --tables round-candidates``).
 ROUND_CANDIDATES = 1
@@ -105,7 +105,7 @@ def _bounds(lane_top, lane_top_e, lane_e, cand_value, cand_e, w, eos_term, slack
     of the lanes whose max reaches it (a lane whose max is below holds nothing ranked before it)
     less the candidate's own weight ``cand_e`` (0 for eos, which no lane holds).
     Both are taken with ``slack`` against the pass's own rounding; an undecided candidate takes the
-    pass. On peaked rows the bounds settle most rounds (RESULTS.md)."""
+    pass. On peaked rows the bounds settle most rounds (measured on an H200)."""
     cand = tl.expand_dims(cand_value, -1)  # (rows, candidates) against (rows, 1, lanes) tables
     # Both sums in one reduction (one set of barriers on a GPU).
     below = tl.where(lane_top > cand, lane_top_e, 0.0).to(tl.float64)
@@ -194,7 +194,7 @@ def _row_draw_kernel(
     lane_top = lane_top[:, None, :]
     lane_top_e = lane_top_e[:, None, :]
     # A round is a chain of reductions across the program (two to three barriers each at 16 warps: its
-    # latency, RESULTS.md), so each step below takes one: the lane (per candidate), the column with
+    # latency), so each step below takes one: the lane (per candidate), the column with
     # its value, both bounds, the examined candidate.
     r = 0
     while (tl.max(pending.to(tl.int32), axis=0) > 0) & (r < max_rounds):
@@ -318,7 +318,7 @@ def _row_draw_kernel(
 def cuda_launch(V: int, *, top_p: bool = False, block_v: int = 2048, num_warps: Optional[int] = None,
                 prefetch: bool = True, maxnreg: Optional[int] = None) -> dict:
     """One row per program on a GPU: its later passes re-read the row from L2. The defaults, from
-    the H100 sweep at B = 256 (``benchmarks.profile_decoding``, RESULTS.md) of the kernel that still
+    the H100 sweep at B = 256 (``benchmarks.profile_decoding``) of the kernel that still
     reduced every tile: 2048-column tiles with PREFETCH; plain sampling at 8 warps (2.4x the
     one-read floor at V = 50257; 4 and 16 warps 3.8x), top-p at 16 (6.2x vs 12.1x at 8 warps).
     ``maxnreg``: a cap on registers per thread (a compile option), so that more programs reside
@@ -338,7 +338,7 @@ def cuda_launch(V: int, *, top_p: bool = False, block_v: int = 2048, num_warps: 
 # 174-188), so two programs reside per SM and such a batch runs in one wave. A lane then spans twice
 # the columns, which leaves the rounds and the passes per row as they were (the interpreter, 256 x
 # 50257 randn · 3: p = 0.4 1.72-1.84 rounds and 0.01-0.02 passes per row, p = 0.9 1.09-1.10 and
-# 0.07-0.12, at either width; RESULTS.md). Batches of at most one row per SM keep the wide program,
+# 0.07-0.12, at either width). Batches of at most one row per SM keep the wide program,
 # which streams its row with twice the threads.
 WIDE_TOP_P = dict(block_v=2048, num_warps=16)
 COMPACT_TOP_P = dict(block_v=1024, num_warps=8, maxnreg=128)

@@ -65,7 +65,7 @@ def column_keys(x, cols):
 EXTRACT_MAX_K = tl.constexpr(16)
 # Values each lane keeps (its max and runners-up, ``lanes.keep_runners_up``): the split's K best are
 # among them unless some lane holds more than that many of them, about C(K, DEPTH + 1) / lanes^DEPTH
-# of the splits for values in random columns. At 256 x 50257 (randn · 3, 1024 lanes, RESULTS.md) the
+# of the splits for values in random columns. At 256 x 50257 (randn · 3, 1024 lanes) the
 # lanes' maxima alone left 2 of 512 splits to re-read at K = 4, ~60 at K = 16 and ~430 at K = 64;
 # 2 values per lane up to K = 8, 3 up to 32 and 4 above leave ~0-1 per step. Each rank costs ~6
 # instructions per element in the loop.
@@ -360,7 +360,7 @@ def interpreter_block_rows(rows: int, block_v: int) -> int:
 #
 # Plain and drawing scans (greedy, sampling): 2048-column tiles and
 # ⌊4·SMs / B⌋ splits per row (about 4 programs per SM, rounded down: B = 256 → 2 splits, 32 → 16,
-# 64 → 8 on 132 SMs). Measured on an H200 (RESULTS.md, GPU token selection; each cell twice, within
+# 64 → 8 on 132 SMs). Measured on an H200 (``profile_decoding``; each cell twice, within
 # 1%): that count was the best of those timed for greedy at B = 1, 32, 64 and 256 and for sampling
 # at 256 × 128256 and 32 × 128256, and within 12% of the best elsewhere; the earlier rule (1024
 # columns, ⌈7·SMs / B⌉, from the H100 sweep of the kernels that reduced every tile) took 1.1–1.43x

@@ -4,7 +4,7 @@ Each step of ``nmst_fast/kernels/scan_select.py`` needs per-row arrival counters
 per-split partials that only live inside the launch. Allocating them per step cost the host an
 allocation per buffer (a few µs each on a small step) and the device a fill launched before the
 scan (the counters' start value): on an H100 the fill and the finish chain were ≈ 5 µs of a
-≈ 17 µs greedy step at 256 × 50257 (RESULTS.md, GPU token selection). So they live here, one set per
+≈ 17 µs greedy step at 256 × 50257 (measured on an H100). So they live here, one set per
 (device, stream):
 
 * ``sync``: int32, **zero at rest**. The kernel that uses it returns every slot it touched to
