@@ -17,8 +17,10 @@ FlashInfer's samplers instead (a run of its own: FlashInfer compiles its kernels
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -198,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocabs", type=lambda text: tuple(int(v) for v in text.split(",")), default=VOCABS,
                         help=f"with --gpu: comma-separated V of the grid (default: {','.join(map(str, VOCABS))})")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", type=Path, help="the CPU grid: also write the table here")
     args = parser.parse_args(argv)
     if args.build_only and not args.flashinfer:
         parser.error("--build-only goes with --flashinfer")
@@ -222,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| B | V | strategy | fast (ms) | sort-based (ms) | speed-up |")
     print("|---:|---:|---|---:|---:|---:|")
     gen = torch.Generator().manual_seed(0)
+    rows = []
     for B, V in grid:
         logits = make_logits(B, V)
         for name, (k, p) in STRATEGIES.items():
@@ -233,6 +237,10 @@ def main(argv: list[str] | None = None) -> None:
                 ts.append(_time(s, logits, gen))
             mf, ms = statistics.median(tf), statistics.median(ts)
             print(f"| {B} | {V} | {name} | {mf * 1e3:.2f} | {ms * 1e3:.2f} | {ms / mf:.2f}x |", flush=True)
+            rows.append(dict(B=B, V=V, strategy=name, fast_ms=mf * 1e3, sort_based_ms=ms * 1e3, speedup=ms / mf))
+    if args.json is not None:
+        args.json.write_text(json.dumps(dict(torch=torch.__version__, threads=torch.get_num_threads(),
+                                             repeats=args.repeats, rows=rows), indent=1))
 
 
 if __name__ == "__main__":

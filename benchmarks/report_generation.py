@@ -2,6 +2,7 @@
 
     python -m benchmarks.report_generation
     python -m benchmarks.report_generation --device cuda   # the fused selection kernels on a GPU
+    python -m benchmarks.report_generation --json benchmarks/results/generation.json   # the table as JSON too
 
 Random-init weights (no training data needed): throughput depends on shapes, not on
 what the model says. V = 33278 is WikiText-2's word vocabulary; contexts are 10 tokens.
@@ -10,7 +11,9 @@ what the model says. V = 33278 is WikiText-2's word vocabulary; contexts are 10 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -26,6 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 256])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (impl='auto' picks the Triton selection on CUDA)")
+    parser.add_argument("--json", type=Path, help="also write the table here")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device")
@@ -44,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{where}")
     print("| batch | strategy | returned tokens | seconds | tokens/s |")
     print("|---:|---|---:|---:|---:|")
+    rows = []
     for B in args.batches:
         contexts = torch.randint(0, args.vocab - 1, (B, 10), device=device)
         for name, kw in STRATEGIES.items():
@@ -61,6 +66,10 @@ def main(argv: list[str] | None = None) -> None:
             seconds = time.perf_counter() - t0
             tokens = int(out.lengths.sum())  # tokens returned (beam search evaluates num_beams rows per item)
             print(f"| {B} | {name} | {tokens} | {seconds:.2f} | {tokens / seconds:.0f} |", flush=True)
+            rows.append(dict(batch=B, strategy=name, tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds))
+    if args.json is not None:
+        args.json.write_text(json.dumps(dict(torch=torch.__version__, device=where, vocab=args.vocab,
+                                             max_length=args.max_length, rows=rows), indent=1))
 
 
 if __name__ == "__main__":

@@ -21,13 +21,18 @@ def test_select(benchmark, B, V, strategy, impl):
     assert tokens.shape == (B,)
 
 
-def test_generation_report_runs(capsys):
-    """The generation throughput report end to end on a tiny model (its table is in RESULTS.md)."""
+def test_generation_report_runs(capsys, tmp_path):
+    """The generation throughput report end to end on a tiny model (its table is in RESULTS.md), and its JSON."""
+    import json
+
     from benchmarks import report_generation
 
-    report_generation.main(["--vocab", "300", "--batches", "2", "--max-length", "5"])
+    report_generation.main(["--vocab", "300", "--batches", "2", "--max-length", "5",
+                            "--json", str(tmp_path / "g.json")])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
     assert [row.split("|")[2].strip() for row in rows] == ["greedy", "top_k", "nucleus", "beam"]
+    saved = json.loads((tmp_path / "g.json").read_text())["rows"]
+    assert [(r["batch"], r["strategy"]) for r in saved] == [(2, s) for s in ("greedy", "top_k", "nucleus", "beam")]
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):  # a clear usage error, not a crash deep in torch
             report_generation.main(["--device", "cuda"])
@@ -54,3 +59,16 @@ def test_host_overhead_report_runs(capsys):
     host_overhead.main(["--vocab", "300", "--batches", "2"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
     assert [row.split("|")[2].strip() for row in rows] == list(STRATEGIES)
+
+
+def test_selection_report_writes_its_table_as_json(tmp_path, capsys):
+    """``report_decoding --quick --json``: the CPU grid's rows, as printed, in a JSON file."""
+    import json
+
+    from benchmarks import report_decoding
+
+    report_decoding.main(["--quick", "--repeats", "1", "--json", str(tmp_path / "d.json")])
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 256 | 50257 |")]
+    saved = json.loads((tmp_path / "d.json").read_text())["rows"]
+    assert len(saved) == len(printed) == len(STRATEGIES) and {r["strategy"] for r in saved} == set(STRATEGIES)
+    assert all(r["fast_ms"] > 0 and r["sort_based_ms"] > 0 for r in saved)
