@@ -83,6 +83,15 @@ def close() -> None:
         dist.destroy_process_group()
 
 
+def replicate(module: torch.nn.Module, world: World) -> torch.nn.Module:
+    """``module`` under DDP over ``world`` (its gradients averaged over the ranks in backward), on the
+    device its parameters are on; ``module`` itself with one process."""
+    if world.size == 1:
+        return module
+    device = next(module.parameters()).device
+    return torch.nn.parallel.DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None)
+
+
 def share(items: Sequence[T], world: World) -> Sequence[T]:
     """This rank's contiguous share of ``items``: sizes differ by at most one, and may be 0."""
     n = len(items)

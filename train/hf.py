@@ -49,7 +49,7 @@ from nmst_fast.integrations.hf import HFDecoder, apply_nmst, steps_from_attentio
 from nmst_fast.validation import HEADS
 
 from .checkpoint import Diverged, claim_directory, data_fingerprint, refuse_another_run, require_finite, save_atomic
-from .distributed import World, all_sum, barrier, launch, on_main, share
+from .distributed import World, all_sum, barrier, launch, on_main, replicate, share
 from .evaluate import EosRateByStep, non_termination
 from .report import write_report
 from .runner import add_distributed_arguments, check_device, check_dist_timeout
@@ -253,11 +253,8 @@ def shard(model, world: World, fsdp: bool):
     """The module a training step calls: ``model`` itself with one process; under torchrun DDP over it,
     or (``fsdp``) ``model`` sharded in place with FSDP2: ``fully_shard`` on every decoder block (the
     classes the model lists in ``_no_split_modules``), on an untied output layer, and on the root."""
-    if world.size == 1:
-        return model
-    if not fsdp:
-        device = next(model.parameters()).device
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    if world.size == 1 or not fsdp:
+        return replicate(model, world)
     from torch.distributed.fsdp import fully_shard
 
     blocks = set(getattr(model, "_no_split_modules", None) or ())

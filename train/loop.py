@@ -21,7 +21,7 @@ from nmst_fast.data.wikitext import CONTEXT_LENGTH, Vocabulary, collate
 
 from .checkpoint import FORMAT, build_model, load_checkpoint, refuse_another_run, require_finite, save_atomic
 from .config import TrainConfig
-from .distributed import World, all_sum, barrier, share
+from .distributed import World, all_sum, barrier, replicate, share
 
 
 @dataclass
@@ -164,11 +164,7 @@ def train(
         optimizer.load_state_dict(ckpt["optimizer"])
         state = TrainState(**ckpt["state"])
         best_weights = ckpt["best_model"]
-    step_loss = SummedLoss(model)
-    if world.size > 1:
-        device = torch.device(config.device)
-        step_loss = torch.nn.parallel.DistributedDataParallel(
-            step_loss, device_ids=[device] if device.type == "cuda" else None)
+    step_loss = replicate(SummedLoss(model), world)
     epochs_run = 0
     while state.epoch < config.max_epochs and state.epochs_without_improvement < config.patience:
         if stop_after is not None and epochs_run >= stop_after:
