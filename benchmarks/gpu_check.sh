@@ -36,13 +36,13 @@ for step in $steps; do
     tests) OMP_NUM_THREADS=2 timeout 200 python3 -m pytest -v -p no:cacheprovider -n 8 -rf --tb=short --durations=12 \
              ${TESTS_K:+-k "$TESTS_K"} \
              tests/test_decoding_fused.py tests/test_fused_loss.py tests/test_generation.py tests/test_integration.py \
-             tests/test_kernels.py tests/test_nucleus.py tests/test_row_draw.py tests/test_workspace.py tests/test_reductions.py tests/test_lanes.py \
+             tests/test_kernels.py tests/test_row_draw.py tests/test_workspace.py tests/test_reductions.py tests/test_lanes.py \
              2>&1 | tee "$OUT/tests.log" | grep -E "FAILED|ERROR|passed|failed|^[0-9.]+s " | tail -40 ;;
     loss) timeout 180 python3 -m benchmarks.report --gpu --json "$OUT/loss.json" 2>"$OUT/loss.err" | tee "$OUT/loss.md"; tail -5 "$OUT/loss.err" ;;
     profile) timeout 150 python3 -m benchmarks.profile_loss 2>&1 | tee "$OUT/profile.md" | tail -60 ;;
     # DECODING_VOCABS=50257,128256: a part of the grid.
     decoding) timeout 200 python3 -m benchmarks.report_decoding --gpu ${DECODING_VOCABS:+--vocabs "$DECODING_VOCABS"} 2>&1 | tee "$OUT/decoding.md" ;;
-    # DRAW_TABLES=read-floor,bounds (profile_decoding --tables) runs chosen tables, in that order.
+    # DRAW_TABLES=read-floor,scan (profile_decoding --tables) runs chosen tables, in that order.
     draw-sweep) timeout 200 python3 -m benchmarks.profile_decoding ${DRAW_TABLES:+--tables "$DRAW_TABLES"} 2>&1 | tee "$OUT/draw_sweep.md" ;;
     # The decoding step's host time alone (kernels stubbed, CUDA tensors): the wrapper's share of small-batch steps.
     host) timeout 60 python3 -m benchmarks.host_overhead 2>&1 | tee "$OUT/host.md" ;;

@@ -2,21 +2,18 @@
 
     python -m benchmarks.profile_decoding            # B = 256, V in {50257, 128256}
     python -m benchmarks.profile_decoding --quick    # V = 50257 only
-    python -m benchmarks.profile_decoding --tables read-floor,bounds   # chosen tables, in that order
+    python -m benchmarks.profile_decoding --tables read-floor,scan   # chosen tables, in that order
 
-Tables: "row-draw" sweeps the row draw (top-p's kernel, and plain sampling's alternative) over
-tile width, warps and PREFETCH (the next tile's load issued before this tile's folds); "top-p-layout"
-its top-p in the wide and compact layouts (``row_draw.top_p_layout``) at p = 0.4 and 0.9; "bounds"
-its top-p with the lane-maxima bounds on and off; "round-candidates" its top-p over candidates drawn per
-round (with mean and max rounds per row); "scan" the split-V scan with its finish (the
-greedy and sampling step, ``nmst_fast/kernels/scan_select.py``) over splits per row and tile width at
-B = 256, "scan-b32" at B = 32; "top-k-parts" the candidate scan alone, with the two-launch
-select, and as one launch; "top-k-scan" the one-launch top-k 4 and 50 steps over tile width and splits;
-"read-floor" the greedy and sampling steps against a bare read in the same layout and torch's row
-max. Each row gives the device time
+Tables: "row-draw" sweeps the row draw (top-p's kernel) over tile width, warps and PREFETCH (the next tile's
+load issued before this tile's folds); "top-p-layout" it in the wide and compact layouts
+(``row_draw.top_p_layout``) at p = 0.4 and 0.9, with mean rounds and passes per row; "scan" the split-V scan
+with its finish (the greedy and sampling step, ``nmst_fast/kernels/scan_select.py``) over splits per row and
+tile width at B = 256, "scan-b32" at B = 32; "top-k-parts" the candidate scan alone and the one-launch step;
+"top-k-scan" the one-launch top-k 4 and 50 steps over tile width and splits; "read-floor" the greedy and
+sampling steps against a bare read in the same layout and torch's row max. Each row gives the device time
 (``triton.testing.do_bench_cudagraph`` median, each step on a copy of the logits not in L2:
-``benchmarks.cold_reads``), the achieved read rate or the ratio to the one-read floor at the copy
-bandwidth measured in the same run; * marks the current default. Pick the next defaults from the tables.
+``benchmarks.cold_reads``), the achieved read rate or the ratio to the one-read floor at the copy bandwidth
+measured in the same run; * marks the current default. Pick the next defaults from the tables.
 """
 
 from __future__ import annotations
@@ -30,16 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nmst_fast.kernels.row_draw import (
-    COMPACT_TOP_P,
-    ROUND_CANDIDATES,
-    TOP_P_LAYOUTS,
-    cuda_launch,
-    default_launch,
-    draw_rows,
-)
+from nmst_fast.kernels.row_draw import COMPACT_TOP_P, TOP_P_LAYOUTS, cuda_launch, default_launch, draw_rows
 from nmst_fast.kernels.row_scan import launch_shape, scan_partials, split_layout
-from nmst_fast.kernels.row_select import select_from_scan
 
 from .cold_reads import cold_graph_ms
 from .decoding_cases import make_logits
@@ -72,7 +61,7 @@ def variants() -> list[Variant]:
             + [Variant(prefetch=True, **COMPACT_TOP_P)])
 
 
-def sweep(logits: torch.Tensor, top_p: Optional[float], candidates: Iterable[Variant],
+def sweep(logits: torch.Tensor, top_p: float, candidates: Iterable[Variant],
           timer: Timer) -> list[tuple[Variant, float]]:
     """(variant, ms) for one draw_rows call per variant on ``logits`` (NMST head, t = 100)."""
     seed = torch.tensor([1234], device=logits.device)
@@ -92,51 +81,15 @@ def top_p_layout_sweep(logits: torch.Tensor, timer: Timer) -> list[tuple[float, 
     the row draw's top-p in each layout (``row_draw.top_p_layout``; NMST head, t = 100)."""
     rows = []
     for top_p, (name, layout) in itertools.product((0.4, 0.9), TOP_P_LAYOUTS.items()):
-        passes = torch.zeros(logits.shape[0], dtype=torch.int32, device=logits.device)
         args = dict(head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100, state=None,
                     top_p_threshold=top_p, seed=torch.tensor([1234], device=logits.device),
-                    launch=cuda_launch(logits.shape[1], top_p=True, **layout))
+                    launch=cuda_launch(logits.shape[1], **layout))
 
         def step(z: torch.Tensor, args=args) -> None:
             draw_rows(z, **args)
 
-        _, rounds = draw_rows(logits, passes=passes, **args)
+        _, rounds, passes = draw_rows(logits, **args)
         rows.append((top_p, name, timer(step, logits), float(rounds.double().mean()), float(passes.double().mean())))
-    return rows
-
-
-def bounds_sweep(logits: torch.Tensor, timer: Timer) -> list[tuple[float, bool, float, float]]:
-    """(top_p, bounds, ms, passes per row) of the row draw's top-p at its default launch, with the
-    lane-maxima bounds deciding rounds (the default) and with every round reading the row."""
-    seed = torch.tensor([1234], device=logits.device)
-    rows = []
-    for top_p in (0.4, 0.9):
-        for bounds in (True, False):
-            passes = torch.zeros(logits.shape[0], dtype=torch.int32, device=logits.device)
-
-            def step(z: torch.Tensor, top_p=top_p, bounds=bounds, passes=passes) -> None:
-                draw_rows(z, head="nmst", eos_index=z.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100,
-                          state=None, seed=seed, top_p_threshold=top_p, bounds=bounds, passes=passes)
-
-            step(logits)
-            rows.append((top_p, bounds, timer(step, logits), float(passes.double().mean())))
-    return rows
-
-
-def round_candidates_sweep(logits: torch.Tensor, timer: Timer, candidates: Iterable[int] = (1, 2, 4),
-                           ) -> list[tuple[float, int, float, float, int]]:
-    """(top_p, candidates per round, ms, mean rounds, max rounds) of the row draw's top-p at its default
-    launch (NMST head, t = 100)."""
-    rows = []
-    for top_p, count in itertools.product((0.4, 0.9), candidates):
-        args = dict(head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100, state=None,
-                    top_p_threshold=top_p, seed=torch.tensor([1234], device=logits.device), round_candidates=count)
-
-        def step(z: torch.Tensor, args=args) -> None:
-            draw_rows(z, **args)
-
-        _, rounds = draw_rows(logits, **args)
-        rows.append((top_p, count, timer(step, logits), float(rounds.double().mean()), int(rounds.max())))
     return rows
 
 
@@ -160,10 +113,8 @@ def scan_sweep(logits: torch.Tensor, launches: Iterable[tuple[int, int]], timer:
 
 
 def top_k_parts(logits: torch.Tensor, top_k: int, timer: Timer) -> list[tuple[str, float]]:
-    """(part, ms) of a top-k device step (NMST head, t = 100): the candidate scan alone, the scan
-    with the candidate select kernel (two launches), and the one-launch step (``scan_select``, what
-    ``sample(top_k=...)`` runs on a GPU when its finish holds the candidates)."""
-    from nmst_fast.kernels.row_select import select_candidates_from_scan
+    """(part, ms) of a top-k device step (NMST head, t = 100): the candidate scan alone, and the
+    one-launch step (``scan_select``, what ``sample(top_k=...)`` runs on a GPU)."""
     from nmst_fast.kernels.scan_select import scan_select
 
     eos = logits.shape[1] - 1
@@ -172,17 +123,12 @@ def top_k_parts(logits: torch.Tensor, top_k: int, timer: Timer) -> list[tuple[st
     def scan_only(z: torch.Tensor) -> None:
         scan_partials(z, eos_index=eos, candidates=top_k)
 
-    def step(z: torch.Tensor) -> None:
-        scan = scan_partials(z, eos_index=eos, candidates=top_k)
-        select_candidates_from_scan(z, scan, head="nmst", eos_index=eos, eps=1e-5, steps=100, state=None,
-                                    top_k=top_k, top_p_threshold=None, seed=seed)
-
     def one_launch(z: torch.Tensor) -> None:
         scan_select(z, head="nmst", eos_index=eos, eps=1e-5, temperature=1.0, steps=100, state=None, seed=seed,
                     top_k=top_k)
 
     rows = []
-    for name, fn in (("candidate scan", scan_only), ("scan + select", step), ("one launch", one_launch)):
+    for name, fn in (("candidate scan", scan_only), ("one launch", one_launch)):
         fn(logits)
         rows.append((name, timer(fn, logits)))
     return rows
@@ -216,8 +162,8 @@ def bare_read(z: torch.Tensor, block_v: int, splits: int) -> torch.Tensor:
 
 def read_floor_parts(logits: torch.Tensor, timer: Timer) -> list[tuple[str, float]]:
     """(part, ms) at the greedy scan's default launch: a bare read in that layout, torch's row max,
-    the greedy scan alone, the greedy step as two launches (scan + select) and as one
-    (``scan_select``), and plain sampling by the row draw and by the one-launch drawing scan. The bare
+    the greedy scan alone, the greedy step (``scan_select``), and plain sampling by the one-launch
+    drawing scan. The bare
     read is what one launch costs at best; the rest is each part's share."""
     from nmst_fast.kernels.scan_select import scan_select
 
@@ -236,30 +182,23 @@ def read_floor_parts(logits: torch.Tensor, timer: Timer) -> list[tuple[str, floa
     def scan_only(z: torch.Tensor) -> None:
         scan_partials(z, eos_index=eos)
 
-    def greedy(z: torch.Tensor) -> None:
-        select_from_scan(z, scan_partials(z, eos_index=eos), seed=None, **head)
-
     def greedy_one_launch(z: torch.Tensor) -> None:
         scan_select(z, seed=None, **head)
-
-    def sampling_row_draw(z: torch.Tensor) -> None:
-        draw_rows(z, seed=seed, **head)
 
     def sampling_one_launch(z: torch.Tensor) -> None:
         scan_select(z, seed=seed, **head)
 
     rows = []
     for name, fn in ((f"bare read ({block_v} x {splits} splits)", read), ("torch.amax(dim=1)", row_max),
-                     ("greedy scan alone", scan_only), ("greedy, scan + select (two launches)", greedy),
+                     ("greedy scan alone", scan_only),
                      ("greedy, one launch (scan_select)", greedy_one_launch),
-                     ("sampling, row draw (fill + draw_rows)", sampling_row_draw),
                      ("sampling, one launch (drawing scan_select)", sampling_one_launch)):
         fn(logits)
         rows.append((name, timer(fn, logits)))
     return rows
 
 
-TABLES = ("row-draw", "top-p-layout", "bounds", "round-candidates", "scan", "top-k-parts", "top-k-scan", "scan-b32",
+TABLES = ("row-draw", "top-p-layout", "scan", "top-k-parts", "top-k-scan", "scan-b32",
           "read-floor")
 
 
@@ -294,13 +233,13 @@ def _case(B: int, V: int, bandwidth: float) -> tuple[torch.Tensor, float]:
 
 
 def _row_draw_table(vocabs, bandwidth, timer, quick) -> None:
-    print("\nrow draw launch sweep, B = 256")
+    print("\nrow draw (top-p) launch sweep, B = 256")
     print("| V | mode | BLOCK_V | warps | prefetch | ms | read TB/s | x floor |\n"
           "|---:|---|---:|---:|---|---:|---:|---:|")
     for V in vocabs:
         logits, floor_ms = _case(256, V, bandwidth)
-        for mode, top_p in (("sampling", None), ("top-p 0.9", 0.9)):
-            default = default_launch(logits, top_p=top_p is not None)
+        for mode, top_p in (("top-p 0.4", 0.4), ("top-p 0.9", 0.9)):
+            default = default_launch(logits)
             for variant, ms in sweep(logits, top_p, variants(), timer):
                 launch = variant.launch(V)
                 mark = "*" if launch == default else ""
@@ -316,31 +255,11 @@ def _top_p_layout_table(vocabs, bandwidth, timer, quick) -> None:
     print("| V | top-p | layout | ms | x floor | mean rounds | passes per row |\n|---:|---:|---|---:|---:|---:|---:|")
     for V in vocabs:
         logits, floor_ms = _case(256, V, bandwidth)
-        default = default_launch(logits, top_p=True)
+        default = default_launch(logits)
         for top_p, name, ms, mean_rounds, passes in top_p_layout_sweep(logits, timer):
-            mark = "*" if cuda_launch(V, top_p=True, **TOP_P_LAYOUTS[name]) == default else ""
+            mark = "*" if cuda_launch(V, **TOP_P_LAYOUTS[name]) == default else ""
             print(f"| {V} | {top_p} | {name}{mark} | {ms:.4f} | {ms / floor_ms:.2f} | {mean_rounds:.2f} | "
                   f"{passes:.2f} |", flush=True)
-
-
-def _bounds_table(vocabs, bandwidth, timer, quick) -> None:
-    print("\nrow draw top-p, bounds on (default) and off (every round reads the row), B = 256")
-    print("| V | top-p | bounds | ms | x floor | passes per row |\n|---:|---:|---|---:|---:|---:|")
-    for V in vocabs:
-        logits, floor_ms = _case(256, V, bandwidth)
-        for top_p, bounds, ms, passes in bounds_sweep(logits, timer):
-            print(f"| {V} | {top_p} | {bounds} | {ms:.4f} | {ms / floor_ms:.2f} | {passes:.2f} |", flush=True)
-
-
-def _round_candidates_table(vocabs, bandwidth, timer, quick) -> None:
-    print("\nrow draw's top-p over candidates per round (default launch), B = 256")
-    print("| V | top-p | candidates | ms | x floor | mean rounds | max rounds |\n|---:|---:|---:|---:|---:|---:|---:|")
-    for V in vocabs:
-        logits, floor_ms = _case(256, V, bandwidth)
-        for top_p, count, ms, mean_rounds, max_rounds in round_candidates_sweep(logits, timer):
-            mark = "*" if count == ROUND_CANDIDATES else ""
-            print(f"| {V} | {top_p} | {count}{mark} | {ms:.4f} | {ms / floor_ms:.2f} | {mean_rounds:.2f} | "
-                  f"{max_rounds} |", flush=True)
 
 
 def _scan_table(vocabs, bandwidth, timer, quick) -> None:
@@ -411,8 +330,7 @@ def _read_floor_table(vocabs, bandwidth, timer, quick) -> None:
             print(f"| {B} | {V} | {part} | {ms:.4f} | {ms / floor_ms:.2f} |", flush=True)
 
 
-_TABLE_RUNNERS = {"row-draw": _row_draw_table, "top-p-layout": _top_p_layout_table, "bounds": _bounds_table,
-                  "round-candidates": _round_candidates_table, "scan": _scan_table,
+_TABLE_RUNNERS = {"row-draw": _row_draw_table, "top-p-layout": _top_p_layout_table, "scan": _scan_table,
                   "top-k-parts": _top_k_parts_table, "top-k-scan": _top_k_scan_table, "scan-b32": _scan_b32_table,
                   "read-floor": _read_floor_table}
 

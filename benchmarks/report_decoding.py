@@ -51,15 +51,12 @@ def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
     """A strategy's whole device step — kernels only, no Python or host sync (timed as a CUDA graph).
 
     Greedy, sampling and top-k (then top-p): the one launch (no fill: its counters live in the
-    step workspace) whose last split per row does the head math and draw (``nmst_fast/kernels/scan_select.py``; the
-    two-launch candidate scan + select where the finish cannot hold the candidates). Top-p alone:
-    the row draw's rejection rounds (what distinct rows take; repeated rows and the rare unresolved
-    row take the cut + draw kernels).
+    step workspace) whose last split per row does the head math and draw
+    (``nmst_fast/kernels/scan_select.py``). Top-p alone: the row draw's rejection rounds (the rare
+    unresolved row takes the torch path).
     """
     from nmst_fast.kernels.row_draw import draw_rows
-    from nmst_fast.kernels.row_scan import scan_partials
-    from nmst_fast.kernels.row_select import select_candidates_from_scan
-    from nmst_fast.kernels.scan_select import fits_one_launch, scan_select
+    from nmst_fast.kernels.scan_select import scan_select
 
     plain = untruncated(k, p)
     seed = torch.tensor([1234], device=device)
@@ -72,11 +69,8 @@ def _device_step(k: Optional[int], p: Optional[float], device: str = "cuda"):
             scan_select(logits, eos_index=eos, temperature=1.0, seed=draw, **head)
         elif k is None:
             draw_rows(logits, eos_index=eos, temperature=1.0, top_p_threshold=p, seed=seed, **head)
-        elif fits_one_launch(logits, k):
-            scan_select(logits, eos_index=eos, temperature=1.0, top_k=k, top_p_threshold=p, seed=seed, **head)
         else:
-            scan = scan_partials(logits, eos_index=eos, candidates=k)
-            select_candidates_from_scan(logits, scan, eos_index=eos, top_k=k, top_p_threshold=p, seed=seed, **head)
+            scan_select(logits, eos_index=eos, temperature=1.0, top_k=k, top_p_threshold=p, seed=seed, **head)
 
     return step
 
@@ -90,8 +84,7 @@ def _top_p_rounds(logits: torch.Tensor, k: Optional[int], p: Optional[float]) ->
 
     args = dict(head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100, state=None,
                 top_p_threshold=p, seed=torch.tensor([1234], device=logits.device))
-    passes = torch.zeros(logits.shape[0], dtype=torch.int32, device=logits.device)
-    _, rounds = draw_rows(logits, passes=passes, **args)
+    _, rounds, passes = draw_rows(logits, **args)
     read = f"; {float(passes.double().mean()):.2f} read the row"  # the others the bounds settled
     return f"{float(rounds.double().mean()):.2f} / {int(rounds.max())}{read}"
 

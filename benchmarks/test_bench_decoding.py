@@ -40,16 +40,16 @@ def test_generation_report_runs(capsys, tmp_path):
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_host_overhead(benchmark, strategy):
-    """The fused step's host time with its kernels stubbed (``python -m benchmarks.host_overhead``)."""
+    """A cached decoding step's host time with its kernels stubbed (``python -m benchmarks.host_overhead``)."""
     import nmst_fast.kernels.row_scan as row_scan
-    from benchmarks.host_overhead import device, dispatch_step, kernels_stubbed
+    from benchmarks.host_overhead import cached_step, device, kernels_stubbed
 
     real_kernel = row_scan._row_scan_kernel
     logits = make_logits(1, 50257, device=device())
     gen = torch.Generator(device=device()).manual_seed(0)
     with kernels_stubbed():
         benchmark.group = "host time per fused step, kernels stubbed, B=1 V=50257"
-        tokens = benchmark(dispatch_step(*STRATEGIES[strategy], logits, gen))
+        tokens = benchmark(cached_step(*STRATEGIES[strategy], logits, gen))
     assert tokens.shape == (1,) and row_scan._row_scan_kernel is real_kernel
 
 
@@ -72,3 +72,20 @@ def test_selection_report_writes_its_table_as_json(tmp_path, capsys):
     saved = json.loads((tmp_path / "d.json").read_text())["rows"]
     assert len(saved) == len(printed) == len(STRATEGIES) and {r["strategy"] for r in saved} == set(STRATEGIES)
     assert all(r["fast_ms"] > 0 and r["sort_based_ms"] > 0 for r in saved)
+
+
+def test_cpu_step_report_runs(tmp_path, capsys):
+    """``python -m benchmarks.cpu_step``: every strategy against the plain torch version, as a table and
+    as JSON; the plain version draws valid tokens."""
+    import json
+
+    from benchmarks import cpu_step
+
+    cpu_step.main(["--batches", "2", "--vocabs", "300", "--calls", "2", "--json", str(tmp_path / "c.json")])
+    rows = json.loads((tmp_path / "c.json").read_text())
+    assert [r["strategy"] for r in rows] == list(cpu_step.STRATEGIES) and all(r["ratio"] > 0 for r in rows)
+    assert len([line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 | 300 |")]) == 4
+    logits = torch.randn(3, 300)
+    for k, p in cpu_step.STRATEGIES.values():
+        tokens = cpu_step.plain_step(k, p)(logits, torch.Generator().manual_seed(0))
+        assert tokens.shape == (3,) and bool(((tokens >= 0) & (tokens < 300)).all())

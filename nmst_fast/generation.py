@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 
 from .decoding.beam import beam_step
 from .decoding.distribution import check_temperature, effective_logits
-from .decoding.selection import _check_truncation, check_impl, select, try_fused_sample
+from .decoding.step import DecodingStep, check_impl
+from .decoding.truncation import check_truncation
 from .head import NMSTHead
 from .logmath import termination_bound
 from .validation import check_int_tensor
@@ -86,7 +87,7 @@ def _check(contexts, strategy: str, top_k, top_p, num_beams, max_length, tempera
         raise ValueError(f"contexts must be (B, Tc), got shape {tuple(contexts.shape)}")
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    _check_truncation(top_k if strategy in ("top_k", "nucleus") else None, top_p if strategy == "nucleus" else None)
+    check_truncation(top_k if strategy in ("top_k", "nucleus") else None, top_p if strategy == "nucleus" else None)
     check_temperature(temperature)
     check_impl(impl)
     if not _is_int(max_length) or max_length < 1:
@@ -197,18 +198,74 @@ def generate(
     if strategy == "beam":
         return _beam_search(model, contexts, num_beams, max_length, float(length_penalty), early_stopping, keep_tokens,
                             progress, impl, temperature)
+    return _sample_loop(model, contexts, 1 if strategy == "greedy" else top_k,
+                        top_p if strategy == "nucleus" else None, max_length, temperature, generator, keep_tokens,
+                        progress, impl, strategy)
+
+
+# Rows the host knows to have finished leave the batch (their cache rows too) once they are at least
+# this share of it on an asynchronous device (on the CPU, at once: the host knows then).
+COMPACT_SHARE = 0.25
+# Steps before the CPU host "learns" a finished row (0: at once); tests set it to follow a GPU's order.
+HOST_LAG = 0
+
+
+class _FinishedRows:
+    """Which rows of the batch have finished, as the host learns it without waiting for the device.
+
+    Each step's mask is copied to the host behind the step (pinned memory and an event on CUDA) and
+    read once the copy has landed, so the loop never stops for the GPU; on the CPU the copy lands at
+    once (``lag`` steps later where tests ask for it, to follow the asynchronous order).
+    """
+
+    def __init__(self, device: torch.device, lag: int = 0):
+        self.cuda = device.type == "cuda"
+        self.lag = lag
+        self.pending: list[tuple[torch.Tensor, Optional[torch.cuda.Event]]] = []
+
+    def record(self, done: torch.Tensor) -> None:
+        if self.cuda:
+            host = torch.empty(done.shape, dtype=torch.bool, pin_memory=True)
+            host.copy_(done, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self.pending.append((host, event))
+        else:
+            self.pending.append((done.clone(), None))
+
+    def known(self) -> Optional[torch.Tensor]:
+        """The newest mask that has reached the host ((batch,) bool, CPU), or None; older ones are dropped."""
+        ready = [i for i, (_, event) in enumerate(self.pending)
+                 if (event.query() if event is not None else i < len(self.pending) - self.lag)]
+        if not ready:
+            return None
+        newest = self.pending[ready[-1]][0]
+        del self.pending[: ready[-1] + 1]
+        return newest
+
+    def forget(self) -> None:
+        """After the batch was compacted: the masks still on their way describe the old batch."""
+        self.pending.clear()
+
+
+def _sample_loop(model, contexts, k, p, max_length, temperature, generator, keep_tokens, progress, impl,
+                 strategy) -> GenerationOutput:
+    """Greedy, top-k and nucleus decoding with no host sync per step: finished rows stay in the batch,
+    masked (they take eos and add nothing to their score), until the host learns of them
+    (:class:`_FinishedRows`) and drops them; the kernels' flags are read once, at the end."""
     head: NMSTHead = model.nmst_head
-    B = contexts.shape[0]
-    device = contexts.device
-    k = 1 if strategy == "greedy" else top_k
-    p = top_p if strategy == "nucleus" else None
+    B, device = contexts.shape[0], contexts.device
     lengths = torch.full((B,), max_length, dtype=torch.long, device=device)
     terminated = torch.zeros(B, dtype=torch.bool, device=device)
     scores = torch.zeros(B, dtype=torch.float64, device=device)
-    history: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live rows, tokens) per step
-    live = torch.arange(B, device=device)
+    history: list[tuple[torch.Tensor, torch.Tensor]] = []  # (original rows, tokens) per step
+    live = torch.arange(B, device=device)  # each batch row's original row
+    done = torch.zeros(B, dtype=torch.bool, device=device)  # batch rows already finished
+    finished_rows = _FinishedRows(device, HOST_LAG)
+    compact_at = 1 if device.type != "cuda" and HOST_LAG == 0 else None  # None: COMPACT_SHARE of the batch
     hidden, cache = model.prefill(contexts)
     state = None
+    step: Optional[DecodingStep] = None
     # The theorem makes eos the strict argmax of greedy NMST from t½ on; in float64 p(eos) can
     # still round onto a tie with a token of lower index there (σ(−s) rounds to 1 for s ≲ −37),
     # so greedy NMST takes eos at t½ by the exact argument, not by the rounded comparison.
@@ -221,49 +278,54 @@ def generate(
             dist = effective_logits(logits, head=head.head, eos_index=head.eos_index, eps=head.eps, steps=t,
                                     temperature=temperature)
             tokens = torch.full((logits.shape[0],), head.eos_index, dtype=torch.long, device=device)
-            scores[live] += dist.token_log_probs(tokens)
-            if keep_tokens:
-                history.append((live, tokens))
-            lengths[live], terminated[live] = t, True
-            bar.update(1)
-            break
-        picked, first_size = try_fused_sample(logits, head=head.head, eos_index=head.eos_index, eps=head.eps,
-                                              steps=t, state=state, top_k=k, top_p=p, temperature=temperature,
-                                              generator=generator, impl=impl)
-        if picked is not None:
-            tokens, new_state, step_log_p = picked.tokens, picked.state, picked.log_probs
+            log_p, finished = dist.token_log_probs(tokens), ~done
         else:
-            dist = effective_logits(logits, head=head.head, eos_index=head.eos_index, eps=head.eps, steps=t,
-                                    state=state, temperature=temperature)
-            tokens = select(dist, top_k=k, top_p=p, generator=generator, first_size=first_size)
-            new_state, step_log_p = dist.state, dist.token_log_probs(tokens)
-        scores[live] += step_log_p
+            if step is None:
+                step = DecodingStep(head=head.head, eos_index=head.eos_index, vocab_size=logits.shape[1],
+                                    device=device, eps=head.eps, top_k=k, top_p=p, temperature=temperature, impl=impl)
+            out = step(logits, steps=t, state=state, generator=generator, defer_checks=True)
+            tokens, log_p, state = torch.where(done, head.eos_index, out.tokens), out.log_probs, out.state
+            finished = torch.isin(tokens, stops) & ~done
+        scores.index_add_(0, live, torch.where(done, 0.0, log_p))
+        lengths[live] = torch.where(finished, t, lengths[live])
+        terminated[live] |= finished
+        done = done | finished
         if keep_tokens:
             history.append((live, tokens))
-        finished = torch.isin(tokens, stops)
-        lengths[live[finished]] = t
-        terminated[live[finished]] = True
-        keep = (~finished).nonzero().squeeze(1)  # the step's one sync: its size drives the bar and compaction
         bar.update(1)
-        bar.set_postfix(live=keep.numel())
-        if keep.numel() == 0 or t == max_length:
+        if (bound is not None and t >= bound) or t == max_length:
             break
-        live, tokens = live[keep], tokens[keep]
-        state = None if new_state is None else new_state[keep]
-        if keep.numel() < finished.numel():
-            cache = model.select_cache(cache, keep)
+        finished_rows.record(done)
+        known = finished_rows.known()
+        if known is not None:
+            n_done = int(known.sum())  # a host tensor: no sync
+            bar.set_postfix(live=known.numel() - n_done)
+            if n_done == known.numel():
+                break
+            if n_done >= (compact_at or max(1, int(COMPACT_SHARE * known.numel()))):
+                keep = (~known).nonzero().squeeze(1)
+                keep = keep.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else keep
+                live, tokens, done = live[keep], tokens[keep], done[keep]
+                state = None if state is None else state[keep]
+                cache = model.select_cache(cache, keep)
+                finished_rows.forget()
         hidden, cache = model.decode_step(tokens, cache)
     bar.close()
+    if step is not None:
+        step.check()  # the kernels' flags, read once: a row without a distribution raises here
     return GenerationOutput(_assemble(history, B, lengths, device, keep_tokens), lengths, terminated, scores)
 
 
 def _assemble(history, B: int, lengths: torch.Tensor, device, keep_tokens: bool) -> torch.Tensor:
+    """(B, longest length) tokens from the steps' (rows, tokens), -1 past each row's end (a finished
+    row may have stayed in the batch for a few steps, taking eos)."""
     if not keep_tokens:
         return torch.empty(B, 0, dtype=torch.long, device=device)
-    out = torch.full((B, len(history)), -1, dtype=torch.long, device=device)
-    for t, (rows, tokens) in enumerate(history):
+    width = int(lengths.max()) if B else 0
+    out = torch.full((B, width), -1, dtype=torch.long, device=device)
+    for t, (rows, tokens) in enumerate(history[:width]):
         out[rows, t] = tokens
-    return out
+    return out.masked_fill_(torch.arange(width, device=device) >= lengths.unsqueeze(1), -1)
 
 
 @dataclass

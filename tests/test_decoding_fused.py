@@ -4,8 +4,7 @@ import pytest
 import torch
 
 import nmst_fast.decoding
-from nmst_fast.decoding import effective_logits, sample
-from nmst_fast.decoding.fused import fused_select, fused_truncated
+from nmst_fast.decoding import DecodingStep, effective_logits, sample
 from nmst_fast.generation import generate
 from nmst_fast.kernels.row_scan import MAX_CANDIDATES
 
@@ -13,6 +12,20 @@ from helpers import DEVICE
 from test_decoding import DRAWS, _g_test, _reference_log_probs, _row, _st_state_before, check_sampling_distribution
 
 HEADS = ("nmst", "st", "va")
+
+
+def fused_select(z, *, greedy, generator=None, steps=1, state=None, temperature=1.0, **head):
+    """The kernels' greedy or sampling step (``DecodingStep(impl="triton")``, its flags read at once)."""
+    step = DecodingStep(vocab_size=z.shape[1], device=z.device, top_k=1 if greedy else None, temperature=temperature,
+                        impl="triton", **head)
+    return step(z, steps=steps, state=state, generator=generator)
+
+
+def fused_truncated(z, *, top_k=None, top_p=None, generator=None, steps=1, state=None, temperature=1.0, **head):
+    """The kernels' top-k / top-p step (``DecodingStep(impl="triton")``, its flags read at once)."""
+    step = DecodingStep(vocab_size=z.shape[1], device=z.device, top_k=top_k, top_p=top_p, temperature=temperature,
+                        impl="triton", **head)
+    return step(z, steps=steps, state=state, generator=generator)
 
 
 @pytest.mark.parametrize("head", HEADS)
@@ -34,28 +47,11 @@ def test_fused_greedy_equals_torch_path(head, temperature):
         torch.testing.assert_close(fused_state, torch_state)
 
 
-def _sampled(z, sampling_path, *, generator, **args):
-    """Plain sampling of every row through ``sampling_path``: "one launch" (``fused_select``, what
-    ``sample`` runs on a GPU) or "row draw" (``nmst_fast/kernels/row_draw.py``'s plain mode: top-p's kernel
-    with no truncation, the alternative ``benchmarks.profile_decoding`` times against it)."""
-    if sampling_path == "one launch":
-        return fused_select(z, greedy=False, generator=generator, **args)
-    from nmst_fast.decoding.fused import _seed
-    from nmst_fast.kernels.row_draw import draw_rows
-
-    args.setdefault("steps", 1)
-    picked, _ = draw_rows(z, temperature=args.pop("temperature", 1.0), state=args.pop("state", None),
-                          seed=_seed(generator, z.device), **args)
-    assert picked.flags.tolist() == [z.shape[0]] * 2
-    return picked
-
-
-@pytest.mark.parametrize("sampling_path", ["one launch", "row draw"])
 @pytest.mark.parametrize("head", HEADS)
-def test_fused_log_probs_of_chosen_tokens(head, sampling_path):
+def test_fused_log_probs_of_chosen_tokens(head):
     z = (torch.randn(50, 33, generator=torch.Generator().manual_seed(1)) * 2).to(DEVICE)
-    picked = _sampled(z, sampling_path, head=head, eos_index=4, eps=0.1, steps=7,
-                      generator=torch.Generator().manual_seed(2))
+    picked = fused_select(z, head=head, eos_index=4, eps=0.1, steps=7, greedy=False,
+                          generator=torch.Generator().manual_seed(2))
     expected = effective_logits(z, head=head, eos_index=4, eps=0.1, steps=7).token_log_probs(picked.tokens)
     torch.testing.assert_close(picked.log_probs, expected, rtol=1e-6, atol=1e-6)
 
@@ -127,11 +123,9 @@ def test_replicated_rows_share_one_scan_but_not_the_head_math():
             torch.testing.assert_close(fused_state, expected_state, rtol=1e-12, atol=0)
 
 
-@pytest.mark.parametrize("path", ["one launch", "row draw"])
 @pytest.mark.parametrize("head,t", [("nmst", 1), ("nmst", 300), ("st", 20), ("va", 1)])
-def test_fused_sampling_distribution(head, t, path):
-    """10⁶ draws G-tested, through ``sample`` (the one-launch scan's draw) and through the
-    one-program-per-row inverse CDF (the row draw's plain mode)."""
+def test_fused_sampling_distribution(head, t):
+    """10⁶ draws through ``sample`` (the one-launch scan's draw) G-tested against the float64 reference."""
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
     eos, eps = 2, 0.01
@@ -140,12 +134,8 @@ def test_fused_sampling_distribution(head, t, path):
     reference = torch.exp(_reference_log_probs(z, head, eos, eps, t))
     rows = z.to(DEVICE).unsqueeze(0).expand(DRAWS, -1)
     rows_state = None if state is None else state.to(DEVICE).expand(DRAWS)
-    if path == "one launch":
-        tokens, _ = sample(rows, head=head, eos_index=eos, eps=eps, steps=t, state=rows_state, impl="triton",
-                           generator=torch.Generator().manual_seed(seed + 1))
-    else:
-        tokens = _sampled(rows, path, head=head, eos_index=eos, eps=eps, steps=t, state=rows_state,
-                          generator=torch.Generator().manual_seed(seed + 1)).tokens
+    tokens, _ = sample(rows, head=head, eos_index=eos, eps=eps, steps=t, state=rows_state, impl="triton",
+                       generator=torch.Generator().manual_seed(seed + 1))
     assert _g_test(tokens.cpu(), reference) > 1e-5, f"seed={seed}"
 
 
@@ -326,25 +316,52 @@ def test_candidates_rank_by_tempered_value_where_raw_values_tie_after_rounding(K
     _assert_exact_candidates(scan, x, K)
 
 
-def _two_launch_step(z, head, eos, eps, t, state, seed, launch, temperature):
-    """The scan + select kernels (greedy when ``seed`` is None): (the scan's partials, the selection)."""
-    from nmst_fast.kernels.row_scan import scan_partials
-    from nmst_fast.kernels.row_select import select_from_scan
-
-    scan = scan_partials(z, eos_index=None if head == "va" else eos, temperature=temperature, seed=seed, launch=launch)
-    return scan, select_from_scan(z, scan, head=head, eos_index=eos, eps=eps, temperature=temperature, steps=t,
-                                  state=state, seed=seed)
-
-
 def _split_scan_draw(z, head, eos, eps, t, state, seed, launch):
-    """The two-launch drawing step (scan + select) with an int seed: (its partials, its selection)."""
-    return _two_launch_step(z, head, eos, eps, t, state, torch.tensor([seed], device=DEVICE), launch, 1.0)
+    """The one-launch drawing step with an int seed, and the partials its scan leaves (the scan alone,
+    same seed and launch): (partials, selection)."""
+    from nmst_fast.kernels.row_scan import scan_partials
+    from nmst_fast.kernels.scan_select import scan_select
+
+    seed = torch.tensor([seed], device=DEVICE)
+    scan = scan_partials(z, eos_index=None if head == "va" else eos, seed=seed, launch=launch)
+    return scan, scan_select(z, head=head, eos_index=eos, eps=eps, temperature=1.0, steps=t, state=state, seed=seed,
+                             launch=launch)
+
+
+def _check_against_torch(picked, z, *, head, eos, eps, steps, state, temperature=1.0, bad=(), greedy=False,
+                         top_k=None, top_p=None, msg=""):
+    """A kernel step against the torch path on the same logits (``bad``: the rows it must flag, left
+    out): greedy tokens exactly; drawn tokens inside the (truncated) support; log-probabilities of
+    the chosen tokens and ST's state to float64 rounding of the fp32 partials."""
+    B = z.shape[0]
+    if hasattr(picked, "flags"):  # a kernel's Selection; the fused step's result has raised on its flags already
+        assert picked.flags.tolist() == [min(bad, default=B), B], msg
+    ok = torch.ones(B, dtype=torch.bool)
+    ok[list(bad)] = False
+    rows = z.float().cpu()[ok]
+    per_row = isinstance(steps, torch.Tensor)
+    dist = effective_logits(rows, head=head, eos_index=eos, eps=eps, temperature=temperature,
+                            steps=steps.cpu()[ok] if per_row else steps,
+                            state=None if state is None else state.cpu()[ok])
+    tokens = picked.tokens.cpu()[ok]
+    if greedy:
+        assert torch.equal(tokens, nmst_fast.decoding.greedy(dist)), msg
+    else:
+        kept, probs = nmst_fast.decoding.truncated_candidates(dist, top_k, top_p) if (top_k or top_p) else (None, None)
+        allowed = (dist.probs() > 0 if kept is None
+                   else torch.zeros(rows.shape, dtype=torch.float64).scatter_add(1, kept, probs) > 0)
+        assert bool(allowed.gather(1, tokens[:, None]).all()), msg
+    scale = max(1.0, float(rows.masked_fill(~torch.isfinite(rows), 0).abs().max()) / temperature)
+    torch.testing.assert_close(picked.log_probs.cpu()[ok], dist.token_log_probs(tokens), rtol=1e-6,
+                               atol=1e-6 * scale, msg=msg)
+    if head == "st":
+        torch.testing.assert_close(picked.state.cpu()[ok], dist.state, rtol=1e-12, atol=1e-12, msg=msg)
 
 
 @pytest.mark.parametrize("head,t,launch", [("nmst", 3, (8, 3)), ("st", 20, (16, 2)), ("va", 1, (8, 3))])
 def test_split_scan_draw_distribution_across_tiles_and_splits(head, t, launch):
-    """The scan's weighted reservoir over several tiles per split, and the select kernel's choice of
-    a split: 10⁶ draws G-tested against the float64 reference. The row's tiles differ in scale (one
+    """The scan's weighted reservoir over several tiles per split, and the finish's choice of a split:
+    10⁶ draws G-tested against the float64 reference. The row's tiles differ in scale (one
     tile ~12 below the rest, the last one raising the running max), and V = 61 leaves a partial
     tile; (8, 3): 3 splits of 3 tiles, (16, 2): 2 splits of 2 tiles."""
     seed = torch.seed() % 2**31
@@ -356,9 +373,13 @@ def test_split_scan_draw_distribution_across_tiles_and_splits(head, t, launch):
     state = _st_state_before(z, eos, eps, t) if head == "st" else None
     reference = torch.exp(_reference_log_probs(z, head, eos, eps, t))
     rows = z.to(DEVICE).unsqueeze(0).expand(DRAWS, -1)
-    scan, picked = _split_scan_draw(rows, head, eos, eps, t, None if state is None else state.to(DEVICE).expand(DRAWS),
-                                    seed + 1, launch)
-    assert scan.parts["max"].shape[1] == {(8, 3): 3, (16, 2): 2}[launch]
+    from nmst_fast.kernels.row_scan import split_layout
+    from nmst_fast.kernels.scan_select import scan_select
+
+    assert split_layout(61, *launch)[1] == {(8, 3): 3, (16, 2): 2}[launch]
+    picked = scan_select(rows, head=head, eos_index=eos, eps=eps, temperature=1.0, steps=t,
+                         state=None if state is None else state.to(DEVICE).expand(DRAWS),
+                         seed=torch.tensor([seed + 1], device=DEVICE), launch=launch)
     assert picked.flags.tolist() == [DRAWS, DRAWS]
     assert _g_test(picked.tokens.cpu(), reference) > 1e-5, f"seed={seed}"
 
@@ -395,15 +416,13 @@ SCAN_SELECT_LAUNCHES = [None, (64, 1), (64, 3), (32, 7), (16, 13)]
 @pytest.mark.parametrize("launch", SCAN_SELECT_LAUNCHES)
 @pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("draw", [False, True])
-def test_scan_select_equals_two_launches(head, draw, launch):
-    """The one-launch step (each row finished by the last of its splits) picks exactly the tokens and
-    ST states of the scan + select kernels it fuses, and their log-probabilities to float64 rounding
-    (L's sum over the splits may associate differently in the two kernels' thread layouts: at 13
-    splits an H100 differed in the last bits), for every head, greedy and the draw, one to 13
-    splits: same partials, same code. On a GPU the batch is large (the rows' last arrivals race
-    each other: a row finished from a split's partials not yet visible would differ),
-    with ties, −inf columns, per-row steps, context rows, and a NaN row and a row without a finite
-    non-eos logit, both flagged."""
+def test_scan_select_equals_torch(head, draw, launch):
+    """The one-launch step (each row finished by the last of its splits) against the torch path, for
+    every head, greedy and the draw, one to 13 splits: greedy tokens exactly, drawn tokens of positive
+    probability, the chosen tokens' log-probabilities and ST's states. On a GPU the batch is large
+    (the rows' last arrivals race each other: a row finished from a split's partials not yet visible
+    would differ), with ties, −inf columns, per-row steps, context rows, and a NaN row and a row
+    without a finite non-eos logit, both flagged."""
     from nmst_fast.kernels.scan_select import scan_select
 
     seed_value = torch.seed() % 2**31
@@ -418,21 +437,13 @@ def test_scan_select_equals_two_launches(head, draw, launch):
     z[9, 17] = float("nan")
     steps = torch.randint(-1, 40, (B,), generator=gen)
     state = -torch.rand(B, generator=gen, dtype=torch.float64) if head == "st" else None
-    z, steps = z.to(DEVICE), steps.to(DEVICE)
-    state = None if state is None else state.to(DEVICE)
     seed = torch.tensor([seed_value + 1], device=DEVICE) if draw else None
     for dtype in (torch.float32, torch.bfloat16):
-        fused_step = scan_select(z.to(dtype), head=head, eos_index=eos, eps=eps, temperature=temperature, steps=steps,
-                                 state=state, seed=seed, launch=launch)
-        _, two = _two_launch_step(z.to(dtype), head, eos, eps, steps, state, seed, launch, temperature)
-        assert fused_step.flags.tolist() == two.flags.tolist() == [4, B], f"seed={seed_value}"
-        ok = torch.ones(B, dtype=torch.bool, device=DEVICE)
-        ok[[4, 9]] = False
-        assert torch.equal(fused_step.tokens[ok], two.tokens[ok]), f"seed={seed_value} {dtype}"
-        torch.testing.assert_close(fused_step.log_probs[ok], two.log_probs[ok], rtol=1e-12, atol=1e-12,
-                                   msg=f"seed={seed_value} {dtype}")
-        if head == "st":
-            assert torch.equal(fused_step.state[ok], two.state[ok])
+        rows = z.to(dtype).to(DEVICE)
+        picked = scan_select(rows, head=head, eos_index=eos, eps=eps, temperature=temperature, steps=steps.to(DEVICE),
+                             state=None if state is None else state.to(DEVICE), seed=seed, launch=launch)
+        _check_against_torch(picked, rows, head=head, eos=eos, eps=eps, steps=steps, state=state,
+                             temperature=temperature, bad=(4, 9), greedy=not draw, msg=f"seed={seed_value} {dtype}")
 
 
 @pytest.mark.parametrize("head,launch,top_k,top_p", [  # a forced tile holds the 2..16 candidates
@@ -440,13 +451,10 @@ def test_scan_select_equals_two_launches(head, draw, launch):
     for k, p in [(1, None), (4, None), (3, 0.6), (10, 0.9)]
     if launch is None or launch[0] >= max(2, 1 << (k - 1).bit_length()) and launch[1] * k < 100]  # (CI's time)
     + [("st", (64, 3), 20, 0.9)])  # K = 32: tl.topk per entering tile (slow in the interpreter: once)
-def test_scan_select_top_k_equals_two_launches(head, top_k, top_p, launch):
-    """The one-launch top-k (then top-p) step equals the candidate scan + candidate select kernels
-    it fuses, token for token (same keys, same draw; log-probabilities to float64 rounding, as
-    above), for every head and one to 13 splits; on a GPU over a large batch, where the rows' last
-    arrivals race."""
-    from nmst_fast.kernels.row_scan import scan_partials
-    from nmst_fast.kernels.row_select import select_candidates_from_scan
+def test_scan_select_top_k_equals_torch(head, top_k, top_p, launch):
+    """The one-launch top-k (then top-p) step against the torch path: every drawn token inside the
+    float64 truncated set, its log-probability and ST's state, for every head and one to 13 splits;
+    on a GPU over a large batch, where the rows' last arrivals race."""
     from nmst_fast.kernels.scan_select import scan_select
 
     seed_value = torch.seed() % 2**31
@@ -458,22 +466,14 @@ def test_scan_select_top_k_equals_two_launches(head, top_k, top_p, launch):
     z[::3] = z[::3].round()
     z[1, torch.rand(V, generator=gen) < 0.9] = float("-inf")  # fewer finite logits than some k
     z[5, 11] = float("nan")  # flagged
-    steps = torch.randint(-1, 40, (B,), generator=gen).to(DEVICE)
-    state = -torch.rand(B, generator=gen, dtype=torch.float64).to(DEVICE) if head == "st" else None
-    z = z.to(DEVICE)
-    seed = torch.tensor([seed_value + 1], device=DEVICE)
-    args = dict(head=head, eos_index=eos, eps=eps, steps=steps, state=state, seed=seed, top_p_threshold=top_p)
-    fused_step = scan_select(z, temperature=1.0, top_k=top_k, launch=launch, **args)
-    scan = scan_partials(z, eos_index=None if head == "va" else eos, candidates=top_k, launch=launch)
-    two = select_candidates_from_scan(z, scan, top_k=top_k, **args)
-    assert fused_step.flags.tolist() == two.flags.tolist() == [5, B], f"seed={seed_value}"
-    ok = torch.ones(B, dtype=torch.bool, device=DEVICE)
-    ok[5] = False
-    assert torch.equal(fused_step.tokens[ok], two.tokens[ok]), f"seed={seed_value}"
-    torch.testing.assert_close(fused_step.log_probs[ok], two.log_probs[ok], rtol=1e-12, atol=1e-12,
-                               msg=f"seed={seed_value}")
-    if head == "st":
-        assert torch.equal(fused_step.state[ok], two.state[ok])
+    steps = torch.randint(-1, 40, (B,), generator=gen)
+    state = -torch.rand(B, generator=gen, dtype=torch.float64) if head == "st" else None
+    picked = scan_select(z.to(DEVICE), head=head, eos_index=eos, eps=eps, temperature=1.0, steps=steps.to(DEVICE),
+                         state=None if state is None else state.to(DEVICE),
+                         seed=torch.tensor([seed_value + 1], device=DEVICE), top_k=top_k,
+                         top_p_threshold=top_p, launch=launch)
+    _check_against_torch(picked, z, head=head, eos=eos, eps=eps, steps=steps, state=state, bad=(5,),
+                         greedy=top_k == 1, top_k=top_k, top_p=top_p, msg=f"seed={seed_value}")
 
 
 def _workspace_sync(device):
@@ -486,8 +486,8 @@ def _workspace_sync(device):
 def test_scan_select_leaves_its_workspace_at_zero(mode):
     """No fill precedes the one-launch step: its arrival counters, the count of finished rows and the
     worst bad row must be zero again when every launch ends — through layouts of 3 and 13 splits, a
-    batch that shrinks and grows, flagged rows — and each step must equal the two-launch path (a
-    count left over would finish rows early, or never)."""
+    batch that shrinks and grows, flagged rows — and each step must still be right (a count left over
+    would finish rows early, or never)."""
     from nmst_fast.kernels.scan_select import scan_select
 
     seed_value = torch.seed() % 2**31
@@ -496,24 +496,14 @@ def test_scan_select_leaves_its_workspace_at_zero(mode):
         for B in [24, 5, 24]:
             z = (torch.randn(B, 200, generator=gen) * 3).to(DEVICE)
             z[B // 2, 3] = float("nan")  # flagged: the worst-bad slot is used and must be reset
-            seed = torch.tensor([seed_value + B], device=DEVICE)
+            seed = None if mode == "greedy" else torch.tensor([seed_value + B], device=DEVICE)
             args = dict(head="st", eos_index=7, eps=0.01, steps=5, state=None)
-            if mode == "top-k":
-                picked = scan_select(z, temperature=1.0, seed=seed, top_k=3, top_p_threshold=0.8, launch=launch,
-                                     **args)
-                from nmst_fast.kernels.row_scan import scan_partials
-                from nmst_fast.kernels.row_select import select_candidates_from_scan
-
-                scan = scan_partials(z, eos_index=7, candidates=3, launch=launch)
-                two = select_candidates_from_scan(z, scan, top_k=3, top_p_threshold=0.8, seed=seed, **args)
-            else:
-                seed = seed if mode == "draw" else None
-                picked = scan_select(z, temperature=0.9, seed=seed, launch=launch, **args)
-                _, two = _two_launch_step(z, "st", 7, 0.01, 5, None, seed, launch, 0.9)
-            assert picked.flags.tolist() == [B // 2, B], f"seed={seed_value} {launch} B={B}"
+            truncation = dict(top_k=3, top_p_threshold=0.8) if mode == "top-k" else {}
+            picked = scan_select(z, temperature=0.9, seed=seed, launch=launch, **truncation, **args)
             assert not bool(_workspace_sync(DEVICE).any()), f"seed={seed_value} {launch} B={B}"
-            ok = torch.arange(B, device=DEVICE) != B // 2
-            assert torch.equal(picked.tokens[ok], two.tokens[ok]), f"seed={seed_value} {launch} B={B}"
+            _check_against_torch(picked, z, head="st", eos=7, eps=0.01, steps=5, state=None, temperature=0.9,
+                                 bad=(B // 2,), greedy=mode == "greedy", top_k=truncation.get("top_k"),
+                                 top_p=truncation.get("top_p_threshold"), msg=f"seed={seed_value} {launch} B={B}")
 
 
 def test_scan_select_zeroes_its_workspace_when_a_launch_fails(monkeypatch):
@@ -538,8 +528,7 @@ def test_scan_select_zeroes_its_workspace_when_a_launch_fails(monkeypatch):
     assert not bool(_workspace_sync(DEVICE).any())
     monkeypatch.setattr(scan_select_module, "_scan_select_kernel", real)
     picked = scan_select_module.scan_select(z, **args)
-    _, two = _two_launch_step(z, "nmst", 2, 0.05, 3, None, None, (16, 3), 1.0)
-    assert picked.flags.tolist() == [6, 6] and torch.equal(picked.tokens, two.tokens)
+    _check_against_torch(picked, z, head="nmst", eos=2, eps=0.05, steps=3, state=None, greedy=True)
 
 
 def test_scan_select_refuses_bad_truncation():
@@ -551,41 +540,25 @@ def test_scan_select_refuses_bad_truncation():
         scan_select(z, seed=None, top_k=2, **args)
     with pytest.raises(ValueError, match="top_k"):
         scan_select(z, seed=torch.tensor([1]), top_k=0, **args)
-    # k >= V keeps every token (the candidate list covers the row), as the two-launch path does.
+    # k >= V keeps every token (the candidate list covers the row).
     picked = scan_select(z, seed=torch.tensor([1], device=DEVICE), top_k=16, **args)
     assert picked.flags.tolist() == [2, 2] and bool(((picked.tokens >= 0) & (picked.tokens < 10)).all())
 
 
-def test_fused_select_takes_one_launch_except_for_shared_rows(monkeypatch):
-    """``fused_select`` runs greedy and split-scan sampling as the one-launch step, except rows repeated
-    with stride 0 under greedy, which one row's scan serves (its two-launch path); ``fused_truncated``
-    likewise for top-k (its candidate scan draws no noise, so shared rows always share it)."""
-    import nmst_fast.kernels.row_select as row_select_module
-    import nmst_fast.kernels.scan_select as scan_select_module
-
-    calls = []
-    real_one, real_two = scan_select_module.scan_select, row_select_module.select_from_scan
-    monkeypatch.setattr(scan_select_module, "scan_select", lambda *a, **k: calls.append("one") or real_one(*a, **k))
-    monkeypatch.setattr(row_select_module, "select_from_scan",
-                        lambda *a, **k: calls.append("two") or real_two(*a, **k))
-    z = torch.randn(6, 50, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    shared = z[:1].expand(6, -1)
-    for rows, greedy in ((z, True), (z, False), (shared, True), (shared, False)):
-        picked = fused_select(rows, head="nmst", eos_index=2, eps=0.05, steps=3, greedy=greedy,
-                              generator=torch.Generator(device=DEVICE).manual_seed(0))
-        expected = effective_logits(rows, head="nmst", eos_index=2, eps=0.05, steps=3).token_log_probs(picked.tokens)
-        torch.testing.assert_close(picked.log_probs, expected, rtol=1e-6, atol=1e-6)
-    assert calls == ["one", "one", "two", "one"]
-    real_candidates = row_select_module.select_candidates_from_scan
-    monkeypatch.setattr(row_select_module, "select_candidates_from_scan",
-                        lambda *a, **k: calls.append("two") or real_candidates(*a, **k))
-    calls.clear()
-    for rows in (z, shared):
-        picked = fused_truncated(rows, head="nmst", eos_index=2, eps=0.05, steps=3, top_k=3, top_p=0.8,
+@pytest.mark.parametrize("greedy", [True, False])
+def test_rows_repeated_with_stride_zero(greedy):
+    """One prompt, several continuations (rows expanded with stride 0, per-row steps): the one-launch
+    step reads each row as it is, and agrees with the torch path; top-k and top-p as well."""
+    z = torch.randn(1, 50, generator=torch.Generator().manual_seed(3)).to(DEVICE).expand(6, -1)
+    steps = torch.arange(6, device=DEVICE) * 40
+    picked = fused_select(z, head="nmst", eos_index=2, eps=0.05, steps=steps, greedy=greedy,
+                          generator=torch.Generator(device=DEVICE).manual_seed(0))
+    _check_against_torch(picked, z, head="nmst", eos=2, eps=0.05, steps=steps, state=None, greedy=greedy)
+    for top_k, top_p in ((3, 0.8), (None, 0.8)):
+        picked = fused_truncated(z, head="nmst", eos_index=2, eps=0.05, steps=steps, top_k=top_k, top_p=top_p,
                                  generator=torch.Generator(device=DEVICE).manual_seed(0))
-        expected = effective_logits(rows, head="nmst", eos_index=2, eps=0.05, steps=3).token_log_probs(picked.tokens)
-        torch.testing.assert_close(picked.log_probs, expected, rtol=1e-6, atol=1e-6)
-    assert calls == ["one", "two"]
+        _check_against_torch(picked, z, head="nmst", eos=2, eps=0.05, steps=steps, state=None, top_k=top_k,
+                             top_p=top_p)
 
 
 FUSED_TRUNCATIONS = [(3, None), (None, 0.6), (5, 0.7), (30, None)]
@@ -775,8 +748,6 @@ def test_certain_eos_is_drawn_without_nan(head, eos_logit):
     for greedy in (True, False):
         picked = fused_select(z.to(DEVICE), greedy=greedy, generator=torch.Generator().manual_seed(0), **args)
         assert picked.log_probs.tolist() == [0.0] * 3
-    picked = _sampled(z.to(DEVICE), "row draw", generator=torch.Generator().manual_seed(0), **args)
-    assert picked.tokens.tolist() == [4] * 3 and picked.log_probs.tolist() == [0.0] * 3
     picked = fused_truncated(z.to(DEVICE), top_p=0.5, generator=torch.Generator().manual_seed(0), **args)
     assert picked.log_probs.tolist() == [0.0] * 3
 
@@ -873,28 +844,6 @@ def test_lane_candidates_and_their_fallback(K):
     assert (got[~valid] == -1).all()  # padding, not a column, where fewer than K are finite
 
 
-def test_select_flags_with_one_program_and_with_several(monkeypatch):
-    """A one-program select writes the flags itself (no fill launched first); several programs take
-    a filled buffer and atomics. Both give the same tokens, and both name the first NaN row."""
-    import nmst_fast.kernels.row_select as row_select
-
-    z = torch.randn(7, 300, device=DEVICE) * 2
-    results = {}
-    for rows_per_program in (None, 2):
-        if rows_per_program is not None:
-            monkeypatch.setattr(row_select, "_block_rows", lambda z, per_row, select_candidates: rows_per_program)
-        for greedy in (True, False):
-            picked = fused_select(z, head="nmst", eos_index=5, steps=3, greedy=greedy,
-                                  generator=torch.Generator(device=DEVICE).manual_seed(4))
-            results[rows_per_program, greedy] = picked.tokens.cpu()
-        bad = z.clone()
-        bad[[3, 6], 10] = float("nan")
-        with pytest.raises(ValueError, match="row 3"):
-            fused_select(bad, head="nmst", eos_index=5, steps=3, greedy=True)
-    for greedy in (True, False):
-        assert torch.equal(results[None, greedy], results[2, greedy])
-
-
 def test_greedy_pick_does_not_depend_on_the_split_layout():
     """Two logits z₁ < z₂ whose z · (1/T) round to one fp32 value: the scan ranks raw z, so every
     split layout (both in one split, or in two) picks z₂'s column, as the float64 reference does."""
@@ -917,7 +866,8 @@ def test_cuda_launch_shapes(sms):
     """The GPU split-V layouts (pure functions of B, V and the SM count): the plain and drawing scans
     fill about one wave of SCAN_PROGRAMS_PER_SM programs per SM and never more (their 128 registers
     let 4 reside, ``compile_check --resources``); candidate scans one wave of 4 (small K) or 3 (large K,
-    whose final tl.topk holds 168 registers); every split holds at least one tile and every launch
+    whose final tl.topk holds 168 registers), capped so that the finish merges at most FINISH_KEYS
+    keys; every split holds at least one tile and every launch
     at least one split."""
     from nmst_fast.kernels import row_scan
     from nmst_fast.kernels.host_math import cdiv
@@ -932,7 +882,8 @@ def test_cuda_launch_shapes(sms):
             for K, per_sm in ((4, 4), (16, 4), (32, 3), (128, 3)):
                 _, block_v, splits = row_scan.cuda_launch_shape(B, V, K, sms)
                 assert block_v == min(1024, 1 << (V - 1).bit_length())
-                assert splits == max(1, min(per_sm * sms // B, cdiv(V, block_v)))  # at most one wave
+                # At most one wave, and no more keys than the row's finish merges.
+                assert splits == max(1, min(per_sm * sms // B, row_scan.FINISH_KEYS // K, cdiv(V, block_v)))
     # Top-k 4 at 256 × 50257 on 132 SMs: 2 splits (512 programs, one wave), not 3 (1.16 waves); top-k 50: 1.
     assert row_scan.cuda_launch_shape(256, 50257, 4, 132)[2] == 2
     assert row_scan.cuda_launch_shape(256, 50257, 64, 132)[2] == 1

@@ -361,3 +361,71 @@ def test_metrics_take_a_generation_output():
     assert metrics.non_termination_curve(out, [5, 20]) == {5: 1.0, 20: 1.0}
     with pytest.raises(ValueError, match="terminated"):
         metrics.non_termination_ratio(out, 20, out.terminated)
+
+
+@pytest.mark.parametrize("head", ["nmst", "st", "va"])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_rows_learned_finished_late_leave_the_same_output(head, impl, monkeypatch):
+    """On a GPU the host learns a finished row a few steps late (its mask is copied behind the step),
+    keeps it in the batch, masked, and drops finished rows only once they are a quarter of it. Here
+    the host is made to learn 3 steps late: greedy decoding gives exactly the tokens, lengths,
+    termination and scores of learning at once, rows past their end read -1, and the batch shrank
+    later, in drops of a quarter of it or more."""
+    import nmst_fast.generation as generation
+
+    # Lengths from 1 to 30 (VA: one row never ends) with these eos biases.
+    model = TinyRNN(head=head, seed=4, eos_bias={"nmst": -4.0, "st": 4.0, "va": 1.0}[head]).to(DEVICE)
+    contexts = _contexts(B=16, seed=5).to(DEVICE)
+    prompt = generate(model, contexts, strategy="greedy", max_length=30, impl=impl)
+    at_once = list(model.rows_seen)
+    model.rows_seen.clear()
+    monkeypatch.setattr(generation, "HOST_LAG", 3)
+    late = generate(model, contexts, strategy="greedy", max_length=30, impl=impl)
+    assert torch.equal(late.tokens, prompt.tokens) and torch.equal(late.lengths, prompt.lengths)
+    assert torch.equal(late.terminated, prompt.terminated)
+    torch.testing.assert_close(late.scores, prompt.scores, rtol=1e-6, atol=1e-6)  # other batch shapes: fp32 rounding
+    positions = torch.arange(late.tokens.shape[1], device=late.tokens.device)
+    assert bool((late.tokens[positions >= late.lengths[:, None]] == -1).all())
+    assert int(late.lengths.max()) == late.tokens.shape[1]
+    assert len(set(prompt.lengths.tolist())) >= 4
+    # Finished rows stayed a while (more rows fed), left in drops of at least a quarter of the batch.
+    assert sum(model.rows_seen) > sum(at_once) and model.rows_seen == sorted(model.rows_seen, reverse=True)
+    drops = [a - b for a, b in zip(model.rows_seen, model.rows_seen[1:]) if a != b]
+    assert all(drop >= max(1, int(0.25 * a)) for drop, a in zip(drops, sorted(set(model.rows_seen), reverse=True)))
+
+
+def test_sampled_rows_learned_finished_late_stay_consistent(monkeypatch):
+    """Top-k sampling with the host learning finished rows 2 steps late: every continuation's score
+    is the model's log-probability of its tokens, terminated rows end in eos, and no token follows
+    a row's end."""
+    import nmst_fast.generation as generation
+
+    monkeypatch.setattr(generation, "HOST_LAG", 2)
+    model = TinyRNN(head="nmst", seed=2).double()
+    contexts = _contexts(B=12, seed=3)
+    out = generate(model, contexts, strategy="top_k", top_k=4, max_length=20,
+                   generator=torch.Generator().manual_seed(6))
+    eos = model.nmst_head.eos_index
+    for b in range(contexts.shape[0]):
+        n = int(out.lengths[b])
+        seq = out.tokens[b, :n]
+        assert bool((out.tokens[b, n:] == -1).all()) and bool((seq[:-1] != eos).all())
+        assert bool(out.terminated[b]) == (int(seq[-1]) == eos)
+        expected = sum(float(model.sequence_log_probs(contexts[b], seq[:i])[seq[i]]) for i in range(n))
+        assert float(out.scores[b]) == pytest.approx(expected, rel=1e-9, abs=1e-9)
+
+
+def test_a_nan_row_is_reported_once_the_loop_ends():
+    """The kernels' flags stay on the device during the loop and are read once at its end: a model
+    whose logits turn NaN for one row makes ``generate`` raise, naming the step's bad row."""
+    model = TinyRNN(head="va", seed=1, eos_bias=-50.0).to(DEVICE)  # no row ends before the NaN
+    real_decode = model.decode_step
+
+    def decode_step(tokens, h):
+        out, h = real_decode(tokens, h)
+        return out.index_fill(0, torch.tensor([0], device=out.device), float("nan")), h
+
+    model.decode_step = decode_step
+    for impl in ("torch", "triton"):
+        with pytest.raises(ValueError, match="row 0"):
+            generate(model, _contexts(B=3).to(DEVICE), strategy="greedy", max_length=8, impl=impl)

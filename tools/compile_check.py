@@ -35,7 +35,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from nmst_fast.kernels import nucleus, row_draw, row_scan, row_select, scale_cast, scan_select, split_softmax
+from nmst_fast.kernels import row_draw, row_scan, scale_cast, scan_select, split_softmax
 from nmst_fast.kernels.host_math import cdiv, next_power_of_2, scan_width
 
 H100_SMS = 132  # an H100's or H200's multiprocessors: split counts follow from it
@@ -113,7 +113,7 @@ def launches() -> list[Launch]:
             state=torch.zeros(4, dtype=torch.float64) if head == "st" else None, seed=seed_tensor),
             label, dict(BLOCK_B=1, BLOCK_V=block_v, LANE_TILES=lane_tiles, BLOCK_S=splits)))
     # Its top-k finish at the GPU layouts of 256 x 50257 (small K: 2 splits, large K: 1) and of B = 1
-    # (small K: 50 splits; larger K take the two-launch path there), up to the largest K its finish holds.
+    # (small K: 50 splits; larger K as many as the finish's keys allow).
     for head, top_k, top_p, batch in (("nmst", 4, None, 256), ("st", 3, 0.5, 256), ("va", 4, 0.9, 1),
                                       ("nmst", 50, None, 256), ("nmst", 100, 0.9, 256)):
         K = max(2, 1 << (top_k - 1).bit_length())
@@ -125,38 +125,28 @@ def launches() -> list[Launch]:
             state=torch.zeros(4, dtype=torch.float64) if head == "st" else None, seed=torch.tensor([3]),
             top_k=top_k, top_p_threshold=top_p),
             label, dict(BLOCK_B=1, BLOCK_V=block_v, BLOCK_S=block_s), dict(num_warps=row_scan._num_warps(K))))
-    scan = _fake_scan(z, 0)
+    # Per-row steps and ST states (tensors where the calls above pass ints) for every head, greedy
+    # and the draw; every head's top-k finish at the largest K (its widest tl.topk of splits x K keys).
     steps = torch.arange(4)
     state = torch.zeros(4, dtype=torch.float64)
     seed = torch.tensor([3])
-    variants = [(head, greedy, per_row, torch.float32) for head in ("va", "nmst", "st") for greedy in (True, False)
-                for per_row in (False, True)] + [("nmst", False, False, torch.bfloat16)]
-    for head, greedy, per_row, dtype in variants:
-        label = (f"select {head} {'greedy' if greedy else 'sampling'} steps {'tensor' if per_row else 'int'} "
-                 f"{str(dtype)[6:]}")
-        out.append(_record(row_select, "_select_kernel", lambda: row_select.select_from_scan(
-            z.to(dtype), scan, head=head, eos_index=5, eps=1e-5, temperature=0.7, steps=steps if per_row else 3,
-            state=state if head == "st" else None, seed=None if greedy else seed),
-            label, dict(BLOCK_B=row_select.cuda_block_rows(4, select_candidates=False), BLOCK_S=4)))
-    # More rows than one program takes: a fill of the flags first, then atomics (the rest store them).
-    many = out[-1]
-    out.append(Launch(many.name + " several programs", many.kernel, many.args, many.kwargs,
-                      many.cuda_constexprs | {"STORE_FLAGS": False}))
-    # Every head x truncation at a small K; the large-K shapes (the most registers, the widest
-    # tl.topk: 64 splits x 128 candidates for one long row) once per head or once.
-    candidate_variants = (
-        [(4, 4, head, trunc) for head in ("va", "nmst", "st") for trunc in ((4, None), (3, 0.5))]
-        + [(128, 4, head, (3, 0.5)) for head in ("va", "nmst", "st")] + [(128, 64, "st", (100, 0.9))])
-    for K, block_s, head, (top_k, top_p) in candidate_variants:
-        cand_scan = _fake_scan(z, K)
-        label = f"select candidates {head} K={K} splits<={block_s} top_k={top_k} top_p={top_p}"
-        block_b = row_select.cuda_block_rows(block_s * K, select_candidates=True)
-        out.append(_record(row_select, "_select_candidates_kernel", lambda: row_select.select_candidates_from_scan(
-            z, cand_scan, head=head, eos_index=5, eps=1e-5, steps=3, state=state if head == "st" else None,
-            top_k=top_k, top_p_threshold=top_p, seed=seed),
-            label, dict(BLOCK_S=block_s, BLOCK_B=block_b),
-            dict(num_warps=row_select.candidate_num_warps(block_b, block_s, K))))
-    out += _nucleus_launches(state, seed)
+    _, block_v, _ = row_scan.cuda_launch_shape(256, 50257, 0, H100_SMS)
+    for head in ("va", "nmst", "st"):
+        for draw in (None, seed):
+            label = f"scan_select {head} {'greedy' if draw is None else 'draw'} steps tensor"
+            lane_tiles = scan_width(cdiv(cdiv(50257, 2), block_v)) if draw is not None else 1
+            out.append(_record(scan_select, "_scan_select_kernel", lambda: scan_select.scan_select(
+                z, head=head, eos_index=5, eps=1e-5, temperature=0.7, steps=steps,
+                state=state if head == "st" else None, seed=draw),
+                label, dict(BLOCK_B=1, BLOCK_V=block_v, LANE_TILES=lane_tiles, BLOCK_S=2)))
+        _, cand_block_v, splits = row_scan.cuda_launch_shape(1, 50257, 128, H100_SMS)
+        out.append(_record(scan_select, "_scan_select_kernel", lambda: scan_select.scan_select(
+            z, head=head, eos_index=5, eps=1e-5, temperature=1.0, steps=steps, state=state if head == "st" else None,
+            seed=seed, top_k=100, top_p_threshold=0.9),
+            f"scan_select {head} top_k=100 top_p=0.9 splits={splits}",
+            dict(BLOCK_B=1, BLOCK_V=cand_block_v, BLOCK_S=next_power_of_2(splits)),
+            dict(num_warps=row_scan._num_warps(128))))
+    out += _row_draw_launches(state, seed)
     out += _small_vocab_launches(seed)
     zb = z.to(torch.bfloat16)
     targets = torch.zeros(4, dtype=torch.long)
@@ -181,66 +171,39 @@ def launches() -> list[Launch]:
     return out
 
 
-def _nucleus_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launch]:
-    """The row-draw kernel (top-p by rejection; plain sampling), the nucleus cut and its draw kernel,
-    for every head (fp32, and bf16 once), at the CUDA launch shape of a 128256-token vocabulary
-    (the widest per-tile table)."""
+def _row_draw_launches(state: torch.Tensor, seed: torch.Tensor) -> list[Launch]:
+    """The row-draw kernel (top-p by rejection) for every head (fp32, and bf16 once), in both layouts,
+    at the CUDA launch shape of a 128256-token vocabulary (the widest per-lane table) and of the
+    benchmarks' 50257."""
     V = 128256
     z = torch.randn(4, V, generator=torch.Generator().manual_seed(1))
-    cut_shape = nucleus.cuda_launch(V)
-    draw_shape = nucleus.draw_launch(4, V, cut_shape["BLOCK_V"], cuda=True)
     out = []
     for head, dtype in [("va", torch.float32), ("nmst", torch.float32), ("st", torch.float32),
                         ("nmst", torch.bfloat16)]:
-        cut_sink: list = []
-        draw_sink: list = []
-        with _recording(nucleus, "_nucleus_cut_kernel", cut_sink) as cut_kernel, \
-                _recording(nucleus, "_nucleus_draw_kernel", draw_sink) as draw_kernel:
-            nucleus.nucleus_select(z.to(dtype), head=head, eos_index=5, eps=1e-5, temperature=0.7, steps=3,
-                                   state=state if head == "st" else None, top_p_threshold=0.9, seed=seed)
         label = f"{head} {str(dtype)[6:]}"
-        out.append(Launch(f"nucleus cut {label}", cut_kernel, *cut_sink[0], *_blocks_and_options(cut_shape)))
-        draw_blocks, draw_options = _blocks_and_options(draw_shape | {"BLOCK_V": cut_shape["BLOCK_V"]})
-        out.append(Launch(f"nucleus draw {label}", draw_kernel, *draw_sink[0], draw_blocks, draw_options))
-        for mode, top_p in (("top-p", 0.9), ("sampling", None)):
-            out.append(_record_row_draw(z.to(dtype), head=head, state=state if head == "st" else None,
-                                        temperature=0.7, top_p=top_p, seed=seed, label=f"row draw {mode} {label}"))
-        # Top-p over more rows than SMs: two compact programs per SM, capped at 128 registers.
-        out.append(_record_row_draw(z.to(dtype), head=head, state=state if head == "st" else None, temperature=0.7,
-                                    top_p=0.9, seed=seed, label=f"row draw top-p {label} compact",
-                                    layout=row_draw.COMPACT_TOP_P))
-    for candidates in (2, 4):  # top-p's rounds with several candidates (profile_decoding's round-candidates)
         for name, layout in row_draw.TOP_P_LAYOUTS.items():
-            out.append(_record_row_draw(z, head="nmst", state=None, temperature=0.7, top_p=0.4, seed=seed,
-                                        label=f"row draw top-p {candidates} candidates per round {name}",
-                                        round_candidates=candidates, layout=layout))
+            out.append(_record_row_draw(z.to(dtype), head=head, state=state if head == "st" else None,
+                                        temperature=0.7, top_p=0.9, seed=seed, label=f"row draw {label} {name}",
+                                        layout=layout))
     # The benchmarks' vocabulary: its 32-column lane tables lay out differently (the within-lane draw
-    # of a round stays inside one warp), so ``--loops`` shows the rounds the H100 tables time.
+    # of a round stays inside one warp).
     z50257 = torch.randn(4, 50257, generator=torch.Generator().manual_seed(1))
     for name, layout in row_draw.TOP_P_LAYOUTS.items():
         out.append(_record_row_draw(z50257, head="nmst", state=None, temperature=0.7, top_p=0.9, seed=seed,
-                                    label=f"row draw top-p nmst float32 V=50257 {name}", layout=layout))
+                                    label=f"row draw nmst float32 V=50257 {name}", layout=layout))
     return out
 
 
 def _small_vocab_launches(seed: torch.Tensor) -> list[Launch]:
-    """The row draw and the nucleus draw at vocabularies of one to two tiles (V divisible by 16, so
-    the loads are vectorized): Triton 3.6's scan lowering failed there on an H100 until the per-tile
-    table was padded (``host_math.scan_width``)."""
+    """The row draw at vocabularies of one to two tiles (V divisible by 16, so the loads are
+    vectorized): Triton 3.6's scan lowering failed there on an H100 until the per-tile table was
+    padded (``host_math.scan_width``)."""
     out = []
     for V in (512, 1024, 4096):
         z = torch.randn(64, V, generator=torch.Generator().manual_seed(2))
-        for dtype, top_p in ((torch.float32, 0.9), (torch.bfloat16, None)):
-            out.append(_record_row_draw(z.to(dtype), head="nmst", state=None, temperature=1.0, top_p=top_p, seed=seed,
-                                        label=f"row draw V={V} {str(dtype)[6:]} top_p={top_p}"))
-        cut_shape = nucleus.cuda_launch(V)
-        sink: list = []
-        with (_recording(nucleus, "_nucleus_cut_kernel", []),
-              _recording(nucleus, "_nucleus_draw_kernel", sink) as kernel):
-            nucleus.nucleus_select(z, head="va", eos_index=5, eps=1e-5, temperature=1.0, steps=3, state=None,
-                                   top_p_threshold=0.9, seed=seed)
-        shape = nucleus.draw_launch(64, V, cut_shape["BLOCK_V"], cuda=True) | {"BLOCK_V": cut_shape["BLOCK_V"]}
-        out.append(Launch(f"nucleus draw V={V} B=64", kernel, *sink[0], *_blocks_and_options(shape)))
+        for dtype in (torch.float32, torch.bfloat16):
+            out.append(_record_row_draw(z.to(dtype), head="nmst", state=None, temperature=1.0, top_p=0.9, seed=seed,
+                                        label=f"row draw V={V} {str(dtype)[6:]}"))
     # The one-launch step with one split (a small vocabulary, or a batch of over 4 rows per SM): a
     # one-column split table in the finish's inverse CDF (``first_crossing``'s cumsum).
     for V, seed_or_none in ((400, seed), (2048, seed), (2048, None)):
@@ -254,14 +217,14 @@ def _small_vocab_launches(seed: torch.Tensor) -> list[Launch]:
     return out
 
 
-def _record_row_draw(z: torch.Tensor, *, head: str, state, temperature: float, top_p, seed: torch.Tensor,
-                     label: str, round_candidates: Optional[int] = None, layout: Optional[dict] = None) -> Launch:
+def _record_row_draw(z: torch.Tensor, *, head: str, state, temperature: float, top_p: float, seed: torch.Tensor,
+                     label: str, layout: Optional[dict] = None) -> Launch:
     """One row-draw launch on ``z`` at the CUDA launch shape of its vocabulary (eos at column 5, t = 3);
-    ``layout``: top-p's (``row_draw.top_p_layout``), else the default's (the wide one for top-p)."""
+    ``layout``: one of ``row_draw.TOP_P_LAYOUTS`` (default: the wide one)."""
     return _record(row_draw, "_row_draw_kernel", lambda: row_draw.draw_rows(
         z, head=head, eos_index=5, eps=1e-5, temperature=temperature, steps=3, state=state,
-        top_p_threshold=top_p, seed=seed, round_candidates=round_candidates), label,
-        *_blocks_and_options(row_draw.cuda_launch(z.shape[1], top_p=top_p is not None, **(layout or {}))))
+        top_p_threshold=top_p, seed=seed), label,
+        *_blocks_and_options(row_draw.cuda_launch(z.shape[1], **(layout or {}))))
 
 
 _COMPILE_OPTIONS = ("num_warps", "maxnreg")
@@ -271,12 +234,6 @@ def _blocks_and_options(shape: dict) -> tuple[dict, dict]:
     """A launch dict split into its constexpr block sizes and its compile options (num_warps, maxnreg)."""
     return ({key: value for key, value in shape.items() if key not in _COMPILE_OPTIONS},
             {key: value for key, value in shape.items() if key in _COMPILE_OPTIONS})
-
-
-def _fake_scan(z: torch.Tensor, K: int) -> row_scan.ScanPartials:
-    """Partials of a scan's shapes and dtypes (two splits, K candidates (0: none), a draw per split), without
-    running it."""
-    return row_scan.ScanPartials(row_scan.empty_partials(z.shape[0], 2, K, z.device, draws=True), z.shape[1], K)
 
 
 def compile_launch(launch: Launch, arch: int):

@@ -8,9 +8,10 @@ from typing import Optional
 import torch
 
 from ..validation import check_float_tensor
-from .distribution import Steps, effective_logits
-from .fused import fused_ranked_candidates
-from .selection import ranked_candidates, use_fused
+from .distribution import Steps, check_rows, check_step_args, effective_logits, eos_terms
+from .selection import ranked_candidates
+from .step import kernels_serve
+from .truncation import insert_eos
 
 
 @dataclass
@@ -84,8 +85,8 @@ def beam_step(
     # Any of an item's C best extensions is among its own beam's C best tokens: K·C candidates suffice.
     per_beam = min(C, V)
     args = dict(head=head, eos_index=eos_index, eps=eps, steps=steps, state=state, temperature=temperature)
-    if use_fused(impl, logits, per_beam, None, ranked=True):
-        tokens, log_p, new_state = fused_ranked_candidates(logits, k=per_beam, **args)
+    if kernels_serve(impl, logits.device, per_beam, None, ranked=True):
+        tokens, log_p, new_state = _kernel_candidates(logits, k=per_beam, **args)
     else:
         dist = effective_logits(logits, **args)
         tokens, log_p = ranked_candidates(dist, per_beam)
@@ -98,3 +99,32 @@ def beam_step(
     cand_tokens = tokens.reshape(B, num_beams * per_beam).gather(1, order)
     cand_state = None if new_state is None else new_state[beam_rows]
     return BeamCandidates(cand_tokens, scores.gather(1, order), beam_rows, cand_state)
+
+
+def _kernel_candidates(
+    logits: torch.Tensor, *, head: str, eos_index: int, eps: float, steps: Steps, state: Optional[torch.Tensor],
+    temperature: float, k: int,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The k most probable tokens per row in rank order (ties → lower index), from one read of the
+    logits: the scan's ranked non-eos candidates (``nmst_fast/kernels/row_scan.py``), eos merged in by
+    its exact ζ_eos, then O(B·k) float64 torch math — no (B, V) tensor.
+
+    Returns (tokens (B, k) int64, log_probs (B, k) float64, ST's new state (B,) or None); rows with
+    fewer than k tokens are padded with token -1 and log-prob -inf.
+    """
+    from nmst_fast.kernels.row_scan import row_scan  # lazy: Triton picks interpret mode at import
+
+    check_step_args(logits, head, eos_index, eps, temperature)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    scan = row_scan(logits, eos_index=None if head == "va" else eos_index, temperature=temperature, candidates=k)
+    lse, tokens, zeta = scan["lse"].to(torch.float64), scan["cand_idx"], scan["cand_val"].to(torch.float64)
+    if head == "va":
+        check_rows(lse)
+        return tokens[:, :k], zeta[:, :k] - lse.unsqueeze(1), None
+    log_norm, eos_zeta, eos_log_prob, next_state = eos_terms(
+        lse, logits[:, eos_index].to(torch.float64), head=head, eps=eps, steps=steps, state=state)
+    tokens, zeta = insert_eos(tokens, zeta, eos_index, eos_zeta)
+    tokens = tokens[:, :k]
+    log_p = torch.where(tokens == eos_index, eos_log_prob.unsqueeze(1), zeta[:, :k] - log_norm.unsqueeze(1))
+    return tokens, log_p, next_state

@@ -1,6 +1,7 @@
-"""Token selection on the NMST/ST/VA step distribution: greedy, top-k, top-p, sampling.
+"""Token selection on the NMST/ST/VA step distribution in torch: greedy, top-k, top-p, sampling.
 
-CPU/torch path without a full sort of the vocabulary. Tokens are ranked by
+The torch path of :class:`nmst_fast.decoding.step.DecodingStep`, without a full sort of the
+vocabulary. Tokens are ranked by
 probability with ties broken toward the lower index, exactly:
 
 * non-eos tokens rank by their effective logit ζ (their raw logit, up to a
@@ -19,16 +20,13 @@ takes two rounds, not log₄ V).
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Callable, Optional
 
 import torch
 
-from ..validation import check_float_tensor
-from .distribution import StepDistribution, Steps, effective_logits, row_blocks_of
-from .fused import FusedSelection, fused_available, fused_sample, fused_truncation_available
+from .distribution import StepDistribution, row_blocks_of
 from .rejection import nucleus_by_rejection
-from .truncation import draw, insert_eos, truncate, untruncated
+from .truncation import check_truncation, draw, insert_eos, truncate, untruncated
 
 _FIRST_CANDIDATES = 64
 
@@ -135,13 +133,6 @@ def greedy(dist: StepDistribution) -> torch.Tensor:
     return torch.where(eos_wins, eos, best_idx)
 
 
-def _check_truncation(top_k: Optional[int], top_p: Optional[float]) -> None:
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
-        raise ValueError(f"top_p must lie in (0, 1] or be None, got {top_p!r}")
-
-
 def truncated_candidates(
     dist: StepDistribution, top_k: Optional[int], top_p: Optional[float], *, first_size: Optional[int] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,18 +181,18 @@ def select(
 ) -> torch.Tensor:
     """Draw one token per row (B,) from ``dist`` after optional top-k / top-p truncation
     (``first_size``: see :func:`truncated_candidates`)."""
-    _check_truncation(top_k, top_p)
+    check_truncation(top_k, top_p)
     if top_k == 1:
         return greedy(dist)
     if untruncated(top_k, top_p):
         return _by_row_blocks(dist, lambda part, rows: draw(part.probs(), generator, overwrite=True).squeeze(1))
     if top_k is None and first_size is None and dist.zeta.device.type == "cpu":
-        return _nucleus(dist, top_p, generator)
+        return _top_p_on_cpu(dist, top_p, generator)
     tokens, probs = truncated_candidates(dist, top_k, top_p, first_size=first_size)
     return tokens.gather(1, draw(probs, generator)).squeeze(1)
 
 
-def _nucleus(dist: StepDistribution, top_p: float, generator: Optional[torch.Generator]) -> torch.Tensor:
+def _top_p_on_cpu(dist: StepDistribution, top_p: float, generator: Optional[torch.Generator]) -> torch.Tensor:
     """Top-p alone on CPU (B,): one candidate list of 64 settles the rows whose nucleus it
     covers (one partial selection: peaked rows); the rest draw by rejection
     (:mod:`.rejection`: a few passes over the row whatever the nucleus size)."""
@@ -225,99 +216,3 @@ def _by_row_blocks(dist: StepDistribution, pick: Callable[[StepDistribution, sli
     if len(blocks) == 1:
         return pick(dist, blocks[0])
     return torch.cat([pick(dist.take(rows), rows) for rows in blocks])
-
-
-def check_impl(impl: object) -> None:
-    if impl not in ("auto", "triton", "torch"):
-        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-
-
-def use_fused(impl: str, logits: torch.Tensor, top_k: Optional[int], top_p: Optional[float], *,
-              ranked: bool = False) -> bool:
-    """Whether the Triton kernels serve this call.
-
-    They serve greedy, untruncated sampling, top-p alone (any nucleus size:
-    ``nmst_fast/kernels/row_draw.py``, ``nmst_fast/kernels/nucleus.py``) and top-k (then top-p) with k
-    up to ``nmst_fast.kernels.row_scan.MAX_CANDIDATES``. ``ranked``: the caller wants the ``top_k``
-    best tokens in rank order (beam search), which always takes the candidate list.
-    """
-    check_impl(impl)
-    if impl == "torch" or (impl == "auto" and not logits.is_cuda):
-        return False
-    servable = (not ranked and untruncated(top_k, top_p)) or fused_truncation_available(top_k)
-    if impl == "triton":
-        if not servable:
-            raise ValueError("impl='triton' serves top_k up to nmst_fast.kernels.row_scan.MAX_CANDIDATES (and needs "
-                             f"tl.topk for truncation), got top_k={top_k}; use impl='torch'")
-        if not fused_available(logits):
-            raise ValueError("impl='triton' needs CUDA logits (or TRITON_INTERPRET=1 for CPU tensors)")
-        return True
-    return servable and fused_available(logits)
-
-
-@torch.no_grad()  # a draw, not a loss: logits straight from a model may require grad
-def sample(
-    logits: torch.Tensor,
-    *,
-    head: str,
-    eos_index: int,
-    eps: float = 1e-5,
-    steps: Steps = 1,
-    state: Optional[torch.Tensor] = None,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    temperature: float = 1.0,
-    generator: Optional[torch.Generator] = None,
-    impl: str = "auto",
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Draw one token per row from the head's step distribution, optionally truncated.
-
-    Args:
-        logits: (B, V) raw logits of this step.
-        head, eos_index, eps: the head (see :func:`nmst_fast.linear_nmst_loss`).
-        steps: t of this step (int or (B,)); t <= 0 is context (p(eos) = 0).
-        state: "st" only: running log(1−α) from the previous step (None at the start).
-        top_k: keep the k most probable tokens (ties → lower index); ``top_k=1`` is greedy.
-        top_p: keep the smallest most-probable set with mass >= p (after top-k, if both).
-        temperature: divides non-eos logits (all logits for "va"); p(eos) of NMST/ST is unchanged.
-        generator: torch.Generator for reproducible draws.
-        impl: "auto" (the one-read Triton scan on CUDA when it serves the call, see
-            :func:`use_fused`; torch otherwise), "triton" (CPU tensors need TRITON_INTERPRET=1)
-            or "torch".
-    Returns:
-        (tokens (B,) int64, new state).
-    """
-    check_float_tensor("logits", logits)  # before the backend choice reads logits.is_cuda
-    _check_truncation(top_k, top_p)
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    picked, first_size = try_fused_sample(logits, head=head, eos_index=eos_index, eps=eps, steps=steps, state=state,
-                                          top_k=top_k, top_p=top_p, temperature=temperature, generator=generator,
-                                          impl=impl)
-    if picked is not None:
-        return picked.tokens, picked.state
-    dist = effective_logits(logits, head=head, eos_index=eos_index, eps=eps, steps=steps, state=state,
-                            temperature=temperature)
-    return select(dist, top_k=top_k, top_p=top_p, generator=generator, first_size=first_size), dist.state
-
-
-def try_fused_sample(
-    logits: torch.Tensor, *, head: str, eos_index: int, eps: float, steps: Steps, state: Optional[torch.Tensor],
-    top_k: Optional[int], top_p: Optional[float], temperature: float, generator: Optional[torch.Generator], impl: str,
-) -> tuple[Optional[FusedSelection], Optional[int]]:
-    """The fused pick when :func:`use_fused` serves the call (arguments as :func:`sample`).
-
-    Returns (selection, None), or (None, first_size) for the torch path: ``first_size`` is
-    top-p's first candidate-list size for :func:`select` (None: its default). The kernels give
-    up only on a nucleus cut they could not isolate (many distinct values packed at the cut);
-    CUDA then ranks the whole row at once (one segmented sort costs about one large
-    ``torch.topk`` there, and growing rounds would repeat it: the GPU run measured 6.9 ms for
-    the rounds vs 3.9 ms sort-based at 256×50257).
-    """
-    if not use_fused(impl, logits, top_k, top_p):
-        return None, None
-    picked = fused_sample(logits, head=head, eos_index=eos_index, eps=eps, steps=steps, state=state,
-                          temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-    if picked is not None:
-        return picked, None
-    return None, logits.shape[1] if logits.is_cuda else None

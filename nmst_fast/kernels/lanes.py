@@ -6,7 +6,7 @@ over the row's tiles has no block-wide reduction, no barrier and no shuffle: eve
 on its own, and one reduction after the loop merges the lanes. The decoding kernels that reduced
 every tile instead spent 26-35 sm_90 instructions per element and 3-9 barriers per tile on it
 (read off their sm_90 SASS). Used by the split-V scan
-(``row_scan``: greedy and the split's draw) and the row draw (``row_draw``: sampling and top-p).
+(``row_scan``: greedy and the split's draw) and the row draw (``row_draw``: top-p).
 
 Whole tiles clear of eos (every tile of a row but one or two) load without a mask
 (:func:`tile_spans`): no per-element predicate, and no per-element address either where the row

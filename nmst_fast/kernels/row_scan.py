@@ -29,6 +29,7 @@ and sampling in one more launch).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -381,6 +382,9 @@ SCAN_PROGRAMS_PER_SM = 4
 CANDIDATE_BLOCK_V = 1024
 SMALL_K_PROGRAMS_PER_SM = 4
 LARGE_K_PROGRAMS_PER_SM = 3
+# The finishing program of a row (``scan_select``) merges splits × K candidate keys in registers (a
+# tl.topk of them): candidate scans take at most this many keys' worth of splits.
+FINISH_KEYS = 512
 
 
 def launch_shape(z: torch.Tensor, candidates: int) -> tuple[int, int, int]:
@@ -390,9 +394,17 @@ def launch_shape(z: torch.Tensor, candidates: int) -> tuple[int, int, int]:
         # The interpreter: one split, many rows per program.
         width = min(2048, next_power_of_2(V))
         return interpreter_block_rows(B, width), width, 1
-    return cuda_launch_shape(B, V, candidates, torch.cuda.get_device_properties(z.device).multi_processor_count)
+    return cuda_launch_shape(B, V, candidates, multi_processors(z.device.index))
 
 
+@functools.lru_cache(maxsize=None)
+def multi_processors(index: Optional[int]) -> int:
+    """SMs of a CUDA device (None: the current one), asked once (a decoding step's host time counts)."""
+    return torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index
+                                            ).multi_processor_count
+
+
+@functools.lru_cache(maxsize=4096)
 def cuda_launch_shape(B: int, V: int, candidates: int, multi_processors: int) -> tuple[int, int, int]:
     """:func:`launch_shape` on a GPU of ``multi_processors`` SMs (also what ``compile_check`` compiles)."""
     B = max(B, 1)  # an empty batch launches nothing; its shape only has to exist
@@ -402,7 +414,7 @@ def cuda_launch_shape(B: int, V: int, candidates: int, multi_processors: int) ->
     else:
         block_v = min(CANDIDATE_BLOCK_V, next_power_of_2(V))
         per_sm = SMALL_K_PROGRAMS_PER_SM if candidates <= EXTRACT_MAX_K.value else LARGE_K_PROGRAMS_PER_SM
-        splits = per_sm * multi_processors // B
+        splits = min(per_sm * multi_processors // B, FINISH_KEYS // candidates)  # candidates: K, a power of 2
     return 1, block_v, max(1, min(splits, cdiv(V, block_v)))
 
 
@@ -451,6 +463,8 @@ def empty_partials(rows: int, splits: int, K: int, device: torch.device, draws: 
 
 def _as_seed(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(seed, torch.Tensor):
+        if seed.dtype == torch.int64 and seed.shape == (1,) and seed.device == device:
+            return seed
         if seed.numel() != 1 or seed.dtype.is_floating_point:
             raise ValueError("seed must be a one-element integer tensor")
         return seed.reshape(1).to(device=device, dtype=torch.int64)
@@ -501,29 +515,44 @@ def scan_launch(z: torch.Tensor, *, eos_index: int | None, temperature: float, s
     if not 0 <= candidates <= MAX_CANDIDATES or (candidates and not HAS_TOPK):
         raise ValueError(f"candidates must lie in [0, {MAX_CANDIDATES}] (and needs tl.topk), got {candidates}")
     B, V = z.shape
+    draws = seed is not None
+    grid, split_width, layout, meta = _launch_plan(B, V, candidates, launch, draws, z.device.index if z.is_cuda else -1)
+    if sync_slots is None or not B:
+        parts = {name: torch.empty(shape, dtype=dtype, device=z.device) for name, (shape, dtype) in layout.items()}
+        sync = None
+    else:
+        sync, *buffers = step_buffers(z.device, sync_slots, tuple(layout.values()))
+        parts = dict(zip(layout, buffers))
+    unused = parts["top_idx"]  # the pointer the kernel gets for outputs it does not write
+    seed_tensor = _as_seed(seed, z.device) if draws else unused
+    args = (z, z.stride(0), B, V, split_width, -1 if eos_index is None else eos_index, 1.0 / temperature, seed_tensor,
+            parts["max"], parts["sum"], parts["top_val"], parts["top_idx"], parts.get("draw_idx", unused),
+            parts.get("keys", unused))
+    return ScanLaunch(grid, args, meta | {"HAS_EOS": eos_index is not None}, ScanPartials(parts, V, meta["K"]), sync)
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch_plan(B: int, V: int, candidates: int, launch: tuple[int, int] | None, draws: bool,
+                 device_index: Optional[int]) -> tuple[tuple[int, int], int, dict, dict]:
+    """(grid, columns per split, the partials' layout, the kernel's compile-time flags) of a scan,
+    computed once per shape (``device_index``: the CUDA device, -1 for the interpreter); the flags
+    are shared: callers add to a copy."""
     # At least 2: Triton 3.6's tl.topk fails to compile for k = 1.
     K = max(2, next_power_of_2(candidates)) if candidates else 0
-    block_b, block_v, splits = launch_shape(z, K)
+    if device_index == -1:
+        width = min(2048, next_power_of_2(V))  # the interpreter: one split, many rows per program
+        block_b, block_v, splits = interpreter_block_rows(B, width), width, 1
+    else:
+        block_b, block_v, splits = cuda_launch_shape(B, V, K, multi_processors(device_index))
     if launch is not None:
         block_v, splits = launch
         if K > block_v:
             raise ValueError(f"launch's BLOCK_V ({block_v}) must hold the {K} candidates")
     K = min(K, block_v)  # only when V < K: a row has fewer columns than candidates asked for
     split_width, splits = split_layout(V, block_v, splits)
-    if sync_slots is None or not B:
-        parts, sync = empty_partials(B, splits, K, z.device, draws=seed is not None), None
-    else:
-        layout = _partial_layout(B, splits, K, draws=seed is not None)
-        sync, *buffers = step_buffers(z.device, sync_slots, tuple(layout.values()))
-        parts = dict(zip(layout, buffers))
-    unused = parts["top_idx"]  # the pointer the kernel gets for outputs it does not write
-    seed_tensor = unused if seed is None else _as_seed(seed, z.device)
-    args = (z, z.stride(0), B, V, split_width, -1 if eos_index is None else eos_index, 1.0 / temperature, seed_tensor,
-            parts["max"], parts["sum"], parts["top_val"], parts["top_idx"], parts.get("draw_idx", unused),
-            parts.get("keys", unused))
-    meta = dict(HAS_EOS=eos_index is not None, DRAW=seed is not None, K=K, BLOCK_B=block_b, BLOCK_V=block_v,
-                LANE_TILES=scan_width(split_width // block_v) if seed is not None else 1, num_warps=_num_warps(K))
-    return ScanLaunch((cdiv(B, block_b), splits), args, meta, ScanPartials(parts, V, K), sync)
+    meta = dict(DRAW=draws, K=K, BLOCK_B=block_b, BLOCK_V=block_v,
+                LANE_TILES=scan_width(split_width // block_v) if draws else 1, num_warps=_num_warps(K))
+    return (cdiv(B, block_b), splits), split_width, _partial_layout(B, splits, K, draws), meta
 
 
 def scan_partials(

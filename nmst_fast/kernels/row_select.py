@@ -1,27 +1,24 @@
-"""One token per row from the row scan's partials, with the head math in-kernel.
+"""A row's finish from the row scan's partials, with the head math in-kernel.
 
 ``nmst_fast/kernels/row_scan.py`` leaves, per row and V-split, the running max/sum of the
 non-eos logits and either the first argmax, one column drawn from the split, or the
-K best non-eos candidates. One small program per block of rows then does everything that
-is O(1) (or O(K)) per row:
+K best non-eos candidates. The row's last split to finish (``nmst_fast/kernels/scan_select.py``)
+then does everything that is O(1) (or O(K)) per row with the code here:
 
   * merge the splits: L = logsumexp over non-eos (fp64 from the fp32 partials), the
     best non-eos value/index or the K best candidate keys;
   * the head's float64 scalars: a = log(1 − α_t) (NMST: logσ(−s) + t·log1p(−ε);
     ST: state + logσ(s) + log1p(−ε); context rows t <= 0: p(eos) = 0), then
     eos's effective logit ζ_eos = L + log(1 − e^a) − a and log_norm = L − a;
-  * ``_select_kernel``: eos against the non-eos winner by value (greedy, ties →
+  * ``select_rows``: eos against the non-eos winner by value (greedy, ties →
     lower index), or one inverse-CDF draw over eos's mass and the splits' masses
     whose split's own draw is the token (sampling: exact over all V tokens);
-  * ``_select_candidates_kernel``: eos merged into the ranked candidates, top-k then
+  * ``select_candidate_rows``: eos merged into the ranked candidates, top-k then
     top-p, and an inverse-CDF draw;
   * the chosen token, its log-probability, ST's new state, and a flag: the first row
     whose distribution is undefined (NaN/+inf logits, or no finite non-eos logit).
 
-The per-row code (``select_rows``, ``select_candidate_rows``) also finishes each row inside the
-scan's own launch (``nmst_fast/kernels/scan_select.py``, the default step); the two select kernels here
-serve rows repeated with stride 0, whose one scan feeds every row. Either way no host sync until
-the caller reads the flags once at the end. The math is ``nmst_fast.decoding.distribution``'s (the
+No host sync: the caller reads the flags when it chooses. The math is ``nmst_fast.decoding.distribution``'s (the
 torch path), to float64 rounding.
 
 Float64 math uses only exp and log (``expm1``/``log1p`` by Kahan's formulas): Triton
@@ -31,6 +28,7 @@ libdevice — runs them too, so CI executes the same code a GPU compiles.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -40,9 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .host_math import cdiv, next_power_of_2
 from .reductions import crossing_with
-from .row_scan import ScanPartials, decode_column_keys
+from .row_scan import decode_column_keys
 
 HEAD_CODES = {"va": 0, "nmst": 1, "st": 2}
 
@@ -223,8 +220,7 @@ def select_rows(
     ``part`` (rows × splits offsets, ``part_ok``), the rows' loaded :func:`_head_inputs` (``s``,
     ``t``, ``prev``) and the draw's loaded ``seed`` (unused by greedy): merges L, does the head math,
     stores each row's token and log-probability. Returns the first row whose distribution is
-    undefined (``n_rows``: none). Shared by ``_select_kernel`` and the scan's own finish
-    (``nmst_fast/kernels/scan_select.py``)."""
+    undefined (``n_rows``: none)."""
     # Every load before any math (see _head_inputs): on the one-launch step's tail they share one
     # round trip, under which the survival terms run.
     split_max = _load_partial(max_ptr, part, part_ok, float("-inf"))
@@ -282,55 +278,6 @@ def select_rows(
 
 
 @triton.jit
-def _select_kernel(
-    z_ptr,
-    z_row_stride,
-    n_rows,
-    V,
-    n_splits,
-    part_row_stride,
-    max_ptr,
-    sum_ptr,
-    pick_val_ptr,
-    pick_idx_ptr,
-    eos_index,
-    temp_hi,
-    temp_lo,
-    log1m_eps_hi,
-    log1m_eps_lo,
-    steps_ptr,
-    steps_stride,
-    steps_value,
-    state_ptr,
-    state_stride,
-    seed_ptr,
-    token_ptr,
-    log_prob_ptr,
-    new_state_ptr,
-    flags_ptr,
-    HEAD: tl.constexpr,  # 0 va, 1 nmst, 2 st
-    GREEDY: tl.constexpr,
-    STEPS_PER_ROW: tl.constexpr,
-    HAS_STATE: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    STORE_FLAGS: tl.constexpr,  # the grid is one program: it writes the flags (no fill launched before)
-):
-    rows, row_ok, part, part_ok = _row_block(n_rows, n_splits, part_row_stride, BLOCK_B, BLOCK_S)
-    s, t, prev = _head_inputs(z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value,
-                              state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
-    seed = 0 if GREEDY else tl.load(seed_ptr)
-    first_bad = select_rows(rows, row_ok, part, part_ok, s, t, prev, n_rows, V, max_ptr, sum_ptr, pick_val_ptr,
-                            pick_idx_ptr, eos_index, temp_hi, temp_lo, log1m_eps_hi, log1m_eps_lo, seed, token_ptr,
-                            log_prob_ptr, new_state_ptr, HEAD, GREEDY, BLOCK_B)
-    if STORE_FLAGS:
-        tl.store(flags_ptr, first_bad)
-        tl.store(flags_ptr + 1, n_rows)  # every row has its token
-    else:
-        tl.atomic_min(flags_ptr, first_bad)
-
-
-@triton.jit
 def select_candidate_rows(
     rows, row_ok, part, part_ok, s, t, prev, n_rows, n_splits, part_row_stride, max_ptr, sum_ptr, key_ptr,
     eos_index, log1m_eps_hi, log1m_eps_lo, top_k, top_p_hi, top_p_lo, seed, token_ptr, log_prob_ptr,
@@ -340,8 +287,7 @@ def select_candidate_rows(
     """Top-k then top-p on the K best non-eos candidates plus eos, and one draw, for ``rows`` (those
     with ``row_ok``) from the candidate scan's partials, the rows' head inputs and the draw's seed
     (``part``/``part_ok``, ``s``/``t``/``prev``, ``seed`` as :func:`select_rows`); stores each row's
-    token and log-probability and returns the first row without a distribution (``n_rows``: none).
-    Shared by ``_select_candidates_kernel`` and ``nmst_fast/kernels/scan_select.py``."""
+    token and log-probability and returns the first row without a distribution (``n_rows``: none)."""
     # Every load before any math (see _head_inputs): on the one-launch step's tail they share one
     # round trip, under which the survival terms run.
     split_max = _load_partial(max_ptr, part, part_ok, float("-inf"))
@@ -417,51 +363,6 @@ def select_candidate_rows(
     return tl.min(tl.where(bad & row_ok, rows, n_rows), axis=0)
 
 
-@triton.jit
-def _select_candidates_kernel(
-    z_ptr,
-    z_row_stride,
-    n_rows,
-    n_splits,
-    part_row_stride,
-    max_ptr,
-    sum_ptr,
-    key_ptr,
-    eos_index,
-    log1m_eps_hi,
-    log1m_eps_lo,
-    steps_ptr,
-    steps_stride,
-    steps_value,
-    state_ptr,
-    state_stride,
-    top_k,
-    top_p_hi,
-    top_p_lo,
-    seed_ptr,
-    token_ptr,
-    log_prob_ptr,
-    new_state_ptr,
-    flags_ptr,
-    HEAD: tl.constexpr,
-    STEPS_PER_ROW: tl.constexpr,
-    HAS_STATE: tl.constexpr,
-    HAS_TOP_P: tl.constexpr,
-    K: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """Top-k then top-p on the K best non-eos candidates plus eos, and one draw per row."""
-    rows, row_ok, part, part_ok = _row_block(n_rows, n_splits, part_row_stride, BLOCK_B, BLOCK_S)
-    s, t, prev = _head_inputs(z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value,
-                              state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
-    first_bad = select_candidate_rows(
-        rows, row_ok, part, part_ok, s, t, prev, n_rows, n_splits, part_row_stride, max_ptr, sum_ptr, key_ptr,
-        eos_index, log1m_eps_hi, log1m_eps_lo, top_k, top_p_hi, top_p_lo, tl.load(seed_ptr), token_ptr,
-        log_prob_ptr, new_state_ptr, HEAD, HAS_TOP_P, K, BLOCK_B, BLOCK_S)
-    tl.atomic_min(flags_ptr, first_bad)
-
-
 @dataclass
 class Selection:
     """One token per row; every tensor is on the logits' device."""
@@ -469,12 +370,13 @@ class Selection:
     tokens: torch.Tensor  # (B,) int64
     log_probs: torch.Tensor  # (B,) float64 log p of each chosen token (untruncated distribution)
     state: Optional[torch.Tensor]  # (B,) float64 ST's log(1 − α_t) after this step; None for other heads
-    # (2,) int32: [first row without a distribution, first row the kernel could not serve (an
-    # unresolved nucleus cut, a row draw without a token after MAX_ROUNDS): its draw is invalid and
+    # (2,) int32: [first row without a distribution, first row the kernel could not serve (a row
+    # draw still rejected after MAX_ROUNDS): its draw is invalid and
     # the caller takes another path]; B means none
     flags: torch.Tensor
 
 
+@functools.lru_cache(maxsize=256)  # a step's temperature, ε and p recur every call
 def _split_f64(value: float) -> tuple[float, float]:
     """(hi, lo) fp32-representable parts of a float64 (hi + lo == value to ~1e-16 relative)."""
     try:
@@ -491,16 +393,18 @@ class _Outputs:
     """Output buffers plus the head arguments every select kernel takes, in kernel order."""
 
     def __init__(self, z: torch.Tensor, head: str, eps: float, steps: int | torch.Tensor,
-                 state: Optional[torch.Tensor], fill_flags: bool = True):
+                 state: Optional[torch.Tensor], fill_flags: bool = True, flags: Optional[torch.Tensor] = None):
         B, device = z.shape[0], z.device
         self.tokens = torch.empty(B, dtype=torch.int64, device=device)
         self.log_probs = torch.empty(B, dtype=torch.float64, device=device)
         # Other heads never store a state: any fp64 pointer will do (one allocation less per step).
         self.state = torch.empty(B, dtype=torch.float64, device=device) if head == "st" else self.log_probs
         # (first bad row, first row without a token), B for none: a fill (no copy from the host),
-        # unless the kernel writes them itself (``fill_flags=False``: one launch less).
-        self.flags = (torch.full((2,), B, dtype=torch.int32, device=device) if fill_flags or not B
-                      else torch.empty(2, dtype=torch.int32, device=device))
+        # unless the kernel writes them itself (``fill_flags=False``: one launch less). ``flags``: a
+        # (2,) int32 slot of the caller's to write them to (a decoding step's log of unchecked flags).
+        if flags is None:
+            flags = torch.empty(2, dtype=torch.int32, device=device)
+        self.flags = flags.fill_(B) if fill_flags or not B else flags
         self.steps_per_row = isinstance(steps, torch.Tensor)
         self.has_state = head == "st" and state is not None
         steps_tensor = steps if self.steps_per_row else self.tokens  # any pointer when unused
@@ -513,123 +417,3 @@ class _Outputs:
 
     def selection(self, head: str) -> Selection:
         return Selection(self.tokens, self.log_probs, self.state if head == "st" else None, self.flags)
-
-
-# Rows per program on a GPU. Greedy / sampling: one row per thread of a 4-warp program (up to 128
-# rows take one program, which writes the flags itself: no fill launched first). Candidates:
-# ~512 (row, candidate) entries per program, so a step's few rows still spread over many SMs and
-# the float64 top-p math stays in registers (2048 entries needed ~250 registers, ptxas -v, sm_90).
-CUDA_SELECT_ROWS = 128
-CUDA_CANDIDATE_ENTRIES = 512
-
-
-def cuda_block_rows(per_row: int, select_candidates: bool) -> int:
-    """BLOCK_B of a select kernel on CUDA, for ``per_row`` (split, candidate) entries per row."""
-    return CUDA_SELECT_ROWS if not select_candidates else max(1, CUDA_CANDIDATE_ENTRIES // per_row)
-
-
-def candidate_num_warps(block_b: int, block_s: int, K: int) -> int:
-    """Warps of the candidate select kernel: 4, more for one long row merging many splits
-    (B = 1 at V = 128256: 64 splits x 128 keys spill at 4 warps, ptxas -v, sm_90)."""
-    return min(16, max(4, block_b * block_s * K // 512))
-
-
-def _block_rows(z: torch.Tensor, per_row: int, select_candidates: bool) -> int:
-    """Rows per program (a power of two): few on a GPU, many in the CPU interpreter, which
-    pays per operation rather than per element."""
-    cap = cuda_block_rows(per_row, select_candidates) if z.is_cuda else max(1, (1 << 20) // per_row)
-    return min(next_power_of_2(z.shape[0]), 1 << (cap.bit_length() - 1))
-
-
-def select_from_scan(
-    z: torch.Tensor,
-    scan: ScanPartials,
-    *,
-    head: str,
-    eos_index: int,
-    eps: float,
-    temperature: float,
-    steps: int | torch.Tensor,
-    state: Optional[torch.Tensor],
-    seed: Optional[torch.Tensor],
-) -> Selection:
-    """Finish a greedy (``seed`` None) or sampling (``seed``: the scan's seed) step.
-
-    Args:
-        z: (B, V) logits the scan read (any row stride, unit stride along V).
-        scan: :func:`nmst_fast.kernels.row_scan.scan_partials` of ``z`` without candidates (or of its
-            first row when every row is the same: its partials then have one row and are shared).
-        head: "va" | "nmst" | "st"; eos_index, eps, temperature as in the scan.
-        steps: t of this step: an int, or a (B,) int64 tensor (stride 0 allowed).
-        state: "st" only: (B,) running log(1 − α) before this step (None: 0).
-        seed: one-element int64 tensor the scan drew with (None for greedy).
-    """
-    B, V = z.shape
-    n_splits = scan.parts["max"].shape[1]
-    greedy = seed is None
-    block_b = _block_rows(z, next_power_of_2(n_splits), select_candidates=False)
-    one_program = cdiv(B, block_b) == 1
-    out = _Outputs(z, head, eps, steps, state, fill_flags=not one_program)
-    if B:
-        parts = scan.parts
-        _select_kernel[(cdiv(B, block_b),)](
-            z, z.stride(0), B, V, n_splits, scan.row_stride(B),
-            parts["max"], parts["sum"],
-            parts["top_val"], parts["top_idx" if greedy else "draw_idx"],
-            eos_index, *_split_f64(float(temperature)), *out.head_args,
-            out.flags if greedy else seed,  # any pointer when greedy
-            out.tokens, out.log_probs, out.state, out.flags,
-            HEAD=HEAD_CODES[head], GREEDY=greedy, STEPS_PER_ROW=out.steps_per_row, HAS_STATE=out.has_state,
-            BLOCK_B=block_b, BLOCK_S=next_power_of_2(n_splits), STORE_FLAGS=one_program,
-        )
-    return out.selection(head)
-
-
-def select_candidates_from_scan(
-    z: torch.Tensor,
-    scan: ScanPartials,
-    *,
-    head: str,
-    eos_index: int,
-    eps: float,
-    steps: int | torch.Tensor,
-    state: Optional[torch.Tensor],
-    top_k: int,
-    top_p_threshold: Optional[float],
-    seed: torch.Tensor,
-) -> Selection:
-    """Draw from the top-k (then top-p) truncation of each row's step distribution.
-
-    The scan (with ``candidates``) holds each row's K best non-eos tokens; eos joins them
-    by its exact ζ_eos, so with ``top_k`` (<= K) the kept set is exact. (Top-p alone takes
-    ``nmst_fast/kernels/nucleus.py``: a nucleus may hold any number of tokens.)
-
-    Args:
-        z, head, eos_index, eps, steps, state: as :func:`select_from_scan`.
-        scan: :func:`nmst_fast.kernels.row_scan.scan_partials` of ``z`` with candidates (K >= top_k).
-        top_k: keep the k most probable tokens.
-        top_p_threshold: keep ranks while the mass before them is below this (top_p minus the
-            caller's rounding slack; None: no top-p).
-        seed: one-element int64 tensor for the draw.
-    """
-    B, _ = z.shape
-    n_splits, K = scan.parts["keys"].shape[1:]
-    if top_k < 1 or (top_k > K and K + 1 < z.shape[1]):
-        raise ValueError(f"top_k must lie in [1, K={K}] for these candidates (or cover all V), got {top_k}")
-    out = _Outputs(z, head, eps, steps, state)
-    if B:
-        block_s = next_power_of_2(n_splits)
-        block_b = _block_rows(z, block_s * K, select_candidates=True)
-        parts = scan.parts
-        _select_candidates_kernel[(cdiv(B, block_b),)](
-            z, z.stride(0), B, n_splits, scan.row_stride(B),
-            parts["max"], parts["sum"], parts["keys"],
-            eos_index, *out.head_args,
-            top_k, *_split_f64(top_p_threshold if top_p_threshold is not None else 1.0),
-            seed, out.tokens, out.log_probs, out.state, out.flags,
-            HEAD=HEAD_CODES[head], STEPS_PER_ROW=out.steps_per_row, HAS_STATE=out.has_state,
-            HAS_TOP_P=top_p_threshold is not None, K=K,
-            BLOCK_B=block_b, BLOCK_S=block_s,
-            num_warps=candidate_num_warps(block_b, block_s, K),
-        )
-    return out.selection(head)

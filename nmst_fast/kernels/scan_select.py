@@ -1,16 +1,12 @@
 """Greedy, sampling and top-k in one launch: the split-V scan, each row finished by its last split.
 
 ``nmst_fast/kernels/row_scan.py`` reads a row in V-splits (so a small batch fills the GPU) and leaves
-per-split partials; ``nmst_fast/kernels/row_select.py``'s kernels merge them and do the head math in a
-second launch. On an H100 (RESULTS.md, GPU token selection) that launch and the flags' fill cost
-0.38x of the one-read floor at 256 × 50257 (greedy: scan alone 1.24x, step 1.62x) and doubled
-the step at B = 32: a launch's latency, then a dependent chain of small loads and float64 math
-while the memory system idles. Here every scan program, once its partials are stored, counts
-itself in for its row (an atomic add, acquire-release at GPU scope); the program that arrives last
-finishes the row with the select kernels' code (``row_select.select_rows`` /
-``select_candidate_rows``), so a row's finish overlaps the other rows' reads and no second launch
-waits for the slowest split. Measured there: greedy 1.55x, sampling 1.76x (the row draw: 1.81x);
-the fill and the last rows' finish chain are what is left (≈ 5 µs).
+per-split partials. A second launch to merge them costs a launch's latency, then a dependent chain
+of small loads and float64 math while the memory system idles (on an H100, 0.38x of the one-read
+floor at 256 × 50257, and double the step at B = 32). Here every scan program, once its partials
+are stored, counts itself in for its row (an atomic add, acquire-release at GPU scope); the program
+that arrives last finishes the row (``row_select.select_rows`` / ``select_candidate_rows``), so a
+row's finish overlaps the other rows' reads and no second launch waits for the slowest split.
 
 No fill before the launch: the per-row arrival counters, a count of finished
 rows and the worst bad row live in the step workspace (``nmst_fast/kernels/workspace.py``), zero at rest —
@@ -30,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .host_math import next_power_of_2
-from .row_scan import _as_seed, scan_launch, scan_split
+from .row_scan import FINISH_KEYS, _as_seed, scan_launch, scan_split
 from .row_select import (
     HEAD_CODES,
     Selection,
@@ -113,23 +109,6 @@ def _scan_select_kernel(
             tl.store(flags_ptr + 1, n_rows)  # every row has its token
 
 
-# The finishing program merges splits × K candidate keys of its row in registers (a tl.topk of them):
-# beyond this many (one long row at B = 1 with large K) the two-launch path's select kernel, which
-# takes more warps for them, serves it (``fits_one_launch``).
-MAX_FINISH_KEYS = 512
-
-
-def fits_one_launch(z: torch.Tensor, candidates: int) -> bool:
-    """Whether :func:`scan_select` serves this batch with ``candidates`` (0: greedy or sampling)."""
-    if not candidates:
-        return True
-    from .row_scan import launch_shape
-
-    K = max(2, next_power_of_2(candidates))
-    _, _, splits = launch_shape(z, K)
-    return next_power_of_2(splits) * K <= MAX_FINISH_KEYS
-
-
 def scan_select(
     z: torch.Tensor,
     *,
@@ -143,17 +122,28 @@ def scan_select(
     top_k: Optional[int] = None,
     top_p_threshold: Optional[float] = None,
     launch: tuple[int, int] | None = None,
+    flags: Optional[torch.Tensor] = None,
 ) -> Selection:
     """One token per row of (B, V) ``z`` in one launch (no fill: its counters and partials live in the
     step workspace, ``nmst_fast/kernels/workspace.py``):
     greedy (``seed`` None), exact sampling (``seed``), or with ``top_k`` the top-k (then top-p)
     truncated draw of the candidate scan (``seed`` its draw).
 
-    Args and result as :func:`nmst_fast.kernels.row_select.select_from_scan` /
-    :func:`nmst_fast.kernels.row_select.select_candidates_from_scan` with the scan folded in (the scan reads
-    every row: rows repeated with stride 0 are better served by scanning one of them and the
-    two-launch path). ``launch``: (BLOCK_V, splits) instead of the automatic layout (tests use it
-    to cover several splits in the interpreter).
+    Args:
+        z: (B, V) fp32/bf16/fp16 logits with unit stride along V (any row stride, 0 included).
+        head: "va" | "nmst" | "st"; eos_index, eps: the head's; temperature divides non-eos logits.
+        steps: t of this step: an int, or a (B,) int64 tensor (stride 0 allowed).
+        state: "st" only: (B,) float64 running log(1 − α) before this step (None: 0).
+        seed: one-element int64 tensor for the draw (None: greedy).
+        top_k: keep the k most probable tokens (then ``top_p_threshold``: keep ranks while the
+            mass before them is below it, top_p minus the caller's rounding slack).
+        launch: (BLOCK_V, splits) instead of the automatic layout (tests use it to cover several
+            splits in the interpreter); the finish holds at most ``row_scan.FINISH_KEYS``
+            candidate keys per row.
+        flags: a (2,) int32 tensor to write the flags to (None: a new one).
+    Returns:
+        :class:`nmst_fast.kernels.row_select.Selection`; ``flags[0]`` < B names the first row
+        with no distribution (NaN / +inf logits, no finite non-eos logit).
     """
     B, V = z.shape
     if top_k is not None and seed is None:
@@ -164,9 +154,12 @@ def scan_select(
     scan = scan_launch(z, eos_index=None if head == "va" else eos_index, temperature=temperature,
                        seed=None if top_k is not None else seed, candidates=top_k or 0, launch=launch,
                        sync_slots=3 + B)
-    out = _Outputs(z, head, eps, steps, state, fill_flags=False)
+    out = _Outputs(z, head, eps, steps, state, fill_flags=False, flags=flags)
     if B:
         splits = scan.grid[1]
+        if scan.meta["K"] and next_power_of_2(splits) * scan.meta["K"] > FINISH_KEYS:
+            raise ValueError(f"launch: {splits} splits of {scan.meta['K']} candidates exceed the finish's "
+                             f"{FINISH_KEYS} keys")
         # The finish's seed: the scan's own (a drawing scan), the top-k draw's, or any pointer (greedy).
         finish_seed = scan.args[7] if top_k is None else _as_seed(seed, z.device)
         truncation = (top_k or 0, *_split_f64(top_p_threshold if top_p_threshold is not None else 1.0), finish_seed)

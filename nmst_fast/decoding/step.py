@@ -1,0 +1,316 @@
+"""The decoding step: one token per row, its path chosen once, no host synchronization.
+
+:class:`DecodingStep` is built once per (head, strategy, vocabulary size, device). It checks its
+settings and picks its path at construction; a call then checks only the logits and launches:
+
+* the Triton kernels (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``): greedy, sampling and top-k
+  (then top-p) take the one-launch split-V scan (``nmst_fast/kernels/scan_select.py``: the scan reads
+  the logits once, the last split of each row to finish does the head's float64 math and the draw);
+  top-p alone takes rejection rounds in one program per row (``nmst_fast/kernels/row_draw.py``);
+* the torch path otherwise (:mod:`.selection`: CPU, float64 logits, top-k beyond the kernels' lists).
+
+The kernels report two flags per step on the device: the first row with no distribution (NaN / +inf
+logits, no finite non-eos logit) and the first row the rejection rounds left without a token. A call
+with ``defer_checks=True`` leaves them there, in the step's log, so a decoding loop runs ahead of the
+GPU (and a step can be captured in a CUDA graph); :meth:`DecodingStep.check` reads the log once and
+raises. A call without it reads them at once (one host sync), as :func:`sample` does, and draws a row
+the rounds left by the torch path.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from ..backends import triton_available
+from ..validation import HEADS, check_choice, check_eps, check_float_tensor, check_index
+from .distribution import (
+    Steps,
+    check_state,
+    check_step_args,
+    check_temperature,
+    effective_logits,
+    int64_steps,
+    steps_tensor,
+)
+from .selection import select
+from .truncation import TOP_P_SLACK, check_truncation, untruncated
+
+
+@dataclass
+class StepOutput:
+    """One decoding step's result for a batch of rows (every tensor on the logits' device).
+
+    Attributes:
+        tokens: (B,) int64 chosen tokens.
+        log_probs: (B,) float64 log p of each chosen token under the untruncated step distribution.
+        state: (B,) float64 ST's running log(1 − α) after the step; None for NMST and VA.
+    """
+
+    tokens: torch.Tensor
+    log_probs: torch.Tensor
+    state: Optional[torch.Tensor]
+
+
+def check_impl(impl: object) -> None:
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+
+
+def kernels_serve(impl: str, device: torch.device, top_k: Optional[int], top_p: Optional[float], *,
+                  ranked: bool = False) -> bool:
+    """Whether the Triton kernels serve this strategy on ``device``.
+
+    They serve greedy, untruncated sampling, top-p alone (any nucleus size) and top-k (then top-p)
+    with k up to ``nmst_fast.kernels.row_scan.MAX_CANDIDATES``. ``ranked``: the caller wants the
+    ``top_k`` best tokens in rank order (beam search), which always takes the candidate list.
+    "auto" takes them on CUDA; "triton" insists (CPU tensors need ``TRITON_INTERPRET=1``).
+    """
+    check_impl(impl)
+    if impl == "torch" or (impl == "auto" and device.type != "cuda"):
+        return False
+    servable = triton_available() and ((not ranked and untruncated(top_k, top_p)) or _lists_hold(top_k))
+    if impl == "triton":
+        if not servable:
+            raise ValueError("impl='triton' serves top_k up to nmst_fast.kernels.row_scan.MAX_CANDIDATES (and needs "
+                             f"tl.topk for truncation), got top_k={top_k}; use impl='torch'")
+        if not (triton_available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")):
+            raise ValueError("impl='triton' needs CUDA logits (or TRITON_INTERPRET=1 for CPU tensors)")
+        return True
+    return servable
+
+
+def _lists_hold(top_k: Optional[int]) -> bool:
+    """Top-p alone (the row draw) always; top-k when the scan's candidate list holds k (needs tl.topk)."""
+    if top_k is None:
+        return True
+    from nmst_fast.kernels.row_scan import HAS_TOPK, MAX_CANDIDATES  # lazy: Triton reads its mode at import
+
+    return HAS_TOPK and top_k <= MAX_CANDIDATES
+
+
+# Philox seeds drawn from the caller's generator at once, one per call: a draw is a launch and an
+# allocation, which a small step's host time would pay every call.
+SEED_BLOCK = 256
+
+
+class _Seeds:
+    """One-element int64 device tensors, one per call, drawn in blocks (1, 2, 4, … up to SEED_BLOCK)
+    from the caller's generator (a new block when the generator changes): no host sync, and a
+    generator's state fixes every seed."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.block: list[torch.Tensor] = []
+        self.source: Optional[torch.Generator] = None
+        self.size = 1  # doubles with every block up to SEED_BLOCK: a one-off call draws one seed
+
+    def next(self, generator: Optional[torch.Generator]) -> torch.Tensor:
+        if not self.block or generator is not self.source:
+            dev = generator.device if generator is not None else self.device
+            seeds = torch.randint(0, 2**31 - 1, (self.size,), generator=generator, device=dev).to(self.device)
+            self.block, self.source = list(seeds.split(1))[::-1], generator
+            self.size = min(2 * self.size, SEED_BLOCK)
+        return self.block.pop()
+
+
+class _FlagLog:
+    """The kernels' flags of the steps not yet checked, on the device: each step's kernel writes its
+    two flags into a row of one buffer (no copy), and the batch size of each is kept on the host."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.rows: Optional[torch.Tensor] = None
+        self.batches: list[int] = []
+
+    def slot(self, batch: int) -> torch.Tensor:
+        """A (2,) int32 view for the next step's flags."""
+        n = len(self.batches)
+        if self.rows is None or n == self.rows.shape[0]:
+            grown = torch.empty((max(64, 2 * n), 2), dtype=torch.int32, device=self.device)
+            if n:
+                grown[:n] = self.rows  # stream-ordered after the kernels that wrote them
+            self.rows = grown
+        self.batches.append(batch)
+        return self.rows[n]
+
+    def take(self) -> list[tuple[int, int, int]]:
+        """(first bad row, first unresolved row, batch size) of each logged step, oldest first (one
+        host sync), and an empty log."""
+        if not self.batches:
+            return []
+        values = self.rows[: len(self.batches)].tolist()
+        taken = [(bad, unresolved, batch) for (bad, unresolved), batch in zip(values, self.batches)]
+        self.batches = []
+        return taken
+
+
+def _bad_row_message(row: int) -> str:
+    return (f"logits row {row} has NaN/+inf values or no finite non-eos logit, or its ST state is NaN or "
+            "positive: no distribution to decode")
+
+
+class DecodingStep:
+    """Token selection for one (head, strategy, vocabulary size, device), set up once.
+
+    Args:
+        head: "nmst" | "st" | "va"; eos_index, eps: the head's (see :func:`nmst_fast.linear_nmst_loss`).
+        vocab_size: V, the logits' width.
+        device: where the logits live.
+        top_k: keep the k most probable tokens (ties → lower index); ``top_k=1`` is greedy.
+        top_p: keep the smallest most-probable set with mass >= p (after top-k, if both).
+        temperature: divides non-eos logits (all logits for "va"); p(eos) of NMST/ST is unchanged.
+        impl: "auto" (the Triton kernels on CUDA when they serve the strategy, see
+            :func:`kernels_serve`; torch otherwise), "triton" or "torch".
+    """
+
+    def __init__(self, *, head: str, eos_index: int, vocab_size: int, device: Union[str, torch.device] = "cpu",
+                 eps: float = 1e-5, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 temperature: float = 1.0, impl: str = "auto"):
+        check_choice("head", head, HEADS)
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or vocab_size < 2:
+            raise ValueError(f"vocab_size must be an int >= 2 (eos and one other token), got {vocab_size!r}")
+        check_index("eos_index", eos_index, int(vocab_size), "V")
+        check_eps(eps)
+        check_temperature(temperature)
+        check_truncation(top_k, top_p)
+        self.head, self.eos_index, self.eps, self.temperature = head, int(eos_index), float(eps), float(temperature)
+        self.vocab_size, self.device = int(vocab_size), torch.device(device)
+        self.top_k, self.top_p = top_k, top_p
+        self.kernels = kernels_serve(impl, self.device, top_k, top_p)
+        self._greedy = top_k == 1
+        plain = untruncated(top_k, top_p)
+        # The kernels' truncation: top-k's list (None for greedy and sampling) and the top-p threshold
+        # (p less the float64 slack the torch path allows; None: no top-p).
+        self._list = None if plain else top_k
+        self._threshold = top_p - TOP_P_SLACK if not plain and top_p is not None and top_p < 1.0 else None
+        self._rejection = not plain and top_k is None  # top-p alone: the row draw
+        self._log = _FlagLog(self.device)
+        self._seeds = _Seeds(self.device)
+        self._launch = None  # the kernel wrapper, imported at the first call (Triton reads its mode then)
+
+    def __call__(self, logits: torch.Tensor, *, steps: Steps = 1, state: Optional[torch.Tensor] = None,
+                 generator: Optional[torch.Generator] = None, defer_checks: bool = False) -> StepOutput:
+        """One token per row of ``logits``.
+
+        Args:
+            logits: (B, V) raw logits of this step, on the step's device.
+            steps: t of this step (int or (B,)); t <= 0 is context (p(eos) = 0).
+            state: "st" only: (B,) running log(1−α) from the previous step (None at the start).
+            generator: torch.Generator for reproducible draws.
+            defer_checks: leave the kernels' flags on the device for :meth:`check` (no host sync);
+                a row without a distribution then yields an arbitrary token until the check raises.
+        """
+        self._check_logits(logits)
+        if not self.kernels:
+            return self._torch_step(logits, steps, state, generator)
+        picked = self._kernel_step(logits, steps, state, generator,
+                                   self._log.slot(logits.shape[0]) if defer_checks else None)
+        if defer_checks or torch.compiler.is_compiling():
+            return StepOutput(picked.tokens, picked.log_probs, picked.state)
+        bad, unresolved = picked.flags.tolist()  # the call's one host sync
+        B = logits.shape[0]
+        if bad < B:
+            raise ValueError(_bad_row_message(bad))
+        if unresolved < B:
+            # A row the rejection rounds left (P ≤ (1 − p)^64): the torch path draws the batch. On CUDA it
+            # ranks the whole row at once (one segmented sort costs about one large torch.topk there, and
+            # growing candidate lists would repeat it).
+            return self._torch_step(logits, steps, state, generator, first_size=self.vocab_size if
+                                    logits.is_cuda else None)
+        return StepOutput(picked.tokens, picked.log_probs, picked.state)
+
+    def check(self) -> None:
+        """Read the flags of the calls made with ``defer_checks=True`` since the last check (one host
+        sync) and raise for the first that had a row without a distribution (ValueError) or a row the
+        top-p rounds left without a token (RuntimeError; probability ≤ (1 − p)^64 per row)."""
+        for call, (bad, unresolved, batch) in enumerate(self._log.take(), start=1):
+            if bad < batch:
+                raise ValueError(f"call {call} since the last check: {_bad_row_message(bad)}")
+            if unresolved < batch:
+                raise RuntimeError(f"call {call} since the last check: the top-p rejection rounds left row "
+                                   f"{unresolved} without a token; decode with impl='torch' or without defer_checks")
+
+    def _check_logits(self, logits: torch.Tensor) -> None:
+        check_float_tensor("logits", logits)
+        if logits.dim() != 2 or logits.shape[1] != self.vocab_size:
+            raise ValueError(f"logits must be (B, V={self.vocab_size}), got shape {tuple(logits.shape)}")
+        if logits.device != self.device and not (self.device.type == logits.device.type and self.device.index is None):
+            raise ValueError(f"logits are on {logits.device}, the decoding step on {self.device}")
+
+    def _torch_step(self, logits: torch.Tensor, steps: Steps, state: Optional[torch.Tensor],
+                    generator: Optional[torch.Generator], first_size: Optional[int] = None) -> StepOutput:
+        dist = effective_logits(logits, head=self.head, eos_index=self.eos_index, eps=self.eps, steps=steps,
+                                state=state, temperature=self.temperature)
+        tokens = select(dist, top_k=self.top_k, top_p=self.top_p, generator=generator, first_size=first_size)
+        return StepOutput(tokens, dist.token_log_probs(tokens), dist.state)
+
+    def _kernel_step(self, logits: torch.Tensor, steps: Steps, state: Optional[torch.Tensor],
+                     generator: Optional[torch.Generator], flags: Optional[torch.Tensor]):
+        if self._launch is None:
+            if self._rejection:
+                from nmst_fast.kernels.row_draw import draw_rows as launch
+            else:
+                from nmst_fast.kernels.scan_select import scan_select as launch
+            self._launch = launch
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        B, device = logits.shape[0], logits.device
+        if self.head == "va":
+            kernel_steps = 1
+        elif isinstance(steps, numbers.Integral) and not isinstance(steps, bool):
+            kernel_steps = int64_steps(steps)
+        else:
+            kernel_steps = steps_tensor(steps, B, device)
+        kernel_state = (check_state(state, B, device, values=False)  # the kernels flag bad values
+                        if self.head == "st" and state is not None else None)
+        seed = None if self._greedy else self._seeds.next(generator)
+        if self._rejection:
+            return self._launch(logits, head=self.head, eos_index=self.eos_index, eps=self.eps,
+                                temperature=self.temperature, steps=kernel_steps, state=kernel_state, seed=seed,
+                                top_p_threshold=self._threshold, flags=flags)[0]
+        return self._launch(logits, head=self.head, eos_index=self.eos_index, eps=self.eps,
+                            temperature=self.temperature, steps=kernel_steps, state=kernel_state, seed=seed,
+                            top_k=self._list, top_p_threshold=self._threshold, flags=flags)
+
+
+@torch.no_grad()  # a draw, not a loss: logits straight from a model may require grad
+def sample(
+    logits: torch.Tensor,
+    *,
+    head: str,
+    eos_index: int,
+    eps: float = 1e-5,
+    steps: Steps = 1,
+    state: Optional[torch.Tensor] = None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    temperature: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Draw one token per row from the head's step distribution, optionally truncated: a
+    :class:`DecodingStep` built for these logits, called once with its flags read at once.
+
+    Args:
+        logits: (B, V) raw logits of this step.
+        head, eos_index, eps, top_k, top_p, temperature, impl: see :class:`DecodingStep`.
+        steps: t of this step (int or (B,)); t <= 0 is context (p(eos) = 0).
+        state: "st" only: running log(1−α) from the previous step (None at the start).
+        generator: torch.Generator for reproducible draws.
+    Returns:
+        (tokens (B,) int64, new state).
+    """
+    check_float_tensor("logits", logits)  # before the backend choice reads logits.device
+    check_truncation(top_k, top_p)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    check_step_args(logits, head, eos_index, eps, temperature)
+    step = DecodingStep(head=head, eos_index=eos_index, vocab_size=logits.shape[1], device=logits.device, eps=eps,
+                        top_k=top_k, top_p=top_p, temperature=temperature, impl=impl)
+    out = step(logits, steps=steps, state=state, generator=generator)
+    return out.tokens, out.state
