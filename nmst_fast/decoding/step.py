@@ -31,7 +31,6 @@ from ..validation import HEADS, check_choice, check_eps, check_float_tensor, che
 from .distribution import (
     Steps,
     check_state,
-    check_step_args,
     check_temperature,
     effective_logits,
     int64_steps,
@@ -113,7 +112,7 @@ class _Seeds:
         if not self.block or generator is not self.source:
             dev = generator.device if generator is not None else self.device
             seeds = torch.randint(0, 2**31 - 1, (self.size,), generator=generator, device=dev).to(self.device)
-            self.block, self.source = list(seeds.split(1))[::-1], generator
+            self.block, self.source = [seeds] if self.size == 1 else list(seeds.split(1))[::-1], generator
             self.size = min(2 * self.size, SEED_BLOCK)
         return self.block.pop()
 
@@ -309,7 +308,8 @@ def sample(
     check_truncation(top_k, top_p)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    check_step_args(logits, head, eos_index, eps, temperature)
+    if logits.dim() != 2:  # the step checks the rest (the head's arguments, V >= 2 with eos_index)
+        raise ValueError(f"logits must be (B, V), got shape {tuple(logits.shape)}")
     step = DecodingStep(head=head, eos_index=eos_index, vocab_size=logits.shape[1], device=logits.device, eps=eps,
                         top_k=top_k, top_p=top_p, temperature=temperature, impl=impl)
     out = step(logits, steps=steps, state=state, generator=generator)
