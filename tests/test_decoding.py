@@ -130,17 +130,18 @@ SAMPLING_GRID = [(head, t, k, p) for head in HEADS for t in ([1, 50] if head == 
                  for k, p in TRUNCATIONS]
 
 
-def check_sampling_distribution(head: str, t: int, top_k, top_p, *, impl: str = "auto", device: str = "cpu") -> None:
-    """DRAWS samples of one random row (fresh seed) G-tested against the float64 truncated reference."""
+def check_sampling_distribution(head: str, t: int, top_k, top_p, *, impl: str = "auto", device: str = "cpu",
+                                draws: int = DRAWS) -> None:
+    """``draws`` samples of one random row (fresh seed) G-tested against the float64 truncated reference."""
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
     eos, eps = 2, 0.002
     z = _row(gen)
     state = _st_state_before(z, eos, eps, t) if head == "st" else None
     reference = truncated_distribution(_reference_log_probs(z, head, eos, eps, t).unsqueeze(0), top_k, top_p)[0]
-    rows = z.to(device).unsqueeze(0).expand(DRAWS, -1)
+    rows = z.to(device).unsqueeze(0).expand(draws, -1)
     tokens, _ = sample(rows, head=head, eos_index=eos, eps=eps, steps=t, top_k=top_k, top_p=top_p,
-                       state=None if state is None else state.to(device).expand(DRAWS), impl=impl,
+                       state=None if state is None else state.to(device).expand(draws), impl=impl,
                        generator=torch.Generator().manual_seed(seed + 1))
     assert _g_test(tokens.cpu(), reference) > 1e-5, f"seed={seed}"
 
