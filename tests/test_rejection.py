@@ -63,7 +63,7 @@ def _row(gen: torch.Generator, V: int, scale: float) -> torch.Tensor:
 
 
 # (head, t, top_p, logit scale, rounds, finish_size): accepted or finished after round 0 (rounds=1),
-# rounds only (finish_size=0, so rows rejected MAX_ROUNDS times end by ranking), the default mix;
+# rounds only (finish_size=0, so rows rejected PASSES_BEFORE_RANKING times end by ranking), the default mix;
 # ε = 0.05 at t = 30 puts eos near the top, at t = 4 in the middle of the ranks.
 REJECTION_CASES = [
     ("nmst", 30, 0.3, 1.0, 1, 4096),

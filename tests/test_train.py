@@ -140,16 +140,23 @@ def test_builtin_run_separates_the_heads(tmp_path):
 def test_sweep_writes_mean_std_tables(tmp_path):
     from train.sweep import main as sweep
 
+    # ε = 0.02 has t½ = 35 > --max-length 30: its runs decode greedily to 35, where every NMST row has stopped.
     out = sweep(["--out", str(tmp_path / "sweep"), "--builtin-lines", "120", "--max-epochs", "1", "--max-length", "30",
-                 "--heads", "va", "nmst", "--eps", "0.05", "0.1", "--seeds", "0", "1", "--quiet"])
+                 "--heads", "va", "nmst", "--eps", "0.05", "0.02", "--seeds", "0", "1", "--quiet"])
     runs = json.loads((out / "sweep.json").read_text())["runs"]
     assert len(runs) == 2 * (1 + 2)  # per seed: VA once (no ε), NMST per ε
-    assert {(r["head"], r["eps"]) for r in runs} == {("va", None), ("nmst", 0.05), ("nmst", 0.1)}
+    assert {(r["head"], r["eps"]) for r in runs} == {("va", None), ("nmst", 0.05), ("nmst", 0.02)}
+    for r in runs:
+        greedy_L = "35" if r["eps"] == 0.02 else "30"
+        assert max(r["r_nt"]["greedy"], key=int) == greedy_L and max(r["r_nt"]["top-k 2"], key=int) == "30"
+        if r["eps"] == 0.02:
+            assert r["r_nt"]["greedy"]["35"] == 0
     table = (out / "tables.md").read_text()
     assert "| nmst | 0.05 | 2 |" in table and "±" in table and "| va | — | 2 |" in table
+    assert "| nmst | 0.02 | 2 | " in table and " | 35 | " in table and " | 30 | " in table
     assert (out / "sweep_r_nt.png").is_file()
     again = sweep(["--out", str(out), "--builtin-lines", "120", "--max-epochs", "1", "--max-length", "30",
-                   "--heads", "va", "nmst", "--eps", "0.05", "0.1", "--seeds", "0", "1", "--quiet"])
+                   "--heads", "va", "nmst", "--eps", "0.05", "0.02", "--seeds", "0", "1", "--quiet"])
     assert json.loads((again / "sweep.json").read_text())["runs"] == runs  # resumed: same numbers
 
 
@@ -255,6 +262,19 @@ def test_cli_refuses_evaluating_on_training_text_and_empty_splits(tmp_path, caps
     assert "no lines in the eval split" in capsys.readouterr().err
 
 
+def test_greedy_length_reaches_the_runs_bound():
+    from argparse import Namespace
+
+    from train.runner import greedy_length
+
+    args = Namespace(max_length=None, greedy_length=None)
+    assert greedy_length(args, None) == 1000 and greedy_length(args, 1e-2) == greedy_length(args, 1e-3) == 1000
+    assert greedy_length(args, 1e-4) == 6932 and greedy_length(args, 1e-5) == 69315
+    assert greedy_length(Namespace(max_length=50, greedy_length=80), 1e-5) == 80  # the flag wins
+    with pytest.raises(SystemExit):
+        main(["--max-length", "50", "--greedy-length", "40", "--quiet"])
+
+
 def test_sweep_counts_a_repeated_value_once(tmp_path):
     from train.sweep import main as sweep
 
@@ -355,3 +375,24 @@ def test_data_fingerprint_sees_tokens_order_and_boundaries():
     assert base == data_fingerprint([[1, 2], [3]], [[4]])
     for other in (([[1, 2, 3]], [[4]]), ([[3], [1, 2]], [[4]]), ([[1, 2], [3]], [[5]]), ([[1, 2], [3], [4]], [])):
         assert data_fingerprint(*other) != base
+
+
+def test_epoch_batches_hold_lines_of_similar_length():
+    """Each epoch's order cuts into batches of lines of similar length (little padding), differs by
+    epoch and seed, covers every line once, and leaves the one short batch last."""
+    from train.loop import POOL_BATCHES, epoch_order
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 700, (POOL_BATCHES * 8 * 3 + 5,), generator=gen).tolist()
+    config = TrainConfig(batch_size=8)
+    order = epoch_order(config, 0, lengths)
+    assert sorted(order.tolist()) == list(range(len(lengths)))
+    assert torch.equal(order, epoch_order(config, 0, lengths))  # a resume sees the same batches
+    assert not torch.equal(order, epoch_order(config, 1, lengths))
+    assert not torch.equal(order, epoch_order(TrainConfig(batch_size=8, seed=1), 0, lengths))
+    batches = order.split(8)
+    assert len(batches[-1]) == 5 and all(len(b) == 8 for b in batches[:-1])
+    padded = sum(len(b) * max(lengths[i] for i in b.tolist()) for b in batches)
+    assert padded < 1.1 * sum(lengths)  # random batches of 8 would pad to ~1.6× the text
+    starts = [lengths[int(b[0])] for b in batches[:-1]]
+    assert starts != sorted(starts)  # the batches themselves come in random order

@@ -31,7 +31,7 @@ def _torchrun(corpus, out, *extra):
     return out
 
 
-def test_ddp_and_fsdp_train_as_one_process(corpus, tmp_path):
+def test_ddp_and_fsdp_train_as_one_process_and_fsdp_resumes(corpus, tmp_path):
     one = main(["--data-dir", str(corpus), "--out", str(tmp_path / "one"), *FLAGS])
     ddp = _torchrun(corpus, tmp_path / "ddp")
     fsdp = _torchrun(corpus, tmp_path / "fsdp", "--fsdp")
@@ -49,16 +49,14 @@ def test_ddp_and_fsdp_train_as_one_process(corpus, tmp_path):
         assert got["data_lengths"] == ref["data_lengths"] and len(got["examples"]) == 3
     assert json.loads((fsdp / "run.json").read_text())["fsdp"] is True
 
-
-def test_an_fsdp_run_resumes_under_torchrun(corpus, tmp_path):
-    full = _torchrun(corpus, tmp_path / "full", "--fsdp")
+    # An FSDP run stopped after its first epoch resumes under torchrun to the uninterrupted run's weights.
     cut = tmp_path / "cut"
     first = torchrun("train.hf", 2, "--data-dir", str(corpus), "--out", str(cut), *FLAGS, "--fsdp", "--stop-after",
                      "1", module=True)
     assert first.returncode == 0, first.stderr[-6000:]
     assert torch.load(cut / "train_state.pt", weights_only=False)["epoch"] == 1
     _torchrun(corpus, cut, "--fsdp")
-    want = _weights(full)
+    want = _weights(fsdp)
     for name, value in _weights(cut).items():
         torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
-    assert _results(cut)["history"] == _results(full)["history"]
+    assert _results(cut)["history"] == _results(fsdp)["history"]

@@ -35,7 +35,16 @@ from nmst_fast.validation import HEADS
 from .checkpoint import Diverged, claim_directory
 from .distributed import World, launch, on_main
 from .report import write_report
-from .runner import add_arguments, base_config, check_arguments, check_resumes, load_data, max_length, run_one
+from .runner import (
+    add_arguments,
+    base_config,
+    check_arguments,
+    check_resumes,
+    greedy_length,
+    load_data,
+    max_length,
+    run_one,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -80,7 +89,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[s
     for config in configs:
         try:
             results[config.head] = run_one(config, data, out / config.head, L, progress=not args.quiet,
-                                           eval_contexts=args.eval_contexts, world=world)
+                                           eval_contexts=args.eval_contexts, world=world,
+                                           greedy_L=greedy_length(args, None if config.head == "va" else config.eps))
         except Diverged as err:  # not a usage error: the run itself failed (on every rank alike)
             sys.exit(f"python -m train: {err}")
     if world.is_main:

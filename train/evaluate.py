@@ -19,8 +19,9 @@ from .distributed import World, all_sum, gather, share
 from .loop import batches, perplexity
 
 # Contexts decoded together. Block b draws from a generator seeded by (seed, b), so sampled
-# continuations do not depend on which rank decodes the block.
-DECODE_BLOCK = 256
+# continuations do not depend on which rank decodes the block; small enough that a few hundred
+# contexts keep two ranks busy.
+DECODE_BLOCK = 64
 
 # The paper's decoders (name → generate() arguments).
 DECODERS = {
@@ -46,24 +47,29 @@ def data_lengths(sequences: list[list[int]]) -> list[int]:
 
 @torch.no_grad()
 def non_termination(model, contexts: torch.Tensor, max_length: int, *, seed: int = 0, device: str = "cpu",
-                    decoders: dict = DECODERS, world: World = World(), block: int = DECODE_BLOCK) -> dict:
-    """Per decoder: r_nt on a log grid of L up to ``max_length``, and the generated lengths.
+                    decoders: dict = DECODERS, world: World = World(), block: int = DECODE_BLOCK,
+                    greedy_length: int | None = None) -> dict:
+    """Per decoder: r_nt on a log grid of L up to ``max_length`` (greedy: up to ``greedy_length`` if
+    given, so its curve can reach NMST's bound t½ while the slower decoders stop earlier), and the
+    generated lengths.
 
     ``contexts`` (B, C) are decoded in blocks of ``block`` rows (see :data:`DECODE_BLOCK`); rank r
     of ``world`` decodes blocks r, r + W, …, and every rank returns the whole result."""
     model.eval()
+    lengths_of = {name: greedy_length if name == "greedy" and greedy_length else max_length for name in decoders}
     starts = range(0, len(contexts), block)
     mine = {}
     for start in starts[world.rank::world.size]:
         rows = contexts[start:start + block].to(device)
         for name, kwargs in decoders.items():
             generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + start // block)
-            result = generate(model, rows, max_length=max_length, keep_tokens=False, generator=generator, **kwargs)
+            result = generate(model, rows, max_length=lengths_of[name], keep_tokens=False, generator=generator,
+                              **kwargs)
             mine[start, name] = (result.lengths.tolist(), result.terminated.tolist())
     decoded = {key: value for part in gather(mine, world) for key, value in part.items()}
-    grid = metrics.log_grid(max_length)
     out = {}
     for name in decoders:
+        grid = metrics.log_grid(lengths_of[name])
         lengths = [n for start in starts for n in decoded[start, name][0]]
         terminated = [done for start in starts for done in decoded[start, name][1]]
         curve = metrics.non_termination_curve(torch.tensor(lengths), grid, torch.tensor(terminated))
@@ -142,12 +148,14 @@ def examples(model, sequences: list[list[int]], vocab: Vocabulary, count: int = 
 
 
 def evaluate(model, vocab: Vocabulary, *, valid: list[list[int]], test: list[list[int]], max_length: int,
-             seed: int = 0, device: str = "cpu", contexts: int | None = None, world: World = World()) -> dict:
+             seed: int = 0, device: str = "cpu", contexts: int | None = None, world: World = World(),
+             greedy_length: int | None = None) -> dict:
     """Everything the report shows for one trained model (r_nt over the first ``contexts`` test
-    sequences, default all; perplexity always over all of them). With several ranks the work is
-    split over them; every rank returns the numbers, rank 0 alone the greedy examples."""
+    sequences, default all, up to ``max_length`` — greedy's up to ``greedy_length`` if given;
+    perplexity always over all of them). With several ranks the work is split over them; every rank
+    returns the numbers, rank 0 alone the greedy examples."""
     decoding = non_termination(model, contexts_of(test[:contexts]), max_length, seed=seed, device=device,
-                               world=world)
+                               world=world, greedy_length=greedy_length)
     return dict(
         perplexity=perplexity(model, test, vocab, device=device, world=world),
         valid_perplexity=perplexity(model, valid, vocab, device=device, world=world),

@@ -27,14 +27,15 @@ def _largest_L(curve: dict[str, float]) -> str:
 def markdown(results: dict[str, dict], title: str, notes: list[str]) -> str:
     heads = list(results)
     decoders = list(next(iter(results.values()))["r_nt"])
-    L = _largest_L(next(iter(results.values()))["r_nt"][decoders[0]])
+    Ls = {d: " / ".join(dict.fromkeys(_largest_L(r["r_nt"][d]) for r in results.values())) for d in decoders}
     lines = [f"# {title}", "", *notes, "", "## Perplexity (context excluded)", "",
              "| head | test | valid |", "|---|---:|---:|"]
     lines += [f"| {h} | {r['perplexity']:.3f} | {r['valid_perplexity']:.3f} |" for h, r in results.items()]
-    lines += ["", f"## Non-termination ratio r_nt(L = {L}) on the test contexts", "",
-              "| decoder | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(heads)]
+    lines += ["", "## Non-termination ratio r_nt(L) on the test contexts, at each run's largest L", "",
+              "| decoder | L | " + " | ".join(heads) + " |", "|---|---:|" + "---:|" * len(heads)]
     for d in decoders:
-        lines.append(f"| {d} | " + " | ".join(f"{results[h]['r_nt'][d][L]:.3f}" for h in heads) + " |")
+        cells = [f"{results[h]['r_nt'][d][_largest_L(results[h]['r_nt'][d])]:.3f}" for h in heads]
+        lines.append(f"| {d} | {Ls[d]} | " + " | ".join(cells) + " |")
     lines += ["", "## Greedy continuations", ""]
     for h, r in results.items():
         for ex in r["examples"][:2]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from nmst_fast import termination_bound
 from nmst_fast.data.wikitext import Vocabulary, encode_lines, find_split_file, hub_lines, read_lines
 
 from .checkpoint import data_fingerprint
@@ -42,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-length", type=int, default=None, help="largest L of r_nt(L) (default 1000)")
+    p.add_argument("--greedy-length", type=int, default=None,
+                   help="largest L of greedy r_nt(L) (default: --max-length, or for ST and NMST the greedy "
+                        "bound t½ of the run's ε if that is larger: the step by which greedy NMST must stop)")
     p.add_argument("--eval-contexts", type=int, default=None,
                    help="decode only the first N evaluation contexts for r_nt (default: all, as the paper)")
     p.add_argument("--device", default="cpu")
@@ -76,6 +80,16 @@ def max_length(args) -> int:
     return L
 
 
+def greedy_length(args, eps: float | None) -> int:
+    """Largest L of a run's greedy r_nt(L): ``--greedy-length``, else the larger of ``max_length(args)``
+    and t½ of the run's ``eps`` (None for VA), so a greedy NMST curve reaches the step by which every
+    continuation must have stopped."""
+    if args.greedy_length is not None:
+        return args.greedy_length
+    L = max_length(args)
+    return L if eps is None else max(L, termination_bound(eps))
+
+
 def canonical_split(name: str) -> str:
     """WikiText's validation split goes by two names (``find_split_file`` reads either)."""
     return "valid" if name == "validation" else name
@@ -93,6 +107,9 @@ def check_arguments(args) -> None:
                          "or --dataset (the built-in corpus has its own three splits)")
     if canonical_split(args.eval_split) == canonical_split(args.train_split):
         raise ValueError(f"--eval-split {args.eval_split!r} is the training split: evaluation needs held-out text")
+    L = max_length(args)
+    if args.greedy_length is not None and args.greedy_length < L:
+        raise ValueError(f"--greedy-length must be at least --max-length ({L}), got {args.greedy_length}")
     if args.eval_contexts is not None and args.eval_contexts < 1:
         raise ValueError(f"--eval-contexts must be a positive int, got {args.eval_contexts}")
     check_device(args.device)
@@ -179,14 +196,15 @@ def check_resumes(runs: list[tuple[TrainConfig, Path]], data: Data) -> None:
 
 
 def run_one(config: TrainConfig, data: Data, run_dir: Path, L: int, *, progress: bool,
-            eval_contexts: int | None = None, world: World = World()) -> dict:
+            eval_contexts: int | None = None, world: World = World(), greedy_L: int | None = None) -> dict:
     """Train (resuming from ``run_dir/checkpoint.pt`` if present) and evaluate one model (data-parallel
-    over ``world``'s ranks; every rank returns the results)."""
+    over ``world``'s ranks; every rank returns the results): r_nt(L) up to ``L``, greedy's up to
+    ``greedy_L`` (default ``L``)."""
     model, state = train(config, data.train, data.valid, data.vocab, run_dir / "checkpoint.pt", progress=progress,
                          data_id=data.fingerprint, world=world)
     if world.is_main:
         print(f"{config.arch}/{config.head}/eps={config.eps}/seed={config.seed}: {state.epoch} epochs, "
               f"best valid perplexity {state.best_perplexity:.3f}", flush=True)
     return dict(evaluate(model, data.vocab, valid=data.valid, test=data.eval, max_length=L, seed=config.seed,
-                         device=config.device, contexts=eval_contexts, world=world),
+                         greedy_length=greedy_L, device=config.device, contexts=eval_contexts, world=world),
                 history=state.history, eps=config.eps, greedy_bound=config.greedy_bound, world_size=world.size)

@@ -27,7 +27,16 @@ from nmst_fast.validation import HEADS
 from .checkpoint import Diverged, claim_directory
 from .distributed import World, launch, on_main
 from .report import HEAD_COLORS, plt
-from .runner import add_arguments, base_config, check_arguments, check_resumes, load_data, max_length, run_one
+from .runner import (
+    add_arguments,
+    base_config,
+    check_arguments,
+    check_resumes,
+    greedy_length,
+    load_data,
+    max_length,
+    run_one,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,23 +59,30 @@ def _mean_std(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
+def _largest_L(curve: dict[str, float]) -> str:
+    return max(curve, key=int)
+
+
 def tables(runs: list[dict]) -> str:
-    """Markdown: one table per architecture, one row per (head, ε), mean ± std over seeds."""
+    """Markdown: one table per architecture, one row per (head, ε), mean ± std over seeds; r_nt at
+    each run's largest L of each decoder (greedy's is a column: t½ of ε where that is larger)."""
     lines = ["# ε × seed sweep", ""]
     decoders = list(runs[0]["r_nt"])
-    L = max(runs[0]["r_nt"][decoders[0]], key=int)
+    others = sorted({_largest_L(r["r_nt"][d]) for r in runs for d in decoders if d != "greedy"}, key=int)
     for arch in dict.fromkeys(r["arch"] for r in runs):
-        lines += [f"## {arch}: test perplexity and r_nt(L = {L}), mean ± std over seeds", "",
-                  "| head | ε | seeds | perplexity | " + " | ".join(decoders) + " |",
-                  "|---|---|---:|---:|" + "---:|" * len(decoders)]
+        lines += [f"## {arch}: test perplexity and r_nt(L), mean ± std over seeds", "",
+                  f"r_nt at L = {', '.join(others)} for every decoder but greedy, at the column's L for greedy.", "",
+                  "| head | ε | seeds | perplexity | greedy L | " + " | ".join(decoders) + " |",
+                  "|---|---|---:|---:|---:|" + "---:|" * len(decoders)]
         groups: dict[tuple, list[dict]] = {}
         for r in runs:
             if r["arch"] == arch:
                 groups.setdefault((r["head"], r["eps"]), []).append(r)
         for (head, eps), rs in groups.items():
-            cells = [_mean_std([r["r_nt"][d][L] for r in rs]) for d in decoders]
+            cells = [_mean_std([r["r_nt"][d][_largest_L(r["r_nt"][d])] for r in rs]) for d in decoders]
+            greedy_Ls = "/".join(dict.fromkeys(_largest_L(r["r_nt"]["greedy"]) for r in rs))
             lines.append(f"| {head} | {'—' if eps is None else f'{eps:g}'} | {len(rs)} | "
-                         f"{_mean_std([r['perplexity'] for r in rs])} | " + " | ".join(cells) + " |")
+                         f"{_mean_std([r['perplexity'] for r in rs])} | {greedy_Ls} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -117,7 +133,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, world: World
                 for head in args.heads:
                     for eps in ([None] if head == "va" else args.eps):
                         config = replace(base_config(args, arch=arch, eps=eps, seed=seed), head=head).validate()
-                        plan.append((config, eps))
+                        plan.append((config, eps, greedy_length(args, eps)))
         L = max_length(args)
         data = load_data(args, 0)  # one corpus; seeds vary the models
 
@@ -128,16 +144,16 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, world: World
             return out
 
         out = on_main(claim, world)
-        plan = [(config, eps, out / config.arch / config.head / ("any" if eps is None else f"eps{eps:g}")
-                 / f"seed{config.seed}") for config, eps in plan]
-        check_resumes([(config, run_dir) for config, _, run_dir in plan], data)
+        plan = [(config, eps, greedy_L, out / config.arch / config.head / ("any" if eps is None else f"eps{eps:g}")
+                 / f"seed{config.seed}") for config, eps, greedy_L in plan]
+        check_resumes([(config, run_dir) for config, _, _, run_dir in plan], data)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         parser.error(str(err))
     runs = []
-    for config, eps, run_dir in plan:
+    for config, eps, greedy_L, run_dir in plan:
         try:
             result = run_one(config, data, run_dir, L, progress=not args.quiet, eval_contexts=args.eval_contexts,
-                             world=world)
+                             world=world, greedy_L=greedy_L)
         except Diverged as err:  # not a usage error: the run itself failed
             sys.exit(f"python -m train.sweep: {err}")
         runs.append(dict(arch=config.arch, head=config.head, eps=eps, seed=config.seed,

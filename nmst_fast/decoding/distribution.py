@@ -192,8 +192,14 @@ def check_rows(non_eos_lse: torch.Tensor, eos_logit: Optional[torch.Tensor] = No
     if eos_logit is not None:
         bad |= torch.isnan(eos_logit)
     if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
-        raise ValueError(f"logits row {row} has NaN/+inf values or no finite non-eos logit: no distribution to decode")
+        raise ValueError(no_distribution_message(int(bad.nonzero()[0, 0])))
+
+
+def no_distribution_message(row: int, *, with_state: bool = False) -> str:
+    """The error for a row with no distribution to decode (``with_state``: its ST state was judged
+    with its logits, as the kernels judge them, so it may be the cause)."""
+    state = ", or its ST state is NaN or positive" if with_state else ""
+    return f"logits row {row} has NaN/+inf values or no finite non-eos logit{state}: no distribution to decode"
 
 
 def effective_logits(

@@ -25,7 +25,7 @@ import torch
 from .distribution import StepDistribution
 from .truncation import TOP_P_SLACK, draw, inverse_cdf, truncate
 
-MAX_ROUNDS = 8  # passes over a row; a row rejected this often is finished by ranking (see _finish)
+PASSES_BEFORE_RANKING = 8  # passes over a row; a row rejected this often is finished by ranking (see _finish)
 # A rejected row with at most this many tokens ranked before its candidate is finished by ranking
 # those tokens (a scan of the mask and a sort of this size) rather than by another pass that may
 # be rejected again (≈ 3 passes over the row).
@@ -94,7 +94,7 @@ def nucleus_by_rejection(
     generator: Optional[torch.Generator],
     *,
     known_members: Optional[torch.Tensor] = None,
-    rounds: int = MAX_ROUNDS,
+    rounds: int = PASSES_BEFORE_RANKING,
     finish_size: int = FINISH_SIZE,
 ) -> torch.Tensor:
     """Draw one token per row (B,) int64 from the top-p nucleus of ``dist`` (CPU tensors), by rejection.

@@ -34,6 +34,7 @@ from .distribution import (
     check_temperature,
     effective_logits,
     int64_steps,
+    no_distribution_message,
     steps_tensor,
 )
 from .selection import select
@@ -148,11 +149,6 @@ class _FlagLog:
         return taken
 
 
-def _bad_row_message(row: int) -> str:
-    return (f"logits row {row} has NaN/+inf values or no finite non-eos logit, or its ST state is NaN or "
-            "positive: no distribution to decode")
-
-
 class DecodingStep:
     """Token selection for one (head, strategy, vocabulary size, device), set up once.
 
@@ -214,7 +210,7 @@ class DecodingStep:
         bad, unresolved = picked.flags.tolist()  # the call's one host sync
         B = logits.shape[0]
         if bad < B:
-            raise ValueError(_bad_row_message(bad))
+            raise ValueError(no_distribution_message(bad, with_state=True))
         if unresolved < B:
             # A row the rejection rounds left (P ≤ (1 − p)^64): the torch path draws the batch. On CUDA it
             # ranks the whole row at once (one segmented sort costs about one large torch.topk there, and
@@ -229,7 +225,7 @@ class DecodingStep:
         top-p rounds left without a token (RuntimeError; probability ≤ (1 − p)^64 per row)."""
         for call, (bad, unresolved, batch) in enumerate(self._log.take(), start=1):
             if bad < batch:
-                raise ValueError(f"call {call} since the last check: {_bad_row_message(bad)}")
+                raise ValueError(f"call {call} since the last check: {no_distribution_message(bad, with_state=True)}")
             if unresolved < batch:
                 raise RuntimeError(f"call {call} since the last check: the top-p rejection rounds left row "
                                    f"{unresolved} without a token; decode with impl='torch' or without defer_checks")

@@ -357,28 +357,15 @@ def interpreter_block_rows(rows: int, block_v: int) -> int:
     return max(1, min((1 << 18) // block_v, next_power_of_2(rows)))
 
 
-# The split-V layout on a GPU: tile width and how many programs the split count aims for.
-#
-# Plain and drawing scans (greedy, sampling): 2048-column tiles and
-# ⌊4·SMs / B⌋ splits per row (about 4 programs per SM, rounded down: B = 256 → 2 splits, 32 → 16,
-# 64 → 8 on 132 SMs). Measured on an H200 (``profile_decoding``; each cell twice, within
-# 1%): that count was the best of those timed for greedy at B = 1, 32, 64 and 256 and for sampling
-# at 256 × 128256 and 32 × 128256, and within 12% of the best elsewhere; the earlier rule (1024
-# columns, ⌈7·SMs / B⌉, from the H100 sweep of the kernels that reduced every tile) took 1.1–1.43x
-# as long at B = 32-256 (greedy 256 × 50257: 2.25x → 1.89x the one-read floor; 256 × 128256: 1.67x
-# → 1.31x) and the same at B = 1 (sampling there: 0.95x).
+# The split-V layout on a GPU. Plain and drawing scans (greedy, sampling): 2048-column tiles and
+# ⌊4·SMs / B⌋ splits per row, one wave of about 4 programs per SM (B = 256 → 2 splits, 32 → 16 on
+# 132 SMs): the best count timed on an H200 for greedy at B = 1-256 and for sampling at V = 128256,
+# within 12% of the best elsewhere (``python -m benchmarks.profile_decoding``).
 SCAN_BLOCK_V = 2048
 SCAN_PROGRAMS_PER_SM = 4
-# Candidate scans keep each lane's max, mass, tile and 1-3 runners-up (1024-column tiles: not
-# re-timed at 2048), so fewer programs reside per SM (``_num_warps`` has ptxas's counts): small K
-# (the list by extraction) 117-124 registers, 4 per SM; larger K (the list by a tl.topk of the lanes'
-# 1024 keys, whose bitonic sort holds the most registers) 168, 3 per SM. Both take one wave of what
-# resides, ⌊per SM·SMs / B⌋ splits, as the plain scans' measured rule does (B = 256 on 132 SMs: 2
-# splits for K <= 16, 1 above). Each program also ends in one selection of its list (for large K
-# a sort as long as a few tiles' fold), so a wave of fewer, longer programs does less of it. Earlier,
-# ⌈5·SMs / B⌉ launched 1.16 waves at top-k 4 (its candidate scan timed 2.60x the one-read floor
-# where greedy's scan took 1.24x on an H100); the large-K scans' ⌈4·SMs / B⌉
-# served a tl.topk per tile. Neither rule is timed yet.
+# Candidate scans keep each lane's max, mass, tile and 1-3 runners-up in 1024-column tiles, so fewer
+# programs reside per SM (ptxas: 117-124 registers for the list by extraction, 4 per SM; 168 for the
+# tl.topk of the lanes' keys, 3 per SM); they also take one wave of what resides. Not timed yet.
 CANDIDATE_BLOCK_V = 1024
 SMALL_K_PROGRAMS_PER_SM = 4
 LARGE_K_PROGRAMS_PER_SM = 3
@@ -420,24 +407,14 @@ def cuda_launch_shape(B: int, V: int, candidates: int, multi_processors: int) ->
 
 @dataclass
 class ScanPartials:
-    """Per-split results of one scan, before the splits are merged.
-
-    Every tensor is (rows, splits) (``keys``: (rows, splits, K)); ``rows`` is 1 when a
-    replicated batch was scanned once (see :func:`scan_partials`). "max"/"sum": the split's max x
-    and Σ e^(x − max); "top_val"/"top_idx": its largest raw logit z and that z's first column. A
-    scan with a seed leaves "draw_idx", one drawn column per split, and that column's raw z in
-    "top_val" ("top_idx" then stays 0).
-    """
+    """Per-split results of one scan, before the splits are merged: every tensor (rows, splits)
+    ("keys": (rows, splits, K)). "max"/"sum": the split's max x and Σ e^(x − max); "top_val"/"top_idx":
+    its largest raw logit z and that z's first column. A scan with a seed leaves "draw_idx", one drawn
+    column per split, and that column's raw z in "top_val" ("top_idx" then stays 0)."""
 
     parts: dict[str, torch.Tensor]
     V: int
     K: int
-
-    def row_stride(self, batch: int) -> int:
-        """Stride between rows of the partials for a batch of ``batch`` rows: 0 when one row's
-        partials serve the whole (replicated) batch."""
-        n_parts, n_splits = self.parts["max"].shape
-        return 0 if n_parts == 1 and batch > 1 else n_splits
 
 
 def _partial_layout(rows: int, splits: int, K: int, draws: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -454,13 +431,6 @@ def _partial_layout(rows: int, splits: int, K: int, draws: bool) -> dict[str, tu
     return layout
 
 
-def empty_partials(rows: int, splits: int, K: int, device: torch.device, draws: bool = False,
-                   ) -> dict[str, torch.Tensor]:
-    """Uninitialized per-split outputs of one scan (see :func:`_partial_layout`)."""
-    return {name: torch.empty(shape, dtype=dtype, device=device)
-            for name, (shape, dtype) in _partial_layout(rows, splits, K, draws).items()}
-
-
 def _as_seed(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(seed, torch.Tensor):
         if seed.dtype == torch.int64 and seed.shape == (1,) and seed.device == device:
@@ -472,14 +442,8 @@ def _as_seed(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _num_warps(K: int) -> int:
-    """Warps per program: 4 for every scan, from ptxas register counts (sm_90, ``python
-    tools/compile_check.py --resources``, Triton 3.6; candidate scans not timed per warp count). The
-    plain and drawing scans (2048-column tiles) 96-128 registers at 4 warps, 4 resident programs
-    (timed on an H200: the launch rule above). Candidate scans (1024-column tiles, the lanes' kept
-    values, tiles loaded one ahead): K = 4 117 registers, 16 124 (at 8 warps 64 with 16 bytes
-    spilled); 32-128 168 at 4 warps (32: 52 bytes spilled, 128: 16), 182-187 at 8 (12 vs 8 warps
-    resident).
-    """
+    """Warps per program: 4 for every scan (sm_90 register counts, ``python tools/compile_check.py
+    --resources``: 96-187 registers; at 8 warps the candidate scans spill or halve their residency)."""
     return 4
 
 
