@@ -1,4 +1,6 @@
+import importlib
 import os
+import pkgutil
 import random
 
 import pytest
@@ -9,6 +11,13 @@ import torch
 # kernel on CPU tensors this way (small shapes only: the interpreter is slow).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Decorate every kernel now: a test that unsets the variable (to check what needs it) must not be
+    # the first to import a kernel module, which would then hold compiled kernels for the tests after it
+    # on the same worker (which tests share a worker depends on xdist's scheduling).
+    import nmst_fast.kernels
+
+    for _module in pkgutil.iter_modules(nmst_fast.kernels.__path__):
+        importlib.import_module(f"nmst_fast.kernels.{_module.name}")
 
 # Under pytest-xdist (`-n auto`) each worker is a process with torch's default of one thread per
 # core: on CI's 2 cores, 2 workers x 2 threads would oversubscribe the cores. Share them out.
