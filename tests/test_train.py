@@ -267,10 +267,14 @@ def test_greedy_length_reaches_the_runs_bound():
 
     from train.runner import greedy_length
 
+    def run(head, eps=1e-2):
+        return TrainConfig(head=head, eps=eps)
+
     args = Namespace(max_length=None, greedy_length=None)
-    assert greedy_length(args, None) == 1000 and greedy_length(args, 1e-2) == greedy_length(args, 1e-3) == 1000
-    assert greedy_length(args, 1e-4) == 6932 and greedy_length(args, 1e-5) == 69315
-    assert greedy_length(Namespace(max_length=50, greedy_length=80), 1e-5) == 80  # the flag wins
+    assert greedy_length(args, run("va", 1e-5)) == 1000  # VA has no bound
+    assert greedy_length(args, run("nmst", 1e-2)) == greedy_length(args, run("st", 1e-3)) == 1000
+    assert greedy_length(args, run("nmst", 1e-4)) == 6932 and greedy_length(args, run("st", 1e-5)) == 69315
+    assert greedy_length(Namespace(max_length=50, greedy_length=80), run("nmst", 1e-5)) == 80  # the flag wins
     with pytest.raises(SystemExit):
         main(["--max-length", "50", "--greedy-length", "40", "--quiet"])
 

@@ -90,7 +90,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[s
         try:
             results[config.head] = run_one(config, data, out / config.head, L, progress=not args.quiet,
                                            eval_contexts=args.eval_contexts, world=world,
-                                           greedy_L=greedy_length(args, None if config.head == "va" else config.eps))
+                                           greedy_L=greedy_length(args, config))
         except Diverged as err:  # not a usage error: the run itself failed (on every rank alike)
             sys.exit(f"python -m train: {err}")
     if world.is_main:

@@ -20,21 +20,21 @@ def write_results(out: Path, results: dict[str, dict]) -> Path:
     return path
 
 
-def _largest_L(curve: dict[str, float]) -> str:
+def largest_L(curve: dict[str, float]) -> str:
     return max(curve, key=int)
 
 
 def markdown(results: dict[str, dict], title: str, notes: list[str]) -> str:
     heads = list(results)
     decoders = list(next(iter(results.values()))["r_nt"])
-    Ls = {d: " / ".join(dict.fromkeys(_largest_L(r["r_nt"][d]) for r in results.values())) for d in decoders}
+    Ls = {d: " / ".join(dict.fromkeys(largest_L(r["r_nt"][d]) for r in results.values())) for d in decoders}
     lines = [f"# {title}", "", *notes, "", "## Perplexity (context excluded)", "",
              "| head | test | valid |", "|---|---:|---:|"]
     lines += [f"| {h} | {r['perplexity']:.3f} | {r['valid_perplexity']:.3f} |" for h, r in results.items()]
     lines += ["", "## Non-termination ratio r_nt(L) on the test contexts, at each run's largest L", "",
               "| decoder | L | " + " | ".join(heads) + " |", "|---|---:|" + "---:|" * len(heads)]
     for d in decoders:
-        cells = [f"{results[h]['r_nt'][d][_largest_L(results[h]['r_nt'][d])]:.3f}" for h in heads]
+        cells = [f"{results[h]['r_nt'][d][largest_L(results[h]['r_nt'][d])]:.3f}" for h in heads]
         lines.append(f"| {d} | {Ls[d]} | " + " | ".join(cells) + " |")
     lines += ["", "## Greedy continuations", ""]
     for h, r in results.items():

@@ -80,14 +80,14 @@ def max_length(args) -> int:
     return L
 
 
-def greedy_length(args, eps: float | None) -> int:
-    """Largest L of a run's greedy r_nt(L): ``--greedy-length``, else the larger of ``max_length(args)``
-    and t½ of the run's ``eps`` (None for VA), so a greedy NMST curve reaches the step by which every
-    continuation must have stopped."""
+def greedy_length(args, config: TrainConfig) -> int:
+    """Largest L of a run's greedy r_nt(L): ``--greedy-length``, else ``max_length(args)`` or, for ST
+    and NMST, t½ of the run's ε if that is larger, so a greedy NMST curve reaches the step by which
+    every continuation must have stopped."""
     if args.greedy_length is not None:
         return args.greedy_length
     L = max_length(args)
-    return L if eps is None else max(L, termination_bound(eps))
+    return L if config.head == "va" else max(L, termination_bound(config.eps))
 
 
 def canonical_split(name: str) -> str:

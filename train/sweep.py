@@ -26,7 +26,7 @@ from nmst_fast.validation import HEADS
 
 from .checkpoint import Diverged, claim_directory
 from .distributed import World, launch, on_main
-from .report import HEAD_COLORS, plt
+from .report import HEAD_COLORS, largest_L, plt
 from .runner import (
     add_arguments,
     base_config,
@@ -59,16 +59,12 @@ def _mean_std(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
-def _largest_L(curve: dict[str, float]) -> str:
-    return max(curve, key=int)
-
-
 def tables(runs: list[dict]) -> str:
     """Markdown: one table per architecture, one row per (head, ε), mean ± std over seeds; r_nt at
     each run's largest L of each decoder (greedy's is a column: t½ of ε where that is larger)."""
     lines = ["# ε × seed sweep", ""]
     decoders = list(runs[0]["r_nt"])
-    others = sorted({_largest_L(r["r_nt"][d]) for r in runs for d in decoders if d != "greedy"}, key=int)
+    others = sorted({largest_L(r["r_nt"][d]) for r in runs for d in decoders if d != "greedy"}, key=int)
     for arch in dict.fromkeys(r["arch"] for r in runs):
         lines += [f"## {arch}: test perplexity and r_nt(L), mean ± std over seeds", "",
                   f"r_nt at L = {', '.join(others)} for every decoder but greedy, at the column's L for greedy.", "",
@@ -79,8 +75,8 @@ def tables(runs: list[dict]) -> str:
             if r["arch"] == arch:
                 groups.setdefault((r["head"], r["eps"]), []).append(r)
         for (head, eps), rs in groups.items():
-            cells = [_mean_std([r["r_nt"][d][_largest_L(r["r_nt"][d])] for r in rs]) for d in decoders]
-            greedy_Ls = "/".join(dict.fromkeys(_largest_L(r["r_nt"]["greedy"]) for r in rs))
+            cells = [_mean_std([r["r_nt"][d][largest_L(r["r_nt"][d])] for r in rs]) for d in decoders]
+            greedy_Ls = "/".join(dict.fromkeys(largest_L(r["r_nt"]["greedy"]) for r in rs))
             lines.append(f"| {head} | {'—' if eps is None else f'{eps:g}'} | {len(rs)} | "
                          f"{_mean_std([r['perplexity'] for r in rs])} | {greedy_Ls} | " + " | ".join(cells) + " |")
         lines.append("")
@@ -133,7 +129,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, world: World
                 for head in args.heads:
                     for eps in ([None] if head == "va" else args.eps):
                         config = replace(base_config(args, arch=arch, eps=eps, seed=seed), head=head).validate()
-                        plan.append((config, eps, greedy_length(args, eps)))
+                        plan.append((config, eps))
         L = max_length(args)
         data = load_data(args, 0)  # one corpus; seeds vary the models
 
@@ -144,16 +140,16 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, world: World
             return out
 
         out = on_main(claim, world)
-        plan = [(config, eps, greedy_L, out / config.arch / config.head / ("any" if eps is None else f"eps{eps:g}")
-                 / f"seed{config.seed}") for config, eps, greedy_L in plan]
-        check_resumes([(config, run_dir) for config, _, _, run_dir in plan], data)
+        plan = [(config, eps, out / config.arch / config.head / ("any" if eps is None else f"eps{eps:g}")
+                 / f"seed{config.seed}") for config, eps in plan]
+        check_resumes([(config, run_dir) for config, _, run_dir in plan], data)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         parser.error(str(err))
     runs = []
-    for config, eps, greedy_L, run_dir in plan:
+    for config, eps, run_dir in plan:
         try:
             result = run_one(config, data, run_dir, L, progress=not args.quiet, eval_contexts=args.eval_contexts,
-                             world=world, greedy_L=greedy_L)
+                             world=world, greedy_L=greedy_length(args, config))
         except Diverged as err:  # not a usage error: the run itself failed
             sys.exit(f"python -m train.sweep: {err}")
         runs.append(dict(arch=config.arch, head=config.head, eps=eps, seed=config.seed,
