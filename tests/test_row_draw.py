@@ -389,12 +389,14 @@ def test_bounds_settle_most_rounds_of_peaked_rows():
     (z ~ N(0, 3²)) with 64-column tiles (25 columns per lane, as at V = 50257 with 2048-column
     tiles), few rounds read the row. (The draws' distribution with the bounds: every G-test above.)"""
     seed = torch.seed() % 2**31
-    z = torch.randn(2000, 1600, generator=torch.Generator().manual_seed(seed)).to(DEVICE) * 3
-    launch = dict(row_draw._interpreter_launch(2000, 1600), BLOCK_V=64, NTILES=row_draw.tile_table_width(1600, 64))
+    # 800 rows: the mean passes per row measured 0.02-0.04 (p = 0.4) and 0.08-0.13 (p = 0.9), a standard
+    # error of about 0.01 under bounds three times those.
+    z = torch.randn(800, 1600, generator=torch.Generator().manual_seed(seed)).to(DEVICE) * 3
+    launch = dict(row_draw._interpreter_launch(800, 1600), BLOCK_V=64, NTILES=row_draw.tile_table_width(1600, 64))
     for top_p, most in ((0.4, 0.1), (0.9, 0.3)):
         picked, rounds, passes = row_draw.draw_rows(
             z, head="nmst", eos_index=7, eps=1e-3, temperature=1.0, steps=30, state=None,
             top_p_threshold=top_p - TOP_P_SLACK, seed=torch.tensor([seed], device=DEVICE), launch=launch)
-        assert picked.flags.tolist() == [2000, 2000]
+        assert picked.flags.tolist() == [800, 800]
         assert bool((passes <= rounds).all()) and int(rounds.min()) >= 1
         assert float(passes.double().mean()) < most, f"seed={seed} p={top_p}"

@@ -24,17 +24,13 @@ def _results(run):
     return json.loads((run / "results.json").read_text())["st"]
 
 
-def _torchrun(corpus, out, *extra):
-    run = torchrun("train.hf", 2, "--data-dir", str(corpus), "--out", str(out), *FLAGS, *extra, module=True)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    assert run.stdout.count("results:") == 1  # rank 0 alone reports
-    return out
-
-
 def test_ddp_and_fsdp_train_as_one_process_and_fsdp_resumes(corpus, tmp_path):
     one = main(["--data-dir", str(corpus), "--out", str(tmp_path / "one"), *FLAGS])
-    ddp = _torchrun(corpus, tmp_path / "ddp")
-    fsdp = _torchrun(corpus, tmp_path / "fsdp", "--fsdp")
+    proc = torchrun("hf_train_ranks.py", 2, str(tmp_path), "--", "--data-dir", str(corpus), *FLAGS)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stdout.count("cut after epoch 1") == 2  # both ranks saw the interrupted run's state
+    assert proc.stdout.count("results:") == 3  # rank 0 alone reports, once per finished run
+    ddp, fsdp, cut = (tmp_path / name for name in ("ddp", "fsdp", "cut"))
     # Rank 0 trained the BPE and handed it to rank 1: the vocabulary one process trains.
     assert (ddp / "tokenizer" / "tokenizer.json").read_text() == (one / "tokenizer" / "tokenizer.json").read_text()
     want = _weights(one)
@@ -49,13 +45,7 @@ def test_ddp_and_fsdp_train_as_one_process_and_fsdp_resumes(corpus, tmp_path):
         assert got["data_lengths"] == ref["data_lengths"] and len(got["examples"]) == 3
     assert json.loads((fsdp / "run.json").read_text())["fsdp"] is True
 
-    # An FSDP run stopped after its first epoch resumes under torchrun to the uninterrupted run's weights.
-    cut = tmp_path / "cut"
-    first = torchrun("train.hf", 2, "--data-dir", str(corpus), "--out", str(cut), *FLAGS, "--fsdp", "--stop-after",
-                     "1", module=True)
-    assert first.returncode == 0, first.stderr[-6000:]
-    assert torch.load(cut / "train_state.pt", weights_only=False)["epoch"] == 1
-    _torchrun(corpus, cut, "--fsdp")
+    # The FSDP run stopped after its first epoch resumed under torchrun to the uninterrupted run's weights.
     want = _weights(fsdp)
     for name, value in _weights(cut).items():
         torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")

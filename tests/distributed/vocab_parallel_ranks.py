@@ -51,29 +51,32 @@ def check(rank: int, world: int, group) -> int:
     cuts = bounds(world)
     lo, hi = cuts[rank], cuts[rank + 1]
     cases = 0
-    for eos in (cuts[1] - 1, cuts[1], V - 1):
-        for head in ("nmst", "st", "va"):
-            for reduction in ("mean", "sum", "none"):
-                for impl in ("chunked", "triton"):
-                    dtype = torch.float64 if impl == "chunked" else torch.float32
-                    tol = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-5)
-                    h, w, b, y, t = inputs(1000 * eos + cases, eos, cuts)
-                    args = dict(eos_index=eos, eps=0.05, head=head, steps=t, ignore_index=-100, reduction=reduction)
-                    full = [x.clone().to(dtype).requires_grad_() for x in (h, w, b)]
-                    want = linear_nmst_loss(full[0], full[1], y, bias=full[2], impl="chunked", chunk_size=5, **args)
-                    upstream = torch.linspace(0.5, 1.5, want.numel(), dtype=dtype).view(want.shape)
-                    (want * upstream).sum().backward()
-                    mine = [h.clone().to(dtype).requires_grad_(), w[lo:hi].clone().to(dtype).requires_grad_(),
-                            b[lo:hi].clone().to(dtype).requires_grad_()]
-                    got = linear_nmst_loss(mine[0], mine[1], y, bias=mine[2], impl=impl, chunk_size=5,
-                                           process_group=group, vocab_start=lo, **args)
-                    (got * upstream).sum().backward()
-                    where = f"rank {rank} eos {eos} {head} {reduction} {impl}"
-                    torch.testing.assert_close(got, want, **tol, msg=where)
-                    torch.testing.assert_close(mine[0].grad, full[0].grad, **tol, msg=f"dh {where}")
-                    torch.testing.assert_close(mine[1].grad, full[1].grad[lo:hi], **tol, msg=f"dW {where}")
-                    torch.testing.assert_close(mine[2].grad, full[2].grad[lo:hi], **tol, msg=f"db {where}")
-                    cases += 1
+    # Every (eos place, head) pair with both backends; the reductions run as a Latin square over those
+    # pairs (each reduction meets every eos place and every head once): a reduction only weighs the
+    # per-token losses and their gradients, after the collectives.
+    for i, eos in enumerate((cuts[1] - 1, cuts[1], V - 1)):
+        for j, head in enumerate(("nmst", "st", "va")):
+            reduction = ("mean", "sum", "none")[(i + j) % 3]
+            for impl in ("chunked", "triton"):
+                dtype = torch.float64 if impl == "chunked" else torch.float32
+                tol = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-5)
+                h, w, b, y, t = inputs(1000 * eos + cases, eos, cuts)
+                args = dict(eos_index=eos, eps=0.05, head=head, steps=t, ignore_index=-100, reduction=reduction)
+                full = [x.clone().to(dtype).requires_grad_() for x in (h, w, b)]
+                want = linear_nmst_loss(full[0], full[1], y, bias=full[2], impl="chunked", chunk_size=5, **args)
+                upstream = torch.linspace(0.5, 1.5, want.numel(), dtype=dtype).view(want.shape)
+                (want * upstream).sum().backward()
+                mine = [h.clone().to(dtype).requires_grad_(), w[lo:hi].clone().to(dtype).requires_grad_(),
+                        b[lo:hi].clone().to(dtype).requires_grad_()]
+                got = linear_nmst_loss(mine[0], mine[1], y, bias=mine[2], impl=impl, chunk_size=5,
+                                       process_group=group, vocab_start=lo, **args)
+                (got * upstream).sum().backward()
+                where = f"rank {rank} eos {eos} {head} {reduction} {impl}"
+                torch.testing.assert_close(got, want, **tol, msg=where)
+                torch.testing.assert_close(mine[0].grad, full[0].grad, **tol, msg=f"dh {where}")
+                torch.testing.assert_close(mine[1].grad, full[1].grad[lo:hi], **tol, msg=f"dW {where}")
+                torch.testing.assert_close(mine[2].grad, full[2].grad[lo:hi], **tol, msg=f"db {where}")
+                cases += 1
     return cases
 
 

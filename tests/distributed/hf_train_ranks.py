@@ -1,0 +1,37 @@
+"""Run under torchrun (gloo): ``python -m train.hf`` four times in one process group, as the test of
+data-parallel and sharded training needs it (tests/test_train_hf_ddp.py), for one launch instead of four.
+
+    torchrun --standalone --nproc_per_node 2 tests/distributed/hf_train_ranks.py OUT -- TRAIN_HF_FLAGS...
+
+The runs, each ``train.hf.main`` as the command runs it, write to OUT/ddp (data-parallel), OUT/fsdp
+(``--fsdp``) and OUT/cut (``--fsdp``, stopped after its first epoch, then resumed by a second run).
+The process group the first run joins is kept for the next ones: ``train.distributed.close`` leaves
+it alone until the end.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+from train import distributed
+from train.hf import main as train_hf
+
+
+def main() -> None:
+    out, flags = Path(sys.argv[1]), sys.argv[sys.argv.index("--") + 1:]
+    leave = distributed.close
+    distributed.close = lambda: None
+    try:
+        train_hf(["--out", str(out / "ddp"), *flags])
+        train_hf(["--out", str(out / "fsdp"), *flags, "--fsdp"])
+        train_hf(["--out", str(out / "cut"), *flags, "--fsdp", "--stop-after", "1"])
+        epoch = torch.load(out / "cut" / "train_state.pt", weights_only=False)["epoch"]
+        print(f"cut after epoch {epoch}", flush=True)
+        train_hf(["--out", str(out / "cut"), *flags, "--fsdp"])
+    finally:
+        leave()
+
+
+if __name__ == "__main__":
+    main()
