@@ -1,14 +1,15 @@
 """One decoding step on the CPU against the few lines of plain torch a user would write.
 
-    python -m benchmarks.cpu_step                 # B in {1, 8}, V in {50257, 128256}
+    python -m benchmarks.cpu_step                 # B in {1, 8}, V in {50257, 128256}, one thread
     python -m benchmarks.cpu_step --json out.json
 
 The plain version (:func:`plain_step`): the NMST log-probabilities over the vocabulary in the logits'
 dtype, then ``argmax``, ``topk`` + ``multinomial``, a sort + cumulative sum + ``multinomial`` for
 top-p, or ``multinomial`` over the whole row. Ours: a :class:`nmst_fast.decoding.DecodingStep` built
 once, called as a decoding loop calls it (exact ties, float64 head math and the exact nucleus, which
-the plain version does not give). Times are medians of interleaved calls (µs), one thread per
-process as ``torch.get_num_threads()`` leaves it; the ratio is ours / plain (≤ 1: no slower).
+the plain version does not give). Times are medians of interleaved calls (µs) on ``--threads``
+threads (default 1: on a small shared VM two threads made both sides' medians jump by up to 2×
+between runs); the ratio is ours / plain (≤ 1: no slower).
 """
 
 from __future__ import annotations
@@ -95,10 +96,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--vocabs", type=int, nargs="+", default=[50257, 128256])
     parser.add_argument("--calls", type=int, default=40, help="interleaved calls per case (median)")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for both sides")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
-    rows = run(tuple(args.batches), tuple(args.vocabs), args.calls)
-    print(f"one NMST decoding step on the CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        rows = run(tuple(args.batches), tuple(args.vocabs), args.calls)
+    finally:
+        torch.set_num_threads(threads)
+    print(f"one NMST decoding step on the CPU, torch {torch.__version__}, {args.threads} thread(s); "
           "µs, medians of interleaved calls")
     print("| B | V | strategy | ours | plain torch | ours / plain |\n|---:|---:|---|---:|---:|---:|")
     for row in rows:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Union
 
 import torch
 
@@ -45,10 +46,13 @@ def _along_time(x: torch.Tensor, seq_len: int) -> torch.Tensor:
     return x.view(x.numel() // seq_len if seq_len else 0, seq_len)
 
 
-def nmst_log_survival(s: torch.Tensor, steps: torch.Tensor, eps: float) -> torch.Tensor:
-    """NMST's log(1 − α_t) = logσ(−s) + t·log1p(−ε), float64; 0 at context rows (t <= 0)."""
-    value = torch.nn.functional.logsigmoid(-s.to(_F64)) + steps.to(_F64) * math.log1p(-eps)
-    return torch.where(steps >= 1, value, 0.0)
+def nmst_log_survival(s: torch.Tensor, steps: Union[int, torch.Tensor], eps: float) -> torch.Tensor:
+    """NMST's log(1 − α_t) = logσ(−s) + t·log1p(−ε), float64; 0 at context rows (t <= 0).
+    ``steps``: t per row, or one int t for every row (a decoding step: no (N,) tensor of it)."""
+    value = torch.nn.functional.logsigmoid(-s.to(_F64))
+    if isinstance(steps, int):
+        return value.add_(steps * math.log1p(-eps)) if steps >= 1 else value.zero_()
+    return torch.where(steps >= 1, value + steps.to(_F64) * math.log1p(-eps), 0.0)
 
 
 def st_step_term(s: torch.Tensor, eps: float) -> torch.Tensor:

@@ -19,8 +19,10 @@ def log1mexp(a: torch.Tensor) -> torch.Tensor:
     the switch at ``-ln 2`` is Mächler's recommendation. ``a == 0`` gives ``-inf``.
     """
     near_zero = a > _LOG_HALF
-    # Evaluate each branch only on inputs where it is well behaved so that
-    # neither branch produces NaN that ``where`` would then have to discard.
+    if not (a.requires_grad and torch.is_grad_enabled()):  # for a <= 0 neither branch is NaN
+        return torch.where(near_zero, torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(a)))
+    # Under autograd each branch sees only inputs where it is well behaved: the derivative of the
+    # discarded one (infinite at a = 0 for log1p(-exp(a))) would otherwise turn the gradient to NaN.
     safe_near = torch.where(near_zero, a, torch.full_like(a, _LOG_HALF))
     safe_far = torch.where(near_zero, torch.full_like(a, _LOG_HALF), a)
     return torch.where(near_zero, torch.log(-torch.expm1(safe_near)), torch.log1p(-torch.exp(safe_far)))

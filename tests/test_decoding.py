@@ -84,10 +84,13 @@ def test_temperature_leaves_p_eos_alone(head):
 
 @pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_ranking_is_by_probability_ties_to_lower_index(head, dtype):
+@pytest.mark.parametrize("eos,ties", [(11, True), (0, True), (39, True), (11, False), (39, False)])
+def test_ranking_is_by_probability_ties_to_lower_index(head, dtype, eos, ties):
+    """Exact ranking with many ties (rounded logits) and without (topk's own order then stands), eos
+    inside the row or at either end (a selection over the view without it)."""
     gen = torch.Generator().manual_seed(3)
-    z = torch.randn(6, 40, generator=gen).round()  # many exact ties
-    eos = 11
+    z = torch.randn(6, 40, generator=gen)
+    z = z.round() if ties else z
     d = effective_logits(z.to(dtype), head=head, eos_index=eos, eps=0.3, steps=2)
     if head != "va":  # make eos tie exactly with a token on one row, before and after it
         d.eos_zeta[0] = d.zeta[0, 3].double()
@@ -209,6 +212,33 @@ def test_greedy_ties_with_eos_go_to_the_lower_index(eos):
     expected = torch.sort(d.log_probs(), dim=1, descending=True, stable=True).indices[:, 0]
     assert torch.equal(greedy(d), expected)
     assert torch.equal(greedy(d), ranked_candidates(d, 1)[0].squeeze(1))
+
+
+def test_first_max_by_blocks_is_the_first_maximum():
+    """Long CPU rows take their maximum by block maxima: the value and first column of torch.argmax,
+    with ties within and across blocks, the maximum in the last block (which overlaps the one before
+    it), rows repeated with stride 0, and short rows (plain argmax)."""
+    from nmst_fast.decoding.selection import first_max
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for n in (16 * 1024, 16 * 1024 + 1, 50256, 70001, 300):
+        z = torch.randint(-4, 5, (5, n), generator=gen).float()  # ties everywhere
+        z[1] = torch.randn(n, generator=gen)
+        z[2, n - 3], z[3, max(0, n - 1024 - 2)], z[3, n - 5] = 9.0, 9.0, 9.0  # the last block, and the overlap
+        for rows in (z, z[:1].expand(3, -1), z[:, 1:]):
+            value, column = first_max(rows)
+            assert torch.equal(column, rows.argmax(dim=1)) and torch.equal(value, rows.amax(dim=1)), n
+
+
+@pytest.mark.parametrize("eos", [0, 20000, 40999])
+def test_greedy_on_long_rows_matches_float64_argmax(eos):
+    """Greedy over rows long enough for the block maxima, with exact ties on either side of eos."""
+    gen = torch.Generator().manual_seed(eos)
+    z = torch.randint(-6, 7, (6, 41000), generator=gen).float() / 2
+    steps = torch.tensor([1, 5, 40, 200, 0, 3])
+    tokens, _ = sample(z, head="nmst", eos_index=eos, eps=0.02, steps=steps, top_k=1)
+    lp, _ = step_log_probs(z.double(), head="nmst", eos_index=eos, eps=0.02, steps=steps)
+    assert torch.equal(tokens, torch.argmax(lp, dim=1))
 
 
 @pytest.mark.parametrize("eps", [1e-3, 0.05, 0.3])

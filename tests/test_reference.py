@@ -84,3 +84,6 @@ def test_log1mexp_is_accurate_everywhere():
     a.requires_grad_()
     (g,) = torch.autograd.grad(log1mexp(a).sum(), a)
     assert torch.isfinite(g).all()
+    with torch.no_grad():  # without autograd the branches need no guard: the same values
+        assert torch.equal(log1mexp(a), log1mexp(a.detach()))
+    assert torch.equal(log1mexp(a).detach(), log1mexp(a.detach()))

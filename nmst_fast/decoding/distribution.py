@@ -134,13 +134,20 @@ def step_log_survival(
     state is None for NMST.
     """
     B = eos_logit.shape[0]
-    t = steps_tensor(steps, B, eos_logit.device)
+    # One int t stays a Python int (no (B,) tensor of it, no where over the rows).
+    one_t = isinstance(steps, int) and not isinstance(steps, bool)
+    t = int64_steps(steps) if one_t else steps_tensor(steps, B, eos_logit.device)
     if head == "nmst":
         return nmst_log_survival(eos_logit, t, eps), None
     if state is None:
         prev = torch.zeros(B, dtype=torch.float64, device=eos_logit.device)
     else:
         prev = check_state(state, B, eos_logit.device).to(torch.float64)
+    if one_t:
+        if t < 1:
+            return torch.zeros_like(prev), prev
+        running = prev + st_step_term(eos_logit, eps)
+        return running, running
     live = t >= 1
     running = prev + st_step_term(eos_logit, eps)
     return torch.where(live, running, 0.0), torch.where(live, running, prev)
@@ -188,6 +195,10 @@ def check_rows(non_eos_lse: torch.Tensor, eos_logit: Optional[torch.Tensor] = No
     """NaN or +inf logits, or rows with no finite non-eos logit, have no defined distribution."""
     if torch.compiler.is_compiling():
         return
+    # One read for the usual case: a finite sum of every L (float64) and clamped eos logit (NaN stays NaN).
+    total = non_eos_lse.sum() if eos_logit is None else non_eos_lse.sum() + eos_logit.clamp(-1.0, 1.0).sum()
+    if math.isfinite(total):
+        return
     bad = ~torch.isfinite(non_eos_lse)
     if eos_logit is not None:
         bad |= torch.isnan(eos_logit)
@@ -224,7 +235,7 @@ def effective_logits(
         state: "st" only: (B,) running log(1−α) after the previous step (None: start, 0).
     """
     check_step_args(logits, head, eos_index, eps, temperature)
-    zeta = logits.to(torch.promote_types(logits.dtype, torch.float32))  # never written to
+    zeta = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()  # never written to
     if temperature != 1.0:
         zeta = zeta / temperature  # eos's column too, but for NMST/ST that column is not read
     if head == "va":
@@ -248,9 +259,9 @@ def _row_logsumexp(values: torch.Tensor, without: Optional[int] = None) -> torch
     (1e-3 at |z| ~ 1e4) and broke exact top-p cuts (V equal logits: each p a little below 1/V,
     so a nucleus of mass exactly p took one token more)."""
     def side(part: torch.Tensor) -> torch.Tensor:
-        top = part.amax(dim=1)
-        shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # −inf / NaN / +inf rows stay so
-        return shift.to(torch.float64) + torch.exp(part - shift[:, None]).sum(dim=1).to(torch.float64).log()
+        shift = part.amax(dim=1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)  # −inf / NaN / +inf rows stay so
+        total = (part - shift).exp_().sum(dim=1)
+        return shift.squeeze(1).to(torch.float64) + total.to(torch.float64).log()
 
     def one_block(block: torch.Tensor) -> torch.Tensor:
         parts = (block,) if without is None else (block[:, :without], block[:, without + 1:])
