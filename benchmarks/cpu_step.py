@@ -2,6 +2,7 @@
 
     python -m benchmarks.cpu_step                 # B in {1, 8}, V in {50257, 128256}, one thread
     python -m benchmarks.cpu_step --json out.json
+    python -m benchmarks.cpu_step --repeats 3     # medians over three whole runs
 
 The plain version (:func:`plain_step`): the NMST log-probabilities over the vocabulary in the logits'
 dtype, then ``argmax``, ``topk`` + ``multinomial``, a sort + cumulative sum + ``multinomial`` for
@@ -91,26 +92,41 @@ def run(batches: tuple[int, ...] = (1, 8), vocabs: tuple[int, ...] = (50257, 128
     return rows
 
 
+def combine(runs: list[list[dict]]) -> list[dict]:
+    """One row per case from several runs of :func:`run`: the median µs of each side over the runs,
+    their ratio, and the lowest and highest ratio of a single run."""
+    rows = []
+    for case in zip(*runs):
+        ours, plain = (statistics.median(r[key] for r in case) for key in ("ours_us", "plain_us"))
+        ratios = [r["ratio"] for r in case]
+        rows.append(dict(case[0], ours_us=ours, plain_us=plain, ratio=ours / plain, ratio_min=min(ratios),
+                         ratio_max=max(ratios), repeats=len(case)))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--vocabs", type=int, nargs="+", default=[50257, 128256])
     parser.add_argument("--calls", type=int, default=40, help="interleaved calls per case (median)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="whole runs; a row's times are the medians over them, with the ratio's range")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for both sides")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        rows = run(tuple(args.batches), tuple(args.vocabs), args.calls)
+        rows = combine([run(tuple(args.batches), tuple(args.vocabs), args.calls) for _ in range(args.repeats)])
     finally:
         torch.set_num_threads(threads)
     print(f"one NMST decoding step on the CPU, torch {torch.__version__}, {args.threads} thread(s); "
           "µs, medians of interleaved calls")
-    print("| B | V | strategy | ours | plain torch | ours / plain |\n|---:|---:|---|---:|---:|---:|")
+    print("| B | V | strategy | ours | plain torch | ours / plain | range over repeats |\n"
+          "|---:|---:|---|---:|---:|---:|---|")
     for row in rows:
         print(f"| {row['batch']} | {row['vocab']} | {row['strategy']} | {row['ours_us']:.0f} | {row['plain_us']:.0f} | "
-              f"{row['ratio']:.2f} |")
+              f"{row['ratio']:.2f} | {row['ratio_min']:.2f}–{row['ratio_max']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

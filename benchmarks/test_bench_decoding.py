@@ -81,9 +81,13 @@ def test_cpu_step_report_runs(tmp_path, capsys):
 
     from benchmarks import cpu_step
 
-    cpu_step.main(["--batches", "2", "--vocabs", "300", "--calls", "2", "--json", str(tmp_path / "c.json")])
+    threads = torch.get_num_threads()
+    cpu_step.main(["--batches", "2", "--vocabs", "300", "--calls", "2", "--repeats", "2", "--json",
+                   str(tmp_path / "c.json")])
+    assert torch.get_num_threads() == threads  # the run's one thread is not left behind
     rows = json.loads((tmp_path / "c.json").read_text())
     assert [r["strategy"] for r in rows] == list(cpu_step.STRATEGIES) and all(r["ratio"] > 0 for r in rows)
+    assert all(r["repeats"] == 2 and r["ratio_min"] <= r["ratio_max"] for r in rows)
     assert len([line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 | 300 |")]) == 4
     logits = torch.randn(3, 300)
     for k, p in cpu_step.STRATEGIES.values():
