@@ -74,63 +74,39 @@ def test_crossing_forms_agree(shape):
 
 
 @triton.jit
-def _lowest_key_kernel(key_ptr, a_ptr, b_ptr, lowest_ptr, a_out, b_out, sums_ptr, R: tl.constexpr, C: tl.constexpr,
-                       FUSED: tl.constexpr):
+def _pair_sums_kernel(key_ptr, a_ptr, b_ptr, min_ptr, sums_ptr, R: tl.constexpr, C: tl.constexpr, FUSED: tl.constexpr):
     at = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
     key = tl.load(key_ptr + at)
     a = tl.load(a_ptr + at)
     b = tl.load(b_ptr + at)
-    flags = (key & 3) | 4
     if FUSED:
-        lowest, a_low, b_low, _ = tl.reduce((key, a, b, flags), 1, reductions.lowest_key)
         total_a, total_b = tl.reduce((a, b), 1, reductions.add_pair)
         _, min_key = tl.reduce((b, key), 1, reductions.add_and_min)
     else:  # the kernels' interpreted form
-        lowest = tl.min(key, axis=1)
-        at = key == lowest[:, None]
-        a_low = tl.sum(tl.where(at, a, 0), axis=1)
-        b_low = tl.sum(tl.where(at, b, 0.0), axis=1)
         total_a, total_b = tl.sum(a, axis=1), tl.sum(b, axis=1)
         min_key = tl.min(key, axis=1)
     rows = tl.arange(0, R)
-    tl.store(lowest_ptr + rows, lowest)
-    tl.store(a_out + rows, a_low)
-    tl.store(b_out + rows, b_low)
     tl.store(sums_ptr + rows * 2, total_a)
     tl.store(sums_ptr + rows * 2 + 1, total_b.to(tl.float64))
-    tl.store(lowest_ptr + R + rows, min_key)
+    tl.store(min_ptr + rows, min_key)
 
 
-def test_lowest_key_and_pair_sums_agree():
-    """The row draw's examined candidate (the lowest key: the first candidate the bounds keep, keys
-    distinct below the sentinel C) with its column and value, the bounds' two sums, and a sum with a
-    min (the scan's split mass and first index of its max)."""
+def test_pair_sums_agree():
+    """The bounds' two sums, and a sum with a min (the scan's split mass and first index of its max),
+    fused and as the interpreted kernels take them."""
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
     R, C = 8, 4
     key = torch.stack([torch.randperm(C, generator=gen) for _ in range(R)]).to(torch.int32)
-    key[torch.rand(R, C, generator=gen) < 0.5] = C  # candidates not examined
-    key[0] = C  # a row with none: its payloads are unspecified
     a = torch.randint(0, 1000, (R, C), generator=gen, dtype=torch.int32)
     b = torch.randn(R, C, generator=gen, dtype=torch.float64)
-    results = {}
     for fused in (True, False):
-        lowest = torch.empty(2 * R, dtype=torch.int32, device=DEVICE)  # the lowest key, twice: both reductions
-        a_low = torch.empty(R, dtype=torch.int32, device=DEVICE)
-        b_low = torch.empty(R, dtype=torch.float64, device=DEVICE)
+        lowest = torch.empty(R, dtype=torch.int32, device=DEVICE)
         sums = torch.empty(R, 2, dtype=torch.float64, device=DEVICE)
-        _lowest_key_kernel[(1,)](key.to(DEVICE), a.to(DEVICE), b.to(DEVICE), lowest, a_low, b_low, sums, R=R, C=C,
-                                 FUSED=fused)
-        results[fused] = [t.cpu() for t in (lowest, a_low, b_low, sums)]
-    expected_lowest, where = key.min(dim=1)
-    for fused in (True, False):
-        both, a_low, b_low, sums = results[fused]
-        lowest = both[:R]
-        assert torch.equal(lowest, expected_lowest) and torch.equal(both[R:], expected_lowest), f"seed={seed}"
-        used = lowest < C
-        assert torch.equal(a_low[used], a.gather(1, where[:, None])[:, 0][used]), f"seed={seed}"
-        assert torch.equal(b_low[used], b.gather(1, where[:, None])[:, 0][used]), f"seed={seed}"
-        torch.testing.assert_close(sums, torch.stack([a.double().sum(1), b.sum(1)], dim=1), rtol=1e-12, atol=1e-12)
+        _pair_sums_kernel[(1,)](key.to(DEVICE), a.to(DEVICE), b.to(DEVICE), lowest, sums, R=R, C=C, FUSED=fused)
+        assert torch.equal(lowest.cpu(), key.min(dim=1).values), f"seed={seed}"
+        torch.testing.assert_close(sums.cpu(), torch.stack([a.double().sum(1), b.sum(1)], dim=1), rtol=1e-12,
+                                   atol=1e-12)
 
 
 @triton.jit

@@ -76,11 +76,3 @@ def larger_then_lower(value, index, other_value, other_index):
     """Combine: the largest value with the lowest index holding it (no NaN among the values)."""
     first = (value > other_value) | ((value == other_value) & (index < other_index))
     return tl.where(first, value, other_value), tl.where(first, index, other_index)
-
-
-@triton.jit
-def lowest_key(key, a, b, c, other_key, other_a, other_b, other_c):
-    """Combine: the lowest key with its three payloads (keys distinct where the result is used)."""
-    lower = key <= other_key
-    return (tl.where(lower, key, other_key), tl.where(lower, a, other_a), tl.where(lower, b, other_b),
-            tl.where(lower, c, other_c))
