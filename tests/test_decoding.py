@@ -214,6 +214,21 @@ def test_greedy_ties_with_eos_go_to_the_lower_index(eos):
     assert torch.equal(greedy(d), ranked_candidates(d, 1)[0].squeeze(1))
 
 
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("eos,V", [(0, 30), (13, 30), (29, 30), (20000, 17500 * 2)])
+def test_greedy_log_probs_are_the_token_log_probs(head, eos, V):
+    """The greedy step's log p comes from the winners' ζ at hand: bit for bit token_log_probs."""
+    from nmst_fast.decoding.selection import greedy_with_log_probs
+
+    gen = torch.Generator().manual_seed(eos + V)
+    z = torch.randn(8, V, generator=gen) * 4
+    z[:4, eos] += 12.0  # eos wins on some rows
+    d = effective_logits(z, head=head, eos_index=eos, eps=0.05, steps=torch.arange(8) * 5,
+                         state=torch.full((8,), -0.5) if head == "st" else None)
+    tokens, log_p = greedy_with_log_probs(d)
+    assert torch.equal(log_p, d.token_log_probs(tokens)) and log_p.dtype == torch.float64
+
+
 def test_first_max_by_blocks_is_the_first_maximum():
     """Long CPU rows take their maximum by block maxima: the value and first column of torch.argmax,
     with ties within and across blocks, the maximum in the last block (which overlaps the one before

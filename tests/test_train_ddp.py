@@ -30,21 +30,24 @@ def test_a_failing_rank_ends_the_run_with_its_error(tmp_path):
 
 
 def test_the_command_under_torchrun_writes_once_and_matches_one_process(tmp_path):
-    run = torchrun("train", 2, "--out", str(tmp_path / "two"), *FLAGS, module=True)
+    # python -m train, then again on the same --out (tests/distributed/train_command_ranks.py).
+    run = torchrun("train_command_ranks.py", 2, str(tmp_path / "two"), "--", *FLAGS)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    assert run.stdout.count("report:") == 1  # rank 0 alone reports
+    assert run.stdout.count("report:") == 2  # rank 0 alone reports, once per run
     assert json.loads((tmp_path / "two" / "run.json").read_text())["world_size"] == 2
-    two = json.loads((tmp_path / "two" / "results.json").read_text())
+    two = json.loads((tmp_path / "two" / "first-results.json").read_text())
     assert not [p for p in (tmp_path / "two").rglob("*") if p.name.endswith(".tmp")]
     one = json.loads((main(["--out", str(tmp_path / "one"), *FLAGS]) / "results.json").read_text())
     for head in ("nmst", "va"):
         assert two[head]["world_size"] == 2 and one[head]["world_size"] == 1
         for key in ("perplexity", "valid_perplexity"):
             assert abs(two[head][key] - one[head][key]) <= 1e-4 * one[head][key], (head, key)
-    # Rerun on the same --out: every rank resumes the finished runs (no epoch trains again).
-    again = torchrun("train", 2, "--out", str(tmp_path / "two"), *FLAGS, module=True)
-    assert again.returncode == 0, again.stderr[-6000:]
+    # The rerun on the same --out: every rank resumed the finished runs (no epoch trained again, no
+    # checkpoint rewritten).
     assert json.loads((tmp_path / "two" / "results.json").read_text())["va"]["history"] == two["va"]["history"]
+    stamps = json.loads((tmp_path / "two" / "first-checkpoints.json").read_text())
+    assert sorted(stamps) == ["nmst/checkpoint.pt", "va/checkpoint.pt"]
+    assert all((tmp_path / "two" / name).stat().st_mtime_ns == stamp for name, stamp in stamps.items())
 
 
 def test_a_refused_out_stops_every_rank(tmp_path):

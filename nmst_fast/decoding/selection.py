@@ -109,14 +109,21 @@ def ranked_candidates(dist: StepDistribution, k: int) -> tuple[torch.Tensor, tor
 
 
 def greedy(dist: StepDistribution) -> torch.Tensor:
-    """Most probable token per row (B,), ties → lower index.
+    """Most probable token per row (B,), ties → lower index (see :func:`greedy_with_log_probs`)."""
+    return greedy_with_log_probs(dist)[0]
+
+
+def greedy_with_log_probs(dist: StepDistribution) -> tuple[torch.Tensor, torch.Tensor]:
+    """Most probable token per row (B,) int64, ties → lower index, and its log p (B,) float64.
 
     The best column on each side of eos (views, no copy; :func:`first_max`), then eos against the
     winner by its exact float64 ζ_eos: a handful of ops, where a ranked list of one would cost dozens
-    (they dominate at small batch).
+    (they dominate at small batch). The log-probabilities are :meth:`StepDistribution.token_log_probs`'s
+    values, from the winners' ζ already at hand.
     """
     if dist.eos_zeta is None:
-        return first_max(dist.zeta)[1]
+        value, column = first_max(dist.zeta)
+        return column, value.to(torch.float64) - dist.log_norm
     zeta, eos = dist.zeta, dist.eos_index
     best_val = best_idx = None
     for first, part in ((0, zeta[:, :eos]), (eos + 1, zeta[:, eos + 1:])):
@@ -137,7 +144,7 @@ def greedy(dist: StepDistribution) -> torch.Tensor:
         eos_wins = dist.eos_zeta >= best64
     else:
         eos_wins = (dist.eos_zeta > best64) | ((dist.eos_zeta == best64) & (eos < best_idx))
-    return torch.where(eos_wins, eos, best_idx)
+    return torch.where(eos_wins, eos, best_idx), torch.where(eos_wins, dist.eos_log_prob, best64 - dist.log_norm)
 
 
 # torch.argmax reads a CPU row at a fraction of amax's speed (≈ 130 against 15 µs at 50257 columns):

@@ -37,7 +37,7 @@ from .distribution import (
     no_distribution_message,
     steps_tensor,
 )
-from .selection import select
+from .selection import greedy_with_log_probs, select
 from .truncation import TOP_P_SLACK, check_truncation, untruncated
 
 
@@ -241,6 +241,8 @@ class DecodingStep:
                     generator: Optional[torch.Generator], first_size: Optional[int] = None) -> StepOutput:
         dist = effective_logits(logits, head=self.head, eos_index=self.eos_index, eps=self.eps, steps=steps,
                                 state=state, temperature=self.temperature)
+        if self._greedy:
+            return StepOutput(*greedy_with_log_probs(dist), dist.state)
         tokens = select(dist, top_k=self.top_k, top_p=self.top_p, generator=generator, first_size=first_size)
         return StepOutput(tokens, dist.token_log_probs(tokens), dist.state)
 

@@ -2,6 +2,9 @@
 
     torchrun --standalone --nproc_per_node 3 tests/distributed/vocab_parallel_ranks.py [--fail-rank R | --overlap]
 
+Without flags, every rank checks the loss over the whole group, then ranks 0 and 1 again over a group of
+the two of them.
+
 Every rank builds the same random inputs, computes the single-process loss and gradients on the
 whole weight (float64, chunked), then the vocab-parallel loss on its own uneven slice, and checks
 loss, dh, and its slice of dW and db, for every head, reduction and backend, with eos and targets
@@ -103,6 +106,12 @@ def main() -> None:
             raise SystemExit("the bad input went unnoticed")
         cases = check(rank, world, group)
         print(f"rank {rank}/{world}: {cases} cases equal to one process", flush=True)
+        # The first two ranks again as a group of their own (the other ranks only join its creation):
+        # two shards, the first and the last, without another launch.
+        pair = dist.new_group([0, 1])
+        if rank < 2:
+            cases = check(rank, 2, pair)
+            print(f"rank {rank}/2: {cases} cases equal to one process", flush=True)
     finally:
         dist.destroy_process_group()
 
