@@ -1,6 +1,11 @@
-"""python -m train.hf under torchrun (2 gloo ranks): data-parallel (DDP) and sharded (--fsdp) training
-update the weights as one process does, the evaluation equals one process's, rank 0 alone writes,
-and an FSDP run resumes under torchrun."""
+"""python -m train.hf under torchrun (2 gloo ranks), in one launch (tests/distributed/hf_train_ranks.py):
+
+* its training step, data-parallel (DDP) and sharded (FSDP2: fully_shard per decoder layer, on the
+  output layer and the root), gives one process's loss and gradients for every head, with ragged
+  shares and an empty one (tests/distributed/hf_step_ranks.py); the loss reads the output layer's
+  weight inside that layer's own call, where FSDP2 has gathered it;
+* DDP and --fsdp training update the weights as one process does, the evaluation equals one
+  process's, rank 0 alone writes, and an FSDP run resumes under torchrun."""
 
 import json
 
@@ -28,6 +33,8 @@ def test_ddp_and_fsdp_train_as_one_process_and_fsdp_resumes(corpus, tmp_path):
     one = main(["--data-dir", str(corpus), "--out", str(tmp_path / "one"), *FLAGS])
     proc = torchrun("hf_train_ranks.py", 2, str(tmp_path), "--", "--data-dir", str(corpus), *FLAGS)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    for rank in (0, 1):
+        assert f"rank {rank}/2: DDP and FSDP2 steps equal one process" in proc.stdout
     assert proc.stdout.count("cut after epoch 1") == 2  # both ranks saw the interrupted run's state
     assert proc.stdout.count("results:") == 3  # rank 0 alone reports, once per finished run
     ddp, fsdp, cut = (tmp_path / name for name in ("ddp", "fsdp", "cut"))

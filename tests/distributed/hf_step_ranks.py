@@ -3,6 +3,8 @@ loss and gradients, data-parallel (DDP) and sharded (FSDP2), for every head.
 
     torchrun --standalone --nproc_per_node 2 tests/distributed/hf_step_ranks.py
 
+(tests/test_train_hf_ddp.py runs :func:`check_steps` inside the launch of hf_train_ranks.py.)
+
 The step is the command's own: :func:`train.hf.shard` (DDP, or ``fully_shard`` per decoder layer, on
 the output layer and on the root), :func:`train.hf._batches` (each rank's share of a global batch of
 ragged rows: the shares hold different token counts, and one global batch holds a single row, so one
@@ -42,20 +44,26 @@ def gradients(net, world, fsdp: bool):
     return losses, grads
 
 
+def check_steps(world: distributed.World) -> None:
+    """Every head's DDP and FSDP2 step on ``world`` against one process's (each rank computes that
+    itself, without collectives); prints one line per rank."""
+    for head in ("nmst", "st", "va"):
+        want_losses, want = gradients(model(head), distributed.World(), fsdp=False)
+        for fsdp in (False, True):
+            losses, grads = gradients(model(head), world, fsdp)
+            kind = "FSDP2" if fsdp else "DDP"
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{kind} {head} losses: {m}")
+            for name, g in want.items():
+                torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"{kind} {head} {name}: {m}")
+    print(f"rank {world.rank}/{world.size}: DDP and FSDP2 steps equal one process", flush=True)
+
+
 def main() -> None:
     world, _ = distributed.init("cpu", timeout_minutes=2.0)
     try:
-        for head in ("nmst", "st", "va"):
-            want_losses, want = gradients(model(head), distributed.World(), fsdp=False)
-            for fsdp in (False, True):
-                losses, grads = gradients(model(head), world, fsdp)
-                kind = "FSDP2" if fsdp else "DDP"
-                torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"{kind} {head} losses: {m}")
-                for name, g in want.items():
-                    torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6,
-                                               msg=lambda m: f"{kind} {head} {name}: {m}")
-        print(f"rank {world.rank}/{world.size}: DDP and FSDP2 steps equal one process", flush=True)
+        check_steps(world)
     finally:
         distributed.close()
 

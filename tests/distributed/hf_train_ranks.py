@@ -1,11 +1,12 @@
-"""Run under torchrun (gloo): ``python -m train.hf`` four times in one process group, as the test of
-data-parallel and sharded training needs it (tests/test_train_hf_ddp.py), for one launch instead of four.
+"""Run under torchrun (gloo): the training step's checks (hf_step_ranks.py), then ``python -m train.hf``
+four times, in one process group, as the test of data-parallel and sharded training needs them
+(tests/test_train_hf_ddp.py): one launch instead of five.
 
     torchrun --standalone --nproc_per_node 2 tests/distributed/hf_train_ranks.py OUT -- TRAIN_HF_FLAGS...
 
 The runs, each ``train.hf.main`` as the command runs it, write to OUT/ddp (data-parallel), OUT/fsdp
 (``--fsdp``) and OUT/cut (``--fsdp``, stopped after its first epoch, then resumed by a second run).
-The process group the first run joins is kept for the next ones: ``train.distributed.close`` leaves
+The process group the step checks join is kept for the runs: ``train.distributed.close`` leaves
 it alone until the end.
 """
 
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
+from hf_step_ranks import check_steps  # this script's folder leads sys.path
 
 from train import distributed
 from train.hf import main as train_hf
@@ -20,9 +22,11 @@ from train.hf import main as train_hf
 
 def main() -> None:
     out, flags = Path(sys.argv[1]), sys.argv[sys.argv.index("--") + 1:]
+    world, _ = distributed.init("cpu", timeout_minutes=10.0)
     leave = distributed.close
     distributed.close = lambda: None
     try:
+        check_steps(world)
         train_hf(["--out", str(out / "ddp"), *flags])
         train_hf(["--out", str(out / "fsdp"), *flags, "--fsdp"])
         train_hf(["--out", str(out / "cut"), *flags, "--fsdp", "--stop-after", "1"])
