@@ -143,13 +143,10 @@ def step_log_survival(
         prev = torch.zeros(B, dtype=torch.float64, device=eos_logit.device)
     else:
         prev = check_state(state, B, eos_logit.device).to(torch.float64)
-    if one_t:
-        if t < 1:
-            return torch.zeros_like(prev), prev
-        running = prev + st_step_term(eos_logit, eps)
-        return running, running
-    live = t >= 1
     running = prev + st_step_term(eos_logit, eps)
+    if one_t:
+        return (running, running) if t >= 1 else (torch.zeros_like(prev), prev)
+    live = t >= 1
     return torch.where(live, running, 0.0), torch.where(live, running, prev)
 
 

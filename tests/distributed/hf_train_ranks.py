@@ -6,8 +6,7 @@ four times, in one process group, as the test of data-parallel and sharded train
 
 The runs, each ``train.hf.main`` as the command runs it, write to OUT/ddp (data-parallel), OUT/fsdp
 (``--fsdp``) and OUT/cut (``--fsdp``, stopped after its first epoch, then resumed by a second run).
-The process group the step checks join is kept for the runs: ``train.distributed.close`` leaves
-it alone until the end.
+The process group the step checks join is kept for the runs (kept_group.py).
 """
 
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import torch
 from hf_step_ranks import check_steps  # this script's folder leads sys.path
+from kept_group import kept_group
 
 from train import distributed
 from train.hf import main as train_hf
@@ -23,9 +23,7 @@ from train.hf import main as train_hf
 def main() -> None:
     out, flags = Path(sys.argv[1]), sys.argv[sys.argv.index("--") + 1:]
     world, _ = distributed.init("cpu", timeout_minutes=10.0)
-    leave = distributed.close
-    distributed.close = lambda: None
-    try:
+    with kept_group():
         check_steps(world)
         train_hf(["--out", str(out / "ddp"), *flags])
         train_hf(["--out", str(out / "fsdp"), *flags, "--fsdp"])
@@ -33,8 +31,6 @@ def main() -> None:
         epoch = torch.load(out / "cut" / "train_state.pt", weights_only=False)["epoch"]
         print(f"cut after epoch {epoch}", flush=True)
         train_hf(["--out", str(out / "cut"), *flags, "--fsdp"])
-    finally:
-        leave()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ of the command under torchrun (tests/test_train_ddp.py) with one launch instead 
 The first run trains into OUT; rank 0 then keeps its results as OUT/first-results.json and its
 checkpoints' modification times as OUT/first-checkpoints.json; the second,
 on the same OUT, must resume every finished run. The process group the first run joins is kept for
-the second: ``train.distributed.close`` leaves it alone until the end.
+the second (kept_group.py).
 """
 
 import json
@@ -15,16 +15,14 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
+from kept_group import kept_group  # this script's folder leads sys.path
 
-from train import distributed
 from train.__main__ import main as train
 
 
 def main() -> None:
     out, flags = Path(sys.argv[1]), sys.argv[sys.argv.index("--") + 1:]
-    leave = distributed.close
-    distributed.close = lambda: None
-    try:
+    with kept_group():
         train(["--out", str(out), *flags])
         if dist.get_rank() == 0:
             shutil.copyfile(out / "results.json", out / "first-results.json")
@@ -32,8 +30,6 @@ def main() -> None:
             (out / "first-checkpoints.json").write_text(json.dumps(stamps))
         dist.barrier()
         train(["--out", str(out), *flags])
-    finally:
-        leave()
 
 
 if __name__ == "__main__":
