@@ -25,7 +25,7 @@ import torch
 from .decoding_cases import STRATEGIES, make_logits
 
 # (module, kernel) pairs the fused decoding paths launch.
-_KERNELS = (("row_scan", "_row_scan_kernel"), ("row_draw", "_row_draw_kernel"), ("scan_select", "_scan_select_kernel"))
+_KERNELS = (("row_draw", "_row_draw_kernel"), ("scan_select", "_scan_select_kernel"))
 
 
 class _NoLaunch:

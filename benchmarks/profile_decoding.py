@@ -8,9 +8,9 @@ Tables: "row-draw" sweeps the row draw (top-p's kernel) over tile width, warps a
 load issued before this tile's folds); "top-p-layout" it in the wide and compact layouts
 (``row_draw.top_p_layout``) at p = 0.4 and 0.9, with mean rounds and passes per row; "scan" the split-V scan
 with its finish (the greedy and sampling step, ``nmst_fast/kernels/scan_select.py``) over splits per row and
-tile width at B = 256, "scan-b32" at B = 32; "top-k-parts" the candidate scan alone and the one-launch step;
-"top-k-scan" the one-launch top-k 4 and 50 steps over tile width and splits; "read-floor" the greedy and
-sampling steps against a bare read in the same layout and torch's row max. Each row gives the device time
+tile width at B = 256, "scan-b32" at B = 32; "top-k-scan" the one-launch top-k 4 and 50 steps over tile
+width and splits; "read-floor" the greedy and sampling steps against a bare read in the same layout and
+torch's row max. Each row gives the device time
 (``triton.testing.do_bench_cudagraph`` median, each step on a copy of the logits not in L2:
 ``benchmarks.cold_reads``), the achieved read rate or the ratio to the one-read floor at the copy bandwidth
 measured in the same run; * marks the current default. Pick the next defaults from the tables.
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from nmst_fast.kernels.row_draw import COMPACT_TOP_P, TOP_P_LAYOUTS, cuda_launch, default_launch, draw_rows
-from nmst_fast.kernels.row_scan import launch_shape, scan_partials, split_layout
+from nmst_fast.kernels.row_scan import launch_plan, split_layout
 
 from .cold_reads import cold_graph_ms
 from .decoding_cases import make_logits
@@ -112,26 +112,12 @@ def scan_sweep(logits: torch.Tensor, launches: Iterable[tuple[int, int]], timer:
     return rows
 
 
-def top_k_parts(logits: torch.Tensor, top_k: int, timer: Timer) -> list[tuple[str, float]]:
-    """(part, ms) of a top-k device step (NMST head, t = 100): the candidate scan alone, and the
-    one-launch step (``scan_select``, what ``sample(top_k=...)`` runs on a GPU)."""
-    from nmst_fast.kernels.scan_select import scan_select
-
-    eos = logits.shape[1] - 1
-    seed = torch.tensor([1234], device=logits.device)
-
-    def scan_only(z: torch.Tensor) -> None:
-        scan_partials(z, eos_index=eos, candidates=top_k)
-
-    def one_launch(z: torch.Tensor) -> None:
-        scan_select(z, head="nmst", eos_index=eos, eps=1e-5, temperature=1.0, steps=100, state=None, seed=seed,
-                    top_k=top_k)
-
-    rows = []
-    for name, fn in (("candidate scan", scan_only), ("one launch", one_launch)):
-        fn(logits)
-        rows.append((name, timer(fn, logits)))
-    return rows
+def default_scan_launch(logits: torch.Tensor, top_k: int) -> tuple[int, int]:
+    """(BLOCK_V, splits) the one-launch step takes by default for these logits (``top_k``: 0 for greedy
+    and sampling)."""
+    (_, splits), _, _, meta = launch_plan(*logits.shape, top_k, None, False,
+                                          logits.device.index if logits.is_cuda else -1)
+    return meta["BLOCK_V"], splits
 
 
 @triton.jit
@@ -162,14 +148,13 @@ def bare_read(z: torch.Tensor, block_v: int, splits: int) -> torch.Tensor:
 
 def read_floor_parts(logits: torch.Tensor, timer: Timer) -> list[tuple[str, float]]:
     """(part, ms) at the greedy scan's default launch: a bare read in that layout, torch's row max,
-    the greedy scan alone, the greedy step (``scan_select``), and plain sampling by the one-launch
-    drawing scan. The bare
-    read is what one launch costs at best; the rest is each part's share."""
+    the greedy step (``scan_select``) and plain sampling by the one-launch drawing scan. The bare
+    read is what one launch costs at best."""
     from nmst_fast.kernels.scan_select import scan_select
 
     B, V = logits.shape
     eos = V - 1
-    _, block_v, splits = launch_shape(logits, 0)
+    block_v, splits = default_scan_launch(logits, 0)
     seed = torch.tensor([1234], device=logits.device)
     head = dict(head="nmst", eos_index=eos, eps=1e-5, temperature=1.0, steps=100, state=None)
 
@@ -179,9 +164,6 @@ def read_floor_parts(logits: torch.Tensor, timer: Timer) -> list[tuple[str, floa
     def row_max(z: torch.Tensor) -> None:
         torch.amax(z, dim=1)
 
-    def scan_only(z: torch.Tensor) -> None:
-        scan_partials(z, eos_index=eos)
-
     def greedy_one_launch(z: torch.Tensor) -> None:
         scan_select(z, seed=None, **head)
 
@@ -190,7 +172,6 @@ def read_floor_parts(logits: torch.Tensor, timer: Timer) -> list[tuple[str, floa
 
     rows = []
     for name, fn in ((f"bare read ({block_v} x {splits} splits)", read), ("torch.amax(dim=1)", row_max),
-                     ("greedy scan alone", scan_only),
                      ("greedy, one launch (scan_select)", greedy_one_launch),
                      ("sampling, one launch (drawing scan_select)", sampling_one_launch)):
         fn(logits)
@@ -198,7 +179,7 @@ def read_floor_parts(logits: torch.Tensor, timer: Timer) -> list[tuple[str, floa
     return rows
 
 
-TABLES = ("row-draw", "top-p-layout", "scan", "top-k-parts", "top-k-scan", "scan-b32",
+TABLES = ("row-draw", "top-p-layout", "scan", "top-k-scan", "scan-b32",
           "read-floor")
 
 
@@ -268,23 +249,13 @@ def _scan_table(vocabs, bandwidth, timer, quick) -> None:
           "|---:|---|---:|---:|---:|---:|---:|---:|")
     for V, draw in [(V, False) for V in vocabs] + [(50257, True)]:
         logits, floor_ms = _case(256, V, bandwidth)
-        _, default_block_v, default_splits = launch_shape(logits, 0)
+        default_block_v, default_splits = default_scan_launch(logits, 0)
         launches = [(block_v, splits) for block_v in (1024, 2048, 4096) for splits in SPLITS
                     if splits * block_v < 2 * V]
         for (block_v, splits), ms in scan_sweep(logits, launches, timer, draw=draw):
             mark = "*" if (block_v, splits) == (default_block_v, default_splits) else ""
             print(f"| {V} | {'sampling' if draw else 'greedy'} | {block_v} | {splits}{mark} | {256 * splits} | "
                   f"{ms:.4f} | {logits.numel() * 4 / (ms * 1e-3) / 1e12:.2f} | {ms / floor_ms:.2f} |", flush=True)
-
-
-def _top_k_parts_table(vocabs, bandwidth, timer, quick) -> None:
-    print("\ntop-k device step in parts, B = 256")
-    print("| V | top-k | part | ms | x floor |\n|---:|---:|---|---:|---:|")
-    for V in vocabs:
-        logits, floor_ms = _case(256, V, bandwidth)
-        for top_k in (4, 50):
-            for part, ms in top_k_parts(logits, top_k, timer):
-                print(f"| {V} | {top_k} | {part} | {ms:.4f} | {ms / floor_ms:.2f} |", flush=True)
 
 
 def _top_k_scan_table(vocabs, bandwidth, timer, quick) -> None:
@@ -296,7 +267,7 @@ def _top_k_scan_table(vocabs, bandwidth, timer, quick) -> None:
     for V in vocabs:
         logits, floor_ms = _case(256, V, bandwidth)
         for top_k in (4, 50):
-            _, default_block_v, default_splits = launch_shape(logits, top_k)
+            default_block_v, default_splits = default_scan_launch(logits, top_k)
             launches = sorted({(block_v, splits) for block_v in (1024, 2048) for splits in (1, 2, 3, 4, 6)}
                               | {(default_block_v, default_splits)})
             for (block_v, splits), ms in scan_sweep(logits, launches, timer, top_k=top_k):
@@ -311,7 +282,7 @@ def _scan_b32_table(vocabs, bandwidth, timer, quick) -> None:
     print("\nsplit-V scan with its finish (one launch) at B = 32, V = 128256")
     print("| mode | BLOCK_V | splits | programs | ms | x floor |\n|---|---:|---:|---:|---:|---:|")
     logits, floor_ms = _case(32, 128256, bandwidth)
-    _, default_block_v, default_splits = launch_shape(logits, 0)
+    default_block_v, default_splits = default_scan_launch(logits, 0)
     launches = sorted({(block_v, splits) for block_v in (1024, 2048) for splits in (4, 8, 16, 32)}
                       | {(default_block_v, default_splits)})
     for draw in (False, True):
@@ -331,7 +302,7 @@ def _read_floor_table(vocabs, bandwidth, timer, quick) -> None:
 
 
 _TABLE_RUNNERS = {"row-draw": _row_draw_table, "top-p-layout": _top_p_layout_table, "scan": _scan_table,
-                  "top-k-parts": _top_k_parts_table, "top-k-scan": _top_k_scan_table, "scan-b32": _scan_b32_table,
+                  "top-k-scan": _top_k_scan_table, "scan-b32": _scan_b32_table,
                   "read-floor": _read_floor_table}
 
 

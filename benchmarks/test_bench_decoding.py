@@ -41,16 +41,16 @@ def test_generation_report_runs(capsys, tmp_path):
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_host_overhead(benchmark, strategy):
     """A cached decoding step's host time with its kernels stubbed (``python -m benchmarks.host_overhead``)."""
-    import nmst_fast.kernels.row_scan as row_scan
+    import nmst_fast.kernels.scan_select as scan_select
     from benchmarks.host_overhead import cached_step, device, kernels_stubbed
 
-    real_kernel = row_scan._row_scan_kernel
+    real_kernel = scan_select._scan_select_kernel
     logits = make_logits(1, 50257, device=device())
     gen = torch.Generator(device=device()).manual_seed(0)
     with kernels_stubbed():
         benchmark.group = "host time per fused step, kernels stubbed, B=1 V=50257"
         tokens = benchmark(cached_step(*STRATEGIES[strategy], logits, gen))
-    assert tokens.shape == (1,) and row_scan._row_scan_kernel is real_kernel
+    assert tokens.shape == (1,) and scan_select._scan_select_kernel is real_kernel
 
 
 def test_host_overhead_report_runs(capsys):

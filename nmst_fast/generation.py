@@ -98,6 +98,9 @@ def _check(contexts, strategy: str, top_k, top_p, num_beams, max_length, tempera
         raise ValueError("strategy='nucleus' needs top_p")
     if strategy == "beam" and (not _is_int(num_beams) or num_beams < 1):
         raise ValueError(f"strategy='beam' needs num_beams >= 1, got {num_beams!r}")
+    if strategy == "beam" and impl == "triton":
+        raise ValueError("impl='triton' serves greedy, sample, top_k and nucleus; beam search ranks its candidates "
+                         "in torch (impl='auto' or 'torch')")
 
 
 def _check_beam_ranking(length_penalty, early_stopping) -> None:
@@ -180,8 +183,8 @@ def generate(
         keep_tokens: keep the generated tokens; False keeps only lengths (memory O(B) for
             non-termination studies with L = 10^5).
         progress: show a progress bar over steps.
-        impl: token selection backend, see :func:`nmst_fast.decoding.sample` ("auto" uses the
-            one-read Triton scan on CUDA; beam search takes its ranked candidates).
+        impl: token selection backend of the other strategies, see :func:`nmst_fast.decoding.sample`
+            ("auto": the Triton kernels on CUDA); beam search ranks its candidates in torch.
     """
     _check(contexts, strategy, top_k, top_p, num_beams, max_length, temperature, impl)
     max_length = int(max_length)
@@ -197,7 +200,7 @@ def generate(
         return GenerationOutput(empty.reshape(0, 0), empty, empty.bool(), empty.double())
     if strategy == "beam":
         return _beam_search(model, contexts, num_beams, max_length, float(length_penalty), early_stopping, keep_tokens,
-                            progress, impl, temperature)
+                            progress, temperature)
     return _sample_loop(model, contexts, 1 if strategy == "greedy" else top_k,
                         top_p if strategy == "nucleus" else None, max_length, temperature, generator, keep_tokens,
                         progress, impl, strategy)
@@ -388,7 +391,7 @@ def _stops_early(hypotheses: list[_Hypothesis], K: int, best_live: float, t: int
     return best_live / length**length_penalty <= hypotheses[-1].score
 
 
-def _beam_search(model, contexts, K, max_length, length_penalty, early_stopping, keep_tokens, progress, impl,
+def _beam_search(model, contexts, K, max_length, length_penalty, early_stopping, keep_tokens, progress,
                  temperature) -> GenerationOutput:
     """Beam search: each step keeps the K best unfinished prefixes of every item; a candidate
     ending in eos that ranks among the K best becomes a finished hypothesis (an item keeps its K
@@ -416,7 +419,7 @@ def _beam_search(model, contexts, K, max_length, length_penalty, early_stopping,
     bar = tqdm(total=max_length, disable=not progress, desc="generate[beam]")
     for t in range(1, max_length + 1):
         cand = beam_step(head(hidden), beam_scores, num_beams=K, head=head.head, eos_index=eos, eps=head.eps,
-                         steps=t, state=state, temperature=temperature, num_candidates=C, impl=impl)
+                         steps=t, state=state, temperature=temperature, num_candidates=C)
         is_eos = torch.isin(cand.tokens, stops)
         to_finish = is_eos & (rank < K) & torch.isfinite(cand.scores)
         # Every finishing candidate comes to the host at once (a few syncs per step, not per hypothesis).

@@ -310,8 +310,7 @@ def test_invalid_st_state_is_rejected(value):
     with pytest.raises(ValueError, match="state"):
         step_log_probs(z, head="st", eos_index=0, state=state)
     with pytest.raises(ValueError, match="state"):
-        beam_step(z, torch.zeros(2, dtype=torch.float64), num_beams=2, head="st", eos_index=0, state=state,
-                  impl="torch")
+        beam_step(z, torch.zeros(2, dtype=torch.float64), num_beams=2, head="st", eos_index=0, state=state)
     certain = torch.tensor([float("-inf"), -1.0], dtype=torch.float64)
     tokens, _ = sample(z, head="st", eos_index=0, state=certain, top_k=1)
     assert tokens[0] == 0
@@ -412,7 +411,7 @@ def test_beam_step_ties_on_equal_eos_go_to_the_lower_beam(dtype):
                      dtype=dtype)
     for eps, steps in ((0.3, 5), (0.01, 2), (1e-5, 70_000)):
         c = beam_step(z, torch.zeros(2, dtype=torch.float64), num_beams=2, head="nmst", eos_index=0, eps=eps,
-                      steps=steps, num_candidates=2, impl="torch")
+                      steps=steps, num_candidates=2)
         log_p, _ = step_log_probs(z, head="nmst", eos_index=0, eps=eps, steps=steps)
         if (c.tokens == 0).all():
             assert c.beam_rows.tolist() == [[0, 1]] and c.scores[0, 0] == c.scores[0, 1]
@@ -451,6 +450,6 @@ def test_rows_with_fewer_finite_tokens_than_k_list_eos_once(top_k):
     assert int(counts.sum()) == draws.numel()
     assert stats.chisquare(counts.numpy(), (want * draws.numel()).numpy()).pvalue > 1e-4
     c = beam_step(z.expand(4, -1), torch.tensor([0.0, float("-inf"), 0.0, float("-inf")], dtype=torch.float64),
-                  num_beams=2, head="nmst", eos_index=0, eps=1e-2, steps=1, num_candidates=top_k, impl="torch")
+                  num_beams=2, head="nmst", eos_index=0, eps=1e-2, steps=1, num_candidates=top_k)
     finite = torch.isfinite(c.scores)
     assert [sorted(c.tokens[i][finite[i]].tolist()) for i in range(2)] == [[0, 10, 20]] * 2

@@ -58,8 +58,9 @@ def test_fused_log_probs_of_chosen_tokens(head):
 
 def _torch_head_math(z, head, eos, eps, steps, state, temperature):
     """L merged in float64 from the same scan's partials, then the head's float64 scalars in torch."""
+    from scan_harness import scan_partials
+
     from nmst_fast.decoding.distribution import eos_terms
-    from nmst_fast.kernels.row_scan import scan_partials
 
     parts = scan_partials(z, eos_index=None if head == "va" else eos, temperature=temperature).parts
     lse = torch.logsumexp(parts["max"].double() + parts["sum"].double().log(), dim=1)
@@ -187,7 +188,7 @@ def test_fused_paths_reject_bad_steps_and_state():
                                                         (400, 16, 399, (64, 1), 1.0), (203, 8, 3, (32, 2), 0.6)])
 def test_candidates_are_the_exact_top_k(V, K, eos, launch, temperature):
     """Across splits and tiles (several merges and skipped tiles), with many ties: (value desc, index asc)."""
-    from nmst_fast.kernels.row_scan import row_scan
+    from scan_harness import row_scan
 
     gen = torch.Generator().manual_seed(V + K)
     z = (torch.randn(9, V, generator=gen) * 3).round(decimals=0).to(DEVICE)  # heavy ties
@@ -227,7 +228,7 @@ def test_candidates_match_a_stable_sort_on_fresh_rows(K):
     fresh random rows: random V, tile width and split count, ties, −inf runs, and rows whose best
     values crowd into one lane (lane 3 of the tile raised: the re-read); the K best by (value desc,
     index asc)."""
-    from nmst_fast.kernels.row_scan import row_scan
+    from scan_harness import row_scan
 
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
@@ -283,7 +284,7 @@ def test_lane_runners_up_and_their_fallback(K):
     each case — the best in distinct lanes, 2, 3 and 5 of them in one lane, a runner-up tied with the
     K-th at a lower column (it enters by key, not value), a pushed-out value equal to the K-th, fewer
     finite columns than K, eos, a lane of ties — all give the exact K best (value desc, column asc)."""
-    from nmst_fast.kernels.row_scan import row_scan
+    from scan_harness import row_scan
 
     block_v = max(16, K)
     eos = 3 * block_v + 7
@@ -302,7 +303,7 @@ def test_candidates_rank_by_tempered_value_where_raw_values_tie_after_rounding(K
     1.9 times 0.55 round to one x, so a smaller z at a lower column ranks above a larger one its lane
     kept. One lane holds increasing z (each a new lane max, the kept ones last), the rest of the row far
     below: the candidates are the K best by (x desc, column asc), the dropped lower-column ties included."""
-    from nmst_fast.kernels.row_scan import row_scan
+    from scan_harness import row_scan
 
     block_v = max(16, K)
     V = 12 * block_v
@@ -319,7 +320,8 @@ def test_candidates_rank_by_tempered_value_where_raw_values_tie_after_rounding(K
 def _split_scan_draw(z, head, eos, eps, t, state, seed, launch):
     """The one-launch drawing step with an int seed, and the partials its scan leaves (the scan alone,
     same seed and launch): (partials, selection)."""
-    from nmst_fast.kernels.row_scan import scan_partials
+    from scan_harness import scan_partials
+
     from nmst_fast.kernels.scan_select import scan_select
 
     seed = torch.tensor([seed], device=DEVICE)
@@ -621,36 +623,16 @@ def test_gpu_report_device_steps_run():
 
 
 @pytest.mark.parametrize("head", HEADS)
-def test_fused_beam_step_equals_torch(head):
-    """Beam candidates from the scan's ranked list (one read) == the torch path's, ties included."""
-    from nmst_fast.decoding import beam_step
-
-    gen = torch.Generator().manual_seed(12)
-    K, items, V = 3, 5, 40
-    z = torch.randn(items * K, V, generator=gen).round(decimals=1).to(DEVICE)  # ties within rows
-    scores = (-torch.rand(items * K, generator=gen, dtype=torch.float64) * 5).to(DEVICE)
-    scores[1::K] = float("-inf")  # beams that must not expand
-    steps = torch.randint(0, 40, (items * K,), generator=gen).to(DEVICE)
-    state = (-torch.rand(items * K, generator=gen, dtype=torch.float64)).to(DEVICE) if head == "st" else None
-    args = dict(num_beams=K, head=head, eos_index=6, eps=0.05, steps=steps, state=state, num_candidates=2 * K)
-    fused, reference = beam_step(z, scores, impl="triton", **args), beam_step(z, scores, impl="torch", **args)
-    assert torch.equal(fused.tokens, reference.tokens)
-    assert torch.equal(fused.beam_rows, reference.beam_rows)
-    torch.testing.assert_close(fused.scores, reference.scores, rtol=1e-6, atol=1e-6)
-    if head == "st":
-        torch.testing.assert_close(fused.state, reference.state, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("early_stopping", [True, False])
-def test_fused_beam_search_matches_reference(head, early_stopping):
+def test_beam_search_on_the_device_matches_reference(head, early_stopping):
+    """Beam search on the device's logits (a GPU when present) against the float64 reference search."""
     from test_generation import TinyRNN, _contexts, _reference_beam
 
     # The model of test_generation's stopping-rule test: the two rules return different hypotheses.
     model = TinyRNN(V=11, head=head, eps=0.05, scale=12.0, eos_bias=4.0, seed=1).double()
     contexts = _contexts(B=3, V=11)
     out = generate(model.to(DEVICE), contexts.to(DEVICE), strategy="beam", num_beams=3, max_length=12,
-                   impl="triton", early_stopping=early_stopping)
+                   early_stopping=early_stopping)
     model = model.cpu()
     for b in range(contexts.shape[0]):
         score, seq, terminated = _reference_beam(model, contexts[b], 3, 12, early_stopping)
@@ -760,7 +742,7 @@ def test_lane_scan_matches_float64_on_fresh_rows():
     split count, eos anywhere (first, last, inside a whole tile, in the partial last tile, none),
     temperature, ties, ±0.0, −inf runs, a whole −inf split, values near ±3e38, and NaN/+inf rows
     (their logsumexp is NaN or +inf, which the select kernels flag)."""
-    from nmst_fast.kernels.row_scan import row_scan
+    from scan_harness import row_scan
 
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
@@ -798,18 +780,6 @@ def test_lane_scan_matches_float64_on_fresh_rows():
         assert not torch.isfinite(lse[7]) and not torch.isfinite(lse[8]), where  # NaN / +inf rows
 
 
-def test_fused_beam_scores_merge_the_logsumexp_in_float64():
-    """Beam scores from the scan's candidates take L in float64 from the fp32 partials (as the
-    select kernels do): at logits of −1e4 an fp32 max + log(sum) was 2e-4 off."""
-    from nmst_fast.decoding import beam_step
-
-    logits = torch.full((1, 7), -1e4, device=DEVICE)
-    score = beam_step(logits, torch.zeros(1, device=DEVICE), num_beams=1, head="nmst", eos_index=3, eps=1e-5,
-                      impl="triton").scores[0, 0].item()
-    exact = effective_logits(logits.double().cpu(), head="nmst", eos_index=3, eps=1e-5).log_probs().max().item()
-    assert abs(score - exact) < 1e-9
-
-
 @pytest.mark.parametrize("K", [2, 4, 16, 32])
 def test_lane_candidates_and_their_fallback(K):
     """Small-K candidate scans take the lanes' maxima (16-column tiles here: lane l holds columns
@@ -819,7 +789,7 @@ def test_lane_candidates_and_their_fallback(K):
     lane, a second value equal to the K-th, fewer finite columns than K — all give the exact K best
     (value desc, column asc), −inf columns as padding (index −1), eos never among them. K = 32 takes
     tl.topk of each entering tile instead."""
-    from nmst_fast.kernels.row_scan import row_scan
+    from scan_harness import row_scan
 
     V, eos = 100, 37
     z = torch.full((6, V), -5.0)
@@ -849,7 +819,7 @@ def test_lane_candidates_and_their_fallback(K):
 def test_greedy_pick_does_not_depend_on_the_split_layout():
     """Two logits z₁ < z₂ whose z · (1/T) round to one fp32 value: the scan ranks raw z, so every
     split layout (both in one split, or in two) picks z₂'s column, as the float64 reference does."""
-    from nmst_fast.kernels.row_scan import row_scan
+    from scan_harness import row_scan
 
     z = torch.zeros(1, 16)
     z[0, 2] = torch.tensor(1069547522, dtype=torch.int32).view(torch.float32)  # ≈ 1.5000002

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import nmst_fast.kernels.row_draw as row_draw
-import nmst_fast.kernels.row_scan as row_scan
 from nmst_fast.decoding import DecodingStep, effective_logits, sample, truncated_candidates
 from nmst_fast.decoding.reference import truncated_distribution
 from nmst_fast.decoding.truncation import TOP_P_SLACK
@@ -205,39 +204,6 @@ def test_draws_reproduce_and_report_nan_rows():
     assert _draw(z, seed=5, **args)[0].flags.tolist() == [17, 300]
 
 
-def test_first_crossing_picks_only_positive_weights():
-    """The inverse-CDF step shared by the row draw and the split draw picks a positive weight:
-    a GPU's parallel scan is not monotone to the last ulp, so a zero weight after the crossing can
-    read above the target (an H200 drew a token outside the nucleus that way). A negative target
-    (rounding below the start of the CDF) makes the first zero weights cross here too."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def crossing_kernel(w_ptr, target_ptr, pick_ptr, before_ptr, N: tl.constexpr):
-        index = tl.arange(0, N)[None, :]
-        one = tl.arange(0, 1)
-        pick, before = row_scan.first_crossing(tl.load(w_ptr + index), tl.load(target_ptr + one), index, N)
-        tl.store(pick_ptr + one, pick)
-        tl.store(before_ptr + one, before)
-
-    def first_crossing(weights, target):
-        w = torch.tensor([weights], dtype=torch.float64, device=DEVICE)
-        pick = torch.empty(1, dtype=torch.int32, device=DEVICE)
-        before = torch.empty(1, dtype=torch.float64, device=DEVICE)
-        crossing_kernel[(1,)](w, torch.tensor([target], dtype=torch.float64, device=DEVICE), pick, before,
-                              N=len(weights))
-        return int(pick.item()), float(before.item())
-
-    weights = [0.0, 0.0, 1.0, 2.0, 0.0, 0.0, 0.5, 0.0]
-    assert first_crossing(weights, -1e-30) == (2, 0.0)  # not column 0 (zero weight, cum 0 > target)
-    assert first_crossing(weights, 0.5) == (2, 0.0)
-    assert first_crossing(weights, 1.0) == (3, 1.0)
-    assert first_crossing(weights, 3.2) == (6, 3.0)
-    assert first_crossing(weights, 3.5) == (6, 3.0)  # rounding past the total: the last positive weight
-    assert first_crossing([0.0] * 8, 0.0)[0] == -1  # nothing to draw: the callers treat it as no token
-
-
 def test_prefetch_changes_no_draw():
     """PREFETCH (the next tile's load issued before this tile's reductions) only reorders loads:
     the same seed gives the same tokens, log-probs, rounds and ST state with it off (a tuning
@@ -294,11 +260,7 @@ def test_launch_sweep_runs_every_variant():
     for draw in (False, True):
         rows = scan_sweep(logits, launches, lambda step, z: timed.append(step(z)) or 1.0, draw=draw)
         assert [launch for launch, _ in rows] == launches
-    from benchmarks.profile_decoding import top_k_parts
-
-    parts = top_k_parts(logits, 4, lambda step, z: timed.append(step(z)) or 1.0)
-    assert [name for name, _ in parts] == ["candidate scan", "one launch"]
-    assert len(timed) == 2 * len(variants()) + 8
+    assert len(timed) == 2 * len(variants()) + 6
     from benchmarks.profile_decoding import top_p_layout_sweep
 
     rows = top_p_layout_sweep(logits, lambda step, z: 1.0)
@@ -306,12 +268,12 @@ def test_launch_sweep_runs_every_variant():
     assert all(1.0 <= mean < row_draw.MAX_ROUNDS and passes >= 0 for *_, mean, passes in rows)
     top_k_launches = [(1024, 2), (2048, 1)]  # the top-k-scan table's steps (one-launch top-k)
     rows = scan_sweep(logits, top_k_launches, lambda step, z: timed.append(step(z)) or 1.0, top_k=4)
-    assert [launch for launch, _ in rows] == top_k_launches and len(timed) == 2 * len(variants()) + 10
+    assert [launch for launch, _ in rows] == top_k_launches and len(timed) == 2 * len(variants()) + 8
     from benchmarks.profile_decoding import _TABLE_RUNNERS, TABLES, bare_read, main, read_floor_parts
 
     parts = read_floor_parts(logits, lambda step, z: timed.append(step(z)) or 1.0)
     assert [name.split(" (")[0] for name, _ in parts] == [
-        "bare read", "torch.amax(dim=1)", "greedy scan alone", "greedy, one launch", "sampling, one launch"]
+        "bare read", "torch.amax(dim=1)", "greedy, one launch", "sampling, one launch"]
     for block_v, splits in ((1024, 1), (1024, 3), (512, 2)):  # the read floor's kernel reads every column once
         sums = bare_read(logits, block_v, splits)
         torch.testing.assert_close(sums.sum(dim=1).double(), logits.double().sum(dim=1), rtol=1e-5, atol=1e-3)

@@ -85,20 +85,6 @@ def launches() -> list[Launch]:
     out = []
     gen = torch.Generator().manual_seed(0)
     z = torch.randn(4, 1000, generator=gen)
-    # Every lane depth of the candidate scans in fp32 (K = 4: 2 values per lane, 16 and 32: 3, 64 and
-    # 128: 4; from 32 on the list by tl.topk); bf16 loads at the ends.
-    variants = [(dtype, seed, K) for dtype in (torch.float32, torch.bfloat16)
-                for seed, K in ((None, 0), (7, 0), (None, 4), (None, 128))]
-    variants += [(torch.float32, None, K) for K in (16, 32, 64)]
-    for dtype, seed, K in variants:
-        label = f"row_scan {str(dtype)[6:]} {'draw' if seed else 'no draw'} K={K}"
-        # The shape of a GPU launch at 256 x 50257 (the CPU call sees V = 1000): tile width, and
-        # a lane's columns per split for the draw.
-        _, block_v, splits = row_scan.cuda_launch_shape(256, 50257, K, H100_SMS)
-        lane_tiles = scan_width(cdiv(cdiv(50257, splits), block_v)) if seed else 1
-        out.append(_record(row_scan, "_row_scan_kernel",
-                           lambda: row_scan.scan_partials(z.to(dtype), eos_index=5, seed=seed, candidates=K),
-                           label, dict(BLOCK_B=1, BLOCK_V=block_v, LANE_TILES=lane_tiles)))
     # The one-launch step (scan + each row's finish by its last split): every head, greedy and the
     # draw, at the GPU layout of 256 x 50257 (2 splits: BLOCK_S 2) and of B = 1 (64 splits).
     for head, seed, dtype, splits in (("va", None, torch.float32, 2), ("nmst", None, torch.float32, 2),
@@ -112,19 +98,24 @@ def launches() -> list[Launch]:
             z.to(dtype), head=head, eos_index=5, eps=1e-5, temperature=0.7, steps=3,
             state=torch.zeros(4, dtype=torch.float64) if head == "st" else None, seed=seed_tensor),
             label, dict(BLOCK_B=1, BLOCK_V=block_v, LANE_TILES=lane_tiles, BLOCK_S=splits)))
-    # Its top-k finish at the GPU layouts of 256 x 50257 (small K: 2 splits, large K: 1) and of B = 1
-    # (small K: 50 splits; larger K as many as the finish's keys allow).
-    for head, top_k, top_p, batch in (("nmst", 4, None, 256), ("st", 3, 0.5, 256), ("va", 4, 0.9, 1),
-                                      ("nmst", 50, None, 256), ("nmst", 100, 0.9, 256)):
+    # Its top-k at the GPU layouts of 256 x 50257 (small K: 2 splits, large K: 1) and of B = 1 (small K:
+    # 50 splits; larger K as many as the finish's keys allow), at every lane depth of the candidate scan
+    # (K = 4: 2 values per lane, 16 and 32: 3, 64 and 128: 4; from 32 on the lanes' list by tl.topk),
+    # with bf16 loads at the ends.
+    for head, top_k, top_p, batch, dtype in (
+            ("nmst", 4, None, 256, torch.float32), ("st", 3, 0.5, 256, torch.float32), ("va", 4, 0.9, 1, torch.float32),
+            ("nmst", 16, None, 256, torch.float32), ("nmst", 20, 0.9, 256, torch.float32),
+            ("nmst", 50, None, 256, torch.float32), ("nmst", 100, 0.9, 256, torch.float32),
+            ("nmst", 4, None, 256, torch.bfloat16), ("nmst", 100, None, 256, torch.bfloat16)):
         K = max(2, 1 << (top_k - 1).bit_length())
         _, block_v, splits = row_scan.cuda_launch_shape(batch, 50257, K, H100_SMS)
         block_s = next_power_of_2(splits)
-        label = f"scan_select {head} top_k={top_k} top_p={top_p} splits={splits}"
+        label = f"scan_select {head} top_k={top_k} top_p={top_p} {str(dtype)[6:]} splits={splits}"
         out.append(_record(scan_select, "_scan_select_kernel", lambda: scan_select.scan_select(
-            z, head=head, eos_index=5, eps=1e-5, temperature=1.0, steps=3,
+            z.to(dtype), head=head, eos_index=5, eps=1e-5, temperature=1.0, steps=3,
             state=torch.zeros(4, dtype=torch.float64) if head == "st" else None, seed=torch.tensor([3]),
             top_k=top_k, top_p_threshold=top_p),
-            label, dict(BLOCK_B=1, BLOCK_V=block_v, BLOCK_S=block_s), dict(num_warps=row_scan._num_warps(K))))
+            label, dict(BLOCK_B=1, BLOCK_V=block_v, BLOCK_S=block_s)))
     # Per-row steps and ST states (tensors where the calls above pass ints) for every head, greedy
     # and the draw; every head's top-k finish at the largest K (its widest tl.topk of splits x K keys).
     steps = torch.arange(4)
@@ -144,8 +135,7 @@ def launches() -> list[Launch]:
             z, head=head, eos_index=5, eps=1e-5, temperature=1.0, steps=steps, state=state if head == "st" else None,
             seed=seed, top_k=100, top_p_threshold=0.9),
             f"scan_select {head} top_k=100 top_p=0.9 splits={splits}",
-            dict(BLOCK_B=1, BLOCK_V=cand_block_v, BLOCK_S=next_power_of_2(splits)),
-            dict(num_warps=row_scan._num_warps(128))))
+            dict(BLOCK_B=1, BLOCK_V=cand_block_v, BLOCK_S=next_power_of_2(splits))))
     out += _row_draw_launches(state, seed)
     out += _small_vocab_launches(seed)
     zb = z.to(torch.bfloat16)
@@ -205,7 +195,7 @@ def _small_vocab_launches(seed: torch.Tensor) -> list[Launch]:
             out.append(_record_row_draw(z.to(dtype), head="nmst", state=None, temperature=1.0, top_p=0.9, seed=seed,
                                         label=f"row draw V={V} {str(dtype)[6:]}"))
     # The one-launch step with one split (a small vocabulary, or a batch of over 4 rows per SM): a
-    # one-column split table in the finish's inverse CDF (``first_crossing``'s cumsum).
+    # one-column split table in the finish's inverse CDF (``reductions.crossing_with``'s cumsum).
     for V, seed_or_none in ((400, seed), (2048, seed), (2048, None)):
         z = torch.randn(5, V, generator=torch.Generator().manual_seed(4))
         _, block_v, splits = row_scan.cuda_launch_shape(600, V, 0, H100_SMS)

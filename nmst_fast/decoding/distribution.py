@@ -1,17 +1,13 @@
 """The exact one-step distribution of a head, as *effective logits*.
 
-For NMST/ST, p(eos) = α_t and p(v≠eos) = (1−α_t)·softmax_{v≠eos}(z)_v. Writing
-a = log(1−α_t) and L = logsumexp_{v≠eos} z_v, that is exactly softmax(ζ) with
+For NMST/ST, p(eos) = α_t and p(v≠eos) = (1−α_t)·softmax_{v≠eos}(z)_v. With a = log(1−α_t) and
+L = logsumexp_{v≠eos} z_v, that is exactly softmax(ζ) with
 
     ζ_v = z_v  (v ≠ eos),      ζ_eos = L + log(1 − e^a) − a,      logsumexp(ζ) = L − a.
 
-So every decoder (greedy, top-k, top-p, sampling, beam) is ordinary softmax
-decoding on ζ, which differs from the raw logits in one entry and needs one
-extra per-row scalar, L. Non-eos tokens keep their raw-logit order.
-
-Temperature τ (NMST/ST) divides the non-eos logits only: α_t depends on s alone,
-so p(eos) and with it the termination guarantee are unchanged. For VA it
-divides every logit, as usual.
+So every decoder is ordinary softmax decoding on ζ, which differs from the raw logits in one entry.
+Temperature τ (NMST/ST) divides the non-eos logits only: p(eos), and with it the termination
+guarantee, is unchanged. For VA it divides every logit.
 """
 
 from __future__ import annotations
@@ -35,15 +31,13 @@ class StepDistribution:
     """One decoding step's distribution for a batch of rows.
 
     Attributes:
-        zeta: (B, V) effective logits, float32 (float64 for float64 input); for NMST/ST its
-            eos column is not ζ_eos (see ``eos_zeta``) and may hold anything.
-        log_norm: (B,) float64, logsumexp(ζ); log p(v) = ζ_v − log_norm.
+        zeta: (B, V) effective logits, float32 (float64 for float64 input); for NMST/ST its eos
+            column is not ζ_eos and may hold anything.
+        log_norm: (B,) float64 logsumexp(ζ); log p(v) = ζ_v − log_norm.
         eos_index: the eos column.
-        eos_zeta: (B,) float64 ζ_eos (None for "va", whose eos is an ordinary logit): every
-            reader ranks and weighs eos by it, exactly, never by ``zeta``'s eos column.
-        eos_log_prob: (B,) float64 log p(eos) = log(1 − e^a), taken as is (None for "va"):
-            ζ_eos − log_norm equals it but for L's rounding, which broke exact ties between rows
-            with the same p(eos) (beam search ranks rows against each other).
+        eos_zeta: (B,) float64 ζ_eos, by which every reader ranks and weighs eos (None for "va").
+        eos_log_prob: (B,) float64 log p(eos) = log(1 − e^a) as is (None for "va"): ζ_eos − log_norm
+            differs by L's rounding, which broke exact ties between beams with the same p(eos).
         state: (B,) float64 running log(1−α_t) for "st" (None for other heads).
     """
 
@@ -126,12 +120,10 @@ def check_temperature(temperature: object) -> None:
 def step_log_survival(
     eos_logit: torch.Tensor, *, head: str, eps: float, steps: Steps, state: Optional[torch.Tensor]
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(a, ST's next state): a = log(1 − α_t) of one step, (B,) float64, from the raw eos logits s (B,).
+    """(a = log(1 − α_t) (B,) float64, ST's next state or None) from the raw eos logits s (B,).
 
-    NMST: logσ(−s) + t·log1p(−ε). ST: state + logσ(s) + log1p(−ε) (state: the previous
-    step's value, 0 at the start), which is also the next state. Context rows (t <= 0):
-    p(eos) = 0, so a = 0 for both heads, and ST's state passes through unchanged. The next
-    state is None for NMST.
+    NMST: logσ(−s) + t·log1p(−ε). ST: state + logσ(s) + log1p(−ε) (state 0 at the start), which is
+    also the next state. Context rows (t <= 0): a = 0, and ST's state passes through.
     """
     B = eos_logit.shape[0]
     # One int t stays a Python int (no (B,) tensor of it, no where over the rows).
@@ -151,9 +143,9 @@ def step_log_survival(
 
 
 def check_state(state: object, batch: int, device: torch.device, *, values: bool = True) -> torch.Tensor:
-    """ST's state, as every decoding path accepts it: a floating (B,) tensor (moved to ``device``)
-    of log(1 − α) ≤ 0 (−inf: eos certain). ``values=False`` leaves the NaN / positive check to the
-    caller (the Triton kernels flag such rows on the device: no host sync)."""
+    """ST's state as every path accepts it: a floating (B,) tensor (moved to ``device``) of
+    log(1 − α) ≤ 0 (−inf: eos certain). ``values=False``: no NaN / positive check (the kernels flag
+    such rows on the device)."""
     if not isinstance(state, torch.Tensor) or not state.dtype.is_floating_point:
         raise TypeError("state must be a floating tensor (ST's running log(1 − α) from the previous step)")
     if state.shape != (batch,):
@@ -166,8 +158,7 @@ def check_state(state: object, batch: int, device: torch.device, *, values: bool
     return state.to(device)
 
 
-# a = log(1 − α) is −inf when eos is certain (ST's eos logit −inf, NMST's +inf); L − a and
-# ζ_eos would then be inf − inf. Any a below this floor is the same 1 − α = 0 in float64.
+# a = −inf (eos certain) would make L − a and ζ_eos inf − inf; any a below this is 1 − α = 0 in float64.
 LOG_SURVIVAL_FLOOR = -1e300
 
 
@@ -175,12 +166,9 @@ def eos_terms(
     non_eos_lse: torch.Tensor, eos_logit: torch.Tensor, *, head: str, eps: float, steps: Steps,
     state: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """The NMST/ST head's per-row scalars from L and s (both (B,) float64), rows checked first.
-
-    Returns (log_norm = L − a, ζ_eos = L + log(1 − e^a) − a, log p(eos) = log(1 − e^a), ST's next
-    state or None), a = log(1 − α_t): log p(v) = ζ_v − log_norm, ζ_eos being eos's logit on the
-    scale of the raw non-eos logits.
-    """
+    """The NMST/ST head's per-row scalars from L and s (both (B,) float64), rows checked first:
+    (log_norm = L − a, ζ_eos = L + log(1 − e^a) − a, log p(eos) = log(1 − e^a), ST's next state or
+    None), a = log(1 − α_t)."""
     check_rows(non_eos_lse, eos_logit)
     log_surv, next_state = step_log_survival(eos_logit, head=head, eps=eps, steps=steps, state=state)
     floored = log_surv.clamp(min=LOG_SURVIVAL_FLOOR)
@@ -204,8 +192,7 @@ def check_rows(non_eos_lse: torch.Tensor, eos_logit: Optional[torch.Tensor] = No
 
 
 def no_distribution_message(row: int, *, with_state: bool = False) -> str:
-    """The error for a row with no distribution to decode (``with_state``: its ST state was judged
-    with its logits, as the kernels judge them, so it may be the cause)."""
+    """The error for a row with no distribution (``with_state``: the kernels judged its ST state too)."""
     state = ", or its ST state is NaN or positive" if with_state else ""
     return f"logits row {row} has NaN/+inf values or no finite non-eos logit{state}: no distribution to decode"
 
@@ -220,14 +207,10 @@ def effective_logits(
     state: Optional[torch.Tensor] = None,
     temperature: float = 1.0,
 ) -> StepDistribution:
-    """ζ for one step (see module docstring). ``logits`` (B, V) is not modified.
-
-    ``zeta`` shares memory with ``logits`` when they are float32/float64 and temperature is 1 (no
-    copy of the (B, V) logits: on CPU that copy was a quarter of a greedy step); its eos column is
-    then the raw eos logit, which no reader uses: eos ranks and weighs by ``eos_zeta``.
+    """ζ for one step of ``logits`` (B, V), which are not modified (``zeta`` shares their memory when
+    they are float32/float64 and temperature is 1: no (B, V) copy).
 
     Args:
-        logits: (B, V) raw logits of the step.
         steps: t of this step (int or (B,)); t <= 0 is context (p(eos) = 0).
         state: "st" only: (B,) running log(1−α) after the previous step (None: start, 0).
     """
@@ -247,14 +230,10 @@ def effective_logits(
 
 
 def _row_logsumexp(values: torch.Tensor, without: Optional[int] = None) -> torch.Tensor:
-    """(B,) float64 logsumexp of each row of ``values`` (B, V), over every column but ``without``
-    if given: then one logsumexp per side of it (views, no masked copy), combined in float64.
-    By the row blocks of :func:`row_blocks_of`.
-
-    Each side is max + log Σ e^(x − max) with the max kept apart in float64: a float32
-    ``torch.logsumexp`` rounds L itself to float32, an error of ulp(L) that grows with the logits
-    (1e-3 at |z| ~ 1e4) and broke exact top-p cuts (V equal logits: each p a little below 1/V,
-    so a nucleus of mass exactly p took one token more)."""
+    """(B,) float64 logsumexp of each row of ``values`` (B, V) over every column but ``without`` (one
+    per side of it, views, combined in float64), by :func:`row_blocks_of`. Each side is
+    max + log Σ e^(x − max) with the max kept apart in float64: a float32 ``torch.logsumexp`` rounds
+    L to float32 (1e-3 at |z| ~ 1e4), which broke exact top-p cuts."""
     def side(part: torch.Tensor) -> torch.Tensor:
         shift = part.amax(dim=1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)  # −inf / NaN / +inf rows stay so
         total = (part - shift).exp_().sum(dim=1)
@@ -272,22 +251,20 @@ def _row_logsumexp(values: torch.Tensor, without: Optional[int] = None) -> torch
 
 
 # CPU work on (B, V) tensors goes by blocks of rows of about this many entries: a float64 temporary
-# of a block (16 MB) stays under glibc's largest mmap threshold (32 MB), so it is recycled from the
-# heap instead of being mapped and page-faulted afresh on every call (at 256 × 50257 a float32
-# logsumexp took 19 ms whole and 6 ms by halves; top-p 0.9 and sampling 2–3× faster by blocks).
+# of a block (16 MB) stays under glibc's largest mmap threshold, so it is recycled from the heap rather
+# than mapped and page-faulted afresh each call (top-p 0.9 and sampling 2–3× faster at 256 × 50257).
 BLOCK_ENTRIES = 1 << 21
 
 
 def row_blocks(rows: int, columns: int) -> list[slice]:
     """Slices covering ``rows`` rows, each of at most BLOCK_ENTRIES entries (at least one row; one
-    empty slice for an empty batch, so every path runs on it and returns empty results)."""
+    empty slice for an empty batch)."""
     per_block = max(1, BLOCK_ENTRIES // max(1, columns))
     return [slice(start, min(rows, start + per_block)) for start in range(0, rows, per_block)] or [slice(0, 0)]
 
 
 def row_blocks_of(table: torch.Tensor) -> list[slice]:
-    """The row blocks that work on ``table`` (B, V) goes by: :func:`row_blocks` on CPU; other
-    devices take the table whole (their allocators cache blocks)."""
+    """:func:`row_blocks` of ``table`` (B, V) on CPU; the whole table elsewhere (allocators cache)."""
     B, V = table.shape
     return row_blocks(B, V) if table.device.type == "cpu" else [slice(0, B)]
 
@@ -302,10 +279,7 @@ def step_log_probs(
     state: Optional[torch.Tensor] = None,
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Exact log-distribution (B, V) float64 of one decoding step, and the new head state.
-
-    ``state`` carries ST's running log(1−α) from step to step (None for NMST/VA).
-    """
+    """Exact log-distribution (B, V) float64 of one decoding step, and ST's new state (None for NMST/VA)."""
     dist = effective_logits(logits, head=head, eos_index=eos_index, eps=eps, steps=steps, state=state,
                             temperature=temperature)
     return dist.log_probs(), dist.state

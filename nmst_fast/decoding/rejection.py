@@ -1,19 +1,12 @@
 """Top-p alone on the CPU path, by rejection.
 
-The nucleus N is a prefix of the rank order (probability descending, ties → lower index),
-so a token c belongs to N exactly when the mass ranked strictly before c is short of p:
-one comparison and one sum over the row decide it, however large N is. Draw c from the
-whole distribution; keep it if it is in N. If not, N lies inside the tokens ranked before
-c, so draw again from those (∝ p) and test again. Each round's set contains N, so the
-token finally kept has probability ∝ p on N, exactly (the row draw kernel's argument,
-``nmst_fast/kernels/row_draw.py``). A row may also stop after any rejection and draw afresh from N,
-found exactly by ranking the few tokens ranked before the rejected candidate.
-
-Growing a ranked candidate list instead costs a partial selection of N's size, thousands
-of tokens for the flat rows of an untrained model or of p = 0.9 on a wide vocabulary;
-rejection costs a few passes over the row whatever N's size (≈ 1.1 rounds at p = 0.9 on
-N(0, 3²) logits). Small nuclei stay on the candidate list, which finds them in one partial
-selection of 64 (see :func:`nmst_fast.decoding.selection.select`).
+A token c is in the nucleus N exactly when the mass ranked strictly before it is short of p: one
+sum over the row decides it, however large N is. Draw c from the distribution; keep it if it is in
+N, else draw again from the tokens ranked before c (a set still holding N) — the kept token is
+exactly ∝ p on N (the row draw kernel's argument, ``nmst_fast/kernels/row_draw.py``). A row may stop
+after a rejection and draw from N ranked exactly among the few tokens before the candidate. Growing
+a candidate list costs a selection of N's size (thousands of tokens on flat rows); rejection, a few
+passes (≈ 1.1 rounds at p = 0.9 on N(0, 3²) logits).
 """
 
 from __future__ import annotations
@@ -26,20 +19,15 @@ from .distribution import StepDistribution
 from .truncation import TOP_P_SLACK, draw, inverse_cdf, truncate
 
 PASSES_BEFORE_RANKING = 8  # passes over a row; a row rejected this often is finished by ranking (see _finish)
-# A rejected row with at most this many tokens ranked before its candidate is finished by ranking
-# those tokens (a scan of the mask and a sort of this size) rather than by another pass that may
-# be rejected again (≈ 3 passes over the row).
+# A rejected row with at most this many tokens before its candidate is finished by ranking them (about
+# the cost of 3 passes), not by another pass that may be rejected again.
 FINISH_SIZE = 4096
 
 
 class _Ranking:
-    """Rows' rank keys without a float64 copy of the logits.
-
-    Non-eos float32 ζ compare exactly in float32. eos's ζ is float64 and ``zeta``'s eos column is
-    not it (see ``StepDistribution``), so that column is decided from the float64 value, and an
-    eos candidate compares by the float32 just below its ζ. Float64 input ranks by the float64
-    log-probabilities, as the reference and the candidate list do (see ``ranked_candidates``).
-    """
+    """Rows' rank keys without a float64 copy of the logits: non-eos float32 ζ compare in float32;
+    eos's column is decided from its float64 ζ_eos, and an eos candidate compares by the float32 just
+    below it. Float64 input ranks by the float64 log-probabilities, as ``ranked_candidates`` does."""
 
     def __init__(self, dist: StepDistribution):
         self.eos_index = dist.eos_index
@@ -57,11 +45,8 @@ class _Ranking:
         return part
 
     def before(self, candidates: torch.Tensor) -> torch.Tensor:
-        """(R, V) bool: the tokens of each row ranked strictly before its candidate (R,).
-
-        Higher key, or an equal key at a lower index. Ties other than the candidate with
-        itself are rare (equal logits), so the index rule runs only on rows that have one.
-        """
+        """(R, V) bool: the tokens of each row ranked strictly before its candidate (R,): a higher key,
+        or an equal one at a lower index (the index rule runs only on rows with a tie)."""
         key = self.keys.gather(1, candidates.unsqueeze(1))
         tie_index = candidates
         if self.eos_keys is not None:
@@ -97,18 +82,15 @@ def nucleus_by_rejection(
     rounds: int = PASSES_BEFORE_RANKING,
     finish_size: int = FINISH_SIZE,
 ) -> torch.Tensor:
-    """Draw one token per row (B,) int64 from the top-p nucleus of ``dist`` (CPU tensors), by rejection.
+    """One token per row (B,) int64 from the top-p nucleus of ``dist`` (CPU tensors), by rejection.
 
     Args:
-        dist: the step distribution (B rows of V).
         top_p: in (0, 1): the nucleus is the shortest rank-order prefix with mass >= p.
         generator: source of the uniforms (float64, one per row and round).
-        known_members: (B, C) int64 tokens already known to be in each row's nucleus (a
-            candidate list whose whole mass is short of p); a first draw among them is kept
-            without a pass over the row.
+        known_members: (B, C) int64 tokens known to be in each row's nucleus; a first draw among
+            them is kept without a pass over the row.
         rounds: passes over a row at most; a row rejected in the last one is finished by ranking.
-        finish_size: a rejected row with at most this many tokens ranked before its candidate
-            is finished by ranking them at once (see FINISH_SIZE).
+        finish_size: see FINISH_SIZE.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
@@ -145,9 +127,8 @@ def nucleus_by_rejection(
 
 def _finish(ranking: _Ranking, rows: torch.Tensor, before: torch.Tensor, counts: torch.Tensor, top_p: float,
             generator: Optional[torch.Generator]) -> torch.Tensor:
-    """A fresh draw (R,) from the nucleus of the ranking's rows ``rows`` (R,), which lies within
-    ``before`` (R, V) bool (the tokens ranked before a rejected candidate, ``counts`` (R,) of them):
-    rank those tokens exactly (key descending, then index) and truncate, as the candidate list does."""
+    """A fresh draw (R,) from the nucleus of rows ``rows`` (R,), which lies within ``before`` (R, V)
+    bool (``counts`` (R,) tokens each): those tokens ranked exactly, then truncated."""
     R, n = counts.shape[0], int(counts.max())
     row_of, column = before.nonzero(as_tuple=True)  # row-major: columns ascend within a row
     slot = torch.arange(column.numel()) - (torch.cumsum(counts, 0) - counts)[row_of]

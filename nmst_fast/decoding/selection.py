@@ -1,20 +1,11 @@
-"""Token selection on the NMST/ST/VA step distribution in torch: greedy, top-k, top-p, sampling.
+"""Token selection in torch (the torch path of :class:`nmst_fast.decoding.DecodingStep`): greedy,
+top-k, top-p and sampling on the step distribution, with no full sort of the vocabulary.
 
-The torch path of :class:`nmst_fast.decoding.step.DecodingStep`, without a full sort of the
-vocabulary. Tokens are ranked by
-probability with ties broken toward the lower index, exactly:
-
-* non-eos tokens rank by their effective logit ζ (their raw logit, up to a
-  temperature), so a partial selection (``torch.topk``) finds the candidates;
-  ties are then resolved exactly (see :func:`top_tokens`);
-* eos is merged into that list by comparing its exact float64 ζ_eos.
-
-Top-p alone on CPU takes one candidate list of 64 (peaked rows' nuclei fit in it) and
-draws the other rows by rejection (:mod:`.rejection`: a few passes over the row whatever
-the nucleus size). Elsewhere (top-k then top-p; the CUDA torch path) the candidate list
-grows 4× per round until it covers mass p, so its cost follows the nucleus size, not V;
-sizes that the mass still missing proves too small are skipped (a flat row's big nucleus
-takes two rounds, not log₄ V).
+Tokens rank by probability, ties → lower index, exactly: non-eos tokens by ζ (a partial selection,
+``torch.topk``, then exact ties: :func:`top_tokens`), eos merged in by its float64 ζ_eos. Top-p alone
+on CPU takes one list of 64 and draws the rows it does not cover by rejection (:mod:`.rejection`).
+Elsewhere the list grows 4× per round until it covers mass p, skipping sizes the missing mass
+proves too small.
 """
 
 from __future__ import annotations
@@ -32,9 +23,8 @@ _FIRST_CANDIDATES = 64
 
 
 def _stable_top(values: torch.Tensor, k: int, exclude: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-k by a full stable sort: (value desc, index asc), column ``exclude`` left out
-    (moved past every other column, not masked to −inf: a row with fewer than k finite values
-    would take it back among its −inf entries)."""
+    """Exact top-k by a full stable sort (value desc, index asc); column ``exclude`` is moved past every
+    other column, not masked to −inf (a row with fewer than k finite values would take it back)."""
     order = torch.sort(values, dim=1, descending=True, stable=True).indices
     if exclude is not None:
         order = order.gather(1, torch.sort((order == exclude).to(torch.int8), dim=1, stable=True).indices)
@@ -43,13 +33,10 @@ def _stable_top(values: torch.Tensor, k: int, exclude: Optional[int] = None) -> 
 
 
 def top_tokens(values: torch.Tensor, k: int, exclude: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest entries of each row of ``values`` (B, V), skipping column ``exclude``.
-
-    Exact order: value descending, ties → lower index. A partial selection
-    (``torch.topk``) does the work. Its tie order is unspecified: when its k + 1 values hold a
-    tie, the winners are re-sorted by (value, index), and the rare rows whose k-th value is
-    tied with a token *outside* the selection are redone with a stable sort.
-    Returns (tokens (B, k) int64, values (B, k)).
+    """The k largest entries of each row of ``values`` (B, V), skipping column ``exclude``: (tokens
+    (B, k) int64, values (B, k)), value descending, ties → lower index. ``torch.topk``'s tie order is
+    unspecified: when its k + 1 values hold a tie, the winners are re-sorted by (value, index), and
+    rows whose k-th value ties with a token outside the selection are redone by a stable sort.
     """
     B, V = values.shape
     available = V - (exclude is not None)
@@ -86,11 +73,8 @@ def top_tokens(values: torch.Tensor, k: int, exclude: Optional[int] = None) -> t
 
 
 def ranked_candidates(dist: StepDistribution, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k most probable tokens of every row in rank order, with their log-probabilities.
-
-    Returns (tokens (B, k) int64, log_probs (B, k) float64); ranks by probability,
-    ties → lower token index. k is capped at V.
-    """
+    """The k most probable tokens of every row (ties → lower index; k capped at V): (tokens (B, k)
+    int64, log_probs (B, k) float64)."""
     B, V = dist.zeta.shape
     k = min(k, V)
     has_special_eos = dist.eos_zeta is not None
@@ -114,12 +98,8 @@ def greedy(dist: StepDistribution) -> torch.Tensor:
 
 
 def greedy_with_log_probs(dist: StepDistribution) -> tuple[torch.Tensor, torch.Tensor]:
-    """Most probable token per row (B,) int64, ties → lower index, and its log p (B,) float64.
-
-    The best column on each side of eos (views, no copy; :func:`first_max`), then eos against the
-    winner by its exact float64 ζ_eos: a handful of ops, where a ranked list of one would cost dozens
-    (they dominate at small batch). The log-probabilities are :meth:`StepDistribution.token_log_probs`'s
-    values, from the winners' ζ already at hand.
+    """Most probable token per row (B,) int64, ties → lower index, and its log p (B,) float64: the best
+    column on each side of eos (views; :func:`first_max`), then eos against it by its float64 ζ_eos.
     """
     if dist.eos_zeta is None:
         value, column = first_max(dist.zeta)
@@ -147,19 +127,17 @@ def greedy_with_log_probs(dist: StepDistribution) -> tuple[torch.Tensor, torch.T
     return torch.where(eos_wins, eos, best_idx), torch.where(eos_wins, dist.eos_log_prob, best64 - dist.log_norm)
 
 
-# torch.argmax reads a CPU row at a fraction of amax's speed (≈ 130 against 15 µs at 50257 columns):
-# :func:`first_max` takes rows of at least this many blocks by their block maxima instead.
+# CPU torch.argmax reads a row several times slower than amax (≈ 130 against 15 µs at 50257 columns):
+# :func:`first_max` takes rows of at least _MIN_BLOCKS blocks by their block maxima.
 _MAX_BLOCK = 1024
 _MIN_BLOCKS = 16
 
 
 def first_max(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(value (B,), column (B,) int64) of the largest entry of each row of ``values`` (B, n), n >= 1,
-    at its first column (as ``torch.argmax``; rows holding NaN are the callers' to refuse).
-
-    Long CPU rows go by blocks: the maxima of the blocks (one vectorized pass; the last block ends at
-    the row's end and may overlap the one before), the first block holding the row's maximum, and
-    the first column of it there.
+    """(value (B,), column (B,) int64) of the largest entry of each row of ``values`` (B, n), at its
+    first column (as ``torch.argmax``; rows holding NaN are the callers' to refuse). Long CPU rows go
+    by blocks: the blocks' maxima (the last block ends at the row's end, overlapping the one before),
+    then the first column of the maximum in the first block holding it.
     """
     B, n = values.shape
     blocks = n // _MAX_BLOCK
@@ -177,14 +155,9 @@ def first_max(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def truncated_candidates(
     dist: StepDistribution, top_k: Optional[int], top_p: Optional[float], *, first_size: Optional[int] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidates kept by top-k then top-p, and their renormalized probabilities.
-
-    Returns (tokens (B, C) int64, probs (B, C) float64): rows padded with probability 0.
-    Top-k keeps exactly k tokens; top-p keeps the smallest prefix (in rank order) whose
-    mass, renormalized over the top-k set when both are given, reaches p (at least one token).
-    ``first_size``: top-p's first candidate-list size (default 64), for a caller that knows
-    smaller lists cannot cover the nucleus.
-    """
+    """Candidates kept by top-k then top-p: (tokens (B, C) int64, renormalized probs (B, C) float64,
+    padded with 0). Top-p keeps the smallest rank-order prefix whose mass (renormalized over the top-k
+    set when both are given) reaches p. ``first_size``: top-p's first list size (default 64)."""
     V = dist.zeta.shape[1]
     k = top_k if top_k is not None else min(V, first_size or _FIRST_CANDIDATES)
     while True:
@@ -201,11 +174,8 @@ def truncated_candidates(
 
 
 def _fewest_more(ranked_probs: torch.Tensor, top_p: float, V: int) -> int:
-    """How many more ranked tokens the neediest row must take at least to reach mass ``top_p``.
-
-    Every token past the list is at most as probable as the list's last one, so a row still
-    short of p by m needs at least m / p_last more (capped at V; p_last = 0 means all of V).
-    """
+    """How many more ranked tokens the neediest row needs at least to reach mass ``top_p``: a row short
+    by m needs m / p_last more (every later token is at most p_last; capped at V)."""
     missing = (top_p - ranked_probs.sum(dim=1)).clamp(min=0.0)
     last = ranked_probs[:, -1]
     bound = float(torch.where(missing > 0, missing / last, 0.0).max())  # m / 0 = inf: every token
@@ -220,8 +190,7 @@ def select(
     generator: Optional[torch.Generator] = None,
     first_size: Optional[int] = None,
 ) -> torch.Tensor:
-    """Draw one token per row (B,) from ``dist`` after optional top-k / top-p truncation
-    (``first_size``: see :func:`truncated_candidates`)."""
+    """One token per row (B,) from ``dist`` after optional top-k / top-p truncation."""
     check_truncation(top_k, top_p)
     if top_k == 1:
         return greedy(dist)
@@ -234,9 +203,8 @@ def select(
 
 
 def _top_p_on_cpu(dist: StepDistribution, top_p: float, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """Top-p alone on CPU (B,): one candidate list of 64 settles the rows whose nucleus it
-    covers (one partial selection: peaked rows); the rest draw by rejection
-    (:mod:`.rejection`: a few passes over the row whatever the nucleus size)."""
+    """Top-p alone on CPU (B,): a list of 64 settles the rows whose nucleus it covers; the rest draw by
+    rejection (a few passes over the row whatever the nucleus size)."""
     tokens, log_p = ranked_candidates(dist, _FIRST_CANDIDATES)
     probs, covered = truncate(torch.exp(log_p), None, top_p)
     picked = tokens.gather(1, draw(probs, generator)).squeeze(1)
@@ -250,9 +218,8 @@ def _top_p_on_cpu(dist: StepDistribution, top_p: float, generator: Optional[torc
 
 
 def _by_row_blocks(dist: StepDistribution, pick: Callable[[StepDistribution, slice], torch.Tensor]) -> torch.Tensor:
-    """(B,) ``pick(part, rows)`` on blocks of rows of ``dist`` (``part`` = those rows, as views),
-    concatenated: the CPU paths that build (B, V) float64 tables do so a block at a time (see
-    ``distribution.BLOCK_ENTRIES``)."""
+    """(B,) ``pick(part, rows)`` over the row blocks of ``dist`` (``distribution.BLOCK_ENTRIES``),
+    concatenated: CPU paths that build (B, V) float64 tables do so a block at a time."""
     blocks = row_blocks_of(dist.zeta)
     if len(blocks) == 1:
         return pick(dist, blocks[0])

@@ -1,20 +1,15 @@
 """The decoding step: one token per row, its path chosen once, no host synchronization.
 
-:class:`DecodingStep` is built once per (head, strategy, vocabulary size, device). It checks its
-settings and picks its path at construction; a call then checks only the logits and launches:
+:class:`DecodingStep` is built once per (head, strategy, vocabulary size, device) and picks its path
+then: the Triton kernels (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``) — greedy, sampling and
+top-k (then top-p) in the one-launch split-V scan (``nmst_fast/kernels/scan_select.py``), top-p alone
+by rejection rounds (``nmst_fast/kernels/row_draw.py``) — or the torch path (:mod:`.selection`: CPU,
+top-k beyond the kernels' lists).
 
-* the Triton kernels (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``): greedy, sampling and top-k
-  (then top-p) take the one-launch split-V scan (``nmst_fast/kernels/scan_select.py``: the scan reads
-  the logits once, the last split of each row to finish does the head's float64 math and the draw);
-  top-p alone takes rejection rounds in one program per row (``nmst_fast/kernels/row_draw.py``);
-* the torch path otherwise (:mod:`.selection`: CPU, float64 logits, top-k beyond the kernels' lists).
-
-The kernels report two flags per step on the device: the first row with no distribution (NaN / +inf
-logits, no finite non-eos logit) and the first row the rejection rounds left without a token. A call
-with ``defer_checks=True`` leaves them there, in the step's log, so a decoding loop runs ahead of the
-GPU (and a step can be captured in a CUDA graph); :meth:`DecodingStep.check` reads the log once and
-raises. A call without it reads them at once (one host sync), as :func:`sample` does, and draws a row
-the rounds left by the torch path.
+The kernels leave two flags per step on the device: the first row with no distribution and the first
+row the rejection rounds left without a token. ``defer_checks=True`` logs them for
+:meth:`DecodingStep.check` (no host sync: a loop runs ahead of the GPU, a step can be captured in a
+CUDA graph); otherwise a call reads them at once, as :func:`sample` does.
 """
 
 from __future__ import annotations
@@ -61,19 +56,14 @@ def check_impl(impl: object) -> None:
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
 
 
-def kernels_serve(impl: str, device: torch.device, top_k: Optional[int], top_p: Optional[float], *,
-                  ranked: bool = False) -> bool:
-    """Whether the Triton kernels serve this strategy on ``device``.
-
-    They serve greedy, untruncated sampling, top-p alone (any nucleus size) and top-k (then top-p)
-    with k up to ``nmst_fast.kernels.row_scan.MAX_CANDIDATES``. ``ranked``: the caller wants the
-    ``top_k`` best tokens in rank order (beam search), which always takes the candidate list.
-    "auto" takes them on CUDA; "triton" insists (CPU tensors need ``TRITON_INTERPRET=1``).
-    """
+def kernels_serve(impl: str, device: torch.device, top_k: Optional[int], top_p: Optional[float]) -> bool:
+    """Whether the Triton kernels serve this strategy on ``device``: greedy, sampling, top-p alone and
+    top-k (then top-p) with k up to ``row_scan.MAX_CANDIDATES``. "auto" takes them on CUDA; "triton"
+    insists (CPU tensors need ``TRITON_INTERPRET=1``)."""
     check_impl(impl)
     if impl == "torch" or (impl == "auto" and device.type != "cuda"):
         return False
-    servable = triton_available() and ((not ranked and untruncated(top_k, top_p)) or _lists_hold(top_k))
+    servable = triton_available() and (untruncated(top_k, top_p) or _lists_hold(top_k))
     if impl == "triton":
         if not servable:
             raise ValueError("impl='triton' serves top_k up to nmst_fast.kernels.row_scan.MAX_CANDIDATES (and needs "
@@ -85,7 +75,7 @@ def kernels_serve(impl: str, device: torch.device, top_k: Optional[int], top_p: 
 
 
 def _lists_hold(top_k: Optional[int]) -> bool:
-    """Top-p alone (the row draw) always; top-k when the scan's candidate list holds k (needs tl.topk)."""
+    """Top-p alone (the row draw) always; top-k when the scan's list holds k (needs tl.topk)."""
     if top_k is None:
         return True
     from nmst_fast.kernels.row_scan import HAS_TOPK, MAX_CANDIDATES  # lazy: Triton reads its mode at import
@@ -93,15 +83,13 @@ def _lists_hold(top_k: Optional[int]) -> bool:
     return HAS_TOPK and top_k <= MAX_CANDIDATES
 
 
-# Philox seeds drawn from the caller's generator at once, one per call: a draw is a launch and an
-# allocation, which a small step's host time would pay every call.
-SEED_BLOCK = 256
+SEED_BLOCK = 256  # Philox seeds drawn at once: a draw per call would cost a launch and an allocation
 
 
 class _Seeds:
-    """One-element int64 device tensors, one per call, drawn in blocks (1, 2, 4, … up to SEED_BLOCK)
-    from the caller's generator (a new block when the generator changes): no host sync, and a
-    generator's state fixes every seed."""
+    """One-element int64 device tensors, one per call, drawn from the caller's generator in blocks of
+    1, 2, 4, … SEED_BLOCK (a new block when the generator changes): no host sync, and the generator's
+    state fixes every seed."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -119,8 +107,8 @@ class _Seeds:
 
 
 class _FlagLog:
-    """The kernels' flags of the steps not yet checked, on the device: each step's kernel writes its
-    two flags into a row of one buffer (no copy), and the batch size of each is kept on the host."""
+    """The flags of the steps not yet checked: each step's kernel writes its two into a row of one
+    device buffer; the batch sizes stay on the host."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -139,8 +127,8 @@ class _FlagLog:
         return self.rows[n]
 
     def take(self) -> list[tuple[int, int, int]]:
-        """(first bad row, first unresolved row, batch size) of each logged step, oldest first (one
-        host sync), and an empty log."""
+        """(first bad row, first unresolved row, batch size) of each logged step (one host sync); empties
+        the log."""
         if not self.batches:
             return []
         values = self.rows[: len(self.batches)].tolist()
@@ -190,15 +178,14 @@ class DecodingStep:
 
     def __call__(self, logits: torch.Tensor, *, steps: Steps = 1, state: Optional[torch.Tensor] = None,
                  generator: Optional[torch.Generator] = None, defer_checks: bool = False) -> StepOutput:
-        """One token per row of ``logits``.
+        """One token per row of ``logits`` (B, V) on the step's device.
 
         Args:
-            logits: (B, V) raw logits of this step, on the step's device.
             steps: t of this step (int or (B,)); t <= 0 is context (p(eos) = 0).
             state: "st" only: (B,) running log(1−α) from the previous step (None at the start).
             generator: torch.Generator for reproducible draws.
-            defer_checks: leave the kernels' flags on the device for :meth:`check` (no host sync);
-                a row without a distribution then yields an arbitrary token until the check raises.
+            defer_checks: leave the kernels' flags for :meth:`check` (no host sync); a row without a
+                distribution yields an arbitrary token until then.
         """
         self._check_logits(logits)
         if not self.kernels:
@@ -212,17 +199,16 @@ class DecodingStep:
         if bad < B:
             raise ValueError(no_distribution_message(bad, with_state=True))
         if unresolved < B:
-            # A row the rejection rounds left (P ≤ (1 − p)^64): the torch path draws the batch. On CUDA it
-            # ranks the whole row at once (one segmented sort costs about one large torch.topk there, and
-            # growing candidate lists would repeat it).
+            # A row the rejection rounds left (P ≤ (1 − p)^64): the torch path draws the batch, on CUDA
+            # ranking whole rows at once (one sort costs about one large torch.topk there).
             return self._torch_step(logits, steps, state, generator, first_size=self.vocab_size if
                                     logits.is_cuda else None)
         return StepOutput(picked.tokens, picked.log_probs, picked.state)
 
     def check(self) -> None:
-        """Read the flags of the calls made with ``defer_checks=True`` since the last check (one host
-        sync) and raise for the first that had a row without a distribution (ValueError) or a row the
-        top-p rounds left without a token (RuntimeError; probability ≤ (1 − p)^64 per row)."""
+        """Read the flags of the deferred calls since the last check (one host sync); raise for the
+        first with a row without a distribution (ValueError) or a row the top-p rounds left without a
+        token (RuntimeError; probability ≤ (1 − p)^64 per row)."""
         for call, (bad, unresolved, batch) in enumerate(self._log.take(), start=1):
             if bad < batch:
                 raise ValueError(f"call {call} since the last check: {no_distribution_message(bad, with_state=True)}")
@@ -290,17 +276,9 @@ def sample(
     generator: Optional[torch.Generator] = None,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Draw one token per row from the head's step distribution, optionally truncated: a
-    :class:`DecodingStep` built for these logits, called once with its flags read at once.
-
-    Args:
-        logits: (B, V) raw logits of this step.
-        head, eos_index, eps, top_k, top_p, temperature, impl: see :class:`DecodingStep`.
-        steps: t of this step (int or (B,)); t <= 0 is context (p(eos) = 0).
-        state: "st" only: running log(1−α) from the previous step (None at the start).
-        generator: torch.Generator for reproducible draws.
-    Returns:
-        (tokens (B,) int64, new state).
+    """One token per row of ``logits`` (B, V) from the head's step distribution, optionally truncated:
+    a :class:`DecodingStep` built for these logits and called once (arguments as there).
+    Returns (tokens (B,) int64, ST's new state or None).
     """
     check_float_tensor("logits", logits)  # before the backend choice reads logits.device
     check_truncation(top_k, top_p)

@@ -1,9 +1,5 @@
-"""Ranked-candidate algebra shared by the torch and Triton selection paths.
-
-Both paths first find the most probable non-eos tokens in rank order (they rank
-by raw logit); these helpers then place eos among them by its exact float64
-effective logit and apply top-k / top-p to the ranked list.
-"""
+"""Ranked-candidate algebra of the torch path: eos placed among the ranked non-eos tokens by its
+exact float64 ζ_eos, top-k / top-p on the ranked list, and inverse-CDF draws."""
 
 from __future__ import annotations
 
@@ -30,16 +26,9 @@ def untruncated(top_k: Optional[int], top_p: Optional[float]) -> bool:
 def insert_eos(
     tokens: torch.Tensor, zeta: torch.Tensor, eos_index: int, eos_zeta: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge eos into rank-ordered non-eos candidates.
-
-    Args:
-        tokens: (B, C) int64 non-eos candidates, best first (ties → lower index).
-        zeta: (B, C) float64 their effective logits.
-        eos_index: eos's column; eos_zeta: (B,) float64 its effective logit.
-    Returns:
-        (tokens, zeta), each (B, C + 1), in rank order: eos follows every candidate with a
-        higher ζ, or an equal ζ and a lower index.
-    """
+    """Merge eos (``eos_zeta`` (B,) float64) into rank-ordered non-eos candidates ``tokens`` (B, C)
+    int64 with float64 ``zeta``: (tokens, zeta) each (B, C + 1), eos after every candidate with a
+    higher ζ, or an equal ζ and a lower index."""
     B, C = tokens.shape
     eos = eos_zeta.unsqueeze(1)
     outranks_eos = (zeta > eos) | ((zeta == eos) & (tokens < eos_index))
@@ -55,14 +44,10 @@ def insert_eos(
 def truncate(
     probs: torch.Tensor, top_k: Optional[int], top_p: Optional[float]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k then top-p on rank-ordered probabilities (B, C) float64.
-
-    ``probs`` holds the top-k tokens when ``top_k`` is given (renormalized here), else
-    the C most probable tokens. Top-p keeps the smallest prefix whose mass reaches p
-    (at least one token). Returns (renormalized probs with dropped ranks at 0, covered):
-    ``covered`` (B,) bool is False for rows whose top-p prefix may extend past the C
-    candidates, so the caller must look at more of them.
-    """
+    """Top-k then top-p on rank-ordered probabilities (B, C) float64: the top-k tokens when ``top_k``
+    is given (renormalized here), else the C most probable. Top-p keeps the smallest prefix whose mass
+    reaches p (at least one token). Returns (renormalized probs, dropped ranks at 0; covered (B,)
+    bool, False where the top-p prefix may extend past the C candidates)."""
     covered = torch.ones(probs.shape[0], dtype=torch.bool, device=probs.device)
     if top_k is not None:
         probs = probs / probs.sum(dim=1, keepdim=True)
@@ -79,14 +64,11 @@ def truncate(
 
 
 def draw(probs: torch.Tensor, generator: Optional[torch.Generator], *, overwrite: bool = False) -> torch.Tensor:
-    """One index per row (B, 1) from rows of non-negative weights (B, C), each row with a positive sum.
+    """One index per row (B, 1) from non-negative weights (B, C), each row with a positive sum.
 
-    CPU: the inverse CDF of a float64 cumulative sum (one pass; ``torch.multinomial`` costs
-    ≈ 10× that on CPU, ≈ 0.28 s at 256 × 50257), formed in ``probs`` itself when ``overwrite``
-    (float64 weights the caller no longer needs: no second (B, C) buffer). Other devices:
-    ``torch.multinomial`` (a parallel scan there need not be monotone, which the inverse CDF
-    relies on). A generator on another device than ``probs`` is allowed: the uniforms (CPU)
-    or the table move to it.
+    CPU: the inverse CDF of a float64 cumulative sum (``torch.multinomial`` costs ≈ 10× that), in
+    ``probs`` itself when ``overwrite``. Other devices: ``torch.multinomial`` (a parallel scan need
+    not be monotone, which the inverse CDF relies on). The generator may be on another device.
     """
     if probs.device.type == "cpu":
         in_place = overwrite and probs.dtype == torch.float64
@@ -98,19 +80,16 @@ def draw(probs: torch.Tensor, generator: Optional[torch.Generator], *, overwrite
 
 
 def inverse_cdf(cdf: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """One index per row (B, 1) drawn from the weights whose running sums are ``cdf`` (B, C) float64
-    (see :func:`search_cdf`), with one float64 uniform per row from ``generator``."""
+    """One index per row (B, 1) drawn from the weights whose running sums are ``cdf`` (B, C) float64,
+    one float64 uniform per row from ``generator``."""
     device = generator.device if generator is not None else cdf.device
     uniforms = torch.rand((cdf.shape[0], 1), dtype=torch.float64, device=device, generator=generator)
     return search_cdf(cdf, uniforms.to(cdf.device))
 
 
 def search_cdf(cdf: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """(B, 1) the first index i of each row with cdf[i] > u · total, for ``uniforms`` (B, 1) in [0, 1).
-
-    ``cdf`` must come from a sequential cumulative sum (CPU): then cdf[i] > cdf[i − 1] only
-    where weight i is positive, so the index found never has weight 0.
-    """
+    """(B, 1) the first index i of each row with cdf[i] > u · total, ``uniforms`` (B, 1) in [0, 1).
+    ``cdf`` must be a sequential (CPU) cumulative sum: it rises only at positive weights."""
     total = cdf[:, -1:]
     # u < 1, but u · total may round up to total, which no entry exceeds: stay one ulp below it.
     target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))

@@ -36,11 +36,16 @@ def _first_and_last(first, first_payload, last, last_payload, other_first, other
 @triton.jit
 def crossing_with(cum, weights, target, index, SIZE, payload, none, FUSED_FORM: tl.constexpr = not _INTERPRETED):
     """Along the last axis, per row: the first index of positive weight whose cumulative weight ``cum``
-    exceeds ``target`` (the last positive one when rounding leaves none, -1 when there is none; see
-    ``row_scan.first_crossing``), and ``payload`` (the shape of ``weights``, or broadcast to it) there
+    exceeds ``target`` (the last positive one when rounding leaves none, -1 when there is none), and
+    ``payload`` (the shape of ``weights``, or broadcast to it) there
     (``none`` where there is no positive weight). FUSED_FORM: one reduction of four values (the
     first crossing and the last positive weight, each with its payload); else built-in reductions,
-    the pick before its payload (tests choose; the default is the platform's)."""
+    the pick before its payload (tests choose; the default is the platform's).
+
+    Only positive weights may be picked: a GPU's parallel scan rounds each prefix through its own
+    partial-sum tree, so ``cum`` is not monotone to the last ulp, and a zero weight right after a
+    block boundary can read an ulp above its predecessor (an H200 drew a token outside the nucleus
+    about once in 10^6 draws that way)."""
     positive = weights > 0
     crossing = (cum > tl.expand_dims(target, -1)) & positive
     axis: tl.constexpr = len(crossing.shape) - 1  # by number: the interpreter mishandles -1 in a tuple reduction

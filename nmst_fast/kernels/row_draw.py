@@ -50,7 +50,16 @@ from .host_math import cdiv, next_power_of_2, scan_width
 from .lanes import LOG2E, fold_row_lanes, lane_pointers, merge_lanes, ranked_lane_mass
 from .reductions import FUSED, add_pair, crossing_with
 from .row_scan import multi_processors
-from .row_select import HEAD_CODES, Selection, _eos_terms, _Outputs, _split_f64, _uniform_f64_stream
+from .row_select import (
+    HEAD_CODES,
+    Selection,
+    _head_inputs,
+    _Outputs,
+    _split_f64,
+    _survival_terms,
+    _uniform_f64_stream,
+    _with_lse,
+)
 
 # Every round accepts with probability ≥ p, so P(a row is left after MAX_ROUNDS) ≤ (1 − p)^64. A
 # round the bounds reject leaves S as it was; a pass-rejected one shrinks it (its mass about halves),
@@ -88,9 +97,11 @@ def _row_head(
     lse = m.to(tl.float64) + tl.log(tl.where(row_ok, s, 1.0).to(tl.float64))
     bad = ~(tl.abs(lse) < float("inf"))
     if HEAD != 0:
-        log_norm, eos_zeta, eos_nan = _eos_terms(
-            lse, z_ptr, z_row_stride, rows, row_ok, eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride,
-            steps_value, state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
+        eos_z, t, prev = _head_inputs(z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride,
+                                      steps_value, state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
+        a_floor, log_alpha, eos_nan = _survival_terms(eos_z, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo,
+                                                      new_state_ptr, HEAD)
+        log_norm, eos_zeta = _with_lse(lse, a_floor, log_alpha)
         bad = bad | eos_nan
         p_eos = tl.where(bad, 0.0, tl.exp(eos_zeta - log_norm))
     else:

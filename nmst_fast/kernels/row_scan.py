@@ -45,7 +45,6 @@ from .workspace import step_buffers
 # The largest candidate list the kernel keeps per row (a power of two; tl.topk needs one).
 MAX_CANDIDATES = 128
 HAS_TOPK = hasattr(tl, "topk")  # tl.topk arrived in Triton 3.3; older ones serve greedy/sampling only
-_NO_KEY = -(2**63)  # below every real key: padding, eos and out-of-range columns
 
 
 @triton.jit
@@ -102,20 +101,6 @@ def _extract_into(best, x, above, cols, K: tl.constexpr):
         above = above & (cols != col[:, None])
         todo -= 1
     return best
-
-
-@triton.jit
-def first_crossing(weights, target, index, SIZE):
-    """Along the last axis, per row, the first index of positive weight whose cumulative weight exceeds
-    ``target`` (the last positive one when rounding leaves none, -1 when there is none), and the weight
-    before it (``target`` has the shape of ``weights`` less its last axis).
-
-    Only positive weights may be picked: a GPU's parallel scan rounds each prefix through its own
-    partial-sum tree, so ``cum`` is not monotone to the last ulp, and a zero weight right after a
-    block boundary can read an ulp above its predecessor (an H200 drew a token outside the nucleus
-    about once in 10^6 draws that way)."""
-    cum = tl.cumsum(weights, axis=-1)
-    return crossing_with(cum, weights, target, index, SIZE, cum - weights, 0)
 
 
 @triton.jit
@@ -310,47 +295,6 @@ def scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp,
         tl.store(draw_idx_ptr + out, draw_idx, mask=row_ok)
 
 
-@triton.jit
-def _row_scan_kernel(
-    z_ptr,
-    z_row_stride,
-    n_rows,
-    V,
-    split_width,
-    eos_index,
-    inv_temp,
-    seed_ptr,
-    max_ptr,
-    sum_ptr,
-    top_val_ptr,
-    top_idx_ptr,
-    draw_idx_ptr,
-    key_ptr,
-    HAS_EOS: tl.constexpr,
-    DRAW: tl.constexpr,
-    K: tl.constexpr,  # candidates per row and split; 0: none
-    BLOCK_B: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    LANE_TILES: tl.constexpr,  # the drawing scan's tiles per split, padded (scan_width): a lane's columns
-):
-    scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp, seed_ptr, max_ptr, sum_ptr,
-               top_val_ptr, top_idx_ptr, draw_idx_ptr, key_ptr, HAS_EOS, DRAW, K, BLOCK_B, BLOCK_V, LANE_TILES)
-
-
-def decode_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values float32, columns int64) of candidate keys; padding keys decode to (-inf, -1)."""
-    ordered = (keys >> 32).to(torch.int32)
-    values = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).view(torch.float32)
-    columns = 0x7FFFFFFF - (keys & 0xFFFFFFFF)
-    padding = keys == _NO_KEY
-    return values.masked_fill(padding, float("-inf")), columns.masked_fill(padding, -1)
-
-
-def _first_index_of_max(values: torch.Tensor, index: torch.Tensor, sentinel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    best = values.amax(dim=1)
-    return best, torch.where(values == best[:, None], index, sentinel).amin(dim=1)
-
-
 def interpreter_block_rows(rows: int, block_v: int) -> int:
     """Rows per program in the CPU interpreter, which pays per operation, not per element: as many
     as make 2^18-element tiles (CI's million-draw tests depend on it)."""
@@ -374,16 +318,6 @@ LARGE_K_PROGRAMS_PER_SM = 3
 FINISH_KEYS = 512
 
 
-def launch_shape(z: torch.Tensor, candidates: int) -> tuple[int, int, int]:
-    """(BLOCK_B, BLOCK_V, splits): enough programs to fill a GPU even for one row."""
-    B, V = z.shape
-    if not z.is_cuda:
-        # The interpreter: one split, many rows per program.
-        width = min(2048, next_power_of_2(V))
-        return interpreter_block_rows(B, width), width, 1
-    return cuda_launch_shape(B, V, candidates, multi_processors(z.device.index))
-
-
 @functools.lru_cache(maxsize=None)
 def multi_processors(index: Optional[int]) -> int:
     """SMs of a CUDA device (None: the current one), asked once (a decoding step's host time counts)."""
@@ -393,7 +327,8 @@ def multi_processors(index: Optional[int]) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def cuda_launch_shape(B: int, V: int, candidates: int, multi_processors: int) -> tuple[int, int, int]:
-    """:func:`launch_shape` on a GPU of ``multi_processors`` SMs (also what ``compile_check`` compiles)."""
+    """(BLOCK_B, BLOCK_V, splits) of a scan on a GPU of ``multi_processors`` SMs: enough programs to
+    fill it even for one row (also what ``compile_check`` compiles)."""
     B = max(B, 1)  # an empty batch launches nothing; its shape only has to exist
     if not candidates:
         block_v = min(SCAN_BLOCK_V, next_power_of_2(V))
@@ -403,18 +338,6 @@ def cuda_launch_shape(B: int, V: int, candidates: int, multi_processors: int) ->
         per_sm = SMALL_K_PROGRAMS_PER_SM if candidates <= EXTRACT_MAX_K.value else LARGE_K_PROGRAMS_PER_SM
         splits = min(per_sm * multi_processors // B, FINISH_KEYS // candidates)  # candidates: K, a power of 2
     return 1, block_v, max(1, min(splits, cdiv(V, block_v)))
-
-
-@dataclass
-class ScanPartials:
-    """Per-split results of one scan, before the splits are merged: every tensor (rows, splits)
-    ("keys": (rows, splits, K)). "max"/"sum": the split's max x and Σ e^(x − max); "top_val"/"top_idx":
-    its largest raw logit z and that z's first column. A scan with a seed leaves "draw_idx", one drawn
-    column per split, and that column's raw z in "top_val" ("top_idx" then stays 0)."""
-
-    parts: dict[str, torch.Tensor]
-    V: int
-    K: int
 
 
 def _partial_layout(rows: int, splits: int, K: int, draws: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -441,12 +364,6 @@ def _as_seed(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.tensor([seed], dtype=torch.int64, device=device)
 
 
-def _num_warps(K: int) -> int:
-    """Warps per program: 4 for every scan (sm_90 register counts, ``python tools/compile_check.py
-    --resources``: 96-187 registers; at 8 warps the candidate scans spill or halve their residency)."""
-    return 4
-
-
 def split_layout(V: int, block_v: int, splits: int) -> tuple[int, int]:
     """(columns per split, splits) for about ``splits`` splits of whole BLOCK_V tiles covering V
     (fewer splits when rounding the width up to whole tiles leaves some empty)."""
@@ -457,18 +374,25 @@ def split_layout(V: int, block_v: int, splits: int) -> tuple[int, int]:
 @dataclass
 class ScanLaunch:
     """What one launch of the scan takes: its grid, its arguments in ``scan_split``'s order (the
-    partials' buffers included), its compile-time flags, and the partials it will leave."""
+    partials' buffers included), its compile-time flags, and the partials it will leave, (rows,
+    splits) each ("keys": (rows, splits, K)): "max"/"sum", the split's max x and Σ e^(x − max);
+    "top_val"/"top_idx", its largest raw z and that z's first column; a drawing scan's "draw_idx",
+    one drawn column per split, with that column's raw z in "top_val"."""
 
     grid: tuple[int, int]
     args: tuple
     meta: dict
-    scan: ScanPartials
+    parts: dict[str, torch.Tensor]
     sync: Optional[torch.Tensor] = None  # the workspace's zeroed int32 slots (``sync_slots``), if asked for
 
 
 def scan_launch(z: torch.Tensor, *, eos_index: int | None, temperature: float, seed: int | torch.Tensor | None,
                 candidates: int, launch: tuple[int, int] | None, sync_slots: Optional[int] = None) -> ScanLaunch:
-    """Check the arguments of :func:`scan_partials` and lay out its launch (buffers allocated).
+    """Check a scan's arguments and lay out its launch (buffers allocated): ``z`` (B, V) with unit
+    stride along V; ``eos_index`` the column left out (None: none); x = z / ``temperature``;
+    ``seed`` (int or one-element integer tensor; None: no draw) draws a column per split;
+    ``candidates``: keep the K = next power of two >= it best x (at most MAX_CANDIDATES);
+    ``launch``: (BLOCK_V, splits) instead of the automatic layout.
 
     ``sync_slots``: the partials are scratch of the step workspace (``nmst_fast/kernels/workspace.py``: only
     valid during this launch, for a kernel that consumes them itself), which also hands out this
@@ -480,7 +404,7 @@ def scan_launch(z: torch.Tensor, *, eos_index: int | None, temperature: float, s
         raise ValueError(f"candidates must lie in [0, {MAX_CANDIDATES}] (and needs tl.topk), got {candidates}")
     B, V = z.shape
     draws = seed is not None
-    grid, split_width, layout, meta = _launch_plan(B, V, candidates, launch, draws, z.device.index if z.is_cuda else -1)
+    grid, split_width, layout, meta = launch_plan(B, V, candidates, launch, draws, z.device.index if z.is_cuda else -1)
     if sync_slots is None or not B:
         parts = {name: torch.empty(shape, dtype=dtype, device=z.device) for name, (shape, dtype) in layout.items()}
         sync = None
@@ -492,11 +416,11 @@ def scan_launch(z: torch.Tensor, *, eos_index: int | None, temperature: float, s
     args = (z, z.stride(0), B, V, split_width, -1 if eos_index is None else eos_index, 1.0 / temperature, seed_tensor,
             parts["max"], parts["sum"], parts["top_val"], parts["top_idx"], parts.get("draw_idx", unused),
             parts.get("keys", unused))
-    return ScanLaunch(grid, args, meta | {"HAS_EOS": eos_index is not None}, ScanPartials(parts, V, meta["K"]), sync)
+    return ScanLaunch(grid, args, meta | {"HAS_EOS": eos_index is not None}, parts, sync)
 
 
 @functools.lru_cache(maxsize=4096)
-def _launch_plan(B: int, V: int, candidates: int, launch: tuple[int, int] | None, draws: bool,
+def launch_plan(B: int, V: int, candidates: int, launch: tuple[int, int] | None, draws: bool,
                  device_index: Optional[int]) -> tuple[tuple[int, int], int, dict, dict]:
     """(grid, columns per split, the partials' layout, the kernel's compile-time flags) of a scan,
     computed once per shape (``device_index``: the CUDA device, -1 for the interpreter); the flags
@@ -515,81 +439,5 @@ def _launch_plan(B: int, V: int, candidates: int, launch: tuple[int, int] | None
     K = min(K, block_v)  # only when V < K: a row has fewer columns than candidates asked for
     split_width, splits = split_layout(V, block_v, splits)
     meta = dict(DRAW=draws, K=K, BLOCK_B=block_b, BLOCK_V=block_v,
-                LANE_TILES=scan_width(split_width // block_v) if draws else 1, num_warps=_num_warps(K))
+                LANE_TILES=scan_width(split_width // block_v) if draws else 1, num_warps=4)
     return (cdiv(B, block_b), splits), split_width, _partial_layout(B, splits, K, draws), meta
-
-
-def scan_partials(
-    z: torch.Tensor,
-    *,
-    eos_index: int | None,
-    temperature: float = 1.0,
-    seed: int | torch.Tensor | None = None,
-    candidates: int = 0,
-    launch: tuple[int, int] | None = None,
-) -> ScanPartials:
-    """Launch the scan and return the unmerged per-split results.
-
-    Arguments as :func:`row_scan`, plus ``seed``: draw one column per split with this Philox seed
-    (an int or a one-element integer tensor on any device; None: no draw), which
-    ``nmst_fast.kernels.row_select.select_from_scan`` turns into one exact sample per row; a drawing scan
-    stores its drawn column's raw z in "top_val" (no argmax).
-    """
-    launch_args = scan_launch(z, eos_index=eos_index, temperature=temperature, seed=seed, candidates=candidates,
-                              launch=launch)
-    if z.shape[0]:
-        _row_scan_kernel[launch_args.grid](*launch_args.args, **launch_args.meta)
-    return launch_args.scan
-
-
-def row_scan(
-    z: torch.Tensor,
-    *,
-    eos_index: int | None,
-    temperature: float = 1.0,
-    candidates: int = 0,
-    launch: tuple[int, int] | None = None,
-) -> dict[str, torch.Tensor]:
-    """Scan (B, V) logits once (see module docstring).
-
-    Args:
-        z: (B, V) fp16/bf16/fp32 logits with unit stride along V.
-        eos_index: column left out of every reduction, or None to scan all columns.
-        temperature: x = z / temperature.
-        candidates: also return the K = next power of two >= ``candidates`` largest x
-            (at most MAX_CANDIDATES; 0: none).
-        launch: (BLOCK_V, splits) instead of the automatic launch shape (tests use it to
-            cover split merging and tile skipping on CPU).
-    Returns:
-        dict of (B,) tensors: "lse" (fp64), "top_val" (fp32 x) and "top_idx" (int64: the first column
-        of the largest z, so ties in x from rounding z · inv_temp go to the larger z); with candidates
-        "cand_val" (B, K) fp32 and "cand_idx" (B, K) int64 in rank order (padding: -inf and -1 when fewer
-        than K columns).
-    """
-    scan = scan_partials(z, eos_index=eos_index, temperature=temperature, candidates=candidates, launch=launch)
-    return _merge_splits(scan.parts, scan.V, K=scan.K, inv_temp=1.0 / temperature)
-
-
-def _merge_splits(parts: dict[str, torch.Tensor], V: int, *, K: int, inv_temp: float) -> dict[str, torch.Tensor]:
-    """Combine per-split partials into per-row results (splits cover V in column order). The
-    logsumexp is float64 from the fp32 (max, sum) partials, as the select kernels merge them: an
-    fp32 ``max + log(sum)`` rounds L by up to half an ulp of the max (2e-4 at logits of 1e4),
-    which beam scores would carry. The argmax merges on raw z (a split's "top_val"), and its value
-    is returned as x = z · inv_temp in fp32, the kernels' rounding."""
-    m, s = parts["max"].double(), parts["sum"].double()
-    if m.shape[1] == 1:  # one split (large batches, the CPU interpreter): skip the merge's extra launches
-        out = {"lse": (m + torch.log(s)).squeeze(1)}
-        top_z, top_idx = parts["top_val"].squeeze(1), parts["top_idx"].squeeze(1).long()
-    else:
-        row_max = m.amax(dim=1)
-        shift = torch.where(row_max == float("-inf"), 0.0, row_max)
-        out = {"lse": row_max + torch.log((s * torch.exp(m - shift[:, None])).sum(dim=1))}
-        top_z, top_idx = _first_index_of_max(parts["top_val"], parts["top_idx"].long(), V)
-    out["top_val"] = top_z * torch.tensor(inv_temp, dtype=torch.float32)
-    out["top_idx"] = top_idx
-    if K:
-        keys = parts["keys"].flatten(1)
-        if parts["keys"].shape[1] > 1:
-            keys = torch.topk(keys, K, dim=1, sorted=True).values  # keys are distinct: an exact order
-        out["cand_val"], out["cand_idx"] = decode_keys(keys)
-    return out

@@ -125,19 +125,6 @@ def _row_block(n_rows, n_splits, part_row_stride, BLOCK_B: tl.constexpr, BLOCK_S
 
 
 @triton.jit
-def _eos_terms(
-    lse, z_ptr, z_row_stride, rows, row_ok, eos_index, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride,
-    steps_value, state_ptr, state_stride, new_state_ptr, HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr,
-    HAS_STATE: tl.constexpr, BLOCK_B: tl.constexpr,
-):
-    """(log_norm = L − a, ζ_eos, rows whose eos logit or ST state is NaN, or state positive) for the
-    NMST/ST heads."""
-    s, t, prev = _head_inputs(z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value,
-                              state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
-    return _head_terms(lse, s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD)
-
-
-@triton.jit
 def _head_inputs(
     z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value, state_ptr, state_stride,
     HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -162,15 +149,6 @@ def _head_inputs(
     else:
         prev = tl.zeros((BLOCK_B,), tl.float64)
     return s, t, prev
-
-
-@triton.jit
-def _head_terms(lse, s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD: tl.constexpr):
-    """:func:`_eos_terms` from the loaded :func:`_head_inputs` (NMST/ST heads)."""
-    a_floor, log_alpha, eos_nan = _survival_terms(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo,
-                                                  new_state_ptr, HEAD)
-    log_norm, eos_zeta = _with_lse(lse, a_floor, log_alpha)
-    return log_norm, eos_zeta, eos_nan
 
 
 @triton.jit
@@ -350,7 +328,7 @@ def select_candidate_rows(
     u = _uniform_f64(seed, rows) * (tl.sum(prob, axis=1) + prob_eos)
     last_kept = tl.max(tl.where(prob > 0.0, rank[None, :], -1), axis=1)
     eos_drawn = (u < prob_eos) | (last_kept < 0)
-    crossed = (tl.cumsum(prob, axis=1) > (u - prob_eos)[:, None]) & (prob > 0.0)  # see row_scan.first_crossing
+    crossed = (tl.cumsum(prob, axis=1) > (u - prob_eos)[:, None]) & (prob > 0.0)  # see crossing_with
     pick = tl.min(tl.where(crossed, rank[None, :], K), axis=1)
     pick = tl.where(pick < K, pick, last_kept)  # rounding at the top of the CDF
     at_pick = rank[None, :] == pick[:, None]
