@@ -224,7 +224,8 @@ def test_generate_checks_every_argument_before_the_model_runs():
     for contexts in (_contexts(), _contexts()[:0]):
         for kw, name in [(dict(strategy="top_k", top_k=0), "top_k"), (dict(strategy="nucleus", top_p=1.5), "top_p"),
                          (dict(strategy="nucleus", top_p=0.5, top_k=-2), "top_k"),
-                         (dict(temperature=-1.0), "temperature"), (dict(impl="bogus"), "impl")]:
+                         (dict(temperature=-1.0), "temperature"), (dict(impl="bogus"), "impl"),
+                         (dict(strategy="beam", num_beams=2, impl="triton"), "impl")]:
             model.rows_seen.clear()
             with pytest.raises(ValueError, match=name):
                 generate(model, contexts, **kw)

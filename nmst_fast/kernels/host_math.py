@@ -1,10 +1,5 @@
-"""Launch arithmetic on Python ints, for the wrappers' hot path.
-
-``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions: called from host code they
-still unwrap every argument, ~5 µs a call (Triton 3.6 and 3.9, this CPU). A decoding step computed
-about ten of them, ~50 µs of the per-step host time that small batches pay on a GPU. These are
-the same integers for n >= 1.
-"""
+"""Launch arithmetic on Python ints for the wrappers' hot path (``triton.cdiv`` and
+``triton.next_power_of_2`` cost ~5 µs a call from host code)."""
 
 from __future__ import annotations
 
@@ -19,10 +14,8 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-# Triton 3.6's scan lowering (tl.cumsum) asserts when a table to scan is narrower than the
-# per-thread vector its layout inherits from the kernel's 16-byte-aligned row loads (on an H100:
-# per-tile tables of 1-2 tiles at V = 512-4096, and one-split tables; Triton 3.9
-# compiles them). Padded columns hold no mass.
+# Triton 3.6's tl.cumsum lowering asserts on a table narrower than the per-thread vector of the
+# kernel's 16-byte row loads (H100, V = 512-4096); padded columns hold no mass.
 MIN_SCAN_WIDTH = 8
 
 

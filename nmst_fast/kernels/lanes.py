@@ -1,16 +1,10 @@
 """Streaming reductions over a row kept per lane: no reduction across the tile inside the loop.
 
-A lane is one column position of a BLOCK_V-wide tile, followed across the tiles of a row (columns
-l, l + BLOCK_V, l + 2·BLOCK_V, …). Each lane keeps its own running state in registers, so a loop
-over the row's tiles has no block-wide reduction, no barrier and no shuffle: every warp streams
-on its own, and one reduction after the loop merges the lanes. The decoding kernels that reduced
-every tile instead spent 26-35 sm_90 instructions per element and 3-9 barriers per tile on it
-(read off their sm_90 SASS). Used by the split-V scan
-(``row_scan``: greedy and the split's draw) and the row draw (``row_draw``: top-p).
-
-Whole tiles clear of eos (every tile of a row but one or two) load without a mask
-(:func:`tile_spans`): no per-element predicate, and no per-element address either where the row
-pointer is a scalar (:func:`lane_pointers`).
+A lane is one column position of a BLOCK_V-wide tile, followed across a row's tiles (columns l,
+l + BLOCK_V, …). Each lane keeps its running state in registers, so the loop over the tiles has no
+barrier; one reduction after it merges the lanes (reducing every tile cost 26-35 sm_90 instructions
+per element). Whole tiles clear of eos load without a mask (:func:`tile_spans`). Used by the split-V
+scan (``row_scan``) and the row draw (``row_draw``).
 """
 
 from __future__ import annotations
@@ -19,22 +13,16 @@ import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
-# exp2 of anything at or below this is 0 in fp32 (the smallest subnormal is 2^-149): the exponent
-# fold_lanes clamps to, which turns the NaN of −inf − (−inf) into a weight of 0.
+# exp2 of this is 0 in fp32: fold_lanes clamps to it, which turns the NaN of −inf − (−inf) into weight 0.
 NO_WEIGHT_EXP2 = tl.constexpr(-200.0)
 
 
 @triton.jit
 def fold_lanes(lane_max, lane_sum, z, neg_scale):
-    """Fold a (rows, BLOCK_V) tile of raw logits ``z`` into per-lane online (max z, Σ e^(x − max x))
-    with x = z · inv_temp and ``neg_scale`` = −log2(e) · inv_temp; returns them and where ``z`` set a
-    new lane maximum (strictly above: an equal value keeps the earlier column).
-
-    One exp2 per element: 2^(|z − max| · neg_scale) is the new element's weight when the max
-    stays and the old sum's rescale when the element becomes the max; the temperature rides in
-    ``neg_scale``, so it costs no multiply. The clamp turns −inf onto an empty lane (a NaN
-    difference) into a weight of 0; a NaN z makes the lane's max NaN, so the merged mass is NaN
-    and the select kernels flag the row."""
+    """Fold a (rows, BLOCK_V) tile of raw logits ``z`` into per-lane online (max z, Σ e^(x − max x)),
+    x = z · inv_temp, ``neg_scale`` = −log2(e) · inv_temp; also returns where ``z`` set a new lane max
+    (strictly: a tie keeps the earlier column). One exp2 per element: 2^(|z − max| · neg_scale) is
+    the new weight or the old sum's rescale. A NaN z makes the lane's max NaN: the row is flagged."""
     d = z - lane_max
     up = d > 0.0
     e = tl.exp2(tl.maximum(tl.abs(d) * neg_scale, NO_WEIGHT_EXP2))
@@ -44,8 +32,7 @@ def fold_lanes(lane_max, lane_sum, z, neg_scale):
 
 @triton.jit
 def merge_lanes(lane_max, lane_sum, inv_temp):
-    """Per row: max z over the lanes, and each lane's mass Σ e^(x − max x), x = z · inv_temp. The
-    max x is max z · inv_temp: rounding is monotone, so fl(max z · inv_temp) = max fl(z · inv_temp)."""
+    """Per row: max z over the lanes, and each lane's mass Σ e^(x − max x), x = z · inv_temp."""
     m = tl.max(lane_max, axis=1)
     shift = tl.where(m == float("-inf"), 0.0, m)  # no finite z: masses 0, not NaN
     return m, lane_sum * tl.exp2((lane_max - shift[:, None]) * (inv_temp * LOG2E))
@@ -53,10 +40,9 @@ def merge_lanes(lane_max, lane_sum, inv_temp):
 
 @triton.jit
 def lane_pointers(z_ptr, z_row_stride, rows, n_rows, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
-    """(BLOCK_B, BLOCK_V) pointers to each row's first tile. Rows past the batch point at the last
-    row (their results are never stored), so whole tiles load with no mask. One row (the GPU
-    launches): from a scalar row pointer, so a thread's loads are one address plus immediate offsets
-    (a per-element pointer tensor cost ~1 instruction and 2 registers per element in sm_90 code)."""
+    """(BLOCK_B, BLOCK_V) pointers to each row's first tile; rows past the batch point at the last row,
+    so whole tiles load unmasked. One row (GPU launches): from a scalar row pointer, so a thread's
+    loads are one address plus immediate offsets."""
     lanes = tl.arange(0, BLOCK_V)[None, :]
     if BLOCK_B == 1:
         return (z_ptr + tl.minimum(tl.program_id(0), n_rows - 1).to(tl.int64) * z_row_stride) + lanes
@@ -65,12 +51,10 @@ def lane_pointers(z_ptr, z_row_stride, rows, n_rows, BLOCK_B: tl.constexpr, BLOC
 
 @triton.jit
 def tile_spans(lo, hi, eos_index, HAS_EOS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Split the tiles of columns [lo, hi) (tiles start at lo + k · BLOCK_V) into whole tiles before
-    eos's tile [lo, eos_start), eos's tile [eos_start, eos_end) (empty when eos is not in a whole
-    tile), whole tiles after it [eos_end, whole_end), and the partial last tile [whole_end, hi).
-    The whole tiles clear of eos — every tile but one or two — load without a mask: no per-element
-    predicate, and a thread's loads share one address (masked loads cost ~9 integer instructions
-    per element in the sm_90 code: the mask, and a 64-bit address each)."""
+    """Split the tiles of columns [lo, hi) into whole tiles before eos's [lo, eos_start), eos's tile
+    [eos_start, eos_end) (empty when eos is in no whole tile), whole tiles after it [eos_end,
+    whole_end) and the partial last tile [whole_end, hi): all but one or two load without a mask
+    (a masked load cost ~9 integer instructions per element in sm_90 code)."""
     whole_end = lo + (hi - lo) // BLOCK_V * BLOCK_V
     eos_in = HAS_EOS & (eos_index >= lo) & (eos_index < whole_end)
     eos_start = tl.where(eos_in, lo + (tl.maximum(eos_index, lo) - lo) // BLOCK_V * BLOCK_V, whole_end)
@@ -80,8 +64,7 @@ def tile_spans(lo, hi, eos_index, HAS_EOS: tl.constexpr, BLOCK_V: tl.constexpr):
 @triton.jit
 def load_tile(lane_ptrs, start, hi, eos_index, MASKED: tl.constexpr, HAS_EOS: tl.constexpr,
               BLOCK_V: tl.constexpr):
-    """The tile at ``start`` as fp32; MASKED (a span of :func:`tile_spans` that needs it): −inf from
-    column ``hi`` on and at eos."""
+    """The tile at ``start`` as fp32; MASKED: −inf from column ``hi`` on and at eos."""
     if MASKED:
         cols = start + tl.arange(0, BLOCK_V)[None, :]
         keep = cols < hi
@@ -93,14 +76,14 @@ def load_tile(lane_ptrs, start, hi, eos_index, MASKED: tl.constexpr, HAS_EOS: tl
 
 @triton.jit
 def _load_next(lane_ptrs, start, last, HAS_EOS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """PREFETCH's load in an unmasked span ending at ``last``: the tile after ``start``, or the span's
-    last tile again when ``start`` is already the last (no read past the span)."""
+    """PREFETCH's load in an unmasked span ending at ``last``: the tile after ``start`` (the last again
+    at the end: no read past the span)."""
     return load_tile(lane_ptrs, tl.minimum(start + BLOCK_V, last - BLOCK_V), last, -1, False, HAS_EOS, BLOCK_V)
 
 
 @triton.jit
 def no_runners_up(BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Empty runners-up of every lane (see :func:`keep_runners_up`): no values, no pushed-out value."""
+    """Empty runners-up of every lane (see :func:`keep_runners_up`)."""
     none = tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32)
     start = tl.zeros((BLOCK_B, BLOCK_V), tl.int32)
     return none, start, none, start, none, start, none
@@ -108,13 +91,11 @@ def no_runners_up(BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def keep_runners_up(runners, z, up, previous, previous_start, start, DEPTH: tl.constexpr):
-    """A lane's DEPTH largest values, after folding the tile at ``start`` (``z``; ``up``: it set a new
-    lane max, pushing ``previous`` (from tile ``previous_start``) down a rank): its max is the lane
-    max, ``runners`` = (2nd, its tile start, 3rd, start, 4th, start, the largest value pushed out of
-    the DEPTH), ranks 2-4 kept up to DEPTH (1 to 4; unused ones stay −inf, which the compiler
-    drops). A value enters below an equal one (the lane walks its columns upwards, so rank order
-    is column order on ties), and the pushed-out value bounds every value of the lane outside the
-    DEPTH: the candidate scans check their list against it (``row_scan._lane_candidates``)."""
+    """A lane's DEPTH (1-4) largest values after folding the tile at ``start`` (``z``; ``up``: it set a
+    new lane max, pushing ``previous`` from tile ``previous_start`` down a rank): ``runners`` = (2nd,
+    its tile start, 3rd, start, 4th, start, the largest value pushed out of the DEPTH; unused ranks
+    stay −inf). A value enters below an equal one (rank order is column order on ties); the
+    pushed-out value bounds every value of the lane not kept."""
     second, second_start, third, third_start, fourth, fourth_start, pushed_out = runners
     # What comes down to rank 2: the old max where z replaced it, else z itself.
     incoming = tl.where(up, previous, z)
@@ -122,8 +103,7 @@ def keep_runners_up(runners, z, up, previous, previous_start, start, DEPTH: tl.c
     if DEPTH == 1:
         pushed_out = tl.maximum(pushed_out, incoming)
     else:
-        # "Enters at rank r or above" implies the same for every later rank, so the ranks shift down
-        # consistently even where the old max ties the value below it.
+        # "Enters at rank r or above" implies it for every later rank: the ranks shift down consistently.
         at_2 = up | (incoming > second)
         if DEPTH == 2:
             pushed_out = tl.maximum(pushed_out, tl.where(at_2, second, incoming))
@@ -145,8 +125,7 @@ def keep_runners_up(runners, z, up, previous, previous_start, start, DEPTH: tl.c
 
 @triton.jit
 def last_kept(lane_max, lane_start, runners, DEPTH: tl.constexpr):
-    """Each lane's last kept value and its tile start: rank DEPTH of :func:`keep_runners_up` (−inf where
-    the lane holds fewer finite values). A value of the lane ranked after it was dropped."""
+    """Each lane's last kept value (rank DEPTH) and its tile start: later values of the lane were dropped."""
     second, second_start, third, third_start, fourth, fourth_start, _pushed_out = runners
     if DEPTH == 1:
         return lane_max, lane_start
@@ -161,9 +140,8 @@ def last_kept(lane_max, lane_start, runners, DEPTH: tl.constexpr):
 @triton.jit
 def fold_tile(lane_max, lane_sum, lane_start, runners, z, start, neg_scale, ARGMAX: tl.constexpr,
               DEPTH: tl.constexpr):
-    """:func:`fold_lanes` of the tile at ``start``, and the optional per-lane extras: ARGMAX, the tile
-    start of the lane's first maximum; DEPTH > 0 (needs ARGMAX), the lane's runners-up
-    (:func:`keep_runners_up`; with DEPTH 0 ``runners`` pass through untouched)."""
+    """:func:`fold_lanes` of the tile at ``start``, plus per lane: ARGMAX, the tile start of its first
+    maximum; DEPTH > 0 (needs ARGMAX), its runners-up (:func:`keep_runners_up`)."""
     previous, previous_start = lane_max, lane_start
     lane_max, lane_sum, up = fold_lanes(lane_max, lane_sum, z, neg_scale)
     if ARGMAX:
@@ -177,9 +155,8 @@ def fold_tile(lane_max, lane_sum, lane_start, runners, z, start, neg_scale, ARGM
 def _fold_span(lane_max, lane_sum, lane_start, runners, lane_ptrs, first, last, hi, eos_index, neg_scale,
                MASKED: tl.constexpr, ARGMAX: tl.constexpr, DEPTH: tl.constexpr, PREFETCH: tl.constexpr,
                HAS_EOS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Fold the tiles starting in [first, last) into the lane state (extras as :func:`fold_tile`).
-    PREFETCH (unmasked spans): load the next tile before folding this one (the last iteration
-    re-reads the span's last tile), for kernels with few warps per SM."""
+    """Fold the tiles starting in [first, last) into the lane state (:func:`fold_tile`); PREFETCH
+    (unmasked spans): load the next tile before folding this one."""
     if PREFETCH and not MASKED:
         if first < last:
             z_next = load_tile(lane_ptrs, first, hi, eos_index, False, HAS_EOS, BLOCK_V)
@@ -199,10 +176,8 @@ def _fold_span(lane_max, lane_sum, lane_start, runners, lane_ptrs, first, last, 
 @triton.jit
 def fold_row_lanes(lane_ptrs, lo, hi, eos_index, neg_scale, ARGMAX: tl.constexpr, DEPTH: tl.constexpr,
                    PREFETCH: tl.constexpr, HAS_EOS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Per-lane (max z, Σ e^(x − max x), tile start of the first max, runners-up) over columns [lo, hi)
-    of each row (``lane_ptrs``: (BLOCK_B, BLOCK_V) pointers to the lanes' columns of the row's first
-    tile; every row must be a real row: the whole tiles load unmasked); the tile start only with
-    ARGMAX, the runners-up (:func:`keep_runners_up`) only with DEPTH > 0. See :func:`fold_lanes`."""
+    """Per-lane (max z, Σ e^(x − max x), tile start of the first max (ARGMAX), runners-up (DEPTH > 0))
+    over columns [lo, hi) of each row (``lane_pointers``)."""
     state = (tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32), tl.zeros((BLOCK_B, BLOCK_V), tl.float32),
              tl.zeros((BLOCK_B, BLOCK_V), tl.int32), no_runners_up(BLOCK_B, BLOCK_V))
     eos_start, eos_end, whole_end = tile_spans(lo, hi, eos_index, HAS_EOS, BLOCK_V)
@@ -218,10 +193,9 @@ def fold_row_lanes(lane_ptrs, lo, hi, eos_index, neg_scale, ARGMAX: tl.constexpr
 
 @triton.jit
 def _ranked_e(z, start, inv_temp, m_row, pivot_value, pivot_col_less_lane, BLOCK_V: tl.constexpr):
-    """e^(x − M) of a tile's tokens ranked before the pivot (else 0), x = z · inv_temp; the tile's
-    columns start at ``start`` (the column test: pivot column − lane > start, no column formed).
-    ``m_row``, ``pivot_value``: (rows, 1); ``pivot_col_less_lane``: (rows, BLOCK_V). The exponent is
-    (x − M)·log2 e, not x·log2 e − M·log2 e: the products overflow for x above 2.4e38."""
+    """e^(x − M) of a tile's tokens ranked before the pivot (else 0), x = z · inv_temp, the tile at
+    ``start`` (column test: pivot column − lane > start). (x − M)·log2 e, not x·log2 e − M·log2 e: the
+    products overflow above 2.4e38."""
     x = z * inv_temp
     ranked = (x > pivot_value) | ((x == pivot_value) & (pivot_col_less_lane > start))
     return tl.where(ranked, tl.exp2((x - m_row) * LOG2E), 0.0)
@@ -230,8 +204,8 @@ def _ranked_e(z, start, inv_temp, m_row, pivot_value, pivot_col_less_lane, BLOCK
 @triton.jit
 def _ranked_span(acc, lane_ptrs, first, last, hi, eos_index, inv_temp, m_row, pivot_value, pivot_col,
                  MASKED: tl.constexpr, PREFETCH: tl.constexpr, HAS_EOS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Add to each lane's ``acc`` the e^(x − M) of its columns, in the tiles starting in [first, last),
-    that rank before the pivot (the spans and PREFETCH as :func:`_fold_span`)."""
+    """Add to each lane's ``acc`` the e^(x − M) of its columns in the tiles starting in [first, last)
+    that rank before the pivot (PREFETCH as :func:`_fold_span`)."""
     if PREFETCH and not MASKED:
         if first < last:
             z_next = load_tile(lane_ptrs, first, hi, eos_index, False, HAS_EOS, BLOCK_V)
@@ -249,17 +223,14 @@ def _ranked_span(acc, lane_ptrs, first, last, hi, eos_index, inv_temp, m_row, pi
 @triton.jit
 def ranked_lane_mass(lane_ptrs, lo, hi, eos_index, inv_temp, m, pivot_value, pivot_col, PREFETCH: tl.constexpr,
                      HAS_EOS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Per lane (fp32, summed along the lane in column order): the mass e^(x − M) of the non-eos
-    columns in [lo, hi) that rank before the pivot — (x, column) with a larger x, or the same x at
-    a lower column; x = z · inv_temp, M = ``m``. One read, no reduction across the tile: top-p's
-    acceptance passes (``row_draw``). The sums are monotone along the ranking
-    (fixed order, monotone rounding), which keeps the accepted tokens a prefix of it."""
+    """Per lane (fp32, summed in column order): the mass e^(x − M) of the non-eos columns in [lo, hi)
+    ranked before the pivot (a larger x, or the same x at a lower column): top-p's acceptance pass.
+    The sums are monotone along the ranking, so the accepted tokens are a prefix of it."""
     acc = tl.zeros((BLOCK_B, BLOCK_V), tl.float32)
     m_row = m[:, None]
     pivot_value = pivot_value[:, None]
-    # The column rule as one loop-invariant tile: lane < pivot_col − start ⟺ pivot_col − lane > start.
-    # (A per-row pivot_col − start formed in the loop made a kernel whose per-row vectors came from
-    # another layout convert it through shared memory on every tile: 32 barriers per loop.)
+    # The column rule as one loop-invariant tile (a per-row pivot_col − start formed in the loop went
+    # through shared memory on every tile).
     pivot_col = pivot_col[:, None] - tl.arange(0, BLOCK_V)[None, :]
     eos_start, eos_end, whole_end = tile_spans(lo, hi, eos_index, HAS_EOS, BLOCK_V)
     acc = _ranked_span(acc, lane_ptrs, lo, eos_start, hi, eos_index, inv_temp, m_row, pivot_value, pivot_col,

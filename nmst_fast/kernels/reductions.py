@@ -1,16 +1,10 @@
 """Reductions of several values at once: one barrier chain on a GPU, numpy reductions in the interpreter.
 
-A reduction across a 16-warp program costs a shuffle tree and two to three barriers (sm_90 PTX,
-Triton 3.6), and the decoding kernels' per-row finishing steps — top-p's rounds above all — were
-chains of such reductions, each waiting for the one before (measured in sm_90 PTX). A
-``tl.reduce`` of a tuple takes several values through one chain, so the kernels fold what used to be
-a pick followed by gathers into one reduction, with the combine functions below.
-
-The CPU interpreter runs a tuple reduction element by element in Python (it has numpy fast paths
-only for the built-in min, max and sum), and pays ~0.2 ms for every call of a jitted helper, so
-where ``FUSED`` is off (interpreted) the kernels take the same values by separate built-in
-reductions, inline. The two forms compute the same result: ``tests/test_reductions.py`` runs both
-in the interpreter and compares them, and ``tools/compile_check.py`` compiles the fused one.
+A block-wide reduction costs a shuffle tree and two to three barriers on sm_90; a ``tl.reduce`` of a
+tuple takes several values through one chain, so the kernels fold a pick and its gathers into one,
+with the combine functions below. The CPU interpreter runs a tuple reduction element by element in
+Python, so where ``FUSED`` is off the kernels take the same values by built-in reductions;
+``tests/test_reductions.py`` checks that both forms agree.
 """
 
 from __future__ import annotations
@@ -37,15 +31,10 @@ def _first_and_last(first, first_payload, last, last_payload, other_first, other
 def crossing_with(cum, weights, target, index, SIZE, payload, none, FUSED_FORM: tl.constexpr = not _INTERPRETED):
     """Along the last axis, per row: the first index of positive weight whose cumulative weight ``cum``
     exceeds ``target`` (the last positive one when rounding leaves none, -1 when there is none), and
-    ``payload`` (the shape of ``weights``, or broadcast to it) there
-    (``none`` where there is no positive weight). FUSED_FORM: one reduction of four values (the
-    first crossing and the last positive weight, each with its payload); else built-in reductions,
-    the pick before its payload (tests choose; the default is the platform's).
-
-    Only positive weights may be picked: a GPU's parallel scan rounds each prefix through its own
-    partial-sum tree, so ``cum`` is not monotone to the last ulp, and a zero weight right after a
-    block boundary can read an ulp above its predecessor (an H200 drew a token outside the nucleus
-    about once in 10^6 draws that way)."""
+    ``payload`` there (``none`` where there is no positive weight). FUSED_FORM: one reduction of four
+    values; else built-in reductions (the default is the platform's). Only positive weights may be
+    picked: a GPU's parallel scan is not monotone to the last ulp, and a zero weight after a block
+    boundary can read above its predecessor (an H200 drew outside the nucleus that way)."""
     positive = weights > 0
     crossing = (cum > tl.expand_dims(target, -1)) & positive
     axis: tl.constexpr = len(crossing.shape) - 1  # by number: the interpreter mishandles -1 in a tuple reduction

@@ -1,29 +1,13 @@
-"""A row's finish from the row scan's partials, with the head math in-kernel.
+"""A row's finish from the scan's partials, with the head's float64 math in-kernel.
 
-``nmst_fast/kernels/row_scan.py`` leaves, per row and V-split, the running max/sum of the
-non-eos logits and either the first argmax, one column drawn from the split, or the
-K best non-eos candidates. The row's last split to finish (``nmst_fast/kernels/scan_select.py``)
-then does everything that is O(1) (or O(K)) per row with the code here:
-
-  * merge the splits: L = logsumexp over non-eos (fp64 from the fp32 partials), the
-    best non-eos value/index or the K best candidate keys;
-  * the head's float64 scalars: a = log(1 − α_t) (NMST: logσ(−s) + t·log1p(−ε);
-    ST: state + logσ(s) + log1p(−ε); context rows t <= 0: p(eos) = 0), then
-    eos's effective logit ζ_eos = L + log(1 − e^a) − a and log_norm = L − a;
-  * ``select_rows``: eos against the non-eos winner by value (greedy, ties →
-    lower index), or one inverse-CDF draw over eos's mass and the splits' masses
-    whose split's own draw is the token (sampling: exact over all V tokens);
-  * ``select_candidate_rows``: eos merged into the ranked candidates, top-k then
-    top-p, and an inverse-CDF draw;
-  * the chosen token, its log-probability, ST's new state, and a flag: the first row
-    whose distribution is undefined (NaN/+inf logits, or no finite non-eos logit).
-
-No host sync: the caller reads the flags when it chooses. The math is ``nmst_fast.decoding.distribution``'s (the
-torch path), to float64 rounding.
-
-Float64 math uses only exp and log (``expm1``/``log1p`` by Kahan's formulas): Triton
-maps fp64 exp/log to libdevice on NVIDIA GPUs, and its CPU interpreter — which has no
-libdevice — runs them too, so CI executes the same code a GPU compiles.
+The row's last split to finish (``scan_select.py``) merges the splits (L in fp64 from the fp32
+partials; the best non-eos value and index, or the K best candidate keys), computes the head's
+scalars — a = log(1 − α_t), ζ_eos = L + log(1 − e^a) − a, log_norm = L − a, as
+``nmst_fast.decoding.distribution`` does — and picks: eos against the greedy winner, one inverse-CDF
+draw over eos and the splits' masses (whose own draw is the token), or top-k then top-p over the
+candidates with eos merged in. It stores the token, its log-probability and ST's state, and returns
+the first row without a distribution. Float64 math uses only exp and log (``expm1``/``log1p`` by
+Kahan's formulas), which the CPU interpreter runs too.
 """
 
 from __future__ import annotations
@@ -78,16 +62,9 @@ def _log1mexp(a):
 
 
 @triton.jit
-def _uniform_f64(seed, rows):
-    """U(0, 1) per row with 53 random bits, never 0 or 1. Philox stream 1, so these never reuse the
-    scan's uniforms (stream 0)."""
-    return _uniform_f64_stream(seed, rows, 1)
-
-
-@triton.jit
-def _uniform_f64_stream(seed, offsets, STREAM: tl.constexpr):
-    """U(0, 1) with 53 random bits per offset, from Philox keyed by (seed, STREAM): kernels that draw
-    for the same step use different streams, so their uniforms are independent."""
+def uniform_f64(seed, offsets, STREAM: tl.constexpr):
+    """U(0, 1) with 53 random bits per offset, never 0 or 1, from Philox keyed by (seed, STREAM): the
+    scan draws from stream 0, the finish from 1, the row draw's rounds from 2."""
     r0, r1, _, _ = tl.randint4x(seed.to(tl.int64) | (STREAM * 4294967296), offsets)
     hi = (r0.to(tl.uint32, bitcast=True) >> 5).to(tl.float64)
     lo = (r1.to(tl.uint32, bitcast=True) >> 6).to(tl.float64)
@@ -96,16 +73,13 @@ def _uniform_f64_stream(seed, offsets, STREAM: tl.constexpr):
 
 @triton.jit
 def _load_partial(ptr, part, part_ok, other):
-    """One partial per (row, split), through L2 only (.cg): a scan program finishing a row reads what
-    other programs stored during the same kernel, which an L1 line loaded earlier on its SM would
-    not show."""
+    """One partial per (row, split), through L2 only (.cg): other programs stored it during this launch."""
     return tl.load(ptr + part, mask=part_ok, other=other, cache_modifier=".cg")
 
 
 @triton.jit
 def _merged_lse(m, total, row_ok):
-    """L = logsumexp over non-eos per row, in fp64 from the scan's fp32 per-split max ``m`` and sum
-    ``total`` (padding splits: −inf and 0)."""
+    """L per row in fp64 from the fp32 per-split max ``m`` and sum ``total`` (padding: −inf and 0)."""
     total = total.to(tl.float64)
     row_max = tl.where(row_ok, tl.max(m, axis=1), 0.0)  # padding rows: finite junk, no log(0)
     shift = tl.where(row_max == float("-inf"), 0.0, row_max)
@@ -129,13 +103,10 @@ def _head_inputs(
     z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value, state_ptr, state_stride,
     HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    """What the head math reads per row: (eos's raw logit s as fp64, the step t as int64, ST's state
-    before this step as fp64; 0 where a head or a launch has none). None of it is another program's
-    output, so the one-launch step loads it before a row's arrival (``nmst_fast/kernels/scan_select.py``): the
-    finish then starts the head's survival terms at once, under its loads of the partials. Loads go
-    before any math: the compiler does not move a load across the branches of the fp64 log/exp, so
-    each load placed after math waited for it (sm_90 SASS of the one-launch greedy step: three round
-    trips to L2 or HBM one after another, now one)."""
+    """What the head math reads per row: (eos's raw logit s as fp64, t as int64, ST's previous state as
+    fp64; 0 where there is none). No program writes it, so the one-launch step loads it before a row's
+    arrival; loads go before any math (the compiler does not move a load across the fp64 log/exp
+    branches)."""
     if HEAD == 0:
         s = tl.zeros((BLOCK_B,), tl.float64)
     else:
@@ -159,22 +130,17 @@ def _with_lse(lse, a_floor, log_alpha):
 
 @triton.jit
 def _survival_terms(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD: tl.constexpr):
-    """The head's terms that need no partial (NMST/ST heads): (a = log(1 − α_t) floored at −1e300,
-    log α_t = log(1 − e^a), rows whose eos logit or ST state is NaN, or state positive); stores ST's
-    new state. With L they give log_norm = L − a and ζ_eos = L + log α_t − a. About half of a
-    finish's float64 math (sm_90: the libdevice exp/log chains of logσ and log1mexp), so the select
-    code runs it while its loads of the partials are in flight, not after L."""
+    """The NMST/ST terms that need no partial: (a = log(1 − α_t) floored at −1e300 as the torch path's
+    LOG_SURVIVAL_FLOOR, log α_t = log(1 − e^a), rows whose eos logit or ST state is NaN or the state
+    positive); stores ST's new state. Run while the partials' loads are in flight."""
     a = _log_survival(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD)
-    # a = −inf (eos certain) would make both inf − inf: any a below −1e300 is 1 − α = 0 in fp64
-    # (LOG_SURVIVAL_FLOOR of the torch path).
     return tl.maximum(a, -1e300), _log1mexp(a), (s != s) | (a != a)
 
 
 @triton.jit
 def _log_survival(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD: tl.constexpr):
-    """a = log(1 − α_t) per row (fp64) from the raw eos logit s, the step t and (ST) the state ``prev``
-    before it; stores ST's new state. Context rows (t <= 0): a = 0 (p(eos) = 0) for both heads; ST's
-    state passes through."""
+    """a = log(1 − α_t) per row (fp64) from the raw eos logit s, t and (ST) the state ``prev``; stores
+    ST's new state. Context rows (t <= 0): a = 0; ST's state passes through."""
     # fp64 scalars arrive as fp32 (hi, lo) pairs: Triton passes Python floats as fp32.
     log1m_eps = tl.cast(log1m_eps_hi, tl.float64) + tl.cast(log1m_eps_lo, tl.float64)
     if HEAD == 1:
@@ -194,13 +160,10 @@ def select_rows(
     temp_hi, temp_lo, log1m_eps_hi, log1m_eps_lo, seed, token_ptr, log_prob_ptr, new_state_ptr,
     HEAD: tl.constexpr, GREEDY: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    """Greedy or sampling for ``rows`` (those with ``row_ok``) from the scan's per-split partials at
-    ``part`` (rows × splits offsets, ``part_ok``), the rows' loaded :func:`_head_inputs` (``s``,
-    ``t``, ``prev``) and the draw's loaded ``seed`` (unused by greedy): merges L, does the head math,
-    stores each row's token and log-probability. Returns the first row whose distribution is
-    undefined (``n_rows``: none)."""
-    # Every load before any math (see _head_inputs): on the one-launch step's tail they share one
-    # round trip, under which the survival terms run.
+    """Greedy or sampling for ``rows`` (``row_ok``) from the partials at ``part`` (rows × splits
+    offsets, ``part_ok``), the rows' :func:`_head_inputs` and the draw's ``seed``: stores each row's
+    token and log-probability; returns the first row without a distribution (``n_rows``: none)."""
+    # Every load before any math: one round trip, under which the survival terms run.
     split_max = _load_partial(max_ptr, part, part_ok, float("-inf"))
     split_sum = _load_partial(sum_ptr, part, part_ok, 0.0)
     # Greedy: each split's largest raw z and its first column; a drawing scan: each split's drawn
@@ -220,9 +183,8 @@ def select_rows(
         bad = bad | eos_nan
     temperature = tl.cast(temp_hi, tl.float64) + tl.cast(temp_lo, tl.float64)
     if GREEDY:
-        # The largest raw non-eos logit over the splits (the scan ranks raw z, so no fp32 rounding of
-        # z / T can make the pick depend on the split layout), ties → first index. Its value is the
-        # raw z exactly (fp16/bf16 logits widen to fp32 exactly): no load of z[idx].
+        # The largest raw z over the splits (raw z, so rounding of z / T cannot make the pick depend on
+        # the split layout), ties → first index.
         best = tl.max(pick_vals, axis=1)
         idx = tl.min(tl.where(pick_vals == best[:, None], pick_idxs, V), axis=1)
         chosen = tl.where(best == float("-inf"), 0.0, best.to(tl.float64)) / temperature
@@ -230,19 +192,16 @@ def select_rows(
         best64 = tl.where(best == float("-inf"), float("-inf"), chosen)
         eos_wins = (eos_zeta > best64) | ((eos_zeta == best64) & (eos_index < idx))
     else:
-        # Inverse CDF over eos (its exact mass) and the splits (each by its mass); a split's own
-        # draw is then a draw from the whole row: P(split) · P(column | split) = P(column).
+        # Inverse CDF over eos and the splits' masses; the split's own draw is the token.
         split_mass = tl.where(split_sum > 0.0,
                               split_sum.to(tl.float64) * tl.exp(split_max.to(tl.float64) - log_norm[:, None]), 0.0)
         p_eos = tl.exp(eos_zeta - log_norm)  # 0 for VA (ζ_eos = −inf)
-        goal = _uniform_f64(seed, rows) * (p_eos + tl.sum(split_mass, axis=1))
+        goal = uniform_f64(seed, rows, 1) * (p_eos + tl.sum(split_mass, axis=1))
         eos_wins = goal < p_eos
         split_no = tl.arange(0, part.shape[1])[None, :]
         split, idx = crossing_with(tl.cumsum(split_mass, axis=1), split_mass, goal - p_eos, split_no, part.shape[1],
                                    pick_idxs, 0)
         eos_wins = eos_wins | (split < 0)  # no non-eos mass (a certain eos)
-        # The drawn column's raw z came with the partials ("top_val" of a drawing scan): no dependent
-        # load of z[idx] on the step's tail.
         chosen = tl.sum(tl.where(split_no == split[:, None], pick_vals, 0.0), axis=1).to(tl.float64) / temperature
     if HEAD == 0:
         token = idx.to(tl.int64)
@@ -262,12 +221,8 @@ def select_candidate_rows(
     new_state_ptr, HEAD: tl.constexpr, HAS_TOP_P: tl.constexpr, K: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """Top-k then top-p on the K best non-eos candidates plus eos, and one draw, for ``rows`` (those
-    with ``row_ok``) from the candidate scan's partials, the rows' head inputs and the draw's seed
-    (``part``/``part_ok``, ``s``/``t``/``prev``, ``seed`` as :func:`select_rows`); stores each row's
-    token and log-probability and returns the first row without a distribution (``n_rows``: none)."""
-    # Every load before any math (see _head_inputs): on the one-launch step's tail they share one
-    # round trip, under which the survival terms run.
+    """Top-k (``top_k``) then top-p on the K best non-eos candidate keys (``key_ptr``) plus eos, and one
+    draw; the rest as :func:`select_rows`."""
     split_max = _load_partial(max_ptr, part, part_ok, float("-inf"))
     split_sum = _load_partial(sum_ptr, part, part_ok, 0.0)
     rank = tl.arange(0, K)
@@ -318,14 +273,13 @@ def select_candidate_rows(
         # rank 0 always stays.
         before = tl.cumsum(prob, axis=1) - prob + tl.where(rank[None, :] >= eos_pos[:, None], prob_eos[:, None], 0.0)
         before_eos = tl.sum(tl.where(rank[None, :] < eos_pos[:, None], prob, 0.0), axis=1)
-        # The kept ranks are those before the first that reaches p: a prefix even where the
-        # scan's rounding is not monotone (a GPU's parallel scan rounds each prefix differently).
+        # The ranks before the first that reaches p: a prefix even where the GPU's scan is not monotone.
         cut_rank = tl.min(tl.where((before >= threshold) & (merged_rank != 0), rank[None, :], K), axis=1)
         prob = tl.where(rank[None, :] < cut_rank[:, None], prob, 0.0)
         prob_eos = tl.where((before_eos < threshold) | (eos_pos == 0), prob_eos, 0.0)
 
     # Inverse-CDF draw over the kept mass: eos first, then the candidates in rank order.
-    u = _uniform_f64(seed, rows) * (tl.sum(prob, axis=1) + prob_eos)
+    u = uniform_f64(seed, rows, 1) * (tl.sum(prob, axis=1) + prob_eos)
     last_kept = tl.max(tl.where(prob > 0.0, rank[None, :], -1), axis=1)
     eos_drawn = (u < prob_eos) | (last_kept < 0)
     crossed = (tl.cumsum(prob, axis=1) > (u - prob_eos)[:, None]) & (prob > 0.0)  # see crossing_with
@@ -348,9 +302,8 @@ class Selection:
     tokens: torch.Tensor  # (B,) int64
     log_probs: torch.Tensor  # (B,) float64 log p of each chosen token (untruncated distribution)
     state: Optional[torch.Tensor]  # (B,) float64 ST's log(1 − α_t) after this step; None for other heads
-    # (2,) int32: [first row without a distribution, first row the kernel could not serve (a row
-    # draw still rejected after MAX_ROUNDS): its draw is invalid and
-    # the caller takes another path]; B means none
+    # (2,) int32: [first row without a distribution, first row left without a token (the row draw's
+    # rounds ran out): its token is invalid]; B means none
     flags: torch.Tensor
 
 
@@ -375,11 +328,10 @@ class _Outputs:
         B, device = z.shape[0], z.device
         self.tokens = torch.empty(B, dtype=torch.int64, device=device)
         self.log_probs = torch.empty(B, dtype=torch.float64, device=device)
-        # Other heads never store a state: any fp64 pointer will do (one allocation less per step).
+        # Other heads store no state: any fp64 pointer will do.
         self.state = torch.empty(B, dtype=torch.float64, device=device) if head == "st" else self.log_probs
-        # (first bad row, first row without a token), B for none: a fill (no copy from the host),
-        # unless the kernel writes them itself (``fill_flags=False``: one launch less). ``flags``: a
-        # (2,) int32 slot of the caller's to write them to (a decoding step's log of unchecked flags).
+        # Filled with B (none) unless the kernel writes them itself (``fill_flags=False``); ``flags``: the
+        # caller's (2,) int32 slot.
         if flags is None:
             flags = torch.empty(2, dtype=torch.int32, device=device)
         self.flags = flags.fill_(B) if fill_flags or not B else flags

@@ -1,20 +1,13 @@
 """Greedy, sampling and top-k in one launch: the split-V scan, each row finished by its last split.
 
-``nmst_fast/kernels/row_scan.py`` reads a row in V-splits (so a small batch fills the GPU) and leaves
-per-split partials. A second launch to merge them costs a launch's latency, then a dependent chain
-of small loads and float64 math while the memory system idles (on an H100, 0.38x of the one-read
-floor at 256 × 50257, and double the step at B = 32). Here every scan program, once its partials
-are stored, counts itself in for its row (an atomic add, acquire-release at GPU scope); the program
-that arrives last finishes the row (``row_select.select_rows`` / ``select_candidate_rows``), so a
-row's finish overlaps the other rows' reads and no second launch waits for the slowest split.
-
-No fill before the launch: the per-row arrival counters, a count of finished
-rows and the worst bad row live in the step workspace (``nmst_fast/kernels/workspace.py``), zero at rest —
-a row's last arrival zeroes its counter, and the program whose finished rows complete the batch
-writes the two flags and zeroes the shared slots. Programs with a bad row also count themselves
-in the count's high word, so that last program reads the worst bad row (a second atomic on the
-step's critical tail) only when there is one. The partials are that workspace's scratch too
-(no allocations per step). Partials are loaded through L2 only (``cache_modifier=".cg"``).
+Every scan program (``row_scan.py``), once its partials are stored, counts itself in for its row (an
+acquire-release atomic at GPU scope); the last to arrive finishes the row (``row_select.py``), so a
+row's finish overlaps the other rows' reads and no second launch waits for the slowest split (a
+separate merge launch doubled the step at B = 32 on an H100). No fill before the launch: the arrival
+counters, a count of finished rows and the worst bad row live in the step workspace
+(``workspace.py``), zero at rest — a row's last arrival zeroes its counter, and the program that
+completes the batch writes the two flags and zeroes the shared slots (programs with a bad row also
+count in the count's high word, so it reads the worst only when there is one).
 """
 
 from __future__ import annotations
@@ -59,16 +52,12 @@ def _scan_select_kernel(
                top_val_ptr, top_idx_ptr, draw_idx_ptr, key_ptr, HAS_EOS, DRAW, K, BLOCK_B, BLOCK_V, LANE_TILES)
     n_splits = tl.num_programs(1)
     rows, row_ok, part, part_ok = _row_block(n_rows, n_splits, n_splits, BLOCK_B, BLOCK_S)
-    # The head's inputs and the draw's seed are no program's output: every split loads them before
-    # counting in (their round trip overlaps the arrival's), so the row's finisher starts the head's
-    # survival terms at once, under its loads of the partials (row_select._survival_terms), not
-    # after L; nor does a use of the seed placed early by ptxas wait for those loads.
+    # The head's inputs and the seed are no program's output: every split loads them before counting in.
     s, t, prev = _head_inputs(z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value,
                               state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
     seed = tl.load(finish_seed_ptr) if DRAW or K > 0 else 0
     if n_splits > 1:
-        # Every thread's partial stores happen before the barrier, and the barrier before the
-        # release: the program that acquires the last count sees all of this row's partials.
+        # Stores before the barrier, the barrier before the release: the last arrival sees every partial.
         tl.debug_barrier()
         arrived = tl.atomic_add(sync_ptr + 3 + rows, 1, mask=row_ok, sem="acq_rel", scope="gpu")
         finishes = row_ok & (arrived == n_splits - 1)
@@ -90,10 +79,8 @@ def _scan_select_kernel(
                 rows, finishes, part, part_ok, s, t, prev, n_rows, n_splits, n_splits, max_ptr, sum_ptr, key_ptr,
                 eos_index, log1m_eps_hi, log1m_eps_lo, top_k, top_p_hi, top_p_lo, seed, token_ptr, log_prob_ptr,
                 new_state_ptr, HEAD, HAS_TOP_P, K, BLOCK_B, BLOCK_S)
-        # The flags without a fill. A program with a bad row records it as a max of n_rows − row (0 at
-        # rest: none) and marks its count in the high word; the count's release orders that record
-        # before it. The program whose count completes the batch writes the flags and leaves zeros:
-        # one atomic on its path when no row was bad, a second (reading the worst) when one was.
+        # The flags without a fill: a bad row is recorded as a max of n_rows − row and marked in the
+        # count's high word; the program completing the batch writes the flags and leaves zeros.
         done_ptr = sync_ptr.to(tl.pointer_type(tl.int64))
         count = n_finished.to(tl.int64)
         if first_bad < n_rows:
@@ -124,10 +111,8 @@ def scan_select(
     launch: tuple[int, int] | None = None,
     flags: Optional[torch.Tensor] = None,
 ) -> Selection:
-    """One token per row of (B, V) ``z`` in one launch (no fill: its counters and partials live in the
-    step workspace, ``nmst_fast/kernels/workspace.py``):
-    greedy (``seed`` None), exact sampling (``seed``), or with ``top_k`` the top-k (then top-p)
-    truncated draw of the candidate scan (``seed`` its draw).
+    """One token per row of (B, V) ``z`` in one launch: greedy (``seed`` None), exact sampling, or with
+    ``top_k`` the top-k (then top-p) truncated draw.
 
     Args:
         z: (B, V) fp32/bf16/fp16 logits with unit stride along V (any row stride, 0 included).
@@ -135,15 +120,13 @@ def scan_select(
         steps: t of this step: an int, or a (B,) int64 tensor (stride 0 allowed).
         state: "st" only: (B,) float64 running log(1 − α) before this step (None: 0).
         seed: one-element int64 tensor for the draw (None: greedy).
-        top_k: keep the k most probable tokens (then ``top_p_threshold``: keep ranks while the
-            mass before them is below it, top_p minus the caller's rounding slack).
-        launch: (BLOCK_V, splits) instead of the automatic layout (tests use it to cover several
-            splits in the interpreter); the finish holds at most ``row_scan.FINISH_KEYS``
-            candidate keys per row.
+        top_k: keep the k most probable tokens, then ranks while the mass before them is below
+            ``top_p_threshold`` (top_p less the caller's rounding slack).
+        launch: (BLOCK_V, splits) instead of the automatic layout (at most ``row_scan.FINISH_KEYS``
+            candidate keys per row).
         flags: a (2,) int32 tensor to write the flags to (None: a new one).
     Returns:
-        :class:`nmst_fast.kernels.row_select.Selection`; ``flags[0]`` < B names the first row
-        with no distribution (NaN / +inf logits, no finite non-eos logit).
+        :class:`row_select.Selection`; ``flags[0]`` < B: the first row with no distribution.
     """
     B, V = z.shape
     if top_k is not None and seed is None:
@@ -170,8 +153,7 @@ def scan_select(
                 HAS_STATE=out.has_state, HAS_TOP_P=top_p_threshold is not None, BLOCK_S=next_power_of_2(splits),
             )
         except BaseException:
-            # A launch that did not finish (an interpreter error, a compile failure, an interrupt) may
-            # leave counts behind: the next step must find zeros.
+            # A launch that did not finish may leave counts behind: the next step must find zeros.
             scan.sync.zero_()
             raise
     return out.selection(head)

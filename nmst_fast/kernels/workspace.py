@@ -1,24 +1,12 @@
 """Scratch memory that a one-launch decoding step keeps from one step to the next.
 
-Each step of ``nmst_fast/kernels/scan_select.py`` needs per-row arrival counters that start at zero, and
-per-split partials that only live inside the launch. Allocating them per step cost the host an
-allocation per buffer (a few µs each on a small step) and the device a fill launched before the
-scan (the counters' start value): on an H100 the fill and the finish chain were ≈ 5 µs of a
-≈ 17 µs greedy step at 256 × 50257 (measured on an H100). So they live here, one set per
-(device, stream):
-
-* ``sync``: int32, **zero at rest**. The kernel that uses it returns every slot it touched to
-  zero before it ends (a row's last arrival resets the row's counter; the last row to finish
-  resets the shared ones), so the next launch — ordered after this one on the same stream —
-  finds zeros without a fill. Only growth allocates (``torch.zeros``, once per new maximum).
-* ``scratch``: uninitialized bytes, carved into the partials' tensors.
-
-Keyed by stream because kernels on two streams may run at once; on CPU (Triton's interpreter,
-which runs a launch to completion inside the call) by thread. Views are cached per layout, so a
-step with a batch size seen before costs a dictionary lookup. A step captured in a CUDA graph keeps
-the workspace of its capture stream (its kernels leave it at zero on every replay too; a workspace
-first made during a capture puts its zero fill into the graph, once); two such graphs must not be
-replayed concurrently on different streams.
+Each step of ``scan_select.py`` needs per-row arrival counters that start at zero and per-split
+partials that live only inside the launch; allocating and filling them per step cost ≈ 5 µs of a
+≈ 17 µs greedy step at 256 × 50257 (H100). So they live here, one set per (device, stream; thread
+on CPU): ``sync``, int32 and **zero at rest** (the kernel resets every slot it touched, so the next
+launch on the stream needs no fill; only growth allocates), and ``scratch``, uninitialized bytes
+carved into the partials. Views are cached per layout. A step captured in a CUDA graph keeps its
+capture stream's workspace; two such graphs must not replay concurrently on different streams.
 """
 
 from __future__ import annotations
@@ -31,8 +19,7 @@ import torch
 
 # Scratch tensors start on 16-byte boundaries (vector loads of int64 keys, fp32 quads).
 _ALIGN = 16
-# Layouts cached per workspace before the cache starts over (a decoding loop whose batch shrinks
-# sees one layout per batch size; each entry holds only views).
+# Layouts cached per workspace before the cache starts over (one per batch size a loop sees).
 _MAX_LAYOUTS = 64
 
 
@@ -58,16 +45,8 @@ def _aligned(nbytes: int) -> int:
 
 def step_buffers(device: torch.device, sync_slots: int,
                  scratch: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> tuple[torch.Tensor, ...]:
-    """(sync, *scratch tensors) for one launch on ``device``'s current stream.
-
-    Args:
-        device: where the launch runs.
-        sync_slots: int32 slots the kernel needs zero at entry (and leaves zero at exit).
-        scratch: (shape, dtype) of each uninitialized tensor the launch writes and reads.
-    Returns:
-        ``sync`` ((sync_slots,) int32 view, zero) then one tensor per ``scratch`` entry. They alias
-        the previous step's: use them for one launch, on this stream, and do not keep them.
-    """
+    """(``sync`` ((sync_slots,) int32, zero), one tensor per ``scratch`` (shape, dtype)) for one launch
+    on ``device``'s current stream. They alias the previous step's: use them for one launch only."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = _key(device)
@@ -94,9 +73,8 @@ def step_buffers(device: torch.device, sync_slots: int,
 
 
 def _grown(space: _Workspace | None, sync_slots: int, nbytes: int, device: torch.device) -> _Workspace:
-    """A workspace holding at least ``sync_slots`` and ``nbytes``: the parts that are big enough are
-    kept (the sync part's zeros with them), the others at least doubled, so a batch that creeps up
-    does not reallocate every step."""
+    """A workspace holding at least ``sync_slots`` and ``nbytes``: parts big enough are kept, the others
+    at least doubled."""
     sync = space.sync if space is not None and space.sync.numel() >= sync_slots else torch.zeros(
         max(sync_slots, 64, 0 if space is None else 2 * space.sync.numel()), dtype=torch.int32, device=device)
     scratch = space.scratch if space is not None and space.scratch.numel() >= nbytes else torch.empty(
