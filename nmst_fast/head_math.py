@@ -49,7 +49,7 @@ def _along_time(x: torch.Tensor, seq_len: int) -> torch.Tensor:
 def nmst_log_survival(s: torch.Tensor, steps: Union[int, torch.Tensor], eps: float) -> torch.Tensor:
     """NMST's log(1 − α_t) = logσ(−s) + t·log1p(−ε), float64; 0 at context rows (t <= 0).
     ``steps``: t per row, or one int t for every row (a decoding step: no (N,) tensor of it)."""
-    value = torch.nn.functional.logsigmoid(-s.to(_F64))
+    value = torch.nn.functional.logsigmoid(-s.double())
     if isinstance(steps, int):
         return value.add_(steps * math.log1p(-eps)) if steps >= 1 else value.zero_()
     return torch.where(steps >= 1, value + steps.to(_F64) * math.log1p(-eps), 0.0)
@@ -57,7 +57,7 @@ def nmst_log_survival(s: torch.Tensor, steps: Union[int, torch.Tensor], eps: flo
 
 def st_step_term(s: torch.Tensor, eps: float) -> torch.Tensor:
     """One step's addend to ST's running log(1 − α): logσ(s) + log1p(−ε), float64."""
-    return torch.nn.functional.logsigmoid(s.to(_F64)) + math.log1p(-eps)
+    return torch.nn.functional.logsigmoid(s.double()) + math.log1p(-eps)
 
 
 def log_survival(head: str, s: torch.Tensor, steps: torch.Tensor, eps: float, seq_len: int) -> torch.Tensor:

@@ -223,7 +223,7 @@ def effective_logits(
         check_rows(lse)
         return StepDistribution(zeta, lse, eos_index, None, None, None)
 
-    s = logits[:, eos_index].to(torch.float64)  # the raw eos logit: temperature leaves it alone
+    s = logits[:, eos_index].double()  # the raw eos logit: temperature leaves it alone
     lse = _row_logsumexp(zeta, without=eos_index)
     log_norm, eos_zeta, eos_log_prob, next_state = eos_terms(lse, s, head=head, eps=eps, steps=steps, state=state)
     return StepDistribution(zeta, log_norm, eos_index, eos_zeta, eos_log_prob, next_state)
@@ -237,7 +237,7 @@ def _row_logsumexp(values: torch.Tensor, without: Optional[int] = None) -> torch
     def side(part: torch.Tensor) -> torch.Tensor:
         shift = part.amax(dim=1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)  # −inf / NaN / +inf rows stay so
         total = (part - shift).exp_().sum(dim=1)
-        return shift.squeeze(1).to(torch.float64) + total.to(torch.float64).log()
+        return total.double().log_().add_(shift.view(-1))
 
     def one_block(block: torch.Tensor) -> torch.Tensor:
         parts = (block,) if without is None else (block[:, :without], block[:, without + 1:])

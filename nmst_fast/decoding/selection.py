@@ -103,7 +103,7 @@ def greedy_with_log_probs(dist: StepDistribution) -> tuple[torch.Tensor, torch.T
     """
     if dist.eos_zeta is None:
         value, column = first_max(dist.zeta)
-        return column, value.to(torch.float64) - dist.log_norm
+        return column, value.double() - dist.log_norm
     zeta, eos = dist.zeta, dist.eos_index
     best_val = best_idx = None
     for first, part in ((0, zeta[:, :eos]), (eos + 1, zeta[:, eos + 1:])):
@@ -117,7 +117,7 @@ def greedy_with_log_probs(dist: StepDistribution) -> tuple[torch.Tensor, torch.T
         else:  # the right side wins only if strictly larger: ties keep the lower index
             right = val > best_val
             best_idx, best_val = torch.where(right, idx, best_idx), torch.where(right, val, best_val)
-    best64 = best_val.to(torch.float64)
+    best64 = best_val.double()
     if eos == zeta.shape[1] - 1:  # every other token has a lower index: eos must be strictly better
         eos_wins = dist.eos_zeta > best64
     elif eos == 0:
