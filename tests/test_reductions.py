@@ -73,6 +73,22 @@ def test_crossing_forms_agree(shape):
     assert int(pick[0, 0]) == -1
 
 
+
+def test_crossing_picks_only_positive_weights():
+    """The inverse-CDF step of every draw picks a positive weight, in both forms: a zero weight after
+    the crossing can read above the target on a GPU (its scan is not monotone to the last ulp), a
+    negative target (rounding below the CDF's start) must not pick the leading zero weights, and
+    rounding past the total takes the last positive weight."""
+    weights = torch.tensor([0.0, 0.0, 1.0, 2.0, 0.0, 0.0, 0.5, 0.0], dtype=torch.float64)
+    w = weights.repeat(8, 1, 1)
+    w[5] = 0.0  # nothing to draw: -1, which the callers treat as no token
+    target = torch.tensor([-1e-30, 0.5, 1.0, 3.2, 3.5, 0.0, 0.0, 2.9], dtype=torch.float64)[:, None]
+    for fused in (True, False):
+        pick, before, _ = _crossing(w, target, fused)
+        assert pick[:, 0].tolist() == [2, 2, 3, 6, 6, -1, 2, 3], fused
+        assert before[:, 0].tolist() == [0.0, 0.0, 1.0, 3.0, 3.0, float("-inf"), 0.0, 1.0], fused
+
+
 @triton.jit
 def _pair_sums_kernel(key_ptr, a_ptr, b_ptr, min_ptr, sums_ptr, R: tl.constexpr, C: tl.constexpr, FUSED: tl.constexpr):
     at = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
