@@ -118,12 +118,7 @@ def greedy_with_log_probs(dist: StepDistribution) -> tuple[torch.Tensor, torch.T
             right = val > best_val
             best_idx, best_val = torch.where(right, idx, best_idx), torch.where(right, val, best_val)
     best64 = best_val.double()
-    if eos == zeta.shape[1] - 1:  # every other token has a lower index: eos must be strictly better
-        eos_wins = dist.eos_zeta > best64
-    elif eos == 0:
-        eos_wins = dist.eos_zeta >= best64
-    else:
-        eos_wins = (dist.eos_zeta > best64) | ((dist.eos_zeta == best64) & (eos < best_idx))
+    eos_wins = (dist.eos_zeta > best64) | ((dist.eos_zeta == best64) & (eos < best_idx))
     return torch.where(eos_wins, eos, best_idx), torch.where(eos_wins, dist.eos_log_prob, best64 - dist.log_norm)
 
 
