@@ -51,7 +51,7 @@ def _reference(z: torch.Tensor, depth: int, block_v: int):
     return values, cols, pushed
 
 
-@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+@pytest.mark.parametrize("depth", [2, 3, 4])
 @pytest.mark.parametrize("block_v", [8, 32])
 def test_runners_up_are_each_lanes_best_in_rank_order(depth, block_v):
     """Each lane keeps its ``depth`` largest values in (value desc, column asc) order with their columns,

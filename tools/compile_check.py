@@ -10,6 +10,9 @@ types come from the real call sites; block sizes are then set to the CUDA launch
     python tools/compile_check.py             # sm_90 (H100/H200); exit status 1 on failure
     python tools/compile_check.py --arch 80   # another compute capability
     python tools/compile_check.py --resources # plus registers / spills per variant (ptxas -v)
+    python tools/compile_check.py --ptx DIR   # also write each variant's PTX, without debug lines, to
+                                              # DIR: `diff -r` two trees to see whether a change
+                                              # alters the generated code
 
 Must run without TRITON_INTERPRET (the kernels have to be JIT functions). A developer tool, not part
 of the installed package: it imports ``nmst_fast`` (install the checkout first).
@@ -271,11 +274,25 @@ def resources(compiled, arch: int) -> str:
             f"{resident} warps/SM by registers")
 
 
+def code_only(ptx: str) -> str:
+    """PTX without its debug lines (source locations, their labels, the file table, DWARF sections),
+    which move with every edit of the Python source even where the generated code does not change."""
+    kept = []
+    for line in ptx.splitlines():
+        stripped = line.strip()
+        if stripped.startswith(".section") and ".debug" in stripped:
+            break  # the DWARF sections close the file
+        if not stripped.startswith((".loc", ".file")) and not re.fullmatch(r"\$L__tmp\d+:", stripped):
+            kept.append(line)  # (``$L__tmp`` labels only anchor the line table)
+    return "\n".join(kept) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
     parser.add_argument("--resources", action="store_true", help="also print registers / spills (ptxas -v)")
     parser.add_argument("--only", default="", help="compile only the variants whose name contains this")
+    parser.add_argument("--ptx", type=Path, help="write each variant's PTX to this directory")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: compiling needs JIT kernels, not interpreted ones")
@@ -286,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             compiled, seconds = compile_launch(launch, args.arch)
             extra = f"; {resources(compiled, args.arch)}" if args.resources else ""
+            if args.ptx is not None:
+                args.ptx.mkdir(parents=True, exist_ok=True)
+                name = re.sub(r"[^A-Za-z0-9=.]+", "_", launch.name)
+                (args.ptx / f"{name}.ptx").write_text(code_only(compiled.asm["ptx"]))
             print(f"ok   {launch.name} ({seconds:.1f} s{extra})", flush=True)
         except Exception as err:  # report every failing variant, not only the first
             failures += 1

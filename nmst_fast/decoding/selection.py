@@ -2,21 +2,19 @@
 top-k, top-p and sampling on the step distribution, with no full sort of the vocabulary.
 
 Tokens rank by probability, ties → lower index, exactly: non-eos tokens by ζ (a partial selection,
-``torch.topk``, then exact ties: :func:`top_tokens`), eos merged in by its float64 ζ_eos. Top-p alone
-on CPU takes one list of 64 and draws the rows it does not cover by rejection (:mod:`.rejection`).
-Elsewhere the list grows 4× per round until it covers mass p, skipping sizes the missing mass
+``torch.topk``, then exact ties: :func:`top_tokens`), eos merged in by its float64 ζ_eos. Top-p's
+list starts at 64 and grows 4× per round until it covers mass p, skipping sizes the missing mass
 proves too small.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from .distribution import StepDistribution, row_blocks_of
-from .rejection import nucleus_by_rejection
 from .truncation import check_truncation, draw, insert_eos, truncate, untruncated
 
 _FIRST_CANDIDATES = 64
@@ -190,32 +188,10 @@ def select(
     if top_k == 1:
         return greedy(dist)
     if untruncated(top_k, top_p):
-        return _by_row_blocks(dist, lambda part, rows: draw(part.probs(), generator, overwrite=True).squeeze(1))
-    if top_k is None and first_size is None and dist.zeta.device.type == "cpu":
-        return _top_p_on_cpu(dist, top_p, generator)
+        # By blocks of rows on CPU (``distribution.BLOCK_ENTRIES``): each (rows, V) float64 table is small.
+        blocks = row_blocks_of(dist.zeta)
+        parts = [draw(part.probs(), generator, overwrite=True).squeeze(1)
+                 for part in ([dist] if len(blocks) == 1 else [dist.take(rows) for rows in blocks])]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
     tokens, probs = truncated_candidates(dist, top_k, top_p, first_size=first_size)
     return tokens.gather(1, draw(probs, generator)).squeeze(1)
-
-
-def _top_p_on_cpu(dist: StepDistribution, top_p: float, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """Top-p alone on CPU (B,): a list of 64 settles the rows whose nucleus it covers; the rest draw by
-    rejection (a few passes over the row whatever the nucleus size)."""
-    tokens, log_p = ranked_candidates(dist, _FIRST_CANDIDATES)
-    probs, covered = truncate(torch.exp(log_p), None, top_p)
-    picked = tokens.gather(1, draw(probs, generator)).squeeze(1)
-    short = (~covered).nonzero().squeeze(1)
-    if short.numel():
-        rest = dist if short.numel() == picked.numel() else dist.take(short)
-        members = tokens[short]
-        picked[short] = _by_row_blocks(rest, lambda part, rows: nucleus_by_rejection(
-            part, top_p, generator, known_members=members[rows]))
-    return picked
-
-
-def _by_row_blocks(dist: StepDistribution, pick: Callable[[StepDistribution, slice], torch.Tensor]) -> torch.Tensor:
-    """(B,) ``pick(part, rows)`` over the row blocks of ``dist`` (``distribution.BLOCK_ENTRIES``),
-    concatenated: CPU paths that build (B, V) float64 tables do so a block at a time."""
-    blocks = row_blocks_of(dist.zeta)
-    if len(blocks) == 1:
-        return pick(dist, blocks[0])
-    return torch.cat([pick(dist.take(rows), rows) for rows in blocks])

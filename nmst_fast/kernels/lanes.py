@@ -91,7 +91,7 @@ def no_runners_up(BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def keep_runners_up(runners, z, up, previous, previous_start, start, DEPTH: tl.constexpr):
-    """A lane's DEPTH (1-4) largest values after folding the tile at ``start`` (``z``; ``up``: it set a
+    """A lane's DEPTH (2-4) largest values after folding the tile at ``start`` (``z``; ``up``: it set a
     new lane max, pushing ``previous`` from tile ``previous_start`` down a rank): ``runners`` = (2nd,
     its tile start, 3rd, start, 4th, start, the largest value pushed out of the DEPTH; unused ranks
     stay −inf). A value enters below an equal one (rank order is column order on ties); the
@@ -100,36 +100,31 @@ def keep_runners_up(runners, z, up, previous, previous_start, start, DEPTH: tl.c
     # What comes down to rank 2: the old max where z replaced it, else z itself.
     incoming = tl.where(up, previous, z)
     incoming_start = tl.where(up, previous_start, start)
-    if DEPTH == 1:
-        pushed_out = tl.maximum(pushed_out, incoming)
+    # "Enters at rank r or above" implies it for every later rank: the ranks shift down consistently.
+    at_2 = up | (incoming > second)
+    if DEPTH == 2:
+        pushed_out = tl.maximum(pushed_out, tl.where(at_2, second, incoming))
     else:
-        # "Enters at rank r or above" implies it for every later rank: the ranks shift down consistently.
-        at_2 = up | (incoming > second)
-        if DEPTH == 2:
-            pushed_out = tl.maximum(pushed_out, tl.where(at_2, second, incoming))
+        at_3 = at_2 | (incoming > third)
+        if DEPTH == 3:
+            pushed_out = tl.maximum(pushed_out, tl.where(at_3, third, incoming))
         else:
-            at_3 = at_2 | (incoming > third)
-            if DEPTH == 3:
-                pushed_out = tl.maximum(pushed_out, tl.where(at_3, third, incoming))
-            else:
-                at_4 = at_3 | (incoming > fourth)
-                pushed_out = tl.maximum(pushed_out, tl.where(at_4, fourth, incoming))
-                fourth = tl.where(at_3, third, tl.where(at_4, incoming, fourth))
-                fourth_start = tl.where(at_3, third_start, tl.where(at_4, incoming_start, fourth_start))
-            third = tl.where(at_2, second, tl.where(at_3, incoming, third))
-            third_start = tl.where(at_2, second_start, tl.where(at_3, incoming_start, third_start))
-        second = tl.where(at_2, incoming, second)
-        second_start = tl.where(at_2, incoming_start, second_start)
+            at_4 = at_3 | (incoming > fourth)
+            pushed_out = tl.maximum(pushed_out, tl.where(at_4, fourth, incoming))
+            fourth = tl.where(at_3, third, tl.where(at_4, incoming, fourth))
+            fourth_start = tl.where(at_3, third_start, tl.where(at_4, incoming_start, fourth_start))
+        third = tl.where(at_2, second, tl.where(at_3, incoming, third))
+        third_start = tl.where(at_2, second_start, tl.where(at_3, incoming_start, third_start))
+    second = tl.where(at_2, incoming, second)
+    second_start = tl.where(at_2, incoming_start, second_start)
     return second, second_start, third, third_start, fourth, fourth_start, pushed_out
 
 
 @triton.jit
-def last_kept(lane_max, lane_start, runners, DEPTH: tl.constexpr):
+def last_kept(runners, DEPTH: tl.constexpr):
     """Each lane's last kept value (rank DEPTH) and its tile start: later values of the lane were dropped."""
     second, second_start, third, third_start, fourth, fourth_start, _pushed_out = runners
-    if DEPTH == 1:
-        return lane_max, lane_start
-    elif DEPTH == 2:
+    if DEPTH == 2:
         return second, second_start
     elif DEPTH == 3:
         return third, third_start
@@ -152,25 +147,50 @@ def fold_tile(lane_max, lane_sum, lane_start, runners, z, start, neg_scale, ARGM
 
 
 @triton.jit
-def _fold_span(lane_max, lane_sum, lane_start, runners, lane_ptrs, first, last, hi, eos_index, neg_scale,
-               MASKED: tl.constexpr, ARGMAX: tl.constexpr, DEPTH: tl.constexpr, PREFETCH: tl.constexpr,
-               HAS_EOS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Fold the tiles starting in [first, last) into the lane state (:func:`fold_tile`); PREFETCH
-    (unmasked spans): load the next tile before folding this one."""
+def _walk_tile(state, z, start, args, RANKED: tl.constexpr, ARGMAX: tl.constexpr, DEPTH: tl.constexpr,
+               BLOCK_V: tl.constexpr):
+    """One tile into the walk's state: RANKED, ``(acc,) + _ranked_e``; else :func:`fold_tile`."""
+    if RANKED:
+        state = (state[0] + _ranked_e(z, start, *args, BLOCK_V),)
+    else:
+        state = fold_tile(*state, z, start, *args, ARGMAX, DEPTH)
+    return state
+
+
+@triton.jit
+def _walk_span(state, args, lane_ptrs, first, last, hi, eos_index, MASKED: tl.constexpr, RANKED: tl.constexpr,
+               ARGMAX: tl.constexpr, DEPTH: tl.constexpr, PREFETCH: tl.constexpr, HAS_EOS: tl.constexpr,
+               BLOCK_V: tl.constexpr):
+    """The tiles starting in [first, last) into ``state`` (:func:`_walk_tile`); PREFETCH (unmasked
+    spans): load the next tile before folding this one."""
     if PREFETCH and not MASKED:
         if first < last:
             z_next = load_tile(lane_ptrs, first, hi, eos_index, False, HAS_EOS, BLOCK_V)
             for start in range(first, last, BLOCK_V):
                 z = z_next
                 z_next = _load_next(lane_ptrs, start, last, HAS_EOS, BLOCK_V)
-                lane_max, lane_sum, lane_start, runners = fold_tile(
-                    lane_max, lane_sum, lane_start, runners, z, start, neg_scale, ARGMAX, DEPTH)
+                state = _walk_tile(state, z, start, args, RANKED, ARGMAX, DEPTH, BLOCK_V)
     else:
         for start in range(first, last, BLOCK_V):
             z = load_tile(lane_ptrs, start, hi, eos_index, MASKED, HAS_EOS, BLOCK_V)
-            lane_max, lane_sum, lane_start, runners = fold_tile(
-                lane_max, lane_sum, lane_start, runners, z, start, neg_scale, ARGMAX, DEPTH)
-    return lane_max, lane_sum, lane_start, runners
+            state = _walk_tile(state, z, start, args, RANKED, ARGMAX, DEPTH, BLOCK_V)
+    return state
+
+
+@triton.jit
+def _walk_row(state, args, lane_ptrs, lo, hi, eos_index, RANKED: tl.constexpr, ARGMAX: tl.constexpr,
+              DEPTH: tl.constexpr, PREFETCH: tl.constexpr, HAS_EOS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Columns [lo, hi) of each row into ``state``, span by span (:func:`tile_spans`): whole tiles
+    unmasked, eos's tile and the partial last one masked."""
+    eos_start, eos_end, whole_end = tile_spans(lo, hi, eos_index, HAS_EOS, BLOCK_V)
+    state = _walk_span(state, args, lane_ptrs, lo, eos_start, hi, eos_index, False, RANKED, ARGMAX, DEPTH, PREFETCH,
+                       HAS_EOS, BLOCK_V)
+    state = _walk_span(state, args, lane_ptrs, eos_start, eos_end, hi, eos_index, True, RANKED, ARGMAX, DEPTH,
+                       PREFETCH, HAS_EOS, BLOCK_V)
+    state = _walk_span(state, args, lane_ptrs, eos_end, whole_end, hi, eos_index, False, RANKED, ARGMAX, DEPTH,
+                       PREFETCH, HAS_EOS, BLOCK_V)
+    return _walk_span(state, args, lane_ptrs, whole_end, hi, hi, eos_index, True, RANKED, ARGMAX, DEPTH, PREFETCH,
+                      HAS_EOS, BLOCK_V)
 
 
 @triton.jit
@@ -180,15 +200,8 @@ def fold_row_lanes(lane_ptrs, lo, hi, eos_index, neg_scale, ARGMAX: tl.constexpr
     over columns [lo, hi) of each row (``lane_pointers``)."""
     state = (tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32), tl.zeros((BLOCK_B, BLOCK_V), tl.float32),
              tl.zeros((BLOCK_B, BLOCK_V), tl.int32), no_runners_up(BLOCK_B, BLOCK_V))
-    eos_start, eos_end, whole_end = tile_spans(lo, hi, eos_index, HAS_EOS, BLOCK_V)
-    state = _fold_span(*state, lane_ptrs, lo, eos_start, hi, eos_index, neg_scale, False, ARGMAX, DEPTH, PREFETCH,
-                       HAS_EOS, BLOCK_V)
-    state = _fold_span(*state, lane_ptrs, eos_start, eos_end, hi, eos_index, neg_scale, True, ARGMAX, DEPTH,
-                       PREFETCH, HAS_EOS, BLOCK_V)
-    state = _fold_span(*state, lane_ptrs, eos_end, whole_end, hi, eos_index, neg_scale, False, ARGMAX, DEPTH,
-                       PREFETCH, HAS_EOS, BLOCK_V)
-    return _fold_span(*state, lane_ptrs, whole_end, hi, hi, eos_index, neg_scale, True, ARGMAX, DEPTH, PREFETCH,
-                      HAS_EOS, BLOCK_V)
+    return _walk_row(state, (neg_scale,), lane_ptrs, lo, hi, eos_index, False, ARGMAX, DEPTH, PREFETCH, HAS_EOS,
+                     BLOCK_V)
 
 
 @triton.jit
@@ -202,42 +215,13 @@ def _ranked_e(z, start, inv_temp, m_row, pivot_value, pivot_col_less_lane, BLOCK
 
 
 @triton.jit
-def _ranked_span(acc, lane_ptrs, first, last, hi, eos_index, inv_temp, m_row, pivot_value, pivot_col,
-                 MASKED: tl.constexpr, PREFETCH: tl.constexpr, HAS_EOS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Add to each lane's ``acc`` the e^(x − M) of its columns in the tiles starting in [first, last)
-    that rank before the pivot (PREFETCH as :func:`_fold_span`)."""
-    if PREFETCH and not MASKED:
-        if first < last:
-            z_next = load_tile(lane_ptrs, first, hi, eos_index, False, HAS_EOS, BLOCK_V)
-            for start in range(first, last, BLOCK_V):
-                z = z_next
-                z_next = _load_next(lane_ptrs, start, last, HAS_EOS, BLOCK_V)
-                acc += _ranked_e(z, start, inv_temp, m_row, pivot_value, pivot_col, BLOCK_V)
-    else:
-        for start in range(first, last, BLOCK_V):
-            z = load_tile(lane_ptrs, start, hi, eos_index, MASKED, HAS_EOS, BLOCK_V)
-            acc += _ranked_e(z, start, inv_temp, m_row, pivot_value, pivot_col, BLOCK_V)
-    return acc
-
-
-@triton.jit
 def ranked_lane_mass(lane_ptrs, lo, hi, eos_index, inv_temp, m, pivot_value, pivot_col, PREFETCH: tl.constexpr,
                      HAS_EOS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
     """Per lane (fp32, summed in column order): the mass e^(x − M) of the non-eos columns in [lo, hi)
     ranked before the pivot (a larger x, or the same x at a lower column): top-p's acceptance pass.
     The sums are monotone along the ranking, so the accepted tokens are a prefix of it."""
-    acc = tl.zeros((BLOCK_B, BLOCK_V), tl.float32)
-    m_row = m[:, None]
-    pivot_value = pivot_value[:, None]
     # The column rule as one loop-invariant tile (a per-row pivot_col − start formed in the loop went
     # through shared memory on every tile).
-    pivot_col = pivot_col[:, None] - tl.arange(0, BLOCK_V)[None, :]
-    eos_start, eos_end, whole_end = tile_spans(lo, hi, eos_index, HAS_EOS, BLOCK_V)
-    acc = _ranked_span(acc, lane_ptrs, lo, eos_start, hi, eos_index, inv_temp, m_row, pivot_value, pivot_col,
-                       False, PREFETCH, HAS_EOS, BLOCK_V)
-    acc = _ranked_span(acc, lane_ptrs, eos_start, eos_end, hi, eos_index, inv_temp, m_row, pivot_value,
-                       pivot_col, True, PREFETCH, HAS_EOS, BLOCK_V)
-    acc = _ranked_span(acc, lane_ptrs, eos_end, whole_end, hi, eos_index, inv_temp, m_row, pivot_value,
-                       pivot_col, False, PREFETCH, HAS_EOS, BLOCK_V)
-    return _ranked_span(acc, lane_ptrs, whole_end, hi, hi, eos_index, inv_temp, m_row, pivot_value, pivot_col,
-                        True, PREFETCH, HAS_EOS, BLOCK_V)
+    args = (inv_temp, m[:, None], pivot_value[:, None], pivot_col[:, None] - tl.arange(0, BLOCK_V)[None, :])
+    return _walk_row((tl.zeros((BLOCK_B, BLOCK_V), tl.float32),), args, lane_ptrs, lo, hi, eos_index, True, False, 0,
+                     PREFETCH, HAS_EOS, BLOCK_V)[0]

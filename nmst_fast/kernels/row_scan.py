@@ -134,12 +134,6 @@ def _enter_above_kth(best, x, cols, allowed, K: tl.constexpr):
 
 
 @triton.jit
-def _enter_runners_up(best, values, starts, inv_temp, BLOCK_V: tl.constexpr, K: tl.constexpr):
-    """``best`` with the lanes' values of one rank (raw z; tiles at ``starts``) that rank above its K-th."""
-    return _enter_above_kth(best, values * inv_temp, starts + tl.arange(0, BLOCK_V)[None, :], True, K)
-
-
-@triton.jit
 def _lane_candidates(lane_max, lane_start, runners, inv_temp, K: tl.constexpr, DEPTH: tl.constexpr,
                      BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
     """The K best keys among the lanes' kept values (max and DEPTH − 1 runners-up), and per row whether
@@ -151,13 +145,14 @@ def _lane_candidates(lane_max, lane_start, runners, inv_temp, K: tl.constexpr, D
         best = _extract_into(tl.full((BLOCK_B, K), -9223372036854775808, tl.int64), x, x > float("-inf"), cols, K)
     else:
         best = tl.topk(tl.where(x > float("-inf"), column_keys(x, cols), -9223372036854775808), K, dim=1)
+    # The runners-up, rank by rank (raw z; tiles at their starts).
     second, second_start, third, third_start, fourth, fourth_start, pushed_out = runners
-    if DEPTH >= 2:
-        best = _enter_runners_up(best, second, second_start, inv_temp, BLOCK_V, K)
+    lanes = tl.arange(0, BLOCK_V)[None, :]
+    best = _enter_above_kth(best, second * inv_temp, second_start + lanes, True, K)
     if DEPTH >= 3:
-        best = _enter_runners_up(best, third, third_start, inv_temp, BLOCK_V, K)
+        best = _enter_above_kth(best, third * inv_temp, third_start + lanes, True, K)
     if DEPTH == 4:
-        best = _enter_runners_up(best, fourth, fourth_start, inv_temp, BLOCK_V, K)
+        best = _enter_above_kth(best, fourth * inv_temp, fourth_start + lanes, True, K)
     kth_key = tl.min(best, axis=1)
     kth_value, _ = decode_column_keys(kth_key)
     pushed = tl.max(pushed_out * inv_temp, axis=1).to(tl.float64)
@@ -195,7 +190,7 @@ def scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp,
                                                                  True, HAS_EOS, BLOCK_B, BLOCK_V)
         best, exact = _lane_candidates(lane_max, lane_start, runners, inv_temp, K, DEPTH, BLOCK_B, BLOCK_V)
         if tl.max((~exact).to(tl.int32), axis=0) > 0:
-            floor_z, floor_start = last_kept(lane_max, lane_start, runners, DEPTH)
+            floor_z, floor_start = last_kept(runners, DEPTH)
             by_tiles = _enter_dropped(best, lane_ptrs, lo, hi, eos_index, inv_temp, floor_z, floor_start, HAS_EOS, K,
                                       BLOCK_V)
             best = tl.where(exact[:, None], best, by_tiles)
@@ -260,19 +255,6 @@ def cuda_launch_shape(B: int, V: int, candidates: int, multi_processors: int) ->
         per_sm = SMALL_K_PROGRAMS_PER_SM if candidates <= EXTRACT_MAX_K.value else LARGE_K_PROGRAMS_PER_SM
         splits = min(per_sm * multi_processors // B, FINISH_KEYS // candidates)  # candidates: K, a power of 2
     return 1, block_v, max(1, min(splits, cdiv(V, block_v)))
-
-
-def _partial_layout(rows: int, splits: int, K: int, draws: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """(shape, dtype) of each per-split output of one scan ("draw_idx" only when ``draws``, "keys" only
-    when K > 0)."""
-    shape = (rows, splits)
-    layout = {"max": (shape, torch.float32), "sum": (shape, torch.float32), "top_val": (shape, torch.float32),
-              "top_idx": (shape, torch.int32)}
-    if draws:
-        layout["draw_idx"] = (shape, torch.int32)
-    if K:
-        layout["keys"] = ((rows, splits, K), torch.int64)
-    return layout
 
 
 def _as_seed(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -355,4 +337,9 @@ def launch_plan(B: int, V: int, candidates: int, launch: tuple[int, int] | None,
     split_width, splits = split_layout(V, block_v, splits)
     meta = dict(DRAW=draws, K=K, BLOCK_B=block_b, BLOCK_V=block_v,
                 LANE_TILES=scan_width(split_width // block_v) if draws else 1, num_warps=4)
-    return (cdiv(B, block_b), splits), split_width, _partial_layout(B, splits, K, draws), meta
+    # The partials: (shape, dtype) of each ("draw_idx" only for a draw, "keys" only for candidates).
+    names = ("max", "sum", "top_val", "top_idx") + (("draw_idx",) if draws else ())
+    layout = {name: ((B, splits), torch.int32 if name.endswith("idx") else torch.float32) for name in names}
+    if K:
+        layout["keys"] = ((B, splits, K), torch.int64)
+    return (cdiv(B, block_b), splits), split_width, layout, meta
