@@ -33,6 +33,14 @@ def check_eps(eps: object) -> None:
         raise ValueError(f"eps must lie in the open interval (0, 1), got {eps!r}")
 
 
+def check_int(name: str, value: object, minimum: int, *, optional: bool = False) -> None:
+    """``value`` must be an int (not a bool) >= ``minimum``, or None when ``optional``."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}{' or None' if optional else ''}, got {value!r}")
+
+
 def check_index(name: str, value: object, size: int, size_name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")

@@ -84,7 +84,7 @@ def test_draws_lie_in_the_float64_nucleus(block_v):
         B, V = z.shape
         args = dict(head=head, eos_index=eos, eps=case["eps"], temperature=case["temperature"], steps=case["t"])
         state = None if case["state"] is None else case["state"].repeat_interleave(copies).to(DEVICE)
-        launch = None if block_v is None else dict(row_draw._interpreter_launch(B * copies, V), BLOCK_V=block_v,
+        launch = None if block_v is None else dict(row_draw._default_launch(B * copies, V, -1), BLOCK_V=block_v,
                                                    NTILES=row_draw.tile_table_width(V, block_v))
         picked, rounds = _draw(z.repeat_interleave(copies, dim=0).to(DEVICE), head=head, eos=eos, eps=case["eps"],
                                t=case["t"], state=state, top_p=case["top_p"], temperature=case["temperature"],
@@ -326,7 +326,7 @@ def test_row_draw_lanes_across_tiles(head, top_p, eos):
     z[80:96] += 2.0  # a heavy one, after the light
     state = _st_state_before(z, eos, eps, t) if head == "st" else None
     expected = truncated_distribution(_reference_log_probs(z, head, eos, eps, t).unsqueeze(0), None, top_p)[0]
-    launch = dict(BLOCK_B=row_draw._interpreter_launch(KERNEL_DRAWS, V)["BLOCK_B"] * 8, BLOCK_V=16,
+    launch = dict(BLOCK_B=row_draw._default_launch(KERNEL_DRAWS, V, -1)["BLOCK_B"] * 8, BLOCK_V=16,
                   NTILES=row_draw.tile_table_width(V, 16), PREFETCH=True)
     picked, _ = _draw(z.to(DEVICE).unsqueeze(0).expand(KERNEL_DRAWS, -1), head=head, eos=eos, eps=eps, t=t,
                       state=None if state is None else state.to(DEVICE).expand(KERNEL_DRAWS), seed=seed, top_p=top_p,
@@ -354,7 +354,7 @@ def test_bounds_settle_most_rounds_of_peaked_rows():
     # 800 rows: the mean passes per row measured 0.02-0.04 (p = 0.4) and 0.08-0.13 (p = 0.9), a standard
     # error of about 0.01 under bounds three times those.
     z = torch.randn(800, 1600, generator=torch.Generator().manual_seed(seed)).to(DEVICE) * 3
-    launch = dict(row_draw._interpreter_launch(800, 1600), BLOCK_V=64, NTILES=row_draw.tile_table_width(1600, 64))
+    launch = dict(row_draw._default_launch(800, 1600, -1), BLOCK_V=64, NTILES=row_draw.tile_table_width(1600, 64))
     for top_p, most in ((0.4, 0.1), (0.9, 0.3)):
         picked, rounds, passes = row_draw.draw_rows(
             z, head="nmst", eos_index=7, eps=1e-3, temperature=1.0, steps=30, state=None,

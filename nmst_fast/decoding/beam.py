@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..validation import check_float_tensor
+from ..validation import check_float_tensor, check_int
 from .distribution import Steps, effective_logits
 from .selection import ranked_candidates
 
@@ -52,11 +52,8 @@ def beam_step(
     Returns:
         :class:`BeamCandidates`, ranked by score (ties → lower beam, then lower token rank).
     """
-    if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
-        raise ValueError(f"num_beams must be a positive int, got {num_beams!r}")
-    if num_candidates is not None and (isinstance(num_candidates, bool) or not isinstance(num_candidates, int)
-                                       or num_candidates < 1):
-        raise ValueError(f"num_candidates must be a positive int or None, got {num_candidates!r}")
+    check_int("num_beams", num_beams, 1)
+    check_int("num_candidates", num_candidates, 1, optional=True)
     check_float_tensor("logits", logits)
     check_float_tensor("beam_scores", beam_scores)
     if logits.dim() != 2:

@@ -50,7 +50,7 @@ class StepDistribution:
 
     def token_log_probs(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B,) float64 log p of one token per row, without forming the (B, V) table."""
-        log_p = self.zeta.gather(1, tokens.unsqueeze(1)).squeeze(1).to(torch.float64) - self.log_norm
+        log_p = self.zeta.gather(1, tokens.unsqueeze(1)).squeeze(1) - self.log_norm  # float64 by promotion
         if self.eos_log_prob is not None:
             log_p = torch.where(tokens == self.eos_index, self.eos_log_prob, log_p)
         return log_p
@@ -63,17 +63,12 @@ class StepDistribution:
                                 pick(self.eos_log_prob), pick(self.state))
 
     def probs(self) -> torch.Tensor:
-        """(B, V) float64 p, bit for bit exp(log_probs()) in one (B, V) buffer."""
-        if self.zeta.dtype == torch.float64:
-            return self.log_probs().exp_()
-        probs = self.zeta.to(torch.float64).sub_(self.log_norm.unsqueeze(1)).exp_()
-        if self.eos_log_prob is not None:
-            probs[:, self.eos_index] = torch.exp(self.eos_log_prob)
-        return probs
+        """(B, V) float64 p = exp(log_probs()), in the one (B, V) buffer."""
+        return self.log_probs().exp_()
 
     def log_probs(self) -> torch.Tensor:
         """(B, V) float64 log p."""
-        log_p = self.zeta.to(torch.float64) - self.log_norm.unsqueeze(1)
+        log_p = self.zeta - self.log_norm.unsqueeze(1)  # float64 by promotion: one (B, V) buffer
         if self.eos_log_prob is not None:
             log_p[:, self.eos_index] = self.eos_log_prob
         return log_p

@@ -73,13 +73,8 @@ def top_tokens(values: torch.Tensor, k: int, exclude: Optional[int] = None) -> t
 def ranked_candidates(dist: StepDistribution, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k most probable tokens of every row (ties → lower index; k capped at V): (tokens (B, k)
     int64, log_probs (B, k) float64)."""
-    B, V = dist.zeta.shape
-    k = min(k, V)
+    k = min(k, dist.zeta.shape[1])
     has_special_eos = dist.eos_zeta is not None
-    if dist.zeta.dtype == torch.float64:
-        # Rank by the exact float64 log-probabilities with a stable sort (the float64 path is
-        # the exact one for tests and references; speed matters for float32/bf16 logits).
-        return _stable_top(dist.log_probs(), k)
     tokens, values = top_tokens(dist.zeta, k, exclude=dist.eos_index if has_special_eos else None)
     zeta = values.to(torch.float64)
     if has_special_eos:

@@ -14,6 +14,7 @@ CUDA graph); otherwise a call reads them at once, as :func:`sample` does.
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from typing import Optional, Union
 import torch
 
 from ..backends import triton_available
-from ..validation import HEADS, check_choice, check_eps, check_float_tensor, check_index
+from ..validation import HEADS, check_choice, check_eps, check_float_tensor, check_index, check_int
 from .distribution import (
     Steps,
     check_state,
@@ -63,7 +64,8 @@ def kernels_serve(impl: str, device: torch.device, top_k: Optional[int], top_p: 
     check_impl(impl)
     if impl == "torch" or (impl == "auto" and device.type != "cuda"):
         return False
-    servable = triton_available() and (untruncated(top_k, top_p) or _lists_hold(top_k))
+    # Top-p alone (the row draw) always; top-k when the scan's list holds k (needs tl.topk).
+    servable = triton_available() and (untruncated(top_k, top_p) or top_k is None or _list_holds(top_k))
     if impl == "triton":
         if not servable:
             raise ValueError("impl='triton' serves top_k up to nmst_fast.kernels.row_scan.MAX_CANDIDATES (and needs "
@@ -74,10 +76,7 @@ def kernels_serve(impl: str, device: torch.device, top_k: Optional[int], top_p: 
     return servable
 
 
-def _lists_hold(top_k: Optional[int]) -> bool:
-    """Top-p alone (the row draw) always; top-k when the scan's list holds k (needs tl.topk)."""
-    if top_k is None:
-        return True
+def _list_holds(top_k: int) -> bool:
     from nmst_fast.kernels.row_scan import HAS_TOPK, MAX_CANDIDATES  # lazy: Triton reads its mode at import
 
     return HAS_TOPK and top_k <= MAX_CANDIDATES
@@ -155,8 +154,7 @@ class DecodingStep:
                  eps: float = 1e-5, top_k: Optional[int] = None, top_p: Optional[float] = None,
                  temperature: float = 1.0, impl: str = "auto"):
         check_choice("head", head, HEADS)
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or vocab_size < 2:
-            raise ValueError(f"vocab_size must be an int >= 2 (eos and one other token), got {vocab_size!r}")
+        check_int("vocab_size", vocab_size, 2)  # eos and one other token
         check_index("eos_index", eos_index, int(vocab_size), "V")
         check_eps(eps)
         check_temperature(temperature)
@@ -236,10 +234,11 @@ class DecodingStep:
                      generator: Optional[torch.Generator], flags: Optional[torch.Tensor]):
         if self._launch is None:
             if self._rejection:
-                from nmst_fast.kernels.row_draw import draw_rows as launch
+                from nmst_fast.kernels.row_draw import draw_rows
+                self._launch = lambda *args, **kwargs: draw_rows(*args, **kwargs)[0]
             else:
-                from nmst_fast.kernels.scan_select import scan_select as launch
-            self._launch = launch
+                from nmst_fast.kernels.scan_select import scan_select
+                self._launch = functools.partial(scan_select, top_k=self._list)
         if logits.stride(1) != 1:
             logits = logits.contiguous()
         B, device = logits.shape[0], logits.device
@@ -252,13 +251,9 @@ class DecodingStep:
         kernel_state = (check_state(state, B, device, values=False)  # the kernels flag bad values
                         if self.head == "st" and state is not None else None)
         seed = None if self._greedy else self._seeds.next(generator)
-        if self._rejection:
-            return self._launch(logits, head=self.head, eos_index=self.eos_index, eps=self.eps,
-                                temperature=self.temperature, steps=kernel_steps, state=kernel_state, seed=seed,
-                                top_p_threshold=self._threshold, flags=flags)[0]
         return self._launch(logits, head=self.head, eos_index=self.eos_index, eps=self.eps,
                             temperature=self.temperature, steps=kernel_steps, state=kernel_state, seed=seed,
-                            top_k=self._list, top_p_threshold=self._threshold, flags=flags)
+                            top_p_threshold=self._threshold, flags=flags)
 
 
 @torch.no_grad()  # a draw, not a loss: logits straight from a model may require grad
@@ -281,7 +276,6 @@ def sample(
     Returns (tokens (B,) int64, ST's new state or None).
     """
     check_float_tensor("logits", logits)  # before the backend choice reads logits.device
-    check_truncation(top_k, top_p)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if logits.dim() != 2:  # the step checks the rest (the head's arguments, V >= 2 with eos_index)

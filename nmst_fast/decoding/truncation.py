@@ -8,12 +8,13 @@ from typing import Optional
 
 import torch
 
+from ..validation import check_int
+
 TOP_P_SLACK = 1e-12  # a cumulative mass within this of p counts as reaching p (float64 round-off)
 
 
 def check_truncation(top_k: object, top_p: object) -> None:
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    check_int("top_k", top_k, 1, optional=True)
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must lie in (0, 1] or be None, got {top_p!r}")
 

@@ -71,18 +71,13 @@ def _row_head(
     """The head's float64 scalars per row from the non-eos (max M, Σ e^(x−M)): (log_norm, ζ_eos, p_eos,
     w = e^(M − log_norm), bad): token v has mass w·e^(x_v − M); bad rows get w = p_eos = 0."""
     lse = m.to(tl.float64) + tl.log(tl.where(row_ok, s, 1.0).to(tl.float64))
-    bad = ~(tl.abs(lse) < float("inf"))
+    eos_z, t, prev = _head_inputs(z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value,
+                                  state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
+    survival = _survival_terms(eos_z, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD)
+    log_norm, eos_zeta, bad = _with_lse(lse, survival, HEAD)
     if HEAD != 0:
-        eos_z, t, prev = _head_inputs(z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride,
-                                      steps_value, state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
-        a_floor, log_alpha, eos_nan = _survival_terms(eos_z, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo,
-                                                      new_state_ptr, HEAD)
-        log_norm, eos_zeta = _with_lse(lse, a_floor, log_alpha)
-        bad = bad | eos_nan
         p_eos = tl.where(bad, 0.0, tl.exp(eos_zeta - log_norm))
     else:
-        log_norm = lse
-        eos_zeta = tl.full((BLOCK_B,), float("-inf"), tl.float64)
         p_eos = tl.zeros((BLOCK_B,), tl.float64)
     w = tl.where(row_ok & ~bad, tl.exp(m.to(tl.float64) - log_norm), 0.0)
     return log_norm, eos_zeta, p_eos, w, bad
@@ -273,15 +268,6 @@ def top_p_layout(rows: int, multi_processors: int) -> dict:
     return dict(WIDE_TOP_P if rows <= multi_processors else COMPACT_TOP_P)
 
 
-@functools.lru_cache(maxsize=4096)
-def _interpreter_launch(rows: int, V: int) -> dict:
-    """The CPU interpreter pays per operation: many rows per program (2^18 elements per tensor)."""
-    block_v = min(2048, next_power_of_2(V))
-    n_tiles = tile_table_width(V, block_v)
-    return dict(BLOCK_B=min(next_power_of_2(max(rows, 1)), max(1, (1 << 18) // max(block_v, n_tiles))),
-                BLOCK_V=block_v, NTILES=n_tiles, PREFETCH=True)  # the GPU's code path
-
-
 def default_launch(z: torch.Tensor) -> dict:
     """A copy of the launch :func:`draw_rows` takes for ``z`` when given none."""
     return dict(_default_launch(*z.shape, z.device.index if z.is_cuda else -1))
@@ -289,10 +275,14 @@ def default_launch(z: torch.Tensor) -> dict:
 
 @functools.lru_cache(maxsize=4096)
 def _default_launch(B: int, V: int, device_index: Optional[int]) -> dict:
-    """:func:`default_launch` by shape and CUDA device (-1: the interpreter)."""
-    if device_index == -1:
-        return _interpreter_launch(B, V)
-    return cuda_launch(V, **top_p_layout(B, multi_processors(device_index)))
+    """:func:`default_launch` by shape and CUDA device; -1, the CPU interpreter, which pays per
+    operation: many rows per program (2^18 elements per tensor), on the GPU's code path."""
+    if device_index != -1:
+        return cuda_launch(V, **top_p_layout(B, multi_processors(device_index)))
+    block_v = min(2048, next_power_of_2(V))
+    n_tiles = tile_table_width(V, block_v)
+    return dict(BLOCK_B=min(next_power_of_2(max(B, 1)), max(1, (1 << 18) // max(block_v, n_tiles))),
+                BLOCK_V=block_v, NTILES=n_tiles, PREFETCH=True)
 
 
 def draw_rows(

@@ -123,16 +123,24 @@ def _head_inputs(
 
 
 @triton.jit
-def _with_lse(lse, a_floor, log_alpha):
-    """(log_norm = L − a, ζ_eos = L + log α_t − a) from L and :func:`_survival_terms`."""
-    return lse - a_floor, lse + log_alpha - a_floor
+def _with_lse(lse, survival, HEAD: tl.constexpr):
+    """(log_norm = L − a, ζ_eos = L + log α_t − a (−inf for VA), rows without a distribution: L not
+    finite, or a NaN row of :func:`_survival_terms`) from L and ``survival``, that function's result."""
+    bad = ~(tl.abs(lse) < float("inf"))  # NaN, +inf, or no finite non-eos logit
+    if HEAD == 0:
+        return lse, tl.full(lse.shape, float("-inf"), tl.float64), bad
+    a_floor, log_alpha, eos_nan = survival
+    return lse - a_floor, lse + log_alpha - a_floor, bad | eos_nan
 
 
 @triton.jit
 def _survival_terms(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD: tl.constexpr):
     """The NMST/ST terms that need no partial: (a = log(1 − α_t) floored at −1e300 as the torch path's
     LOG_SURVIVAL_FLOOR, log α_t = log(1 − e^a), rows whose eos logit or ST state is NaN or the state
-    positive); stores ST's new state. Run while the partials' loads are in flight."""
+    positive); stores ST's new state. Run while the partials' loads are in flight. VA: its inputs
+    (:func:`_head_inputs`' zeros), unused."""
+    if HEAD == 0:
+        return s, s, s != s
     a = _log_survival(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD)
     return tl.maximum(a, -1e300), _log1mexp(a), (s != s) | (a != a)
 
@@ -170,17 +178,8 @@ def select_rows(
     # column and its raw z.
     pick_vals = _load_partial(pick_val_ptr, part, part_ok, float("-inf") if GREEDY else 0.0)
     pick_idxs = _load_partial(pick_idx_ptr, part, part_ok, V if GREEDY else 0)
-    if HEAD != 0:
-        a_floor, log_alpha, eos_nan = _survival_terms(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo,
-                                                      new_state_ptr, HEAD)
-    lse = _merged_lse(split_max, split_sum, row_ok)
-    bad = ~(tl.abs(lse) < float("inf"))  # NaN, +inf, or no finite non-eos logit
-    if HEAD == 0:
-        log_norm = lse
-        eos_zeta = tl.full((BLOCK_B,), float("-inf"), tl.float64)
-    else:
-        log_norm, eos_zeta = _with_lse(lse, a_floor, log_alpha)
-        bad = bad | eos_nan
+    survival = _survival_terms(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD)
+    log_norm, eos_zeta, bad = _with_lse(_merged_lse(split_max, split_sum, row_ok), survival, HEAD)
     temperature = tl.cast(temp_hi, tl.float64) + tl.cast(temp_lo, tl.float64)
     if GREEDY:
         # The largest raw z over the splits (raw z, so rounding of z / T cannot make the pick depend on
@@ -205,7 +204,7 @@ def select_rows(
         chosen = tl.sum(tl.where(split_no == split[:, None], pick_vals, 0.0), axis=1).to(tl.float64) / temperature
     if HEAD == 0:
         token = idx.to(tl.int64)
-        log_prob = chosen - lse
+        log_prob = chosen - log_norm
     else:
         token = tl.where(eos_wins, eos_index, idx).to(tl.int64)
         log_prob = tl.where(eos_wins, eos_zeta, chosen) - log_norm
@@ -233,9 +232,7 @@ def select_candidate_rows(
                        other=-9223372036854775808, cache_modifier=".cg")
     else:
         keys = tl.load(key_row + rank[None, :], mask=row_ok[:, None], other=-9223372036854775808, cache_modifier=".cg")
-    if HEAD != 0:
-        a_floor, log_alpha, eos_nan = _survival_terms(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo,
-                                                      new_state_ptr, HEAD)
+    survival = _survival_terms(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD)
     lse = _merged_lse(split_max, split_sum, row_ok)
 
     # The K best keys over all splits, in rank order (keys sort as (value desc, column asc)).
@@ -243,14 +240,10 @@ def select_candidate_rows(
         keys = tl.topk(keys, K, dim=1)
     zeta, cols = decode_column_keys(keys)
 
-    bad = ~(tl.abs(lse) < float("inf"))
+    log_norm, eos_zeta, bad = _with_lse(lse, survival, HEAD)
     if HEAD == 0:
-        log_norm = lse
-        eos_zeta = tl.full((BLOCK_B,), float("-inf"), tl.float64)
         eos_pos = tl.full((BLOCK_B,), K, tl.int32)  # VA's eos is an ordinary candidate
     else:
-        log_norm, eos_zeta = _with_lse(lse, a_floor, log_alpha)
-        bad = bad | eos_nan
         # eos follows every candidate with a higher ζ, or an equal ζ and a lower column.
         outranks_eos = (zeta > eos_zeta[:, None]) | ((zeta == eos_zeta[:, None]) & (cols < eos_index))
         eos_pos = tl.sum(outranks_eos.to(tl.int32), axis=1)
