@@ -10,7 +10,6 @@ over by ``termination_bound(eps)`` steps.
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
@@ -25,7 +24,7 @@ from .decoding.step import DecodingStep, check_impl
 from .decoding.truncation import check_truncation
 from .head import NMSTHead
 from .logmath import termination_bound
-from .validation import check_int_tensor
+from .validation import check_int, check_int_tensor
 
 STRATEGIES = ("greedy", "top_k", "nucleus", "beam")
 
@@ -75,11 +74,6 @@ class GenerationOutput:
     scores: torch.Tensor
 
 
-def _is_int(value) -> bool:
-    """An integer (numpy's too, as ``sample``'s top_k takes), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _check(contexts, strategy: str, top_k, top_p, num_beams, max_length, temperature, impl) -> None:
     """Every argument, before the model runs (and for an empty batch as for any other)."""
     check_int_tensor("contexts", contexts)
@@ -90,14 +84,13 @@ def _check(contexts, strategy: str, top_k, top_p, num_beams, max_length, tempera
     check_truncation(top_k if strategy in ("top_k", "nucleus") else None, top_p if strategy == "nucleus" else None)
     check_temperature(temperature)
     check_impl(impl)
-    if not _is_int(max_length) or max_length < 1:
-        raise ValueError(f"max_length must be a positive int, got {max_length!r}")
+    check_int("max_length", max_length, 1)
     if strategy == "top_k" and top_k is None:
         raise ValueError("strategy='top_k' needs top_k")
     if strategy == "nucleus" and top_p is None:
         raise ValueError("strategy='nucleus' needs top_p")
-    if strategy == "beam" and (not _is_int(num_beams) or num_beams < 1):
-        raise ValueError(f"strategy='beam' needs num_beams >= 1, got {num_beams!r}")
+    if strategy == "beam":
+        check_int("num_beams", num_beams, 1)
     if strategy == "beam" and impl == "triton":
         raise ValueError("impl='triton' serves greedy, sample, top_k and nucleus; beam search ranks its candidates "
                          "in torch (impl='auto' or 'torch')")

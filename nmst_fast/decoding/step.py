@@ -64,8 +64,8 @@ def kernels_serve(impl: str, device: torch.device, top_k: Optional[int], top_p: 
     check_impl(impl)
     if impl == "torch" or (impl == "auto" and device.type != "cuda"):
         return False
-    # Top-p alone (the row draw) always; top-k when the scan's list holds k (needs tl.topk).
-    servable = triton_available() and (untruncated(top_k, top_p) or top_k is None or _list_holds(top_k))
+    # Greedy, sampling and top-p alone always; top-k when the scan's list holds k (needs tl.topk).
+    servable = triton_available() and (top_k in (None, 1) or _list_holds(top_k))
     if impl == "triton":
         if not servable:
             raise ValueError("impl='triton' serves top_k up to nmst_fast.kernels.row_scan.MAX_CANDIDATES (and needs "
