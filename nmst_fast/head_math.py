@@ -24,7 +24,7 @@ from typing import Union
 
 import torch
 
-from .logmath import log1mexp, segmented_cumsum
+from .logmath import log1mexp, log_sigmoid, segmented_cumsum
 
 _F64 = torch.float64
 
@@ -46,18 +46,20 @@ def _along_time(x: torch.Tensor, seq_len: int) -> torch.Tensor:
     return x.view(x.numel() // seq_len if seq_len else 0, seq_len)
 
 
-def nmst_log_survival(s: torch.Tensor, steps: Union[int, torch.Tensor], eps: float) -> torch.Tensor:
+def nmst_log_survival(s: Union[torch.Tensor, float], steps: Union[int, torch.Tensor], eps: float):
     """NMST's log(1 − α_t) = logσ(−s) + t·log1p(−ε), float64; 0 at context rows (t <= 0).
-    ``steps``: t per row, or one int t for every row (a decoding step: no (N,) tensor of it)."""
-    value = torch.nn.functional.logsigmoid(-s.double())
+    ``steps``: t per row, or one int t for every row (a decoding step: no (N,) tensor of it); ``s``
+    (N,), or one row's float (then ``steps`` is its int t)."""
+    value = log_sigmoid(-s)
     if isinstance(steps, int):
-        return value.add_(steps * math.log1p(-eps)) if steps >= 1 else value.zero_()
+        return value + steps * math.log1p(-eps) if steps >= 1 else value * 0.0
     return torch.where(steps >= 1, value + steps.to(_F64) * math.log1p(-eps), 0.0)
 
 
-def st_step_term(s: torch.Tensor, eps: float) -> torch.Tensor:
-    """One step's addend to ST's running log(1 − α): logσ(s) + log1p(−ε), float64."""
-    return torch.nn.functional.logsigmoid(s.double()) + math.log1p(-eps)
+def st_step_term(s: Union[torch.Tensor, float], eps: float):
+    """One step's addend to ST's running log(1 − α): logσ(s) + log1p(−ε), float64 (a tensor or a
+    float, as ``s``)."""
+    return log_sigmoid(s) + math.log1p(-eps)
 
 
 def log_survival(head: str, s: torch.Tensor, steps: torch.Tensor, eps: float, seq_len: int) -> torch.Tensor:

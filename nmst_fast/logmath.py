@@ -5,19 +5,23 @@ from __future__ import annotations
 import decimal
 import math
 from decimal import Decimal
+from typing import Union
 
 import torch
 
 _LOG_HALF = -math.log(2.0)
 
 
-def log1mexp(a: torch.Tensor) -> torch.Tensor:
-    """``log(1 - exp(a))`` for ``a <= 0``, accurate across the whole range.
+def log1mexp(a: Union[torch.Tensor, float]) -> Union[torch.Tensor, float]:
+    """``log(1 - exp(a))`` for ``a <= 0`` (a tensor, or a float of a row on the host), accurate across
+    the whole range.
 
     Uses ``log(-expm1(a))`` near 0 (where ``1 - exp(a)`` cancels) and
     ``log1p(-exp(a))`` for very negative ``a`` (where ``expm1`` saturates);
     the switch at ``-ln 2`` is Mächler's recommendation. ``a == 0`` gives ``-inf``.
     """
+    if not isinstance(a, torch.Tensor):
+        return -math.inf if a == 0 else math.log(-math.expm1(a)) if a > _LOG_HALF else math.log1p(-math.exp(a))
     near_zero = a > _LOG_HALF
     if not (a.requires_grad and torch.is_grad_enabled()):  # for a <= 0 neither branch is NaN
         return torch.where(near_zero, torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(a)))
@@ -26,6 +30,14 @@ def log1mexp(a: torch.Tensor) -> torch.Tensor:
     safe_near = torch.where(near_zero, a, torch.full_like(a, _LOG_HALF))
     safe_far = torch.where(near_zero, torch.full_like(a, _LOG_HALF), a)
     return torch.where(near_zero, torch.log(-torch.expm1(safe_near)), torch.log1p(-torch.exp(safe_far)))
+
+
+def log_sigmoid(x: Union[torch.Tensor, float]) -> Union[torch.Tensor, float]:
+    """``log σ(x)`` in float64: of a tensor (as float64), or of a float (min(x, 0) − log1p(e^−|x|), as
+    torch computes it)."""
+    if isinstance(x, torch.Tensor):
+        return torch.nn.functional.logsigmoid(x.double())
+    return min(x, 0.0) - math.log1p(math.exp(-abs(x)))
 
 
 def log1m_eps(eps: float) -> float:

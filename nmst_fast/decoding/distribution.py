@@ -162,13 +162,19 @@ def eos_terms(
     state: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The NMST/ST head's per-row scalars from L and s (both (B,) float64), rows checked first:
-    (log_norm = L − a, ζ_eos = L + log(1 − e^a) − a, log p(eos) = log(1 − e^a), ST's next state or
-    None), a = log(1 − α_t)."""
+    (log_norm, ζ_eos, log p(eos) (see :func:`head_terms`), ST's next state or None)."""
     check_rows(non_eos_lse, eos_logit)
     log_surv, next_state = step_log_survival(eos_logit, head=head, eps=eps, steps=steps, state=state)
-    floored = log_surv.clamp(min=LOG_SURVIVAL_FLOOR)
+    return (*head_terms(non_eos_lse, log_surv), next_state)
+
+
+def head_terms(non_eos_lse, log_surv):
+    """(log_norm = L − a, ζ_eos = L + log(1 − e^a) − a, log p(eos) = log(1 − e^a)) from L and
+    a = log(1 − α_t): (B,) float64 tensors, or one row's floats."""
+    floored = log_surv.clamp(min=LOG_SURVIVAL_FLOOR) if isinstance(log_surv, torch.Tensor) else \
+        max(log_surv, LOG_SURVIVAL_FLOOR)
     eos_log_prob = log1mexp(log_surv)
-    return non_eos_lse - floored, non_eos_lse + eos_log_prob - floored, eos_log_prob, next_state
+    return non_eos_lse - floored, non_eos_lse + eos_log_prob - floored, eos_log_prob
 
 
 def check_rows(non_eos_lse: torch.Tensor, eos_logit: Optional[torch.Tensor] = None) -> None:

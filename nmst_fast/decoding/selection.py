@@ -94,25 +94,23 @@ def greedy_with_log_probs(dist: StepDistribution) -> tuple[torch.Tensor, torch.T
     """Most probable token per row (B,) int64, ties → lower index, and its log p (B,) float64: the best
     column on each side of eos (views; :func:`first_max`), then eos against it by its float64 ζ_eos.
     """
-    if dist.eos_zeta is None:
-        value, column = first_max(dist.zeta)
-        return column, value.double() - dist.log_norm
     zeta, eos = dist.zeta, dist.eos_index
     best_val = best_idx = None
-    for first, part in ((0, zeta[:, :eos]), (eos + 1, zeta[:, eos + 1:])):
+    for first, part in ((0, zeta),) if dist.eos_zeta is None else ((0, zeta[:, :eos]), (eos + 1, zeta[:, eos + 1:])):
         if not part.shape[1]:
             continue
-        val, idx = first_max(part)
-        if first:
-            idx += first
+        values, columns = first_max(part)
+        val = torch.tensor(values, dtype=torch.float64, device=zeta.device)  # float32 values exactly
+        idx = torch.tensor(columns, dtype=torch.int64, device=zeta.device) + first
         if best_idx is None:
             best_idx, best_val = idx, val
         else:  # the right side wins only if strictly larger: ties keep the lower index
             right = val > best_val
             best_idx, best_val = torch.where(right, idx, best_idx), torch.where(right, val, best_val)
-    best64 = best_val.double()
-    eos_wins = (dist.eos_zeta > best64) | ((dist.eos_zeta == best64) & (eos < best_idx))
-    return torch.where(eos_wins, eos, best_idx), torch.where(eos_wins, dist.eos_log_prob, best64 - dist.log_norm)
+    if dist.eos_zeta is None:
+        return best_idx, best_val - dist.log_norm
+    eos_wins = (dist.eos_zeta > best_val) | ((dist.eos_zeta == best_val) & (eos < best_idx))
+    return torch.where(eos_wins, eos, best_idx), torch.where(eos_wins, dist.eos_log_prob, best_val - dist.log_norm)
 
 
 # CPU torch.argmax reads a row several times slower than amax (≈ 130 against 15 µs at 50257 columns):
@@ -121,23 +119,28 @@ _MAX_BLOCK = 1024
 _MIN_BLOCKS = 16
 
 
-def first_max(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(value (B,), column (B,) int64) of the largest entry of each row of ``values`` (B, n), at its
-    first column (as ``torch.argmax``; rows holding NaN are the callers' to refuse). Long CPU rows go
+def first_max(values: torch.Tensor) -> tuple[list[float], list[int]]:
+    """(values, columns): per row of ``values`` (B, n) its largest entry and that entry's first column
+    (as ``torch.argmax``; a row holding NaN gets some entry, the callers' to refuse). Long CPU rows go
     by blocks: the blocks' maxima (the last block ends at the row's end, overlapping the one before),
-    then the first column of the maximum in the first block holding it.
+    then ``argmax`` of the first block holding the maximum.
     """
     B, n = values.shape
     blocks = n // _MAX_BLOCK
     if blocks < _MIN_BLOCKS or values.device.type != "cpu" or values.stride(1) != 1:
         idx = values.argmax(dim=1, keepdim=True)
-        return values.gather(1, idx).squeeze(1), idx.squeeze(1)
-    body = values[:, : blocks * _MAX_BLOCK].view(B, blocks, _MAX_BLOCK).amax(dim=2)
-    maxima = torch.cat([body, values[:, n - _MAX_BLOCK:].amax(dim=1, keepdim=True)], dim=1)
-    best, block = maxima.max(dim=1, keepdim=True)  # the first block holding it
-    start = block.mul_(_MAX_BLOCK).clamp_(max=n - _MAX_BLOCK)  # the overlapping last block starts at n − block
-    window = values.unfold(1, _MAX_BLOCK, 1).gather(1, start.unsqueeze(2).expand(B, 1, _MAX_BLOCK)).squeeze(1)
-    return best.squeeze(1), start.squeeze(1) + window.argmax(dim=1)
+        return values.gather(1, idx).view(-1).tolist(), idx.view(-1).tolist()
+    # narrow and select, not indexing: Python's indexing costs more than these reductions at B = 1
+    maxima = values.narrow(1, 0, blocks * _MAX_BLOCK).view(B, blocks, _MAX_BLOCK).amax(dim=2).tolist()
+    tails = values.narrow(1, n - _MAX_BLOCK, _MAX_BLOCK).amax(dim=1).tolist()
+    best, columns = [], []
+    for row, (row_maxima, tail) in enumerate(zip(maxima, tails)):
+        row_maxima.append(tail)
+        top = max(row_maxima)
+        start = min(row_maxima.index(top) * _MAX_BLOCK, n - _MAX_BLOCK) if top == top else 0
+        best.append(top)
+        columns.append(start + values.select(0, row).narrow(0, start, _MAX_BLOCK).argmax().item())
+    return best, columns
 
 
 def truncated_candidates(

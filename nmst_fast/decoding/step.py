@@ -3,8 +3,8 @@
 :class:`DecodingStep` is built once per (head, strategy, vocabulary size, device) and picks its path
 then: the Triton kernels (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``) — greedy, sampling and
 top-k (then top-p) in the one-launch split-V scan (``nmst_fast/kernels/scan_select.py``), top-p alone
-by rejection rounds (``nmst_fast/kernels/row_draw.py``) — or the torch path (:mod:`.selection`: CPU,
-top-k beyond the kernels' lists).
+by rejection rounds (``nmst_fast/kernels/row_draw.py``) — or the torch path (CPU, top-k beyond the kernels'
+lists: :mod:`.host_rows` for greedy and top-k of small batches, :mod:`.selection` otherwise).
 
 The kernels leave two flags per step on the device: the first row with no distribution and the first
 row the rejection rounds left without a token. ``defer_checks=True`` logs them for
@@ -33,6 +33,7 @@ from .distribution import (
     no_distribution_message,
     steps_tensor,
 )
+from .host_rows import MAX_ROWS, HostRows
 from .selection import greedy_with_log_probs, select
 from .truncation import TOP_P_SLACK, check_truncation, untruncated
 
@@ -170,6 +171,9 @@ class DecodingStep:
         self._list = None if plain else top_k
         self._threshold = top_p - TOP_P_SLACK if not plain and top_p is not None and top_p < 1.0 else None
         self._rejection = not plain and top_k is None  # top-p alone: the row draw
+        # Greedy and top-k of up to host_rows.MAX_ROWS rows on the torch path: each row finished on the host.
+        self._host_rows = None if top_k is None else HostRows(head=head, eos_index=self.eos_index, eps=self.eps,
+                                                               temperature=self.temperature, top_k=top_k, top_p=top_p)
         self._log = _FlagLog(self.device)
         self._seeds = _Seeds(self.device)
         self._launch = None  # the kernel wrapper, imported at the first call (Triton reads its mode then)
@@ -223,6 +227,8 @@ class DecodingStep:
 
     def _torch_step(self, logits: torch.Tensor, steps: Steps, state: Optional[torch.Tensor],
                     generator: Optional[torch.Generator], first_size: Optional[int] = None) -> StepOutput:
+        if self._host_rows is not None and logits.shape[0] <= MAX_ROWS:
+            return StepOutput(*self._host_rows(logits, steps, state, generator))
         dist = effective_logits(logits, head=self.head, eos_index=self.eos_index, eps=self.eps, steps=steps,
                                 state=state, temperature=self.temperature)
         if self._greedy:

@@ -1,0 +1,145 @@
+"""Greedy and top-k (then top-p) on the torch path for batches of up to MAX_ROWS rows, each row
+finished on the host in Python floats (larger batches take the tensors of :mod:`.selection`).
+
+On the CPU a torch op costs 3–8 µs of dispatch however short its tensor, and the per-row part of a
+step — the head's float64 scalars, the row check, eos ranked among the best tokens, truncation, the
+draw — took 60–90 such ops: at B = 1 most of the step. Here the V-wide part stays in torch (ζ in one
+reused buffer with eos at −inf, the best token or the exact top k, Σ e^(ζ − max)), is read back once,
+and each row is finished in float64 arithmetic by the same head formulas as the tensors
+(:func:`nmst_fast.head_math.nmst_log_survival`, :func:`.distribution.head_terms`). On CUDA
+(``impl="torch"``) the read-back is the call's one host sync.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import numbers
+from itertools import accumulate
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..head_math import nmst_log_survival, st_step_term
+from .distribution import (
+    Steps,
+    check_state,
+    head_terms,
+    int64_steps,
+    no_distribution_message,
+    row_blocks_of,
+    steps_tensor,
+)
+from .selection import first_max, top_tokens
+from .truncation import TOP_P_SLACK
+
+# Batches up to this size go row by row: a row costs 3–20 µs of Python, the torch path's per-row
+# ops about 0.4–0.9 ms a call whatever the batch (60–90 ops), so the host wins below some 40 rows.
+MAX_ROWS = 32
+
+
+class HostRows:
+    """Greedy (``top_k=1``) or top-k (then top-p) selection for one head; arguments as
+    :class:`nmst_fast.decoding.DecodingStep`'s. Owns the ζ buffer of its calls."""
+
+    def __init__(self, *, head: str, eos_index: int, eps: float, temperature: float, top_k: int,
+                 top_p: Optional[float]):
+        self.head, self.eos_index, self.eps, self.temperature = head, eos_index, eps, temperature
+        self.top_k = top_k
+        self.cut = None if top_p is None or top_p >= 1.0 else top_p - TOP_P_SLACK
+        self._buffer: Optional[torch.Tensor] = None
+
+    def __call__(self, logits: torch.Tensor, steps: Steps, state: Optional[torch.Tensor],
+                 generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(tokens (B,) int64, log p (B,) float64 of each under the untruncated step distribution, ST's
+        next state (B,) float64 or None) for ``logits`` (B, V)."""
+        B, device, special_eos = logits.shape[0], logits.device, self.head != "va"
+        eos_logits = logits.select(1, self.eos_index).tolist() if special_eos else [0.0] * B
+        if not special_eos or (isinstance(steps, numbers.Integral) and not isinstance(steps, bool)):
+            step_list = [1 if not special_eos else int64_steps(steps)] * B
+        else:
+            step_list = steps_tensor(steps, B, device).tolist()
+        prev = [0.0] * B if self.head != "st" or state is None else check_state(state, B, device).double().tolist()
+        blocks = row_blocks_of(logits)
+        reduced = self._reduce(logits) if len(blocks) == 1 else [row for rows in blocks
+                                                                  for row in self._reduce(logits[rows])]
+        uniforms = [0.0] * B if self.top_k == 1 else torch.rand(
+            B, dtype=torch.float64, generator=generator,
+            device=generator.device if generator is not None else device).tolist()
+        tokens, log_probs, states = [], [], []
+        for row, (top, total, picked, values) in enumerate(reduced):
+            token, log_p, next_state = self._finish(row, top, total, picked, values, eos_logits[row],
+                                                    step_list[row], prev[row], uniforms[row])
+            tokens.append(token)
+            log_probs.append(log_p)
+            states.append(next_state)
+        return (_tensor(tokens, np.int64, device), _tensor(log_probs, np.float64, device),
+                _tensor(states, np.float64, device) if self.head == "st" else None)
+
+    def _reduce(self, logits: torch.Tensor) -> list[tuple]:
+        """Per row: (the top ζ, Σ e^(ζ − top) over non-eos columns, the greedy column or the exact
+        top-k tokens, None or their ζ)."""
+        R, V = logits.shape
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        if (self._buffer is None or self._buffer.numel() < R * V or self._buffer.dtype != dtype
+                or self._buffer.device != logits.device):
+            self._buffer = torch.empty(R * V, dtype=dtype, device=logits.device)
+        zeta = self._buffer.narrow(0, 0, R * V).view(R, V).copy_(logits)
+        if self.temperature != 1.0:
+            zeta.div_(self.temperature)
+        if self.head != "va":
+            zeta.select(1, self.eos_index).fill_(-math.inf)  # NaN there is refused by the eos logit
+        if self.top_k == 1:
+            tops, picked = first_max(zeta)
+            values: list = [None] * R
+            shift = tops[0] if R == 1 else zeta.new_tensor(tops).unsqueeze(1)
+        else:
+            tokens, ranked = top_tokens(zeta, self.top_k)
+            shift, picked, values = ranked[:, :1], tokens.tolist(), ranked.tolist()
+            tops = [row[0] for row in values]
+        totals = zeta.sub_(shift).exp_().sum(dim=1)  # a NaN, ±inf or all −inf row gives NaN
+        return list(zip(tops, totals.tolist(), picked, values))
+
+    def _finish(self, row: int, top: float, total: float, picked, values: Optional[list[float]], eos_logit: float,
+                t: int, prev: float, uniform: float) -> tuple[int, float, Optional[float]]:
+        """One row's token, its log p and ST's next state, from its reduction."""
+        lse = top + math.log(total) if math.isfinite(top) and total > 0 else math.nan
+        if not math.isfinite(lse) or math.isnan(eos_logit):
+            raise ValueError(no_distribution_message(row))
+        eos, next_state = self.eos_index, None
+        if self.head == "va":
+            log_norm = lse
+        else:
+            if self.head == "nmst":
+                log_surv = nmst_log_survival(eos_logit, t, self.eps)
+            else:
+                running = prev + st_step_term(eos_logit, self.eps)
+                log_surv, next_state = (running, running) if t >= 1 else (0.0, prev)
+            log_norm, eos_zeta, eos_log_prob = head_terms(lse, log_surv)
+        if values is None:  # greedy: eos against the best other token, ties → lower index
+            if self.head != "va" and (eos_zeta > top or (eos_zeta == top and eos < picked)):
+                return eos, eos_log_prob, next_state
+            return picked, top - log_norm, next_state
+        tokens, log_ps = picked, [value - log_norm for value in values]
+        if self.head != "va":  # eos after every token with a higher ζ, or an equal ζ and a lower index
+            at = 0
+            while at < len(values) and (values[at] > eos_zeta or (values[at] == eos_zeta and tokens[at] < eos)):
+                at += 1
+            tokens, log_ps = tokens[:at] + [eos] + tokens[at:], log_ps[:at] + [eos_log_prob] + log_ps[at:]
+        weights = [math.exp(log_p) for log_p in log_ps[: self.top_k]]
+        if self.cut is not None:  # top-p on the top-k set: keep ranks while the mass before them is short of p
+            mass = sum(weights)
+            kept = 1 + sum(1 for before in accumulate(weights[:-1]) if before / mass < self.cut)
+            weights = weights[:kept]
+        cdf = list(accumulate(weights))
+        # u < 1, but u · total may round up to total, which no entry exceeds: stay one ulp below it.
+        chosen = bisect.bisect_right(cdf, min(uniform * cdf[-1], math.nextafter(cdf[-1], 0.0)))
+        return tokens[chosen], log_ps[chosen], next_state
+
+
+def _tensor(values: list, dtype: type, device: torch.device) -> torch.Tensor:
+    """A list of Python numbers as a (B,) tensor on ``device`` (through numpy: a third of
+    ``torch.tensor``'s cost)."""
+    out = torch.from_numpy(np.array(values, dtype=dtype))
+    return out if device.type == "cpu" else out.to(device)

@@ -1,0 +1,143 @@
+"""The torch path's small batches (nmst_fast/decoding/host_rows.py): each row of greedy and top-k
+finished in Python floats, against the tensor path and the float64 sort-based reference."""
+
+import pytest
+import torch
+from scipy import stats
+
+from nmst_fast.decoding import DecodingStep, effective_logits, step_log_probs
+from nmst_fast.decoding.host_rows import MAX_ROWS
+from nmst_fast.decoding.reference import truncated_distribution
+from nmst_fast.decoding.selection import greedy_with_log_probs
+
+HEADS = ("nmst", "st", "va")
+
+
+def _seed() -> int:
+    return torch.seed() % 2**31
+
+
+def _inputs(head, B, V, eos, gen, dtype=torch.float32, scale=4.0):
+    z = (torch.randn(B, V, generator=gen, dtype=torch.float64) * scale).to(dtype)
+    z[: B // 2, eos] += 3 * scale  # eos wins on some rows
+    steps = torch.randint(-1, 400, (B,), generator=gen)
+    state = -torch.rand(B, generator=gen, dtype=torch.float64) if head == "st" else None
+    return z, steps, state
+
+
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("B,V,eos", [(1, 30, 0), (5, 30, 13), (MAX_ROWS, 30, 29), (3, 40961, 20000),
+                                     (2, 40961, 40960)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_greedy_is_the_tensor_paths(head, B, V, eos, temperature):
+    """Token, log p and ST's state as the tensor path's greedy gives them (log p to the rounding of
+    L's float32 sum), on rows short and long enough for the block maxima, with eos at either end."""
+    seed = _seed()
+    z, steps, state = _inputs(head, B, V, eos, torch.Generator().manual_seed(seed))
+    z[-1] = z[-1].round()  # exact ties across blocks
+    step = DecodingStep(head=head, eos_index=eos, vocab_size=V, eps=0.05, top_k=1, temperature=temperature)
+    out = step(z, steps=steps, state=state)
+    dist = effective_logits(z, head=head, eos_index=eos, eps=0.05, steps=steps, state=state, temperature=temperature)
+    tokens, log_p = greedy_with_log_probs(dist)
+    assert torch.equal(out.tokens, tokens), f"seed={seed}"
+    torch.testing.assert_close(out.log_probs, log_p, rtol=1e-6, atol=1e-6)
+    assert out.log_probs.dtype == torch.float64
+    if head == "st":
+        torch.testing.assert_close(out.state, dist.state, rtol=1e-15, atol=0)
+    else:
+        assert out.state is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("eps,t", [(1e-9, 10**7), (0.5, 1), (1e-5, 69315)])
+def test_greedy_dtypes_extreme_logits_and_eps(dtype, eps, t):
+    """Half and double logits, |z| ~ 1e4, tiny ε at large t and large ε (where p(eos) and the best
+    token's p tie at 1/2): the tensor path's token and log p."""
+    gen = torch.Generator().manual_seed(_seed())
+    z = (torch.randn(6, 300, generator=gen) * 1e4).to(dtype)
+    out = DecodingStep(head="nmst", eos_index=7, vocab_size=300, eps=eps, top_k=1)(z, steps=t)
+    tokens, log_p = greedy_with_log_probs(effective_logits(z, head="nmst", eos_index=7, eps=eps, steps=t))
+    assert torch.equal(out.tokens, tokens)
+    torch.testing.assert_close(out.log_probs, log_p, rtol=1e-6, atol=1e-6)
+
+
+def _g_test(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    support = probs > 0
+    assert counts[~support].sum() == 0, "drew a token outside the truncated support"
+    observed, expected = counts[support], probs[support] * counts.sum()
+    if observed.numel() == 1:
+        return 1.0
+    nonzero = observed > 0
+    g = 2.0 * (observed[nonzero] * torch.log(observed[nonzero] / expected[nonzero])).sum().item()
+    return float(stats.chi2.sf(g, df=observed.numel() - 1))
+
+
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("top_k,top_p", [(3, None), (5, 0.7), (30, None), (2, 0.3)])
+def test_top_k_draws_follow_the_reference(head, top_k, top_p):
+    """32,000 draws of one row with a three-way tie (MAX_ROWS per call), G-tested against the float64
+    sort-based truncation of the exact step distribution; log p of each draw is its exact log p."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    V, eos, eps, t = 24, 2, 0.05, 9
+    z = torch.randn(V, generator=gen, dtype=torch.float64) * 2
+    z[5] = z[9] = z[3]
+    z = z.float()
+    state = torch.tensor([-0.3], dtype=torch.float64) if head == "st" else None
+    exact, _ = step_log_probs(z[None].double(), head=head, eos_index=eos, eps=eps, steps=t, state=state)
+    reference = truncated_distribution(exact, top_k, top_p)[0]
+    step = DecodingStep(head=head, eos_index=eos, vocab_size=V, eps=eps, top_k=top_k, top_p=top_p)
+    rows = z.expand(MAX_ROWS, -1)
+    states = None if state is None else state.expand(MAX_ROWS)
+    draws = torch.Generator().manual_seed(seed + 1)
+    counts = torch.zeros(V, dtype=torch.float64)
+    for _ in range(1000):
+        out = step(rows, steps=t, state=states, generator=draws)
+        counts += torch.bincount(out.tokens, minlength=V)
+        torch.testing.assert_close(out.log_probs, exact[0, out.tokens], rtol=1e-6, atol=1e-6)
+    assert _g_test(counts, reference) > 1e-5, f"seed={seed}"
+
+
+def test_rows_with_fewer_finite_tokens_than_k():
+    """Three finite logits, eos among them: eos is listed once (the masked column is not taken back)
+    and the draws follow the three tokens' probabilities."""
+    V = 50
+    z = torch.full((MAX_ROWS, V), float("-inf"))
+    z[:, 10], z[:, 20], z[:, 0] = 1.0, 0.5, 0.0
+    step = DecodingStep(head="nmst", eos_index=0, vocab_size=V, eps=1e-2, top_k=8)
+    gen = torch.Generator().manual_seed(_seed())
+    tokens = torch.cat([step(z, steps=1, generator=gen).tokens for _ in range(500)])
+    want = step_log_probs(z[:1], head="nmst", eos_index=0, eps=1e-2, steps=1)[0][0, [0, 10, 20]].exp()
+    counts = torch.bincount(tokens, minlength=V)[[0, 10, 20]].double()
+    assert int(counts.sum()) == tokens.numel()
+    assert stats.chisquare(counts.numpy(), (want * tokens.numel()).numpy()).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("top_k", [1, 4])
+@pytest.mark.parametrize("bad", ["nan", "inf", "all_neg_inf", "nan_eos"])
+def test_rows_without_a_distribution_are_refused(top_k, bad):
+    z = torch.randn(3, 40, generator=torch.Generator().manual_seed(_seed()))
+    if bad == "nan":
+        z[1, 7] = float("nan")
+    elif bad == "inf":
+        z[1, 7] = float("inf")
+    elif bad == "all_neg_inf":
+        z[1, 1:] = float("-inf")
+    else:
+        z[1, 0] = float("nan")
+    step = DecodingStep(head="nmst", eos_index=0, vocab_size=40, top_k=top_k)
+    with pytest.raises(ValueError, match="logits row 1 "):
+        step(z, steps=0 if bad == "nan_eos" else 3)
+
+
+@pytest.mark.parametrize("value", [float("nan"), 0.5])
+def test_invalid_st_state_is_refused(value):
+    step = DecodingStep(head="st", eos_index=0, vocab_size=10, top_k=2)
+    with pytest.raises(ValueError, match="state"):
+        step(torch.randn(2, 10), state=torch.tensor([-0.1, value]))
+
+
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_empty_batch(top_k):
+    out = DecodingStep(head="st", eos_index=0, vocab_size=10, top_k=top_k)(torch.randn(0, 10), steps=1)
+    assert out.tokens.shape == out.log_probs.shape == out.state.shape == (0,)
