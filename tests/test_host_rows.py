@@ -73,25 +73,29 @@ def _g_test(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("head", HEADS)
-@pytest.mark.parametrize("top_k,top_p", [(3, None), (5, 0.7), (30, None), (2, 0.3)])
-def test_top_k_draws_follow_the_reference(head, top_k, top_p):
-    """32,000 draws of one row with a three-way tie (MAX_ROWS per call), G-tested against the float64
-    sort-based truncation of the exact step distribution; log p of each draw is its exact log p."""
+@pytest.mark.parametrize("eos", [2, 23])
+@pytest.mark.parametrize("top_k,top_p,temperature", [(3, None, 1.0), (5, 0.7, 0.7), (30, None, 1.0), (2, 0.3, 1.3)])
+def test_top_k_draws_follow_the_reference(head, eos, top_k, top_p, temperature):
+    """19,200 draws of one row with a three-way tie (MAX_ROWS per call), G-tested against the float64
+    sort-based truncation of the exact step distribution; log p of each draw is its exact log p. Eos
+    inside the row (ζ copied, eos masked) and last (ζ read in place)."""
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
-    V, eos, eps, t = 24, 2, 0.05, 9
+    V, eps, t = 24, 0.05, 9
     z = torch.randn(V, generator=gen, dtype=torch.float64) * 2
     z[5] = z[9] = z[3]
     z = z.float()
     state = torch.tensor([-0.3], dtype=torch.float64) if head == "st" else None
-    exact, _ = step_log_probs(z[None].double(), head=head, eos_index=eos, eps=eps, steps=t, state=state)
+    exact, _ = step_log_probs(z[None].double(), head=head, eos_index=eos, eps=eps, steps=t, state=state,
+                              temperature=temperature)
     reference = truncated_distribution(exact, top_k, top_p)[0]
-    step = DecodingStep(head=head, eos_index=eos, vocab_size=V, eps=eps, top_k=top_k, top_p=top_p)
+    step = DecodingStep(head=head, eos_index=eos, vocab_size=V, eps=eps, top_k=top_k, top_p=top_p,
+                        temperature=temperature)
     rows = z.expand(MAX_ROWS, -1)
     states = None if state is None else state.expand(MAX_ROWS)
     draws = torch.Generator().manual_seed(seed + 1)
     counts = torch.zeros(V, dtype=torch.float64)
-    for _ in range(1000):
+    for _ in range(600):
         out = step(rows, steps=t, state=states, generator=draws)
         counts += torch.bincount(out.tokens, minlength=V)
         torch.testing.assert_close(out.log_probs, exact[0, out.tokens], rtol=1e-6, atol=1e-6)
@@ -141,3 +145,40 @@ def test_invalid_st_state_is_refused(value):
 def test_empty_batch(top_k):
     out = DecodingStep(head="st", eos_index=0, vocab_size=10, top_k=top_k)(torch.randn(0, 10), steps=1)
     assert out.tokens.shape == out.log_probs.shape == out.state.shape == (0,)
+
+
+def test_block_topk_is_topk():
+    """Long CPU rows by block maxima: torch.topk's values, at columns holding them, with the maximum in
+    the tail past the last whole block, several rows, and ties at the block maxima (whole-row topk)."""
+    from nmst_fast.decoding.selection import block_topk
+
+    gen = torch.Generator().manual_seed(_seed())
+    for V in (64 * 300, 64 * 300 + 17, 50257):
+        for n in (2, 51):
+            z = torch.randn(3, V, generator=gen)
+            z[0, -3] = 50.0
+            for rows in (z, z[:, 1:], z[1:2]):
+                values, columns = block_topk(rows, n)
+                assert values == torch.topk(rows, n, dim=1).values.tolist()
+                assert all(rows[r, c].item() == v for r in range(rows.shape[0])
+                           for c, v in zip(columns[r], values[r]))
+                assert all(len(set(row)) == n for row in columns)
+        ties = torch.randint(0, 3, (2, V), generator=gen).float()
+        assert block_topk(ties, 5)[0] == torch.topk(ties, 5, dim=1).values.tolist()
+
+
+@pytest.mark.parametrize("head,eos", [("nmst", 20000), ("nmst", 40960), ("va", 0)])
+@pytest.mark.parametrize("top_k", [5, 50])
+def test_long_rows_rank_as_the_tensor_path(head, eos, top_k):
+    """Rows long enough for the block top-k, with exact ties everywhere: the host's ranked top-k
+    tokens are the tensor path's (ties → lower index)."""
+    from nmst_fast.decoding.host_rows import HostRows
+    from nmst_fast.decoding.selection import top_tokens
+
+    gen = torch.Generator().manual_seed(_seed())
+    z = torch.randn(4, 40961, generator=gen) * 3
+    z[2:] = z[2:].round()  # ties inside and across the top k
+    rows = HostRows(head=head, eos_index=eos, eps=0.01, temperature=1.0, top_k=top_k, top_p=None)
+    picked = [row[2] for row in rows._reduce(z)]
+    want, _ = top_tokens(z, top_k, exclude=eos if head != "va" else None)
+    assert picked == want.tolist()

@@ -23,6 +23,7 @@ import torch
 
 from ..head_math import nmst_log_survival, st_step_term
 from .distribution import (
+    BLOCK_ENTRIES,
     Steps,
     check_state,
     head_terms,
@@ -31,7 +32,7 @@ from .distribution import (
     row_blocks_of,
     steps_tensor,
 )
-from .selection import first_max, top_tokens
+from .selection import block_topk, first_max, top_tokens
 from .truncation import TOP_P_SLACK
 
 # Batches up to this size go row by row: a row costs 3–20 µs of Python, the torch path's per-row
@@ -61,7 +62,7 @@ class HostRows:
         else:
             step_list = steps_tensor(steps, B, device).tolist()
         prev = [0.0] * B if self.head != "st" or state is None else check_state(state, B, device).double().tolist()
-        blocks = row_blocks_of(logits)
+        blocks = [slice(None)] if B * logits.shape[1] <= BLOCK_ENTRIES else row_blocks_of(logits)
         reduced = self._reduce(logits) if len(blocks) == 1 else [row for rows in blocks
                                                                   for row in self._reduce(logits[rows])]
         uniforms = [0.0] * B if self.top_k == 1 else torch.rand(
@@ -82,23 +83,36 @@ class HostRows:
         top-k tokens, None or their ζ)."""
         R, V = logits.shape
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        if (self._buffer is None or self._buffer.numel() < R * V or self._buffer.dtype != dtype
-                or self._buffer.device != logits.device):
-            self._buffer = torch.empty(R * V, dtype=dtype, device=logits.device)
-        zeta = self._buffer.narrow(0, 0, R * V).view(R, V).copy_(logits)
-        if self.temperature != 1.0:
-            zeta.div_(self.temperature)
-        if self.head != "va":
-            zeta.select(1, self.eos_index).fill_(-math.inf)  # NaN there is refused by the eos logit
+        last = V - 1 if self.head != "va" and self.eos_index == V - 1 else V  # eos last: ζ is a view of the rest
+        buffer = self._buffer
+        if (buffer is None or buffer.shape[0] < R or buffer.shape[1] != last or buffer.dtype != dtype
+                or buffer.device != logits.device):
+            buffer = self._buffer = torch.empty(R, last, dtype=dtype, device=logits.device)
+        elif buffer.shape[0] > R:
+            buffer = buffer.narrow(0, 0, R)
+        head = logits if last == V else logits.narrow(1, 0, last)
+        if self.temperature == 1.0 and logits.dtype == dtype and logits.stride(1) == 1 and last == V - (
+                self.head != "va"):
+            zeta = head  # read, never written: the exp pass writes the buffer
+        else:
+            zeta = buffer.copy_(head)
+            if self.temperature != 1.0:
+                zeta.div_(self.temperature)
+            if last == V and self.head != "va":
+                zeta.select(1, self.eos_index).fill_(-math.inf)  # NaN there is refused by the eos logit
         if self.top_k == 1:
             tops, picked = first_max(zeta)
             values: list = [None] * R
-            shift = tops[0] if R == 1 else zeta.new_tensor(tops).unsqueeze(1)
         else:
-            tokens, ranked = top_tokens(zeta, self.top_k)
-            shift, picked, values = ranked[:, :1], tokens.tolist(), ranked.tolist()
+            k = min(self.top_k, last)
+            values, picked = block_topk(zeta, min(k + 1, last))
+            if any(a == b for row in values for a, b in zip(row, row[1:])):  # topk orders ties arbitrarily
+                tokens, ranked = top_tokens(zeta, k)
+                values, picked = ranked.tolist(), tokens.tolist()
+            values, picked = [row[:k] for row in values], [row[:k] for row in picked]
             tops = [row[0] for row in values]
-        totals = zeta.sub_(shift).exp_().sum(dim=1)  # a NaN, ±inf or all −inf row gives NaN
+        shift = tops[0] if R == 1 else zeta.new_tensor(tops).unsqueeze(1)
+        totals = torch.sub(zeta, shift, out=buffer).exp_().sum(dim=1)  # NaN, ±inf or all −inf rows: NaN
         return list(zip(tops, totals.tolist(), picked, values))
 
     def _finish(self, row: int, top: float, total: float, picked, values: Optional[list[float]], eos_logit: float,
