@@ -217,16 +217,18 @@ def test_greedy_ties_with_eos_go_to_the_lower_index(eos):
 @pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("eos,V", [(0, 30), (13, 30), (29, 30), (20000, 17500 * 2)])
 def test_greedy_log_probs_are_the_token_log_probs(head, eos, V):
-    """The greedy step's log p comes from the winners' ζ at hand: bit for bit token_log_probs."""
-    from nmst_fast.decoding.selection import greedy_with_log_probs
+    """The greedy step's log p is the distribution's log p of its token (to the rounding of L's
+    float32 sum, which the step takes over the row with eos masked) and its token the exact best."""
+    from nmst_fast.decoding import DecodingStep, greedy
 
     gen = torch.Generator().manual_seed(eos + V)
     z = torch.randn(8, V, generator=gen) * 4
     z[:4, eos] += 12.0  # eos wins on some rows
-    d = effective_logits(z, head=head, eos_index=eos, eps=0.05, steps=torch.arange(8) * 5,
-                         state=torch.full((8,), -0.5) if head == "st" else None)
-    tokens, log_p = greedy_with_log_probs(d)
-    assert torch.equal(log_p, d.token_log_probs(tokens)) and log_p.dtype == torch.float64
+    steps, state = torch.arange(8) * 5, torch.full((8,), -0.5) if head == "st" else None
+    d = effective_logits(z, head=head, eos_index=eos, eps=0.05, steps=steps, state=state)
+    out = DecodingStep(head=head, eos_index=eos, vocab_size=V, eps=0.05, top_k=1)(z, steps=steps, state=state)
+    assert torch.equal(out.tokens, greedy(d)) and out.log_probs.dtype == torch.float64
+    torch.testing.assert_close(out.log_probs, d.token_log_probs(out.tokens), rtol=1e-6, atol=1e-6)
 
 
 def test_first_max_by_blocks_is_the_first_maximum():

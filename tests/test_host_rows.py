@@ -5,10 +5,9 @@ import pytest
 import torch
 from scipy import stats
 
-from nmst_fast.decoding import DecodingStep, effective_logits, step_log_probs
+from nmst_fast.decoding import DecodingStep, effective_logits, greedy, step_log_probs
 from nmst_fast.decoding.host_rows import MAX_ROWS
 from nmst_fast.decoding.reference import truncated_distribution
-from nmst_fast.decoding.selection import greedy_with_log_probs
 
 HEADS = ("nmst", "st", "va")
 
@@ -26,21 +25,21 @@ def _inputs(head, B, V, eos, gen, dtype=torch.float32, scale=4.0):
 
 
 @pytest.mark.parametrize("head", HEADS)
-@pytest.mark.parametrize("B,V,eos", [(1, 30, 0), (5, 30, 13), (MAX_ROWS, 30, 29), (3, 40961, 20000),
+@pytest.mark.parametrize("B,V,eos", [(1, 30, 0), (5, 30, 13), (MAX_ROWS + 7, 30, 29), (3, 40961, 20000),
                                      (2, 40961, 40960)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_greedy_is_the_tensor_paths(head, B, V, eos, temperature):
-    """Token, log p and ST's state as the tensor path's greedy gives them (log p to the rounding of
-    L's float32 sum), on rows short and long enough for the block maxima, with eos at either end."""
+    """Token, log p and ST's state as the exact ranking and the tensor path's distribution give them
+    (log p to the rounding of L's float32 sum), on rows short and long enough for the block maxima,
+    with eos at either end."""
     seed = _seed()
     z, steps, state = _inputs(head, B, V, eos, torch.Generator().manual_seed(seed))
     z[-1] = z[-1].round()  # exact ties across blocks
     step = DecodingStep(head=head, eos_index=eos, vocab_size=V, eps=0.05, top_k=1, temperature=temperature)
     out = step(z, steps=steps, state=state)
     dist = effective_logits(z, head=head, eos_index=eos, eps=0.05, steps=steps, state=state, temperature=temperature)
-    tokens, log_p = greedy_with_log_probs(dist)
-    assert torch.equal(out.tokens, tokens), f"seed={seed}"
-    torch.testing.assert_close(out.log_probs, log_p, rtol=1e-6, atol=1e-6)
+    assert torch.equal(out.tokens, greedy(dist)), f"seed={seed}"
+    torch.testing.assert_close(out.log_probs, dist.token_log_probs(out.tokens), rtol=1e-6, atol=1e-6)
     assert out.log_probs.dtype == torch.float64
     if head == "st":
         torch.testing.assert_close(out.state, dist.state, rtol=1e-15, atol=0)
@@ -52,13 +51,13 @@ def test_greedy_is_the_tensor_paths(head, B, V, eos, temperature):
 @pytest.mark.parametrize("eps,t", [(1e-9, 10**7), (0.5, 1), (1e-5, 69315)])
 def test_greedy_dtypes_extreme_logits_and_eps(dtype, eps, t):
     """Half and double logits, |z| ~ 1e4, tiny ε at large t and large ε (where p(eos) and the best
-    token's p tie at 1/2): the tensor path's token and log p."""
+    token's p tie at 1/2): the tensor path's ranking and log p."""
     gen = torch.Generator().manual_seed(_seed())
     z = (torch.randn(6, 300, generator=gen) * 1e4).to(dtype)
     out = DecodingStep(head="nmst", eos_index=7, vocab_size=300, eps=eps, top_k=1)(z, steps=t)
-    tokens, log_p = greedy_with_log_probs(effective_logits(z, head="nmst", eos_index=7, eps=eps, steps=t))
-    assert torch.equal(out.tokens, tokens)
-    torch.testing.assert_close(out.log_probs, log_p, rtol=1e-6, atol=1e-6)
+    dist = effective_logits(z, head="nmst", eos_index=7, eps=eps, steps=t)
+    assert torch.equal(out.tokens, greedy(dist))
+    torch.testing.assert_close(out.log_probs, dist.token_log_probs(out.tokens), rtol=1e-6, atol=1e-6)
 
 
 def _g_test(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -1,5 +1,5 @@
-"""Greedy and top-k (then top-p) on the torch path for batches of up to MAX_ROWS rows, each row
-finished on the host in Python floats (larger batches take the tensors of :mod:`.selection`).
+"""Greedy, and top-k (then top-p) of batches up to MAX_ROWS rows, on the torch path: each row finished
+on the host in Python floats (larger top-k batches take the tensors of :mod:`.selection`).
 
 On the CPU a torch op costs 3–8 µs of dispatch however short its tensor, and the per-row part of a
 step — the head's float64 scalars, the row check, eos ranked among the best tokens, truncation, the
@@ -35,8 +35,10 @@ from .distribution import (
 from .selection import block_topk, first_max, top_tokens
 from .truncation import TOP_P_SLACK
 
-# Batches up to this size go row by row: a row costs 3–20 µs of Python, the torch path's per-row
-# ops about 0.4–0.9 ms a call whatever the batch (60–90 ops), so the host wins below some 40 rows.
+# Top-k batches up to this size go row by row: a row costs 10–20 µs of Python, the tensor path's
+# per-row ops about 0.4–0.9 ms a call whatever the batch (60–90 ops), so the host wins below some 40
+# rows. Greedy goes row by row at any size (3–5 µs a row, besides the best column's block lookup that
+# both paths make).
 MAX_ROWS = 32
 
 

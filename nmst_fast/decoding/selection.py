@@ -86,31 +86,9 @@ def ranked_candidates(dist: StepDistribution, k: int) -> tuple[torch.Tensor, tor
 
 
 def greedy(dist: StepDistribution) -> torch.Tensor:
-    """Most probable token per row (B,), ties → lower index (see :func:`greedy_with_log_probs`)."""
-    return greedy_with_log_probs(dist)[0]
-
-
-def greedy_with_log_probs(dist: StepDistribution) -> tuple[torch.Tensor, torch.Tensor]:
-    """Most probable token per row (B,) int64, ties → lower index, and its log p (B,) float64: the best
-    column on each side of eos (views; :func:`first_max`), then eos against it by its float64 ζ_eos.
-    """
-    zeta, eos = dist.zeta, dist.eos_index
-    best_val = best_idx = None
-    for first, part in ((0, zeta),) if dist.eos_zeta is None else ((0, zeta[:, :eos]), (eos + 1, zeta[:, eos + 1:])):
-        if not part.shape[1]:
-            continue
-        values, columns = first_max(part)
-        val = torch.tensor(values, dtype=torch.float64, device=zeta.device)  # float32 values exactly
-        idx = torch.tensor(columns, dtype=torch.int64, device=zeta.device) + first
-        if best_idx is None:
-            best_idx, best_val = idx, val
-        else:  # the right side wins only if strictly larger: ties keep the lower index
-            right = val > best_val
-            best_idx, best_val = torch.where(right, idx, best_idx), torch.where(right, val, best_val)
-    if dist.eos_zeta is None:
-        return best_idx, best_val - dist.log_norm
-    eos_wins = (dist.eos_zeta > best_val) | ((dist.eos_zeta == best_val) & (eos < best_idx))
-    return torch.where(eos_wins, eos, best_idx), torch.where(eos_wins, dist.eos_log_prob, best_val - dist.log_norm)
+    """Most probable token per row (B,) int64, ties → lower index (the first of :func:`ranked_candidates`;
+    a decoding step's greedy path is :mod:`.host_rows`)."""
+    return ranked_candidates(dist, 1)[0].squeeze(1)
 
 
 # CPU torch.argmax reads a row several times slower than amax (≈ 130 against 15 µs at 50257 columns):

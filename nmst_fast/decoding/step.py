@@ -4,7 +4,7 @@
 then: the Triton kernels (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``) — greedy, sampling and
 top-k (then top-p) in the one-launch split-V scan (``nmst_fast/kernels/scan_select.py``), top-p alone
 by rejection rounds (``nmst_fast/kernels/row_draw.py``) — or the torch path (CPU, top-k beyond the kernels'
-lists: :mod:`.host_rows` for greedy and top-k of small batches, :mod:`.selection` otherwise).
+lists: :mod:`.host_rows` for greedy and for top-k of small batches, :mod:`.selection` otherwise).
 
 The kernels leave two flags per step on the device: the first row with no distribution and the first
 row the rejection rounds left without a token. ``defer_checks=True`` logs them for
@@ -34,7 +34,7 @@ from .distribution import (
     steps_tensor,
 )
 from .host_rows import MAX_ROWS, HostRows
-from .selection import greedy_with_log_probs, select
+from .selection import select
 from .truncation import TOP_P_SLACK, check_truncation, untruncated
 
 
@@ -171,7 +171,7 @@ class DecodingStep:
         self._list = None if plain else top_k
         self._threshold = top_p - TOP_P_SLACK if not plain and top_p is not None and top_p < 1.0 else None
         self._rejection = not plain and top_k is None  # top-p alone: the row draw
-        # Greedy and top-k of up to host_rows.MAX_ROWS rows on the torch path: each row finished on the host.
+        # Greedy, and top-k of up to host_rows.MAX_ROWS rows, on the torch path: each row finished on the host.
         self._host_rows = None if top_k is None else HostRows(head=head, eos_index=self.eos_index, eps=self.eps,
                                                                temperature=self.temperature, top_k=top_k, top_p=top_p)
         self._log = _FlagLog(self.device)
@@ -227,12 +227,10 @@ class DecodingStep:
 
     def _torch_step(self, logits: torch.Tensor, steps: Steps, state: Optional[torch.Tensor],
                     generator: Optional[torch.Generator], first_size: Optional[int] = None) -> StepOutput:
-        if self._host_rows is not None and logits.shape[0] <= MAX_ROWS:
+        if self._host_rows is not None and (self._greedy or logits.shape[0] <= MAX_ROWS):
             return StepOutput(*self._host_rows(logits, steps, state, generator))
         dist = effective_logits(logits, head=self.head, eos_index=self.eos_index, eps=self.eps, steps=steps,
                                 state=state, temperature=self.temperature)
-        if self._greedy:
-            return StepOutput(*greedy_with_log_probs(dist), dist.state)
         tokens = select(dist, top_k=self.top_k, top_p=self.top_p, generator=generator, first_size=first_size)
         return StepOutput(tokens, dist.token_log_probs(tokens), dist.state)
 
