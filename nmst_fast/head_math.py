@@ -51,8 +51,10 @@ def nmst_log_survival(s: Union[torch.Tensor, float], steps: Union[int, torch.Ten
     ``steps``: t per row, or one int t for every row (a decoding step: no (N,) tensor of it); ``s``
     (N,), or one row's float (then ``steps`` is its int t)."""
     value = log_sigmoid(-s)
-    if isinstance(steps, int):
-        return value + steps * math.log1p(-eps) if steps >= 1 else value * 0.0
+    if isinstance(steps, int):  # context (t <= 0): 0 even where s = +inf makes logσ(−s) = −inf
+        if steps >= 1:
+            return value + steps * math.log1p(-eps)
+        return torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0.0
     return torch.where(steps >= 1, value + steps.to(_F64) * math.log1p(-eps), 0.0)
 
 

@@ -181,3 +181,19 @@ def test_long_rows_rank_as_the_tensor_path(head, eos, top_k):
     picked = [row[2] for row in rows._reduce(z)]
     want, _ = top_tokens(z, top_k, exclude=eos if head != "va" else None)
     assert picked == want.tolist()
+
+
+@pytest.mark.parametrize("top_k", [1, 3])
+@pytest.mark.parametrize("rows", [1, MAX_ROWS + 1])
+def test_an_infinite_eos_logit_is_certain_eos_but_not_in_context(top_k, rows):
+    """s = +inf: p(eos) = 1 at t >= 1 (eos, log p 0), and 0 in the context (t <= 0), where the best
+    other token is drawn with a finite log p; on the host rows and the tensor path alike."""
+    z = torch.randn(rows, 20, generator=torch.Generator().manual_seed(_seed()))
+    z[:, 4] = float("inf")
+    step = DecodingStep(head="nmst", eos_index=4, vocab_size=20, eps=0.01, top_k=top_k)
+    live = step(z, steps=3, generator=torch.Generator().manual_seed(0))
+    assert (live.tokens == 4).all() and (live.log_probs == 0).all()
+    context = step(z, steps=0, generator=torch.Generator().manual_seed(0))
+    assert (context.tokens != 4).all() and torch.isfinite(context.log_probs).all()
+    dist = effective_logits(z, head="nmst", eos_index=4, eps=0.01, steps=0)
+    assert torch.isfinite(dist.log_norm).all() and (dist.eos_log_prob == float("-inf")).all()
