@@ -3,6 +3,7 @@
     python -m benchmarks.cpu_step                 # B in {1, 8}, V in {50257, 128256}, one thread
     python -m benchmarks.cpu_step --json out.json
     python -m benchmarks.cpu_step --repeats 3     # medians over three whole runs
+    python -m benchmarks.cpu_step --eos-inside    # eos 255 columns before the end (Llama 3's 128001)
 
 The plain version (:func:`plain_step`): the NMST log-probabilities over the vocabulary in the logits'
 dtype, then ``argmax``, ``topk`` + ``multinomial``, a sort + cumulative sum + ``multinomial`` for
@@ -29,17 +30,25 @@ from nmst_fast.decoding import DecodingStep
 from .decoding_cases import make_logits
 
 EPS, STEP = 1e-5, 100
+INSIDE = 255  # --eos-inside: eos this many columns before the last (Llama 3: 128001 of 128256)
 STRATEGIES = {"greedy": (1, None), "top-k 50": (50, None), "top-p 0.9": (None, 0.9), "sampling": (None, None)}
 
 
-def plain_step(top_k: Optional[int], top_p: Optional[float]) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
-    """The NMST step as a user would write it in torch (eos is the last column, t = STEP)."""
+def plain_step(top_k: Optional[int], top_p: Optional[float],
+               eos_inside: bool = False) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
+    """The NMST step as a user would write it in torch (t = STEP): eos last (the other columns are a
+    slice) or inside the vocabulary (its column masked for the softmax, then overwritten)."""
 
     def step(logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-        eos = logits.shape[1] - 1
+        eos = logits.shape[1] - 1 - (INSIDE if eos_inside else 0)
         log_survival = torch.nn.functional.logsigmoid(-logits[:, eos]) + STEP * math.log1p(-EPS)
-        log_p = torch.log_softmax(logits[:, :eos], dim=1) + log_survival[:, None]
-        log_p = torch.cat([log_p, torch.log(-torch.expm1(log_survival))[:, None]], dim=1)
+        if eos_inside:
+            masked = logits.index_fill(1, torch.tensor([eos]), float("-inf"))
+            log_p = torch.log_softmax(masked, dim=1) + log_survival[:, None]
+            log_p[:, eos] = torch.log(-torch.expm1(log_survival))
+        else:
+            log_p = torch.log_softmax(logits[:, :eos], dim=1) + log_survival[:, None]
+            log_p = torch.cat([log_p, torch.log(-torch.expm1(log_survival))[:, None]], dim=1)
         if top_k == 1:
             return torch.argmax(log_p, dim=1)
         if top_k is not None:
@@ -55,10 +64,11 @@ def plain_step(top_k: Optional[int], top_p: Optional[float]) -> Callable[[torch.
     return step
 
 
-def our_step(top_k: Optional[int], top_p: Optional[float],
-             V: int) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
+def our_step(top_k: Optional[int], top_p: Optional[float], V: int,
+             eos_inside: bool = False) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
     """A DecodingStep built once, called with its checks deferred, as ``generate`` calls it."""
-    step = DecodingStep(head="nmst", eos_index=V - 1, vocab_size=V, eps=EPS, top_k=top_k, top_p=top_p)
+    step = DecodingStep(head="nmst", eos_index=V - 1 - (INSIDE if eos_inside else 0), vocab_size=V, eps=EPS,
+                        top_k=top_k, top_p=top_p)
     return lambda logits, gen: step(logits, steps=STEP, generator=gen, defer_checks=True).tokens
 
 
@@ -77,7 +87,7 @@ def median_us(steps: dict[str, Callable[[], object]], calls: int) -> dict[str, f
 
 
 def run(batches: tuple[int, ...] = (1, 8), vocabs: tuple[int, ...] = (50257, 128256),
-        calls: int = 40) -> list[dict]:
+        calls: int = 40, eos_inside: bool = False) -> list[dict]:
     """One row per (B, V, strategy): µs of ours and of the plain version, and the ratio."""
     rows = []
     gen = torch.Generator().manual_seed(0)
@@ -85,7 +95,7 @@ def run(batches: tuple[int, ...] = (1, 8), vocabs: tuple[int, ...] = (50257, 128
         for B in batches:
             logits = make_logits(B, V)
             for name, (k, p) in STRATEGIES.items():
-                ours, plain = our_step(k, p, V), plain_step(k, p)
+                ours, plain = our_step(k, p, V, eos_inside), plain_step(k, p, eos_inside)
                 timed = median_us({"ours": lambda: ours(logits, gen), "plain": lambda: plain(logits, gen)}, calls)
                 rows.append(dict(batch=B, vocab=V, strategy=name, ours_us=timed["ours"], plain_us=timed["plain"],
                                  ratio=timed["ours"] / timed["plain"]))
@@ -112,12 +122,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="whole runs; a row's times are the medians over them, with the ratio's range")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for both sides")
+    parser.add_argument("--eos-inside", action="store_true",
+                        help=f"eos {INSIDE} columns before the last (default: the last column)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        rows = combine([run(tuple(args.batches), tuple(args.vocabs), args.calls) for _ in range(args.repeats)])
+        rows = combine([run(tuple(args.batches), tuple(args.vocabs), args.calls, args.eos_inside)
+                        for _ in range(args.repeats)])
     finally:
         torch.set_num_threads(threads)
     print(f"one NMST decoding step on the CPU, torch {torch.__version__}, {args.threads} thread(s); "

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from benchmarks.decoding_cases import STRATEGIES, fast, make_logits, sort_based
+from nmst_fast.decoding import step_log_probs
 
 SHAPES = [(32, 33278), (256, 50257)]
 
@@ -89,7 +90,15 @@ def test_cpu_step_report_runs(tmp_path, capsys):
     assert [r["strategy"] for r in rows] == list(cpu_step.STRATEGIES) and all(r["ratio"] > 0 for r in rows)
     assert all(r["repeats"] == 2 and r["ratio_min"] <= r["ratio_max"] for r in rows)
     assert len([line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 | 300 |")]) == 4
+    cpu_step.main(["--batches", "1", "--vocabs", "300", "--calls", "2", "--eos-inside"])
+    assert len([line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 | 300 |")]) == 4
     logits = torch.randn(3, 300)
-    for k, p in cpu_step.STRATEGIES.values():
-        tokens = cpu_step.plain_step(k, p)(logits, torch.Generator().manual_seed(0))
-        assert tokens.shape == (3,) and bool(((tokens >= 0) & (tokens < 300)).all())
+    logits[0, 299 - cpu_step.INSIDE] = logits[1, 299] = 30.0  # eos wins these rows (t = STEP)
+    for inside in (False, True):
+        for k, p in cpu_step.STRATEGIES.values():
+            tokens = cpu_step.plain_step(k, p, inside)(logits, torch.Generator().manual_seed(0))
+            assert tokens.shape == (3,) and bool(((tokens >= 0) & (tokens < 300)).all())
+        # The plain version is the NMST step: its greedy token is the exact distribution's best.
+        eos = 299 - (cpu_step.INSIDE if inside else 0)
+        exact, _ = step_log_probs(logits.double(), head="nmst", eos_index=eos, eps=cpu_step.EPS, steps=cpu_step.STEP)
+        assert torch.equal(cpu_step.plain_step(1, None, inside)(logits, None), exact.argmax(dim=1))
