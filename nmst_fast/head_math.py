@@ -46,15 +46,17 @@ def _along_time(x: torch.Tensor, seq_len: int) -> torch.Tensor:
     return x.view(x.numel() // seq_len if seq_len else 0, seq_len)
 
 
+def _zero_like(x: Union[torch.Tensor, float]) -> Union[torch.Tensor, float]:
+    return torch.zeros_like(x) if isinstance(x, torch.Tensor) else 0.0
+
+
 def nmst_log_survival(s: Union[torch.Tensor, float], steps: Union[int, torch.Tensor], eps: float):
     """NMST's log(1 − α_t) = logσ(−s) + t·log1p(−ε), float64; 0 at context rows (t <= 0).
     ``steps``: t per row, or one int t for every row (a decoding step: no (N,) tensor of it); ``s``
     (N,), or one row's float (then ``steps`` is its int t)."""
     value = log_sigmoid(-s)
     if isinstance(steps, int):  # context (t <= 0): 0 even where s = +inf makes logσ(−s) = −inf
-        if steps >= 1:
-            return value + steps * math.log1p(-eps)
-        return torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0.0
+        return value + steps * math.log1p(-eps) if steps >= 1 else _zero_like(value)
     return torch.where(steps >= 1, value + steps.to(_F64) * math.log1p(-eps), 0.0)
 
 
@@ -62,6 +64,18 @@ def st_step_term(s: Union[torch.Tensor, float], eps: float):
     """One step's addend to ST's running log(1 − α): logσ(s) + log1p(−ε), float64 (a tensor or a
     float, as ``s``)."""
     return log_sigmoid(s) + math.log1p(-eps)
+
+
+def st_step_survival(prev: Union[torch.Tensor, float], s: Union[torch.Tensor, float],
+                     steps: Union[int, torch.Tensor], eps: float):
+    """ST at one decoding step: (log(1 − α_t), the running sum after the step) from the running sum
+    ``prev`` before it; context rows (t <= 0) get 0 and pass ``prev`` on. (B,) float64 tensors with an
+    int or (B,) ``steps``, or one row's floats with its int t."""
+    running = prev + st_step_term(s, eps)
+    if isinstance(steps, int):
+        return (running, running) if steps >= 1 else (_zero_like(prev), prev)
+    live = steps >= 1
+    return torch.where(live, running, 0.0), torch.where(live, running, prev)
 
 
 def log_survival(head: str, s: torch.Tensor, steps: torch.Tensor, eps: float, seq_len: int) -> torch.Tensor:

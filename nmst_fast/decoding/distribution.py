@@ -19,7 +19,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..head_math import nmst_log_survival, st_step_term
+from ..head_math import nmst_log_survival, st_step_survival
 from ..logmath import log1mexp
 from ..validation import HEADS, check_choice, check_eps, check_float_tensor, check_index
 
@@ -130,11 +130,7 @@ def step_log_survival(
         prev = torch.zeros(B, dtype=torch.float64, device=eos_logit.device)
     else:
         prev = check_state(state, B, eos_logit.device).to(torch.float64)
-    running = prev + st_step_term(eos_logit, eps)
-    if one_t:
-        return (running, running) if t >= 1 else (torch.zeros_like(prev), prev)
-    live = t >= 1
-    return torch.where(live, running, 0.0), torch.where(live, running, prev)
+    return st_step_survival(prev, eos_logit, t, eps)
 
 
 def check_state(state: object, batch: int, device: torch.device, *, values: bool = True) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..head_math import nmst_log_survival, st_step_term
+from ..head_math import nmst_log_survival, st_step_survival
 from .distribution import (
     BLOCK_ENTRIES,
     Steps,
@@ -64,9 +64,8 @@ class HostRows:
         else:
             step_list = steps_tensor(steps, B, device).tolist()
         prev = [0.0] * B if self.head != "st" or state is None else check_state(state, B, device).double().tolist()
-        blocks = [slice(None)] if B * logits.shape[1] <= BLOCK_ENTRIES else row_blocks_of(logits)
-        reduced = self._reduce(logits) if len(blocks) == 1 else [row for rows in blocks
-                                                                  for row in self._reduce(logits[rows])]
+        reduced = self._reduce(logits) if B * logits.shape[1] <= BLOCK_ENTRIES else [
+            row for rows in row_blocks_of(logits) for row in self._reduce(logits[rows])]
         uniforms = [0.0] * B if self.top_k == 1 else torch.rand(
             B, dtype=torch.float64, generator=generator,
             device=generator.device if generator is not None else device).tolist()
@@ -93,14 +92,14 @@ class HostRows:
         elif buffer.shape[0] > R:
             buffer = buffer.narrow(0, 0, R)
         head = logits if last == V else logits.narrow(1, 0, last)
-        if self.temperature == 1.0 and logits.dtype == dtype and logits.stride(1) == 1 and last == V - (
-                self.head != "va"):
+        masked = self.head != "va" and last == V  # eos inside the row: its column goes to −inf
+        if self.temperature == 1.0 and logits.dtype == dtype and logits.stride(1) == 1 and not masked:
             zeta = head  # read, never written: the exp pass writes the buffer
         else:
             zeta = buffer.copy_(head)
             if self.temperature != 1.0:
                 zeta.div_(self.temperature)
-            if last == V and self.head != "va":
+            if masked:
                 zeta.select(1, self.eos_index).fill_(-math.inf)  # NaN there is refused by the eos logit
         if self.top_k == 1:
             tops, picked = first_max(zeta)
@@ -130,8 +129,7 @@ class HostRows:
             if self.head == "nmst":
                 log_surv = nmst_log_survival(eos_logit, t, self.eps)
             else:
-                running = prev + st_step_term(eos_logit, self.eps)
-                log_surv, next_state = (running, running) if t >= 1 else (0.0, prev)
+                log_surv, next_state = st_step_survival(prev, eos_logit, t, self.eps)
             log_norm, eos_zeta, eos_log_prob = head_terms(lse, log_surv)
         if values is None:  # greedy: eos against the best other token, ties → lower index
             if self.head != "va" and (eos_zeta > top or (eos_zeta == top and eos < picked)):
