@@ -19,6 +19,27 @@ if not torch.cuda.is_available():
     for _module in pkgutil.iter_modules(nmst_fast.kernels.__path__):
         importlib.import_module(f"nmst_fast.kernels.{_module.name}")
 
+    # tl.sort and tl.topk (the candidate lists) swap through xor_sum reductions, which the interpreter
+    # runs one element at a time in Python (~95% of an interpreted candidate scan). Xor is associative
+    # and commutative, so numpy's reduction gives the same bits; other reductions keep Triton's code.
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as _interpreter
+
+    _xor_combine = getattr(tl.standard, "_xor_combine", None)
+    _reduce = getattr(_interpreter, "ReduceOps", None)
+    if _xor_combine is not None and _reduce is not None and hasattr(_reduce, "apply_impl"):
+        _triton_apply_impl = _reduce.apply_impl
+
+        def _apply_impl(self, input):
+            if self.combine_fn is not _xor_combine:
+                return _triton_apply_impl(self, input)
+            data = input[0].handle.data
+            return self.to_tensor(np.bitwise_xor.reduce(data, axis=self.axis, keepdims=self.keep_dims),
+                                  input[0].dtype)
+
+        _reduce.apply_impl = _apply_impl
+
 # Under pytest-xdist (`-n auto`) each worker is a process with torch's default of one thread per
 # core: on CI's 2 cores, 2 workers x 2 threads would oversubscribe the cores. Share them out.
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
