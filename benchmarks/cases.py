@@ -2,13 +2,17 @@
 
 Every case is one training step of the output layer: forward + backward of the
 loss w.r.t. hidden states and weight, on the same inputs. The floor is the three
-GEMMs no exact method can avoid: z = h·Wᵀ, dh = dz·W, dW = dzᵀ·h.
+GEMMs no exact method can avoid: z = h·Wᵀ, dh = dz·W, dW = dzᵀ·h. On a GPU a second floor runs
+them at V padded to a multiple of 64 (an odd V breaks the tensor cores' alignment of the (N, V)
+logits), and the fused VA losses of Liger-Kernel and Cut Cross-Entropy run on the same inputs when
+they are installed (``benchmarks/fetch_gpu_wheels.sh`` carries them to a GPU machine).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +47,14 @@ class Inputs:
     targets: torch.Tensor
     steps: torch.Tensor
     eos_index: int
+    cache: dict = field(default_factory=dict)  # tensors a case derives from these once (the padded weight)
+
+
+PAD_MULTIPLE = 64  # the padded floor's vocabulary: V rounded up to this (GPT-2 trainers use 50304)
+
+
+def padded_vocab(V: int) -> int:
+    return -(-V // PAD_MULTIPLE) * PAD_MULTIPLE
 
 
 def make_inputs(shape: Shape, seed: int = 0) -> Inputs:
@@ -70,12 +82,25 @@ def three_gemms(x: Inputs) -> None:
     x.weight.grad = z.t() @ h
 
 
-def fused(head: str, impl: str) -> Callable[[Inputs], None]:
+def three_gemms_padded(x: Inputs) -> None:
+    """The floor at V padded with zero rows of W to a multiple of PAD_MULTIPLE (built once per inputs)."""
+    V, H = x.weight.shape
+    w = x.cache.get("padded_weight")
+    if w is None:
+        w = x.cache["padded_weight"] = x.weight.new_zeros(padded_vocab(V), H)
+        w[:V] = x.weight.detach()
+    h = x.hidden.detach()
+    z = h @ w.t()
+    x.hidden.grad = z @ w
+    x.weight.grad = (z.t() @ h)[:V]
+
+
+def fused(head: str, impl: str, dw_dtype: Optional[torch.dtype] = None) -> Callable[[Inputs], None]:
     def step(x: Inputs) -> None:
         _clear(x)
         loss = nmst_fast.linear_nmst_loss(
             x.hidden, x.weight, x.targets, eos_index=x.eos_index, head=head,
-            steps=None if head == "va" else x.steps, impl=impl,
+            steps=None if head == "va" else x.steps, impl=impl, dw_dtype=dw_dtype,
         )
         loss.backward()
 
@@ -116,14 +141,49 @@ def torch_linear_ce(x: Inputs) -> None:
     F.linear_cross_entropy(x.hidden, x.weight, x.targets, options=torch.nn.LinearCrossEntropyOptions()).backward()
 
 
+def liger_linear_ce(x: Inputs) -> None:
+    """Liger-Kernel's fused linear cross-entropy (VA), as its functional API runs it."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    _clear(x)
+    liger_fused_linear_cross_entropy(x.hidden, x.weight, x.targets).backward()
+
+
+def cut_linear_ce(filter_eps: Optional[str] = "high", impl: str = "cce") -> Callable[[Inputs], None]:
+    """Cut Cross-Entropy's ``linear_cross_entropy`` (VA): by default as its users get it, with the
+    gradient filter (entries below bf16's resolution skipped); ``filter_eps=None``: exact.
+    ``impl="torch_compile"``: its torch fallback (the CPU tests' stand-in for the Triton kernels)."""
+
+    def step(x: Inputs) -> None:
+        from cut_cross_entropy import linear_cross_entropy
+
+        _clear(x)
+        linear_cross_entropy(x.hidden, x.weight, x.targets, filter_eps=filter_eps, impl=impl).backward()
+
+    return step
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
 def cases_for(device: str) -> dict[str, Callable[[Inputs], None]]:
+    """The report's cases, the floor first; on a GPU also the padded floor, bf16 dW, and Liger's and
+    Cut Cross-Entropy's losses when installed."""
     impl = "triton" if device == "cuda" else "chunked"
+    gpu = device == "cuda"
     return {
         "three GEMMs (floor)": three_gemms,
+        **({f"three GEMMs, V padded to {PAD_MULTIPLE}": three_gemms_padded} if gpu else {}),
         f"nmst {impl}": fused("nmst", impl),
         f"st {impl}": fused_st(impl),
         f"va {impl}": fused("va", impl),
-        **({"nmst chunked (torch row ops)": fused("nmst", "chunked")} if device == "cuda" else {}),
+        **({f"nmst {impl}, bf16 dW": fused("nmst", impl, dw_dtype=torch.bfloat16)} if gpu else {}),
+        **({"nmst chunked (torch row ops)": fused("nmst", "chunked")} if gpu else {}),
         "naive nmst (torch)": naive_nmst,
         "F.cross_entropy (logits)": naive_ce,
-    } | ({"F.linear_cross_entropy (chunked)": torch_linear_ce} if hasattr(F, "linear_cross_entropy") else {})
+        **({"F.linear_cross_entropy (chunked)": torch_linear_ce} if hasattr(F, "linear_cross_entropy") else {}),
+        **({"Liger fused linear CE (va)": liger_linear_ce} if gpu and installed("liger_kernel") else {}),
+        **({"Cut Cross-Entropy (va, default filter)": cut_linear_ce("high"),
+            "Cut Cross-Entropy (va, exact)": cut_linear_ce(None)} if gpu and installed("cut_cross_entropy") else {}),
+    }

@@ -4,7 +4,8 @@
 # limit so one slow step cannot take the others' results with it. Logs go to $OUT (or ./gpu_out).
 #   bash benchmarks/gpu_check.sh            # tests loss profile decoding
 #   bash benchmarks/gpu_check.sh "tests profile"   # chosen steps: tests | loss | profile | decoding | draw-sweep | host | generation | flashinfer
-# Wheels in .whl/ (benchmarks/fetch_gpu_wheels.sh; carry ".whl") are installed first, for flashinfer.
+# Wheels in .whl/ (benchmarks/fetch_gpu_wheels.sh; carry ".whl") are installed first: FlashInfer for
+# the flashinfer step, Liger-Kernel and Cut Cross-Entropy for the loss step's baselines.
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -39,7 +40,7 @@ for step in $steps; do
              tests/test_kernels.py tests/test_row_draw.py tests/test_workspace.py tests/test_reductions.py tests/test_lanes.py \
              tests/test_no_host_sync.py \
              2>&1 | tee "$OUT/tests.log" | grep -E "FAILED|ERROR|passed|failed|^[0-9.]+s " | tail -40 ;;
-    loss) timeout 180 python3 -m benchmarks.report --gpu --json "$OUT/loss.json" 2>"$OUT/loss.err" | tee "$OUT/loss.md"; tail -5 "$OUT/loss.err" ;;
+    loss) timeout 240 python3 -m benchmarks.report --gpu --json "$OUT/loss.json" 2>"$OUT/loss.err" | tee "$OUT/loss.md"; tail -5 "$OUT/loss.err" ;;
     profile) timeout 150 python3 -m benchmarks.profile_loss 2>&1 | tee "$OUT/profile.md" | tail -60 ;;
     # DECODING_VOCABS=50257,128256: a part of the grid.
     decoding) timeout 200 python3 -m benchmarks.report_decoding --gpu ${DECODING_VOCABS:+--vocabs "$DECODING_VOCABS"} 2>&1 | tee "$OUT/decoding.md" ;;

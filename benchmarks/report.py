@@ -1,4 +1,5 @@
-"""Print a table of fused-loss timings and peak memory, as ratios to the three-GEMM floor.
+"""Print a table of fused-loss timings and peak memory, as ratios to the three-GEMM floor, and as
+TFLOP/s of the step's 6·N·H·V useful FLOPs and a share of the card's dense bf16 peak (GPU).
 
 Times: every round runs each case once (on a GPU: five steps back to back, the
 steady state of a training loop), in one process; each case's ratio to the
@@ -9,6 +10,10 @@ in this one run, never against stored absolute times.
     python -m benchmarks.report                 # issue shape on CPU: 4096x768x50257 fp32
     python -m benchmarks.report --small         # a quick shape
     python -m benchmarks.report --gpu           # the bf16 GPU shapes (needs CUDA; memory measured in-process)
+
+On a GPU the cases include the floor at V padded to a multiple of 64, bf16 dW accumulation, and
+Liger-Kernel's and Cut Cross-Entropy's fused VA losses when they are installed
+(``benchmarks/fetch_gpu_wheels.sh``).
 """
 
 from __future__ import annotations
@@ -20,11 +25,29 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import torch
 
 from . import memory
 from .cases import CPU_DEFAULT, CPU_SMALL, GPU_SHAPES, Shape, cases_for, make_inputs
+
+# Dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, from NVIDIA's data sheets; the first name that
+# is part of torch.cuda.get_device_name() wins, so the variants come before their family.
+DENSE_BF16_PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("H100", 989.4), ("H200", 989.4),
+    ("GH200", 989.4), ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0),
+)
+
+
+def dense_bf16_peak(device_name: str) -> Optional[float]:
+    """The card's dense bf16 peak in TFLOP/s, or None for a card (or CPU) not in the table."""
+    return next((peak for name, peak in DENSE_BF16_PEAK_TFLOPS if name in device_name), None)
+
+
+def useful_tflop(shape: Shape) -> float:
+    """The step's useful work, 6·N·H·V FLOPs (three GEMMs at the unpadded V), in TFLOP."""
+    return 6 * shape.N * shape.H * shape.V / 1e12
 
 
 def measure_memory(shape: Shape, case: str) -> dict:
@@ -53,7 +76,8 @@ def _memory_in_process(shape: Shape, case: str) -> float:
     torch.cuda.empty_cache()
     try:
         return measure_memory(shape, case)["extra_gb"]
-    except torch.OutOfMemoryError:
+    except Exception as err:  # out of memory, or a case that does not run here: NaN, as in the times
+        print(f"  memory of {case}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         return float("nan")
     finally:
         torch.cuda.empty_cache()
@@ -83,17 +107,24 @@ def measure_times(shape: Shape, rounds: int) -> dict[str, list[float]]:
     the same inputs.
 
     Cases of one round run back to back, so dividing by that round's floor cancels
-    the slow drifts of a shared machine (identical GEMM runs vary by ±15% here).
+    the slow drifts of a shared machine (identical GEMM runs vary by ±15% here). A case whose
+    warm-up step fails (a baseline this card or its wheel does not run) gets NaN times, and the
+    others run on: one GPU call yields the whole table.
     """
     cases = cases_for(shape.device)
     # On a GPU a case runs several steps back to back, as in training, so the host enqueues
     # ahead and the time is the device's steady state, not one step's launch latency.
     steps_per_round = 5 if shape.device == "cuda" else 1
     tiny = make_inputs(Shape(64, 32, 512, shape.dtype, shape.device))
-    for fn in cases.values():
-        fn(tiny)
-    x = make_inputs(shape)
     times: dict[str, list[float]] = {name: [] for name in cases}
+    for name, fn in list(cases.items()):
+        try:
+            fn(tiny)
+        except Exception as err:  # a case that cannot run here (a baseline on this card) leaves NaN, not a crash
+            print(f"  {name} does not run: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+            times[name] = [float("nan")] * rounds
+            del cases[name]
+    x = make_inputs(shape)
     for r in range(rounds):
         for name in round_order(list(cases), r):
             fn = cases[name]
@@ -120,34 +151,66 @@ def measure_times(shape: Shape, rounds: int) -> dict[str, list[float]]:
     return times
 
 
-def run_report(shape: Shape, rounds: int) -> list[dict]:
-    times = measure_times(shape, rounds)
+def summarize(shape: Shape, times: dict[str, list[float]], extra_gb: dict[str, float],
+              peak_tflops: Optional[float]) -> list[dict]:
+    """One row per case: median and best step time, the median and range over rounds of its ratio
+    to the same round's floor (the first case), TFLOP/s of the useful work at the median time, its
+    share of ``peak_tflops`` (None: unknown card), and the extra memory."""
     floor = times[next(iter(times))]
     rows = []
-    measure = _memory_in_process if shape.device == "cuda" else _memory_in_subprocess
     for name, ts in times.items():
         ratios = [t / f for t, f in zip(ts, floor)]
-        rows.append({"case": name, "seconds": statistics.median(ts), "best": min(ts),
-                     "ratio": statistics.median(ratios), "ratio_range": (min(ratios), max(ratios)),
-                     "extra_gb": measure(shape, name)})
-        print(f"  memory: {name}", file=sys.stderr, flush=True)
+        seconds = statistics.median(ts)
+        tflops = useful_tflop(shape) / seconds
+        rows.append({"case": name, "seconds": seconds, "best": min(ts), "ratio": statistics.median(ratios),
+                     "ratio_range": (min(ratios), max(ratios)), "tflops": tflops,
+                     "peak_share": None if peak_tflops is None else tflops / peak_tflops,
+                     "extra_gb": extra_gb[name]})
     return rows
 
 
-def format_table(shape: Shape, rows: list[dict], rounds: int) -> str:
+def run_report(shape: Shape, rounds: int, peak_tflops: Optional[float]) -> list[dict]:
+    times = measure_times(shape, rounds)
+    measure = _memory_in_process if shape.device == "cuda" else _memory_in_subprocess
+    extra_gb = {}
+    for name in times:
+        extra_gb[name] = measure(shape, name)
+        print(f"  memory: {name}", file=sys.stderr, flush=True)
+    return summarize(shape, times, extra_gb, peak_tflops)
+
+
+def format_table(shape: Shape, rows: list[dict], rounds: int, device_name: str,
+                 peak_tflops: Optional[float]) -> str:
+    peak = f"dense bf16 peak {peak_tflops:g} TFLOP/s" if peak_tflops is not None else "peak unknown: --peak-tflops"
     lines = [
-        f"shape N x H x V = {shape.label()}, forward+backward, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, {rounds} rounds",
-        "x floor = median over rounds of (case time / three-GEMM time of the same round); "
-        "extra memory = peak above inputs and gradients (one step, fresh process)",
-        "| case | median time (s) | best (s) | x floor (median) | x floor (range) | extra peak memory (GB) |",
-        "|---|---:|---:|---:|---:|---:|",
+        f"shape N x H x V = {shape.label()}, forward+backward, {device_name}, {peak}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {rounds} rounds; {_baseline_versions()}",
+        "x floor = median over rounds of (case time / three-GEMM time of the same round); TFLOP/s = "
+        f"6·N·H·V = {useful_tflop(shape):.3g} TFLOP over the median time; extra memory = peak above inputs "
+        "and gradients (one step, fresh process on CPU)",
+        "| case | median time (s) | best (s) | x floor (median) | x floor (range) | TFLOP/s | % of peak "
+        "| extra peak memory (GB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lo, hi = r["ratio_range"]
+        share = "—" if r["peak_share"] is None else f"{100 * r['peak_share']:.1f}"
         lines.append(f"| {r['case']} | {r['seconds']:.3f} | {r['best']:.3f} | {r['ratio']:.3f} | "
-                     f"{lo:.3f}–{hi:.3f} | {r['extra_gb']:.3f} |")
+                     f"{lo:.3f}–{hi:.3f} | {r['tflops']:.4g} | {share} | {r['extra_gb']:.3f} |")
     return "\n".join(lines)
+
+
+def _baseline_versions() -> str:
+    """The versions of the installed baselines (Liger-Kernel, Cut Cross-Entropy)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for dist in ("liger-kernel", "cut-cross-entropy"):
+        try:
+            found.append(f"{dist} {version(dist)}")
+        except PackageNotFoundError:
+            found.append(f"{dist} not installed")
+    return ", ".join(found)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -158,6 +221,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="rounds; each round times every case once, back to back (default 3 on CPU, 10 on GPU)")
     parser.add_argument("--gpu-shape", type=int, default=None,
                         help="with --gpu: only this index into benchmarks.cases.GPU_SHAPES")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the card's dense bf16 peak in TFLOP/s (default: from the card's name, if known)")
     parser.add_argument("--json", help="also write the rows of every shape to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
@@ -173,14 +238,17 @@ def main(argv: list[str] | None = None) -> None:
     else:
         shapes = (CPU_SMALL,) if args.small else (CPU_DEFAULT,)
     rounds = args.rounds or (10 if args.gpu else 3)
+    device_name = _device_name()
+    peak = args.peak_tflops if args.peak_tflops is not None else dense_bf16_peak(device_name)
     results = []
     for shape in shapes:
-        rows = run_report(shape, rounds)
+        rows = run_report(shape, rounds, peak)
         results.append({"shape": shape.label(), "rows": rows})
-        print(format_table(shape, rows, rounds), flush=True)
+        print(format_table(shape, rows, rounds, device_name, peak), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "device": _device_name(), "results": results}, f, indent=1)
+            json.dump({"torch": torch.__version__, "device": device_name, "peak_tflops": peak,
+                       "baselines": _baseline_versions(), "results": results}, f, indent=1)
 
 
 def _device_name() -> str:
