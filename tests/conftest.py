@@ -31,12 +31,15 @@ if not torch.cuda.is_available():
     if _xor_combine is not None and _reduce is not None and hasattr(_reduce, "apply_impl"):
         _triton_apply_impl = _reduce.apply_impl
 
-        def _apply_impl(self, input):
-            if self.combine_fn is not _xor_combine:
-                return _triton_apply_impl(self, input)
-            data = input[0].handle.data
-            return self.to_tensor(np.bitwise_xor.reduce(data, axis=self.axis, keepdims=self.keep_dims),
-                                  input[0].dtype)
+        def _apply_impl(self, input, *args, **kwargs):
+            if getattr(self, "combine_fn", None) is _xor_combine and not args and not kwargs:
+                try:
+                    data, axis, keep_dims = input[0].handle.data, self.axis, self.keep_dims
+                except (AttributeError, IndexError, TypeError):  # another Triton's internals: its own path
+                    pass
+                else:
+                    return self.to_tensor(np.bitwise_xor.reduce(data, axis=axis, keepdims=keep_dims), input[0].dtype)
+            return _triton_apply_impl(self, input, *args, **kwargs)
 
         _reduce.apply_impl = _apply_impl
 

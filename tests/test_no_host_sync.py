@@ -113,4 +113,9 @@ def test_generate_reads_back_as_much_for_any_length(monkeypatch, strategy, kwarg
                            **kwargs)
         assert int(out.lengths.min()) == length
         counts.append(sorted(reads))
-    assert counts[0] == counts[1] and len(counts[0]) <= 4, counts
+    assert counts[0] == counts[1], counts
+    # The end's reads: the kernels' flags (DecodingStep.check) and the longest length (the output's
+    # width); on a GPU each also counts its synchronization.
+    assert {"tolist", "_local_scalar_dense"} <= set(counts[0]), counts
+    if DEVICE == "cpu":
+        assert counts[0] == ["_local_scalar_dense", "tolist"]
