@@ -119,3 +119,16 @@ def test_generate_reads_back_as_much_for_any_length(monkeypatch, strategy, kwarg
     assert {"tolist", "_local_scalar_dense"} <= set(counts[0]), counts
     if DEVICE == "cpu":
         assert counts[0] == ["_local_scalar_dense", "tolist"]
+
+
+@pytest.mark.parametrize("top_k", [1, None])
+def test_a_step_refuses_cuda_graph_capture(monkeypatch, top_k):
+    """Each call takes its seed and flags slot on the host, so a captured step's replays would repeat
+    one seed (the same draws) and overwrite one flags slot (a bad row lost): a step on a CUDA device
+    raises while its stream captures, before anything runs."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    step = DecodingStep(head="nmst", eos_index=0, vocab_size=50, device="cuda", top_k=top_k, impl="torch")
+    with pytest.raises(RuntimeError, match="CUDA graph"):
+        step(torch.randn(2, 50, device=DEVICE), defer_checks=True)
+    cpu_step = DecodingStep(head="nmst", eos_index=0, vocab_size=50, top_k=top_k, impl="torch")
+    assert cpu_step(torch.randn(2, 50)).tokens.shape == (2,)  # a CPU step has no CUDA stream to be captured on

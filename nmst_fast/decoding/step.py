@@ -8,8 +8,9 @@ lists: :mod:`.host_rows` for greedy and for top-k of small batches, :mod:`.selec
 
 The kernels leave two flags per step on the device: the first row with no distribution and the first
 row the rejection rounds left without a token. ``defer_checks=True`` logs them for
-:meth:`DecodingStep.check` (no host sync: a loop runs ahead of the GPU, a step can be captured in a
-CUDA graph); otherwise a call reads them at once, as :func:`sample` does.
+:meth:`DecodingStep.check` (no host sync: a loop runs ahead of the GPU); otherwise a call reads them
+at once, as :func:`sample` does. A step refuses to be captured in a CUDA graph: each call takes its
+own seed and flags slot on the host, which a graph's replays would repeat.
 """
 
 from __future__ import annotations
@@ -189,6 +190,9 @@ class DecodingStep:
             defer_checks: leave the kernels' flags for :meth:`check` (no host sync); a row without a
                 distribution yields an arbitrary token until then.
         """
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a DecodingStep cannot be captured in a CUDA graph: every replay would reuse the "
+                               "captured call's seed and flags slot (repeated draws, lost flags); call it eagerly")
         self._check_logits(logits)
         if not self.kernels:
             return self._torch_step(logits, steps, state, generator)

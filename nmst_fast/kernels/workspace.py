@@ -5,8 +5,7 @@ partials that live only inside the launch; allocating and filling them per step 
 ≈ 17 µs greedy step at 256 × 50257 (H100). So they live here, one set per (device, stream; thread
 on CPU): ``sync``, int32 and **zero at rest** (the kernel resets every slot it touched, so the next
 launch on the stream needs no fill; only growth allocates), and ``scratch``, uninitialized bytes
-carved into the partials. Views are cached per layout. A step captured in a CUDA graph keeps its
-capture stream's workspace; two such graphs must not replay concurrently on different streams.
+carved into the partials. Views are cached per layout.
 """
 
 from __future__ import annotations
