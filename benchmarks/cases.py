@@ -141,12 +141,18 @@ def torch_linear_ce(x: Inputs) -> None:
     F.linear_cross_entropy(x.hidden, x.weight, x.targets, options=torch.nn.LinearCrossEntropyOptions()).backward()
 
 
-def liger_linear_ce(x: Inputs) -> None:
-    """Liger-Kernel's fused linear cross-entropy (VA), as its functional API runs it."""
-    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+def liger_linear_ce(accum_dtype: Optional[torch.dtype] = None) -> Callable[[Inputs], None]:
+    """Liger-Kernel's fused linear cross-entropy (VA) through its functional API: by default dW summed
+    in the weight's dtype (bf16 here, as our ``dw_dtype=torch.bfloat16``); ``accum_dtype=torch.float32``
+    as our default."""
 
-    _clear(x)
-    liger_fused_linear_cross_entropy(x.hidden, x.weight, x.targets).backward()
+    def step(x: Inputs) -> None:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        _clear(x)
+        liger_fused_linear_cross_entropy(x.hidden, x.weight, x.targets, accum_dtype=accum_dtype).backward()
+
+    return step
 
 
 def cut_linear_ce(filter_eps: Optional[str] = "high", impl: str = "cce") -> Callable[[Inputs], None]:
@@ -183,7 +189,9 @@ def cases_for(device: str) -> dict[str, Callable[[Inputs], None]]:
         "naive nmst (torch)": naive_nmst,
         "F.cross_entropy (logits)": naive_ce,
         **({"F.linear_cross_entropy (chunked)": torch_linear_ce} if hasattr(F, "linear_cross_entropy") else {}),
-        **({"Liger fused linear CE (va)": liger_linear_ce} if gpu and installed("liger_kernel") else {}),
+        **({"Liger fused linear CE (va, dW in the weight's dtype)": liger_linear_ce(),
+            "Liger fused linear CE (va, fp32 dW)": liger_linear_ce(torch.float32)}
+           if gpu and installed("liger_kernel") else {}),
         **({"Cut Cross-Entropy (va, default filter)": cut_linear_ce("high"),
             "Cut Cross-Entropy (va, exact)": cut_linear_ce(None)} if gpu and installed("cut_cross_entropy") else {}),
     }

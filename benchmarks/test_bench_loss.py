@@ -69,7 +69,7 @@ def test_baselines_are_cross_entropy_of_the_same_inputs(baseline):
     from benchmarks.cases import Shape, cut_linear_ce, liger_linear_ce
 
     x = make_inputs(Shape(40, 16, 203, torch.float32, "cpu"), seed=3)
-    step = liger_linear_ce if baseline == "liger" else cut_linear_ce(None, impl="torch_compile")
+    step = liger_linear_ce(torch.float32) if baseline == "liger" else cut_linear_ce(None, impl="torch_compile")
     step(x)
     _, dh, dw = _cross_entropy_grads(x)
     torch.testing.assert_close(x.hidden.grad.double(), dh, rtol=1e-4, atol=1e-6)
@@ -81,7 +81,8 @@ def test_gpu_cases_hold_the_padded_floor_bf16_dw_and_the_baselines():
 
     names = list(cases_for("cuda"))
     assert names[0] == "three GEMMs (floor)" and names[1] == "three GEMMs, V padded to 64"
-    assert {"nmst triton, bf16 dW", "Liger fused linear CE (va)", "Cut Cross-Entropy (va, default filter)",
+    assert {"nmst triton, bf16 dW", "Liger fused linear CE (va, dW in the weight's dtype)",
+            "Liger fused linear CE (va, fp32 dW)", "Cut Cross-Entropy (va, default filter)",
             "Cut Cross-Entropy (va, exact)"} <= set(names)
     assert not any("padded" in n or "Liger" in n or "Cut" in n or "bf16" in n for n in cases_for("cpu"))
 
