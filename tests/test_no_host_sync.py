@@ -5,7 +5,11 @@ nothing back from the device (its flags stay there until :meth:`DecodingStep.che
 A read is counted where the library needs a tensor's values on the host: the aten ops that return
 them (``item``, ``bool``, ``nonzero``, …) on a tensor off the host's memory (every tensor on a CPU
 machine, where host and device are one), and ``Tensor.tolist`` / ``Tensor.numpy`` called from
-``nmst_fast``. On a GPU, torch's sync debug mode counts every synchronization as well."""
+``nmst_fast``. On a GPU, torch's sync debug mode counts every synchronization as well.
+
+A deferred call captured after an eager one replays correctly: it draws afresh each time and its
+replays' flags add up (a real CUDA graph on a GPU; on the CPU the call's kernel launches issued again
+with the same arguments, which is what a replay does)."""
 
 from __future__ import annotations
 
@@ -121,14 +125,68 @@ def test_generate_reads_back_as_much_for_any_length(monkeypatch, strategy, kwarg
         assert counts[0] == ["_local_scalar_dense", "tolist"]
 
 
-@pytest.mark.parametrize("top_k", [1, None])
-def test_a_step_refuses_cuda_graph_capture(monkeypatch, top_k):
-    """Each call takes its seed and flags slot on the host, so a captured step's replays would repeat
-    one seed (the same draws) and overwrite one flags slot (a bad row lost): a step on a CUDA device
-    raises while its stream captures, before anything runs."""
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    step = DecodingStep(head="nmst", eos_index=0, vocab_size=50, device="cuda", top_k=top_k, impl="torch")
-    with pytest.raises(RuntimeError, match="CUDA graph"):
-        step(torch.randn(2, 50, device=DEVICE), defer_checks=True)
-    cpu_step = DecodingStep(head="nmst", eos_index=0, vocab_size=50, top_k=top_k, impl="torch")
-    assert cpu_step(torch.randn(2, 50)).tokens.shape == (2,)  # a CPU step has no CUDA stream to be captured on
+def _captured(monkeypatch, step, z, **kwargs):
+    """One deferred call of ``step`` on the static input ``z``, captured: (its output, a replay). On a
+    GPU a CUDA graph; on the CPU its kernel launches recorded and issued again with the same
+    arguments, which is what a graph's replay does."""
+    if DEVICE == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step(z, defer_checks=True, **kwargs)
+        return out, graph.replay
+    from nmst_fast.kernels import row_draw, scan_select
+
+    launches = []
+
+    class Recording:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                launches.append((self.kernel, grid, args, meta))
+                self.kernel[grid](*args, **meta)
+            return launch
+
+    for module, name in ((scan_select, "_scan_select_kernel"), (row_draw, "_row_draw_kernel")):
+        monkeypatch.setattr(module, name, Recording(getattr(module, name)))
+    out = step(z, defer_checks=True, **kwargs)
+    monkeypatch.undo()
+    assert len(launches) == 1
+
+    def replay():
+        for kernel, grid, args, meta in launches:
+            kernel[grid](*args, **meta)
+    return out, replay
+
+
+@pytest.mark.parametrize("top_k,top_p", [(1, None), (None, None), (3, None), (None, 0.5)])
+def test_a_captured_step_draws_afresh_and_collects_its_flags(monkeypatch, top_k, top_p):
+    """A deferred call captured after an eager one (as CUDA graphs ask): each replay draws anew (the
+    launches advance the RNG state on the device), and a replay's bad row stays flagged through the
+    clean replays after it, until the check raises for it and clears the flags."""
+    B, V = 48, 40
+    z = torch.zeros(B, V, device=DEVICE)  # flat rows, eos (column 0) unlikely: each draw is one of many tokens
+    z[:, 0] = -30.0
+    step = DecodingStep(head="nmst", eos_index=0, vocab_size=V, device=DEVICE, eps=0.01, top_k=top_k, top_p=top_p,
+                        impl="triton")
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    step(z, steps=3, generator=gen, defer_checks=True)  # the eager call: the RNG state and the flags exist
+    out, replay = _captured(monkeypatch, step, z, steps=3, generator=gen)
+    draws = []
+    for _ in range(6):
+        replay()
+        draws.append(out.tokens.clone())
+    if top_k == 1:
+        assert all(torch.equal(d, draws[0]) for d in draws)
+    else:
+        assert len({tuple(d.tolist()) for d in draws}) == len(draws)  # 48 rows drawn alike twice: ~1e-60
+        assert step._rng[1:].tolist() == [len(draws) + 2, 0]  # calls: eager + captured + replays; count at rest
+    step.check()  # clean so far
+    z[5, 7] = float("nan")
+    replay()
+    z[5, 7] = 0.0
+    replay()
+    with pytest.raises(ValueError, match="row 5 "):
+        step.check()
+    step.check()  # cleared

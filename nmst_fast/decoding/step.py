@@ -6,11 +6,12 @@ top-k (then top-p) in the one-launch split-V scan (``nmst_fast/kernels/scan_sele
 by rejection rounds (``nmst_fast/kernels/row_draw.py``) — or the torch path (CPU, top-k beyond the kernels'
 lists: :mod:`.host_rows` for greedy and for top-k of small batches, :mod:`.selection` otherwise).
 
-The kernels leave two flags per step on the device: the first row with no distribution and the first
-row the rejection rounds left without a token. ``defer_checks=True`` logs them for
-:meth:`DecodingStep.check` (no host sync: a loop runs ahead of the GPU); otherwise a call reads them
-at once, as :func:`sample` does. A step refuses to be captured in a CUDA graph: each call takes its
-own seed and flags slot on the host, which a graph's replays would repeat.
+The kernels flag two rows on the device: the first with no distribution and the first the rejection
+rounds left without a token. ``defer_checks=True`` collects them, over the calls, in the step's flags
+pair for :meth:`DecodingStep.check` (no host sync: a loop runs ahead of the GPU); otherwise a call
+reads its own at once, as :func:`sample` does. The draws' RNG state lives on the device too, seeded
+from the generator once and advanced by each launch. So a deferred call, once the step has run
+eagerly, can be captured in a CUDA graph: its replays draw afresh and collect their flags.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Optional, Union
 import torch
 
 from ..backends import triton_available
+from ..kernels.host_math import NO_ROW
 from ..validation import HEADS, check_choice, check_eps, check_float_tensor, check_index, check_int
 from .distribution import (
     Steps,
@@ -84,60 +86,6 @@ def _list_holds(top_k: int) -> bool:
     return HAS_TOPK and top_k <= MAX_CANDIDATES
 
 
-SEED_BLOCK = 256  # Philox seeds drawn at once: a draw per call would cost a launch and an allocation
-
-
-class _Seeds:
-    """One-element int64 device tensors, one per call, drawn from the caller's generator in blocks of
-    1, 2, 4, … SEED_BLOCK (a new block when the generator changes): no host sync, and the generator's
-    state fixes every seed."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.block: list[torch.Tensor] = []
-        self.source: Optional[torch.Generator] = None
-        self.size = 1  # doubles with every block up to SEED_BLOCK: a one-off call draws one seed
-
-    def next(self, generator: Optional[torch.Generator]) -> torch.Tensor:
-        if not self.block or generator is not self.source:
-            dev = generator.device if generator is not None else self.device
-            seeds = torch.randint(0, 2**31 - 1, (self.size,), generator=generator, device=dev).to(self.device)
-            self.block, self.source = [seeds] if self.size == 1 else list(seeds.split(1))[::-1], generator
-            self.size = min(2 * self.size, SEED_BLOCK)
-        return self.block.pop()
-
-
-class _FlagLog:
-    """The flags of the steps not yet checked: each step's kernel writes its two into a row of one
-    device buffer; the batch sizes stay on the host."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.rows: Optional[torch.Tensor] = None
-        self.batches: list[int] = []
-
-    def slot(self, batch: int) -> torch.Tensor:
-        """A (2,) int32 view for the next step's flags."""
-        n = len(self.batches)
-        if self.rows is None or n == self.rows.shape[0]:
-            grown = torch.empty((max(64, 2 * n), 2), dtype=torch.int32, device=self.device)
-            if n:
-                grown[:n] = self.rows  # stream-ordered after the kernels that wrote them
-            self.rows = grown
-        self.batches.append(batch)
-        return self.rows[n]
-
-    def take(self) -> list[tuple[int, int, int]]:
-        """(first bad row, first unresolved row, batch size) of each logged step (one host sync); empties
-        the log."""
-        if not self.batches:
-            return []
-        values = self.rows[: len(self.batches)].tolist()
-        taken = [(bad, unresolved, batch) for (bad, unresolved), batch in zip(values, self.batches)]
-        self.batches = []
-        return taken
-
-
 class DecodingStep:
     """Token selection for one (head, strategy, vocabulary size, device), set up once.
 
@@ -175,8 +123,11 @@ class DecodingStep:
         # Greedy, and top-k of up to host_rows.MAX_ROWS rows, on the torch path: each row finished on the host.
         self._host_rows = None if top_k is None else HostRows(head=head, eos_index=self.eos_index, eps=self.eps,
                                                                temperature=self.temperature, top_k=top_k, top_p=top_p)
-        self._log = _FlagLog(self.device)
-        self._seeds = _Seeds(self.device)
+        # (2,) int32 on the device: the rows the deferred calls flagged since the last check (NO_ROW: none).
+        self._flags: Optional[torch.Tensor] = None
+        # (3,) int64 on the device: the draws' RNG state (row_scan.rng_state), seeded from _rng_source.
+        self._rng: Optional[torch.Tensor] = None
+        self._rng_source: Optional[torch.Generator] = None
         self._launch = None  # the kernel wrapper, imported at the first call (Triton reads its mode then)
 
     def __call__(self, logits: torch.Tensor, *, steps: Steps = 1, state: Optional[torch.Tensor] = None,
@@ -190,14 +141,12 @@ class DecodingStep:
             defer_checks: leave the kernels' flags for :meth:`check` (no host sync); a row without a
                 distribution yields an arbitrary token until then.
         """
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("a DecodingStep cannot be captured in a CUDA graph: every replay would reuse the "
-                               "captured call's seed and flags slot (repeated draws, lost flags); call it eagerly")
         self._check_logits(logits)
         if not self.kernels:
             return self._torch_step(logits, steps, state, generator)
-        picked = self._kernel_step(logits, steps, state, generator,
-                                   self._log.slot(logits.shape[0]) if defer_checks else None)
+        if defer_checks and self._flags is None:
+            self._flags = torch.full((2,), NO_ROW, dtype=torch.int32, device=self.device)
+        picked = self._kernel_step(logits, steps, state, generator, self._flags if defer_checks else None)
         if defer_checks or torch.compiler.is_compiling():
             return StepOutput(picked.tokens, picked.log_probs, picked.state)
         bad, unresolved = picked.flags.tolist()  # the call's one host sync
@@ -212,15 +161,19 @@ class DecodingStep:
         return StepOutput(picked.tokens, picked.log_probs, picked.state)
 
     def check(self) -> None:
-        """Read the flags of the deferred calls since the last check (one host sync); raise for the
-        first with a row without a distribution (ValueError) or a row the top-p rounds left without a
-        token (RuntimeError; probability ≤ (1 − p)^64 per row)."""
-        for call, (bad, unresolved, batch) in enumerate(self._log.take(), start=1):
-            if bad < batch:
-                raise ValueError(f"call {call} since the last check: {no_distribution_message(bad, with_state=True)}")
-            if unresolved < batch:
-                raise RuntimeError(f"call {call} since the last check: the top-p rejection rounds left row "
-                                   f"{unresolved} without a token; decode with impl='torch' or without defer_checks")
+        """Read the flags of the deferred calls since the last check (one host sync) and clear them;
+        raise if a call had a row without a distribution (ValueError) or a row the top-p rounds left
+        without a token (RuntimeError; probability ≤ (1 − p)^64 per row), naming the lowest such row."""
+        if self._flags is None:
+            return
+        bad, unresolved = self._flags.tolist()
+        if bad == NO_ROW and unresolved == NO_ROW:
+            return
+        self._flags.fill_(NO_ROW)
+        if bad != NO_ROW:
+            raise ValueError(f"a call since the last check: {no_distribution_message(bad, with_state=True)}")
+        raise RuntimeError(f"a call since the last check: the top-p rejection rounds left row {unresolved} without "
+                           "a token; decode with impl='torch' or without defer_checks")
 
     def _check_logits(self, logits: torch.Tensor) -> None:
         check_float_tensor("logits", logits)
@@ -258,10 +211,22 @@ class DecodingStep:
             kernel_steps = steps_tensor(steps, B, device)
         kernel_state = (check_state(state, B, device, values=False)  # the kernels flag bad values
                         if self.head == "st" and state is not None else None)
-        seed = None if self._greedy else self._seeds.next(generator)
+        seed = None if self._greedy else self._rng_state(generator)
         return self._launch(logits, head=self.head, eos_index=self.eos_index, eps=self.eps,
                             temperature=self.temperature, steps=kernel_steps, state=kernel_state, seed=seed,
                             top_p_threshold=self._threshold, flags=flags)
+
+
+    def _rng_state(self, generator: Optional[torch.Generator]) -> torch.Tensor:
+        """The kernels' RNG state, seeded from ``generator`` at the first draw and whenever the
+        generator changes: the generator's state fixes every draw, and the launches advance it."""
+        if self._rng is None or generator is not self._rng_source:
+            dev = generator.device if generator is not None else self.device
+            from nmst_fast.kernels.row_scan import rng_state
+
+            seed = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=dev).to(self.device)
+            self._rng, self._rng_source = rng_state(seed, self.device), generator
+        return self._rng
 
 
 @torch.no_grad()  # a draw, not a loss: logits straight from a model may require grad

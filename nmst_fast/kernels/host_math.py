@@ -1,5 +1,6 @@
 """Launch arithmetic on Python ints for the wrappers' hot path (``triton.cdiv`` and
-``triton.next_power_of_2`` cost ~5 µs a call from host code)."""
+``triton.next_power_of_2`` cost ~5 µs a call from host code), and the host's side of the kernels'
+conventions; no Triton import, so the decoding step reads them before any kernel module loads."""
 
 from __future__ import annotations
 
@@ -22,3 +23,8 @@ MIN_SCAN_WIDTH = 8
 def scan_width(n: int) -> int:
     """Columns of a table that a kernel scans: ``n`` padded to a power of two >= MIN_SCAN_WIDTH."""
     return max(MIN_SCAN_WIDTH, next_power_of_2(n))
+
+
+# The flags' "no row": the kernels atomic_min flagged rows into a pair, and a pair that collects several
+# calls' rows (a deferred DecodingStep's, or a captured step's replays) starts here.
+NO_ROW = 2**31 - 1

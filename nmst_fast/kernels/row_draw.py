@@ -29,9 +29,10 @@ import triton.language as tl
 from .host_math import cdiv, next_power_of_2, scan_width
 from .lanes import LOG2E, fold_row_lanes, lane_pointers, merge_lanes, ranked_lane_mass
 from .reductions import FUSED, add_pair, crossing_with
-from .row_scan import multi_processors
+from .row_scan import advance_calls, multi_processors, philox_key, rng_state
 from .row_select import (
     HEAD_CODES,
+    NO_ROW,
     Selection,
     _head_inputs,
     _Outputs,
@@ -128,11 +129,11 @@ def _bounds(lane_top, lane_top_e, lane_e, cand_value, cand_e, w, eos_term, slack
 def _row_draw_kernel(
     z_ptr, z_row_stride, n_rows, V, eos_index, inv_temp,
     log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr, state_stride,
-    top_p_hi, top_p_lo, seed_ptr,
+    top_p_hi, top_p_lo, seed_ptr,  # the RNG state (row_scan.rng_state), advanced by the last program
     token_ptr, log_prob_ptr,  # (rows,) int64 / fp64: the draw and its untruncated log-prob
     rounds_ptr,  # (rows,) int32: rounds this row took
     passes_ptr,  # (rows,) int32: rounds whose acceptance test read the row
-    new_state_ptr, flags_ptr, no_row,  # flags: first bad / unresolved row; no_row (the batch size): none
+    new_state_ptr, flags_ptr,  # flags: first bad / unresolved row, atomic_min'ed
     # Runtime bounds: Triton 3.6 crashed on the loop a constexpr bound of 0 folds away.
     max_rounds, forced_pass_round,
     HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr,
@@ -156,7 +157,7 @@ def _row_draw_kernel(
         steps_ptr, steps_stride, steps_value, state_ptr, state_stride, new_state_ptr, HEAD, STEPS_PER_ROW,
         HAS_STATE, BLOCK_B)
     threshold = tl.cast(top_p_hi, tl.float64) + tl.cast(top_p_lo, tl.float64)
-    seed = tl.load(seed_ptr)
+    key = philox_key(seed_ptr, STREAM)
 
     # 2. Rounds. S: the tokens ranked before the pivot (at first: all), with eos while eos_in; its mass
     # is total = w × Σ lane_e (+ eos's).
@@ -183,7 +184,7 @@ def _row_draw_kernel(
     r = 0
     while (tl.max(pending.to(tl.int32), axis=0) > 0) & (r < max_rounds):
         # Draw a candidate from S: eos first, then a lane, then its column (NTILES strided loads).
-        goal = uniform_f64(seed, rows * max_rounds + r, STREAM) * total
+        goal = uniform_f64(key, rows * max_rounds + r) * total
         eos_part = tl.where(eos_in, p_eos, 0.0)
         goal_e = (goal - eos_part) / tl.where(w > 0.0, w, 1.0)  # in units of e^(x − M)
         is_eos = eos_in & ((goal < eos_part) | (lane_total <= 0.0))
@@ -240,8 +241,12 @@ def _row_draw_kernel(
     tl.store(log_prob_ptr + rows, zeta - log_norm, mask=row_ok)
     tl.store(rounds_ptr + rows, rounds, mask=row_ok)
     tl.store(passes_ptr + rows, passes, mask=row_ok)
-    tl.atomic_min(flags_ptr, tl.min(tl.where(bad & row_ok, rows, no_row), axis=0))
-    tl.atomic_min(flags_ptr + 1, tl.min(tl.where(pending, rows, no_row), axis=0))
+    tl.atomic_min(flags_ptr, tl.min(tl.where(bad & row_ok, rows, NO_ROW), axis=0))
+    tl.atomic_min(flags_ptr + 1, tl.min(tl.where(pending, rows, NO_ROW), axis=0))
+    # Every program read the RNG state before counting in: the last advances its calls, zeroes the count.
+    if tl.atomic_add(seed_ptr + 2, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        tl.store(seed_ptr + 2, 0)
+        advance_calls(seed_ptr)
 
 
 def cuda_launch(V: int, *, block_v: int = 2048, num_warps: int = 16, prefetch: bool = True,
@@ -294,7 +299,7 @@ def draw_rows(
     temperature: float,
     steps: int | torch.Tensor,
     state: Optional[torch.Tensor],
-    seed: torch.Tensor,
+    seed: int | torch.Tensor,
     top_p_threshold: float,
     launch: Optional[dict] = None,
     flags: Optional[torch.Tensor] = None,
@@ -320,8 +325,9 @@ def draw_rows(
     if B:
         launch = _default_launch(B, V, z.device.index if z.is_cuda else -1) if launch is None else launch
         _row_draw_kernel[(cdiv(B, launch["BLOCK_B"]),)](
-            z, z.stride(0), B, V, eos_index, 1.0 / temperature, *out.head_args, *_split_f64(top_p_threshold), seed,
-            out.tokens, out.log_probs, rounds, passes, out.state, out.flags, B, MAX_ROUNDS, FORCED_PASS_ROUND,
+            z, z.stride(0), B, V, eos_index, 1.0 / temperature, *out.head_args, *_split_f64(top_p_threshold),
+            rng_state(seed, z.device),
+            out.tokens, out.log_probs, rounds, passes, out.state, out.flags, MAX_ROUNDS, FORCED_PASS_ROUND,
             HEAD=HEAD_CODES[head], STEPS_PER_ROW=out.steps_per_row, HAS_STATE=out.has_state, STREAM=UNIFORM_STREAM,
             **launch,
         )

@@ -89,13 +89,28 @@ def decode_column_keys(keys):
 
 
 @triton.jit
-def _draw_in_split(row_base, rows, row_ok, lo, hi, eos_index, inv_temp, lane_max, lane_mass, split_mass, seed,
+def philox_key(rng_ptr, STREAM: tl.constexpr):
+    """The Philox key of this launch's draws on STREAM (the scan's columns 0, the finish 1, the row
+    draw's rounds 2) from the step's RNG state at ``rng_ptr`` (int64: seed < 2^31, calls, arrivals):
+    the seed in the low word, calls · 4 + STREAM in the high one. The launch's last program advances
+    ``calls`` (:func:`advance_calls`), so each call, or replay of a captured one, draws afresh."""
+    return tl.load(rng_ptr) | ((tl.load(rng_ptr + 1) * 4 + STREAM) << 32)
+
+
+@triton.jit
+def advance_calls(rng_ptr):
+    """The next call's RNG state; only the launch's last program, after every program read its key."""
+    tl.store(rng_ptr + 1, tl.load(rng_ptr + 1) + 1)
+
+
+@triton.jit
+def _draw_in_split(row_base, rows, row_ok, lo, hi, eos_index, inv_temp, lane_max, lane_mass, split_mass, key,
                    split, n_splits, V, HAS_EOS: tl.constexpr, BLOCK_V: tl.constexpr, LANE_TILES: tl.constexpr):
     """One column of the split drawn ∝ e^x and its raw z: a lane by inverse CDF over the lane masses,
     then a column of it (its ≤ LANE_TILES strided columns, re-read) by inverse CDF over their e^x.
     Column 0 (z −inf) when the split holds no mass (the finish never picks such a split). Uniforms:
     Philox stream 0 at counter row · splits + split."""
-    w0, w1, _, _ = tl.randint4x(seed, rows * n_splits + split)
+    w0, w1, _, _ = tl.randint4x(key, rows * n_splits + split)
     u_lane = tl.minimum(tl.uint_to_uniform_float(w0), 0.99999994)  # below 1: fp32 rounding can reach it
     u_col = tl.minimum(tl.uint_to_uniform_float(w1), 0.99999994)
     lanes = tl.arange(0, BLOCK_V)[None, :]
@@ -202,7 +217,7 @@ def scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp,
     if DRAW:
         running_sum = tl.sum(lane_mass, axis=1)
         draw_idx, top_val = _draw_in_split(row_base, rows, row_ok, lo, hi, eos_index, inv_temp, lane_max,
-                                           lane_mass, running_sum, tl.load(seed_ptr), split, n_splits, V, HAS_EOS,
+                                           lane_mass, running_sum, philox_key(seed_ptr, 0), split, n_splits, V, HAS_EOS,
                                            BLOCK_V, LANE_TILES)
     else:
         # The split's mass and the first column of its max (lanes hold their first maximum's tile).
@@ -257,14 +272,18 @@ def cuda_launch_shape(B: int, V: int, candidates: int, multi_processors: int) ->
     return 1, block_v, max(1, min(splits, cdiv(V, block_v)))
 
 
-def _as_seed(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+def rng_state(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The kernels' RNG state, (3,) int64 on ``device``: (seed, calls, arrivals). A (3,) int64 tensor
+    there is the state itself (a ``DecodingStep``'s: its launches advance ``calls``); an int or a
+    one-element integer tensor, a fresh state at call 0."""
     if isinstance(seed, torch.Tensor):
-        if seed.dtype == torch.int64 and seed.shape == (1,) and seed.device == device:
+        if seed.dtype == torch.int64 and seed.shape == (3,) and seed.device == device:
             return seed
         if seed.numel() != 1 or seed.dtype.is_floating_point:
-            raise ValueError("seed must be a one-element integer tensor")
-        return seed.reshape(1).to(device=device, dtype=torch.int64)
-    return torch.tensor([seed], dtype=torch.int64, device=device)
+            raise ValueError("seed must be a one-element integer tensor or a (3,) int64 RNG state")
+        seed = seed.reshape(1).to(device=device, dtype=torch.int64)
+        return torch.cat([seed, seed.new_zeros(2)])
+    return torch.tensor([seed, 0, 0], dtype=torch.int64, device=device)
 
 
 def split_layout(V: int, block_v: int, splits: int) -> tuple[int, int]:
@@ -291,8 +310,9 @@ class ScanLaunch:
 def scan_launch(z: torch.Tensor, *, eos_index: int | None, temperature: float, seed: int | torch.Tensor | None,
                 candidates: int, launch: tuple[int, int] | None, sync_slots: Optional[int] = None) -> ScanLaunch:
     """Check a scan's arguments and lay out its launch: ``z`` (B, V) with unit stride along V;
-    ``eos_index`` the column left out (None: none); x = z / ``temperature``; ``seed`` (int or
-    one-element integer tensor; None: no draw) draws a column per split; ``candidates``: keep the
+    ``eos_index`` the column left out (None: none); x = z / ``temperature``; ``seed`` (an int, a
+    one-element integer tensor or an RNG state: :func:`rng_state`; None: no draw) draws a column per
+    split (the launch that finishes the rows advances the state's calls); ``candidates``: keep the
     K = next power of two >= it best x; ``launch``: (BLOCK_V, splits) instead of the automatic layout.
     ``sync_slots``: the partials are scratch of the step workspace (``workspace.py``), which also
     hands out this many zeroed int32 slots as ``sync``; None: fresh tensors."""
@@ -310,7 +330,7 @@ def scan_launch(z: torch.Tensor, *, eos_index: int | None, temperature: float, s
         sync, *buffers = step_buffers(z.device, sync_slots, tuple(layout.values()))
         parts = dict(zip(layout, buffers))
     unused = parts["top_idx"]  # the pointer the kernel gets for outputs it does not write
-    seed_tensor = _as_seed(seed, z.device) if draws else unused
+    seed_tensor = rng_state(seed, z.device) if draws else unused
     args = (z, z.stride(0), B, V, split_width, -1 if eos_index is None else eos_index, 1.0 / temperature, seed_tensor,
             parts["max"], parts["sum"], parts["top_val"], parts["top_idx"], parts.get("draw_idx", unused),
             parts.get("keys", unused))

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import host_math
 from .reductions import crossing_with
 from .row_scan import decode_column_keys
 
@@ -62,10 +63,10 @@ def _log1mexp(a):
 
 
 @triton.jit
-def uniform_f64(seed, offsets, STREAM: tl.constexpr):
-    """U(0, 1) with 53 random bits per offset, never 0 or 1, from Philox keyed by (seed, STREAM): the
-    scan draws from stream 0, the finish from 1, the row draw's rounds from 2."""
-    r0, r1, _, _ = tl.randint4x(seed.to(tl.int64) | (STREAM * 4294967296), offsets)
+def uniform_f64(key, offsets):
+    """U(0, 1) with 53 random bits per offset, never 0 or 1, from Philox keyed by ``key``
+    (``row_scan.philox_key``)."""
+    r0, r1, _, _ = tl.randint4x(key, offsets)
     hi = (r0.to(tl.uint32, bitcast=True) >> 5).to(tl.float64)
     lo = (r1.to(tl.uint32, bitcast=True) >> 6).to(tl.float64)
     return (hi * 67108864.0 + lo + 0.5) / 9007199254740992.0
@@ -165,11 +166,11 @@ def _log_survival(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_stat
 @triton.jit
 def select_rows(
     rows, row_ok, part, part_ok, s, t, prev, n_rows, V, max_ptr, sum_ptr, pick_val_ptr, pick_idx_ptr, eos_index,
-    temp_hi, temp_lo, log1m_eps_hi, log1m_eps_lo, seed, token_ptr, log_prob_ptr, new_state_ptr,
+    temp_hi, temp_lo, log1m_eps_hi, log1m_eps_lo, key, token_ptr, log_prob_ptr, new_state_ptr,
     HEAD: tl.constexpr, GREEDY: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     """Greedy or sampling for ``rows`` (``row_ok``) from the partials at ``part`` (rows × splits
-    offsets, ``part_ok``), the rows' :func:`_head_inputs` and the draw's ``seed``: stores each row's
+    offsets, ``part_ok``), the rows' :func:`_head_inputs` and the draw's Philox ``key``: stores each row's
     token and log-probability; returns the first row without a distribution (``n_rows``: none)."""
     # Every load before any math: one round trip, under which the survival terms run.
     split_max = _load_partial(max_ptr, part, part_ok, float("-inf"))
@@ -195,7 +196,7 @@ def select_rows(
         split_mass = tl.where(split_sum > 0.0,
                               split_sum.to(tl.float64) * tl.exp(split_max.to(tl.float64) - log_norm[:, None]), 0.0)
         p_eos = tl.exp(eos_zeta - log_norm)  # 0 for VA (ζ_eos = −inf)
-        goal = uniform_f64(seed, rows, 1) * (p_eos + tl.sum(split_mass, axis=1))
+        goal = uniform_f64(key, rows) * (p_eos + tl.sum(split_mass, axis=1))
         eos_wins = goal < p_eos
         split_no = tl.arange(0, part.shape[1])[None, :]
         split, idx = crossing_with(tl.cumsum(split_mass, axis=1), split_mass, goal - p_eos, split_no, part.shape[1],
@@ -216,7 +217,7 @@ def select_rows(
 @triton.jit
 def select_candidate_rows(
     rows, row_ok, part, part_ok, s, t, prev, n_rows, n_splits, part_row_stride, max_ptr, sum_ptr, key_ptr,
-    eos_index, log1m_eps_hi, log1m_eps_lo, top_k, top_p_hi, top_p_lo, seed, token_ptr, log_prob_ptr,
+    eos_index, log1m_eps_hi, log1m_eps_lo, top_k, top_p_hi, top_p_lo, key, token_ptr, log_prob_ptr,
     new_state_ptr, HEAD: tl.constexpr, HAS_TOP_P: tl.constexpr, K: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
@@ -272,7 +273,7 @@ def select_candidate_rows(
         prob_eos = tl.where((before_eos < threshold) | (eos_pos == 0), prob_eos, 0.0)
 
     # Inverse-CDF draw over the kept mass: eos first, then the candidates in rank order.
-    u = uniform_f64(seed, rows, 1) * (tl.sum(prob, axis=1) + prob_eos)
+    u = uniform_f64(key, rows) * (tl.sum(prob, axis=1) + prob_eos)
     last_kept = tl.max(tl.where(prob > 0.0, rank[None, :], -1), axis=1)
     eos_drawn = (u < prob_eos) | (last_kept < 0)
     crossed = (tl.cumsum(prob, axis=1) > (u - prob_eos)[:, None]) & (prob > 0.0)  # see crossing_with
@@ -296,8 +297,11 @@ class Selection:
     log_probs: torch.Tensor  # (B,) float64 log p of each chosen token (untruncated distribution)
     state: Optional[torch.Tensor]  # (B,) float64 ST's log(1 − α_t) after this step; None for other heads
     # (2,) int32: [first row without a distribution, first row left without a token (the row draw's
-    # rounds ran out): its token is invalid]; B means none
+    # rounds ran out): its token is invalid]; B (NO_ROW in a step's deferred pair) means none
     flags: torch.Tensor
+
+
+NO_ROW = tl.constexpr(host_math.NO_ROW)  # a one-call pair starts at B instead
 
 
 @functools.lru_cache(maxsize=256)  # a step's temperature, ε and p recur every call
@@ -317,17 +321,14 @@ class _Outputs:
     """Output buffers plus the head arguments every select kernel takes, in kernel order."""
 
     def __init__(self, z: torch.Tensor, head: str, eps: float, steps: int | torch.Tensor,
-                 state: Optional[torch.Tensor], fill_flags: bool = True, flags: Optional[torch.Tensor] = None):
+                 state: Optional[torch.Tensor], flags: Optional[torch.Tensor] = None):
         B, device = z.shape[0], z.device
         self.tokens = torch.empty(B, dtype=torch.int64, device=device)
         self.log_probs = torch.empty(B, dtype=torch.float64, device=device)
         # Other heads store no state: any fp64 pointer will do.
         self.state = torch.empty(B, dtype=torch.float64, device=device) if head == "st" else self.log_probs
-        # Filled with B (none) unless the kernel writes them itself (``fill_flags=False``); ``flags``: the
-        # caller's (2,) int32 slot.
-        if flags is None:
-            flags = torch.empty(2, dtype=torch.int32, device=device)
-        self.flags = flags.fill_(B) if fill_flags or not B else flags
+        # The kernels atomic_min bad rows into the flags: a new pair at B (none), or the caller's as it stands.
+        self.flags = torch.full((2,), B, dtype=torch.int32, device=device) if flags is None else flags
         self.steps_per_row = isinstance(steps, torch.Tensor)
         self.has_state = head == "st" and state is not None
         steps_tensor = steps if self.steps_per_row else self.tokens  # any pointer when unused

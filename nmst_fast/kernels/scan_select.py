@@ -4,10 +4,11 @@ Every scan program (``row_scan.py``), once its partials are stored, counts itsel
 acquire-release atomic at GPU scope); the last to arrive finishes the row (``row_select.py``), so a
 row's finish overlaps the other rows' reads and no second launch waits for the slowest split (a
 separate merge launch doubled the step at B = 32 on an H100). No fill before the launch: the arrival
-counters, a count of finished rows and the worst bad row live in the step workspace
-(``workspace.py``), zero at rest — a row's last arrival zeroes its counter, and the program that
-completes the batch writes the two flags and zeroes the shared slots (programs with a bad row also
-count in the count's high word, so it reads the worst only when there is one).
+counters and, for a draw, a count of finished rows live in the step workspace (``workspace.py``),
+zero at rest — a row's last arrival zeroes its counter, and the program that finishes the batch's
+last rows zeroes the count and advances the RNG state's calls (``row_scan.philox_key``), so the next
+call, or a replay of a captured one, draws afresh. A bad row is atomic_min'ed into the flags, which
+may collect several calls' rows (a deferred step's pair).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .host_math import next_power_of_2
-from .row_scan import FINISH_KEYS, _as_seed, scan_launch, scan_split
+from .row_scan import FINISH_KEYS, advance_calls, philox_key, rng_state, scan_launch, scan_split
 from .row_select import (
     HEAD_CODES,
     Selection,
@@ -38,11 +39,11 @@ def _scan_select_kernel(
     top_idx_ptr, draw_idx_ptr, key_ptr,  # the scan's arguments (row_scan.scan_split)
     temp_hi, temp_lo, log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr, state_stride,
     top_k, top_p_hi, top_p_lo,  # K > 0 only: the truncation
-    finish_seed_ptr,  # the draw's seed: the scan's when it draws (K = 0), the candidates' draw's (K > 0)
+    finish_seed_ptr,  # the draw's RNG state: the scan's when it draws (K = 0), the candidates' draw's (K > 0)
     token_ptr, log_prob_ptr, new_state_ptr,
-    flags_ptr,  # (2,) int32, written by the last row to finish
-    # (3 + n_rows,) int32, zero at entry and at exit: an int64 word (rows finished; programs with a bad
-    # row, × 2^32), the worst bad code, one arrival counter per row
+    flags_ptr,  # (2,) int32: the first bad row is atomic_min'ed into [0]
+    # (1 + n_rows,) int32, zero at entry and at exit: rows finished (a drawing step), one arrival
+    # counter per row
     sync_ptr,
     HAS_EOS: tl.constexpr, DRAW: tl.constexpr, K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
     LANE_TILES: tl.constexpr, HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr,
@@ -52,17 +53,17 @@ def _scan_select_kernel(
                top_val_ptr, top_idx_ptr, draw_idx_ptr, key_ptr, HAS_EOS, DRAW, K, BLOCK_B, BLOCK_V, LANE_TILES)
     n_splits = tl.num_programs(1)
     rows, row_ok, part, part_ok = _row_block(n_rows, n_splits, n_splits, BLOCK_B, BLOCK_S)
-    # The head's inputs and the seed are no program's output: every split loads them before counting in.
+    # The head's inputs and the RNG state are no program's output: every split loads them before counting in.
     s, t, prev = _head_inputs(z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value,
                               state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
-    seed = tl.load(finish_seed_ptr) if DRAW or K > 0 else 0
+    key = philox_key(finish_seed_ptr, 1) if DRAW or K > 0 else 0
     if n_splits > 1:
         # Stores before the barrier, the barrier before the release: the last arrival sees every partial.
         tl.debug_barrier()
-        arrived = tl.atomic_add(sync_ptr + 3 + rows, 1, mask=row_ok, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(sync_ptr + 1 + rows, 1, mask=row_ok, sem="acq_rel", scope="gpu")
         finishes = row_ok & (arrived == n_splits - 1)
         # Every split has counted in: back to zero for the next launch (no other access this launch).
-        tl.store(sync_ptr + 3 + rows, 0, mask=finishes)
+        tl.store(sync_ptr + 1 + rows, 0, mask=finishes)
     else:
         finishes = row_ok
     n_finished = tl.sum(finishes.to(tl.int32), axis=0)
@@ -72,28 +73,22 @@ def _scan_select_kernel(
         if K == 0:
             first_bad = select_rows(rows, finishes, part, part_ok, s, t, prev, n_rows, V, max_ptr, sum_ptr, top_val_ptr,
                                     draw_idx_ptr if DRAW else top_idx_ptr, eos_index, temp_hi, temp_lo, log1m_eps_hi,
-                                    log1m_eps_lo, seed, token_ptr, log_prob_ptr, new_state_ptr, HEAD, not DRAW,
+                                    log1m_eps_lo, key, token_ptr, log_prob_ptr, new_state_ptr, HEAD, not DRAW,
                                     BLOCK_B)
         else:
             first_bad = select_candidate_rows(
                 rows, finishes, part, part_ok, s, t, prev, n_rows, n_splits, n_splits, max_ptr, sum_ptr, key_ptr,
-                eos_index, log1m_eps_hi, log1m_eps_lo, top_k, top_p_hi, top_p_lo, seed, token_ptr, log_prob_ptr,
+                eos_index, log1m_eps_hi, log1m_eps_lo, top_k, top_p_hi, top_p_lo, key, token_ptr, log_prob_ptr,
                 new_state_ptr, HEAD, HAS_TOP_P, K, BLOCK_B, BLOCK_S)
-        # The flags without a fill: a bad row is recorded as a max of n_rows − row and marked in the
-        # count's high word; the program completing the batch writes the flags and leaves zeros.
-        done_ptr = sync_ptr.to(tl.pointer_type(tl.int64))
-        count = n_finished.to(tl.int64)
         if first_bad < n_rows:
-            tl.atomic_max(sync_ptr + 2, n_rows - first_bad, sem="relaxed", scope="gpu")
-            count += 4294967296
-        done = tl.atomic_add(done_ptr, count, sem="acq_rel", scope="gpu") + count
-        if (done & 0xFFFFFFFF) == n_rows:
-            worst = tl.full((), 0, tl.int32)
-            if (done >> 32) > 0:
-                worst = tl.atomic_xchg(sync_ptr + 2, 0, sem="acquire", scope="gpu")
-            tl.store(done_ptr, 0)
-            tl.store(flags_ptr, n_rows - worst)
-            tl.store(flags_ptr + 1, n_rows)  # every row has its token
+            tl.atomic_min(flags_ptr, first_bad, sem="relaxed", scope="gpu")
+        if DRAW or K > 0:
+            # The program finishing the batch's last rows, after every program has read the RNG state
+            # (each read precedes its count): the next call's state, and the count back to zero.
+            done = tl.atomic_add(sync_ptr, n_finished, sem="acq_rel", scope="gpu") + n_finished
+            if done == n_rows:
+                tl.store(sync_ptr, 0)
+                advance_calls(finish_seed_ptr)
 
 
 def scan_select(
@@ -119,12 +114,14 @@ def scan_select(
         head: "va" | "nmst" | "st"; eos_index, eps: the head's; temperature divides non-eos logits.
         steps: t of this step: an int, or a (B,) int64 tensor (stride 0 allowed).
         state: "st" only: (B,) float64 running log(1 − α) before this step (None: 0).
-        seed: one-element int64 tensor for the draw (None: greedy).
+        seed: the draw's seed (None: greedy): an int, a one-element integer tensor, or a (3,) int64
+            RNG state (``row_scan.rng_state``) that the launch advances.
         top_k: keep the k most probable tokens, then ranks while the mass before them is below
             ``top_p_threshold`` (top_p less the caller's rounding slack).
         launch: (BLOCK_V, splits) instead of the automatic layout (at most ``row_scan.FINISH_KEYS``
             candidate keys per row).
-        flags: a (2,) int32 tensor to write the flags to (None: a new one).
+        flags: a (2,) int32 tensor the kernel atomic_mins bad rows into, as it stands (None: a new
+            one at B).
     Returns:
         :class:`row_select.Selection`; ``flags[0]`` < B: the first row with no distribution.
     """
@@ -136,15 +133,15 @@ def scan_select(
     # The candidate scan draws no noise (its select kernel draws): no seed for the scan itself.
     scan = scan_launch(z, eos_index=None if head == "va" else eos_index, temperature=temperature,
                        seed=None if top_k is not None else seed, candidates=top_k or 0, launch=launch,
-                       sync_slots=3 + B)
-    out = _Outputs(z, head, eps, steps, state, fill_flags=False, flags=flags)
+                       sync_slots=1 + B)
+    out = _Outputs(z, head, eps, steps, state, flags=flags)
     if B:
         splits = scan.grid[1]
         if scan.meta["K"] and next_power_of_2(splits) * scan.meta["K"] > FINISH_KEYS:
             raise ValueError(f"launch: {splits} splits of {scan.meta['K']} candidates exceed the finish's "
                              f"{FINISH_KEYS} keys")
-        # The finish's seed: the scan's own (a drawing scan), the top-k draw's, or any pointer (greedy).
-        finish_seed = scan.args[7] if top_k is None else _as_seed(seed, z.device)
+        # The finish's RNG state: the scan's own (a drawing scan), the top-k draw's, or any pointer (greedy).
+        finish_seed = scan.args[7] if top_k is None else rng_state(seed, z.device)
         truncation = (top_k or 0, *_split_f64(top_p_threshold if top_p_threshold is not None else 1.0), finish_seed)
         try:
             _scan_select_kernel[scan.grid](
