@@ -216,14 +216,13 @@ class DecodingStep:
                             temperature=self.temperature, steps=kernel_steps, state=kernel_state, seed=seed,
                             top_p_threshold=self._threshold, flags=flags)
 
-
     def _rng_state(self, generator: Optional[torch.Generator]) -> torch.Tensor:
         """The kernels' RNG state, seeded from ``generator`` at the first draw and whenever the
         generator changes: the generator's state fixes every draw, and the launches advance it."""
         if self._rng is None or generator is not self._rng_source:
-            dev = generator.device if generator is not None else self.device
             from nmst_fast.kernels.row_scan import rng_state
 
+            dev = generator.device if generator is not None else self.device
             seed = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=dev).to(self.device)
             self._rng, self._rng_source = rng_state(seed, self.device), generator
         return self._rng
