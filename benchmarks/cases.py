@@ -83,7 +83,8 @@ def three_gemms(x: Inputs) -> None:
 
 
 def three_gemms_padded(x: Inputs) -> None:
-    """The floor at V padded with zero rows of W to a multiple of PAD_MULTIPLE (built once per inputs)."""
+    """The floor at V padded with zero rows of W to a multiple of PAD_MULTIPLE (built once per inputs,
+    so its extra memory includes that padded copy of W: a trainer that pads holds it as its weight)."""
     V, H = x.weight.shape
     w = x.cache.get("padded_weight")
     if w is None:

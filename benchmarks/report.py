@@ -173,8 +173,9 @@ def run_report(shape: Shape, rounds: int, peak_tflops: Optional[float]) -> list[
     times = measure_times(shape, rounds)
     measure = _memory_in_process if shape.device == "cuda" else _memory_in_subprocess
     extra_gb = {}
-    for name in times:
-        extra_gb[name] = measure(shape, name)
+    for name, ts in times.items():
+        # A case that did not run (every time NaN) is not run again for its memory: NaN there too.
+        extra_gb[name] = measure(shape, name) if any(t == t for t in ts) else float("nan")
         print(f"  memory: {name}", file=sys.stderr, flush=True)
     return summarize(shape, times, extra_gb, peak_tflops)
 

@@ -120,3 +120,18 @@ def test_a_case_that_cannot_run_leaves_nan_and_the_report_goes_on(monkeypatch, c
     assert len(times["floor"]) == 2 and all(t > 0 for t in times["floor"])
     assert len(times["broken"]) == 2 and all(t != t for t in times["broken"])
     assert "broken does not run: RuntimeError: no kernel for this card" in capsys.readouterr().err
+
+
+def test_a_case_that_did_not_run_is_not_run_again_for_its_memory(monkeypatch):
+    import benchmarks.report as report
+    from benchmarks.cases import Shape, three_gemms
+
+    def broken(x):
+        raise RuntimeError("no kernel for this card")
+
+    measured = []
+    monkeypatch.setattr(report, "cases_for", lambda device: {"floor": three_gemms, "broken": broken})
+    monkeypatch.setattr(report, "_memory_in_subprocess", lambda shape, case: measured.append(case) or 0.25)
+    rows = report.run_report(Shape(32, 16, 100, torch.float32, "cpu"), rounds=1, peak_tflops=None)
+    assert measured == ["floor"]
+    assert rows[0]["extra_gb"] == 0.25 and rows[1]["extra_gb"] != rows[1]["extra_gb"]
