@@ -37,8 +37,8 @@ for step in $steps; do
     tests) OMP_NUM_THREADS=2 timeout 200 python3 -m pytest -v -p no:cacheprovider -n 8 -rf --tb=short --durations=12 \
              ${TESTS_K:+-k "$TESTS_K"} \
              tests/test_decoding_fused.py tests/test_fused_loss.py tests/test_generation.py tests/test_integration.py \
-             tests/test_kernels.py tests/test_row_draw.py tests/test_workspace.py tests/test_reductions.py tests/test_lanes.py \
-             tests/test_no_host_sync.py \
+             tests/test_kernels.py tests/test_row_draw.py tests/test_workspace.py tests/test_inverse_cdf.py tests/test_lanes.py \
+             tests/test_interpreter_sort.py tests/test_no_host_sync.py \
              2>&1 | tee "$OUT/tests.log" | grep -E "FAILED|ERROR|passed|failed|^[0-9.]+s " | tail -40 ;;
     loss) timeout 240 python3 -m benchmarks.report --gpu --json "$OUT/loss.json" 2>"$OUT/loss.err" | tee "$OUT/loss.md"; tail -5 "$OUT/loss.err" ;;
     profile) timeout 150 python3 -m benchmarks.profile_loss 2>&1 | tee "$OUT/profile.md" | tail -60 ;;

@@ -74,18 +74,15 @@ class StepDistribution:
         return log_p
 
 
-def int64_steps(steps: numbers.Integral) -> int:
-    """An integer t as the kernels and tensors hold it (int64), or a ValueError naming steps."""
-    if not -(2**63) <= int(steps) < 2**63:
-        raise ValueError(f"steps must fit in int64, got {int(steps)}")
-    return int(steps)
-
-
-def steps_tensor(steps: Steps, batch: int, device: torch.device) -> torch.Tensor:
+def step_values(steps: Steps, batch: int, device: torch.device) -> Steps:
+    """t as every path takes it: one int (fitting int64, as the kernels hold it) or a (batch,) int64
+    tensor on ``device``; a TypeError or ValueError naming steps otherwise."""
     if isinstance(steps, bool):
         raise TypeError("steps must be an int or an integer tensor")
     if isinstance(steps, numbers.Integral):
-        return torch.full((batch,), int64_steps(steps), dtype=torch.long, device=device)
+        if not -(2**63) <= int(steps) < 2**63:
+            raise ValueError(f"steps must fit in int64, got {int(steps)}")
+        return int(steps)
     if not isinstance(steps, torch.Tensor) or steps.dtype.is_floating_point or steps.dtype == torch.bool:
         raise TypeError(f"steps must be an int or an integer tensor, got {type(steps).__name__}")
     try:
@@ -112,27 +109,6 @@ def check_temperature(temperature: object) -> None:
         raise ValueError(f"temperature must be a positive finite float, got {temperature!r}")
 
 
-def step_log_survival(
-    eos_logit: torch.Tensor, *, head: str, eps: float, steps: Steps, state: Optional[torch.Tensor]
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(a = log(1 − α_t) (B,) float64, ST's next state or None) from the raw eos logits s (B,).
-
-    NMST: logσ(−s) + t·log1p(−ε). ST: state + logσ(s) + log1p(−ε) (state 0 at the start), which is
-    also the next state. Context rows (t <= 0): a = 0, and ST's state passes through.
-    """
-    B = eos_logit.shape[0]
-    # One int t stays a Python int (no (B,) tensor of it, no where over the rows).
-    one_t = isinstance(steps, int) and not isinstance(steps, bool)
-    t = int64_steps(steps) if one_t else steps_tensor(steps, B, eos_logit.device)
-    if head == "nmst":
-        return nmst_log_survival(eos_logit, t, eps), None
-    if state is None:
-        prev = torch.zeros(B, dtype=torch.float64, device=eos_logit.device)
-    else:
-        prev = check_state(state, B, eos_logit.device).to(torch.float64)
-    return st_step_survival(prev, eos_logit, t, eps)
-
-
 def check_state(state: object, batch: int, device: torch.device, *, values: bool = True) -> torch.Tensor:
     """ST's state as every path accepts it: a floating (B,) tensor (moved to ``device``) of
     log(1 − α) ≤ 0 (−inf: eos certain). ``values=False``: no NaN / positive check (the kernels flag
@@ -157,10 +133,19 @@ def eos_terms(
     non_eos_lse: torch.Tensor, eos_logit: torch.Tensor, *, head: str, eps: float, steps: Steps,
     state: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """The NMST/ST head's per-row scalars from L and s (both (B,) float64), rows checked first:
-    (log_norm, ζ_eos, log p(eos) (see :func:`head_terms`), ST's next state or None)."""
+    """The NMST/ST head's per-row scalars from L and the raw eos logit s (both (B,) float64), rows
+    checked first: (log_norm, ζ_eos, log p(eos) (see :func:`head_terms`), ST's next state or None).
+    a = log(1 − α_t) is NMST's logσ(−s) + t·log1p(−ε), or ST's state + logσ(s) + log1p(−ε) (state 0
+    at the start), which is also its next state; context rows (t <= 0): a = 0, ST's state passes."""
     check_rows(non_eos_lse, eos_logit)
-    log_surv, next_state = step_log_survival(eos_logit, head=head, eps=eps, steps=steps, state=state)
+    B = eos_logit.shape[0]
+    t = step_values(steps, B, eos_logit.device)  # one int t stays an int: no (B,) tensor of it
+    if head == "nmst":
+        log_surv, next_state = nmst_log_survival(eos_logit, t, eps), None
+    else:
+        prev = torch.zeros(B, dtype=torch.float64, device=eos_logit.device) if state is None else \
+            check_state(state, B, eos_logit.device).to(torch.float64)
+        log_surv, next_state = st_step_survival(prev, eos_logit, t, eps)
     return (*head_terms(non_eos_lse, log_surv), next_state)
 
 

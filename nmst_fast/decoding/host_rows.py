@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import numbers
 from itertools import accumulate
 from typing import Optional
 
@@ -27,10 +26,9 @@ from .distribution import (
     Steps,
     check_state,
     head_terms,
-    int64_steps,
     no_distribution_message,
     row_blocks_of,
-    steps_tensor,
+    step_values,
 )
 from .selection import block_topk, first_max, top_tokens
 from .truncation import TOP_P_SLACK
@@ -59,10 +57,8 @@ class HostRows:
         next state (B,) float64 or None) for ``logits`` (B, V)."""
         B, device, special_eos = logits.shape[0], logits.device, self.head != "va"
         eos_logits = logits.select(1, self.eos_index).tolist() if special_eos else [0.0] * B
-        if not special_eos or (isinstance(steps, numbers.Integral) and not isinstance(steps, bool)):
-            step_list = [1 if not special_eos else int64_steps(steps)] * B
-        else:
-            step_list = steps_tensor(steps, B, device).tolist()
+        t = step_values(steps, B, device) if special_eos else 1
+        step_list = [t] * B if isinstance(t, int) else t.tolist()
         prev = [0.0] * B if self.head != "st" or state is None else check_state(state, B, device).double().tolist()
         reduced = self._reduce(logits) if B * logits.shape[1] <= BLOCK_ENTRIES else [
             row for rows in row_blocks_of(logits) for row in self._reduce(logits[rows])]

@@ -17,7 +17,6 @@ eagerly, can be captured in a CUDA graph: its replays draw afresh and collect th
 from __future__ import annotations
 
 import functools
-import numbers
 import os
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -32,9 +31,8 @@ from .distribution import (
     check_state,
     check_temperature,
     effective_logits,
-    int64_steps,
     no_distribution_message,
-    steps_tensor,
+    step_values,
 )
 from .host_rows import MAX_ROWS, HostRows
 from .selection import select
@@ -203,12 +201,7 @@ class DecodingStep:
         if logits.stride(1) != 1:
             logits = logits.contiguous()
         B, device = logits.shape[0], logits.device
-        if self.head == "va":
-            kernel_steps = 1
-        elif isinstance(steps, numbers.Integral) and not isinstance(steps, bool):
-            kernel_steps = int64_steps(steps)
-        else:
-            kernel_steps = steps_tensor(steps, B, device)
+        kernel_steps = 1 if self.head == "va" else step_values(steps, B, device)
         kernel_state = (check_state(state, B, device, values=False)  # the kernels flag bad values
                         if self.head == "st" and state is not None else None)
         seed = None if self._greedy else self._rng_state(generator)

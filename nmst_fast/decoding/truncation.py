@@ -73,19 +73,13 @@ def draw(probs: torch.Tensor, generator: Optional[torch.Generator], *, overwrite
     """
     if probs.device.type == "cpu":
         in_place = overwrite and probs.dtype == torch.float64
-        return inverse_cdf(probs.cumsum_(dim=1) if in_place else torch.cumsum(probs, dim=1, dtype=torch.float64),
-                           generator)
+        cdf = probs.cumsum_(dim=1) if in_place else torch.cumsum(probs, dim=1, dtype=torch.float64)
+        uniforms = torch.rand((cdf.shape[0], 1), dtype=torch.float64, generator=generator,
+                              device=generator.device if generator is not None else cdf.device)
+        return search_cdf(cdf, uniforms.to(cdf.device))
     if generator is None or generator.device == probs.device:
         return torch.multinomial(probs, 1, generator=generator)
     return torch.multinomial(probs.to(generator.device), 1, generator=generator).to(probs.device)
-
-
-def inverse_cdf(cdf: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """One index per row (B, 1) drawn from the weights whose running sums are ``cdf`` (B, C) float64,
-    one float64 uniform per row from ``generator``."""
-    device = generator.device if generator is not None else cdf.device
-    uniforms = torch.rand((cdf.shape[0], 1), dtype=torch.float64, device=device, generator=generator)
-    return search_cdf(cdf, uniforms.to(cdf.device))
 
 
 def search_cdf(cdf: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_power_of_2, scan_width
+from .inverse_cdf import crossing_with
 from .lanes import LOG2E, fold_row_lanes, lane_pointers, merge_lanes, ranked_lane_mass
-from .reductions import FUSED, add_pair, crossing_with
 from .row_scan import advance_calls, multi_processors, philox_key, rng_state
 from .row_select import (
     HEAD_CODES,
@@ -113,12 +113,8 @@ def _bounds(lane_top, lane_top_e, lane_e, cand_value, cand_e, w, eos_term, slack
     cand = tl.expand_dims(cand_value, -1)  # (rows, 1) against (rows, lanes) tables
     below = tl.where(lane_top > cand, lane_top_e, 0.0).to(tl.float64)
     reaching = tl.where(lane_top >= cand, lane_e, 0.0).to(tl.float64)
-    if FUSED:
-        lower, upper = tl.reduce((below, reaching), 1, add_pair)
-    else:
-        lower = tl.sum(below, axis=1)
-        upper = tl.sum(reaching, axis=1)
-    upper = tl.maximum(upper - cand_e * (1.0 - slack), 0.0)
+    lower = tl.sum(below, axis=1)
+    upper = tl.maximum(tl.sum(reaching, axis=1) - cand_e * (1.0 - slack), 0.0)
     # 2^-100: the weights one fp32 path flushes to 0 and the other keeps (V · 2^-126 at most).
     sure_in = w * upper * (1.0 + slack) + 7.888609052210118e-31 + eos_term < threshold
     sure_out = w * lower * (1.0 - slack) + eos_term >= threshold

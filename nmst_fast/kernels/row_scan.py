@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_power_of_2, scan_width
+from .inverse_cdf import crossing_with
 from .lanes import LOG2E, fold_row_lanes, lane_pointers, last_kept, load_tile, merge_lanes
-from .reductions import FUSED, add_and_min, crossing_with, larger_then_lower
 from .workspace import step_buffers
 
 MAX_CANDIDATES = 128  # the largest candidate list per row (a power of two, for tl.topk)
@@ -39,7 +39,7 @@ def column_keys(x, cols):
     return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)
 
 
-# The list of the lanes' maxima: by extraction (one reduction per candidate) up to EXTRACT_MAX_K, by a
+# The list of the lanes' maxima: by extraction (a max per candidate) up to EXTRACT_MAX_K, by a
 # tl.topk of the lanes' keys above. A split the lanes' values do not settle is read again and the few
 # values they dropped above the K-th enter one at a time (``_enter_dropped``; no tile is sorted).
 EXTRACT_MAX_K = tl.constexpr(16)
@@ -57,16 +57,13 @@ def _extract_into(best, x, above, cols, K: tl.constexpr):
     todo = tl.minimum(tl.sum(above.to(tl.int32), axis=1), K)  # more than K cannot all enter
     slots = tl.arange(0, K)[None, :]
     while tl.max(todo, axis=0) > 0:
-        # The largest entering value and its lowest column, in one reduction. Ties go to the lowest
-        # column (callers leave −inf columns out of ``above``: they are padding); a NaN is no column.
+        # The largest entering value and its lowest column (callers leave −inf columns out of
+        # ``above``: they are padding); a NaN is no column.
         entering = above & (x == x)
         values = tl.where(entering, x, float("-inf"))
         index = tl.where(entering, cols, 2147483647)
-        if FUSED:
-            top, col = tl.reduce((values, index), 1, larger_then_lower)
-        else:
-            top = tl.max(values, axis=1)
-            col = tl.min(tl.where(values == top[:, None], index, 2147483647), axis=1)
+        top = tl.max(values, axis=1)
+        col = tl.min(tl.where(values == top[:, None], index, 2147483647), axis=1)
         found = (todo > 0) & (col < 2147483647)
         key = column_keys(top, col)
         smallest = tl.min(best, axis=1)
@@ -114,7 +111,6 @@ def _draw_in_split(row_base, rows, row_ok, lo, hi, eos_index, inv_temp, lane_max
     u_lane = tl.minimum(tl.uint_to_uniform_float(w0), 0.99999994)  # below 1: fp32 rounding can reach it
     u_col = tl.minimum(tl.uint_to_uniform_float(w1), 0.99999994)
     lanes = tl.arange(0, BLOCK_V)[None, :]
-    # The lane and its max z in one reduction.
     lane, lane_top = crossing_with(tl.cumsum(lane_mass, axis=1), lane_mass, u_lane * split_mass, lanes, BLOCK_V,
                                    lane_max, float("-inf"))
     cols = lo + lane[:, None] + tl.arange(0, LANE_TILES)[None, :] * BLOCK_V
@@ -222,11 +218,8 @@ def scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp,
     else:
         # The split's mass and the first column of its max (lanes hold their first maximum's tile).
         firsts = tl.where(lane_max == max_z[:, None], lane_start + lanes, V)
-        if FUSED:
-            running_sum, first = tl.reduce((lane_mass, firsts), 1, add_and_min)
-        else:
-            running_sum = tl.sum(lane_mass, axis=1)
-            first = tl.min(firsts, axis=1)
+        running_sum = tl.sum(lane_mass, axis=1)
+        first = tl.min(firsts, axis=1)
         top_val = max_z  # raw z: splits merge on it, so rounding of z · inv_temp cannot tie them
         top_idx = tl.where(max_z == float("-inf"), 0, first)
     out = rows * n_splits + split

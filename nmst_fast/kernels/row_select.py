@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import host_math
-from .reductions import crossing_with
+from .inverse_cdf import crossing_with
 from .row_scan import decode_column_keys
 
 HEAD_CODES = {"va": 0, "nmst": 1, "st": 2}
