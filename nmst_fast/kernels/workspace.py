@@ -4,7 +4,8 @@ Each step of ``scan_select.py`` needs per-row arrival counters that start at zer
 partials that live only inside the launch; allocating and filling them per step cost ≈ 5 µs of a
 ≈ 17 µs greedy step at 256 × 50257 (H100). So they are kept per (device, stream; thread on CPU) and
 layout: ``sync``, int32 and **zero at rest** (the kernel resets every slot it touched, so the next
-launch on the stream needs no fill), and the partials, uninitialized.
+launch on the stream needs no fill), and the partials, uninitialized. A launch captured in a CUDA
+graph keeps its buffers until the stream has seen more than _MAX_LAYOUTS layouts or :func:`release`.
 """
 
 from __future__ import annotations
