@@ -123,7 +123,7 @@ class DecodingStep:
                                                                temperature=self.temperature, top_k=top_k, top_p=top_p)
         # (2,) int32 on the device: the rows the deferred calls flagged since the last check (NO_ROW: none).
         self._flags: Optional[torch.Tensor] = None
-        # (3,) int64 on the device: the draws' RNG state (row_scan.rng_state), seeded from _rng_source.
+        # (3,) int64 on the device: the draws' RNG state (step_common.rng_state), seeded from _rng_source.
         self._rng: Optional[torch.Tensor] = None
         self._rng_source: Optional[torch.Generator] = None
         self._launch = None  # the kernel wrapper, imported at the first call (Triton reads its mode then)
@@ -213,7 +213,7 @@ class DecodingStep:
         """The kernels' RNG state, seeded from ``generator`` at the first draw and whenever the
         generator changes: the generator's state fixes every draw, and the launches advance it."""
         if self._rng is None or generator is not self._rng_source:
-            from nmst_fast.kernels.row_scan import rng_state
+            from nmst_fast.kernels.step_common import rng_state
 
             dev = generator.device if generator is not None else self.device
             seed = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=dev).to(self.device)

@@ -29,17 +29,20 @@ import triton.language as tl
 from .host_math import cdiv, next_power_of_2, scan_width
 from .inverse_cdf import crossing_with
 from .lanes import LOG2E, fold_row_lanes, lane_pointers, merge_lanes, ranked_lane_mass
-from .row_scan import advance_calls, multi_processors, philox_key, rng_state
-from .row_select import (
+from .row_scan import multi_processors
+from .step_common import (
     HEAD_CODES,
     NO_ROW,
+    Outputs,
     Selection,
-    _head_inputs,
-    _Outputs,
-    _split_f64,
-    _survival_terms,
-    _with_lse,
+    advance_calls,
+    head_inputs,
+    philox_key,
+    rng_state,
+    split_f64,
+    survival_terms,
     uniform_f64,
+    with_lse,
 )
 
 MAX_ROUNDS = 64  # P(a row is left after them) ≤ (1 − p)^64
@@ -72,10 +75,10 @@ def _row_head(
     """The head's float64 scalars per row from the non-eos (max M, Σ e^(x−M)): (log_norm, ζ_eos, p_eos,
     w = e^(M − log_norm), bad): token v has mass w·e^(x_v − M); bad rows get w = p_eos = 0."""
     lse = m.to(tl.float64) + tl.log(tl.where(row_ok, s, 1.0).to(tl.float64))
-    eos_z, t, prev = _head_inputs(z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value,
+    eos_z, t, prev = head_inputs(z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value,
                                   state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
-    survival = _survival_terms(eos_z, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD)
-    log_norm, eos_zeta, bad = _with_lse(lse, survival, HEAD)
+    survival = survival_terms(eos_z, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD)
+    log_norm, eos_zeta, bad = with_lse(lse, survival, HEAD)
     if HEAD != 0:
         p_eos = tl.where(bad, 0.0, tl.exp(eos_zeta - log_norm))
     else:
@@ -125,7 +128,7 @@ def _bounds(lane_top, lane_top_e, lane_e, cand_value, cand_e, w, eos_term, slack
 def _row_draw_kernel(
     z_ptr, z_row_stride, n_rows, V, eos_index, inv_temp,
     log1m_eps_hi, log1m_eps_lo, steps_ptr, steps_stride, steps_value, state_ptr, state_stride,
-    top_p_hi, top_p_lo, seed_ptr,  # the RNG state (row_scan.rng_state), advanced by the last program
+    top_p_hi, top_p_lo, seed_ptr,  # the RNG state (step_common.rng_state), advanced by the last program
     token_ptr, log_prob_ptr,  # (rows,) int64 / fp64: the draw and its untruncated log-prob
     rounds_ptr,  # (rows,) int32: rounds this row took
     passes_ptr,  # (rows,) int32: rounds whose acceptance test read the row
@@ -309,19 +312,19 @@ def draw_rows(
             caller's rounding slack).
         launch: block sizes, PREFETCH and num_warps (tuning sweeps); None: :func:`default_launch`.
     Returns:
-        (:class:`row_select.Selection`, rounds (B,) int32, passes (B,) int32: the rounds that read the
+        (:class:`step_common.Selection`, rounds (B,) int32, passes (B,) int32: the rounds that read the
         row). ``flags[1]`` < B: a row left without a token after MAX_ROUNDS rounds.
     """
     B, V = z.shape
     if z.stride(1) != 1:
         raise ValueError("z must have unit stride along V")
-    out = _Outputs(z, head, eps, steps, state, flags=flags)
+    out = Outputs(z, head, eps, steps, state, flags=flags)
     rounds = torch.empty(B, dtype=torch.int32, device=z.device)
     passes = torch.empty(B, dtype=torch.int32, device=z.device)
     if B:
         launch = _default_launch(B, V, z.device.index if z.is_cuda else -1) if launch is None else launch
         _row_draw_kernel[(cdiv(B, launch["BLOCK_B"]),)](
-            z, z.stride(0), B, V, eos_index, 1.0 / temperature, *out.head_args, *_split_f64(top_p_threshold),
+            z, z.stride(0), B, V, eos_index, 1.0 / temperature, *out.head_args, *split_f64(top_p_threshold),
             rng_state(seed, z.device),
             out.tokens, out.log_probs, rounds, passes, out.state, out.flags, MAX_ROUNDS, FORCED_PASS_ROUND,
             HEAD=HEAD_CODES[head], STEPS_PER_ROW=out.steps_per_row, HAS_STATE=out.has_state, STREAM=UNIFORM_STREAM,

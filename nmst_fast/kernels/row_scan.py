@@ -24,19 +24,11 @@ import triton.language as tl
 from .host_math import cdiv, next_power_of_2, scan_width
 from .inverse_cdf import crossing_with
 from .lanes import LOG2E, fold_row_lanes, lane_pointers, last_kept, load_tile, merge_lanes
+from .step_common import column_keys, decode_column_keys, philox_key, rng_state
 from .workspace import step_buffers
 
 MAX_CANDIDATES = 128  # the largest candidate list per row (a power of two, for tl.topk)
 HAS_TOPK = hasattr(tl, "topk")  # tl.topk arrived in Triton 3.3; older ones serve greedy/sampling only
-
-
-@triton.jit
-def column_keys(x, cols):
-    """One int64 key per (fp32 value, column): keys sorted descending are (value desc, column asc)."""
-    x = tl.where(x == 0.0, 0.0, x)  # -0.0 == +0.0 as floats: give them one key so they tie
-    bits = x.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order == float order
-    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)
 
 
 # The list of the lanes' maxima: by extraction (a max per candidate) up to EXTRACT_MAX_K, by a
@@ -73,31 +65,6 @@ def _extract_into(best, x, above, cols, K: tl.constexpr):
         above = above & (cols != col[:, None])
         todo -= 1
     return best
-
-
-@triton.jit
-def decode_column_keys(keys):
-    """(x as float64, column) of keys made by ``column_keys``; padding decodes to (-inf, -1)."""
-    padding = keys == -9223372036854775808
-    ordered = (keys >> 32).to(tl.int32)
-    value_bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
-    values = tl.where(padding, float("-inf"), value_bits.to(tl.float32, bitcast=True).to(tl.float64))
-    return values, tl.where(padding, -1, 0x7FFFFFFF - (keys & 0xFFFFFFFF))
-
-
-@triton.jit
-def philox_key(rng_ptr, STREAM: tl.constexpr):
-    """The Philox key of this launch's draws on STREAM (the scan's columns 0, the finish 1, the row
-    draw's rounds 2) from the step's RNG state at ``rng_ptr`` (int64: seed < 2^31, calls, arrivals):
-    the seed in the low word, calls · 4 + STREAM in the high one. The launch's last program advances
-    ``calls`` (:func:`advance_calls`), so each call, or replay of a captured one, draws afresh."""
-    return tl.load(rng_ptr) | ((tl.load(rng_ptr + 1) * 4 + STREAM) << 32)
-
-
-@triton.jit
-def advance_calls(rng_ptr):
-    """The next call's RNG state; only the launch's last program, after every program read its key."""
-    tl.store(rng_ptr + 1, tl.load(rng_ptr + 1) + 1)
 
 
 @triton.jit
@@ -263,20 +230,6 @@ def cuda_launch_shape(B: int, V: int, candidates: int, multi_processors: int) ->
         per_sm = SMALL_K_PROGRAMS_PER_SM if candidates <= EXTRACT_MAX_K.value else LARGE_K_PROGRAMS_PER_SM
         splits = min(per_sm * multi_processors // B, FINISH_KEYS // candidates)  # candidates: K, a power of 2
     return 1, block_v, max(1, min(splits, cdiv(V, block_v)))
-
-
-def rng_state(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The kernels' RNG state, (3,) int64 on ``device``: (seed, calls, arrivals). A (3,) int64 tensor
-    there is the state itself (a ``DecodingStep``'s: its launches advance ``calls``); an int or a
-    one-element integer tensor, a fresh state at call 0."""
-    if isinstance(seed, torch.Tensor):
-        if seed.dtype == torch.int64 and seed.shape == (3,) and seed.device == device:
-            return seed
-        if seed.numel() != 1 or seed.dtype.is_floating_point:
-            raise ValueError("seed must be a one-element integer tensor or a (3,) int64 RNG state")
-        seed = seed.reshape(1).to(device=device, dtype=torch.int64)
-        return torch.cat([seed, seed.new_zeros(2)])
-    return torch.tensor([seed, 0, 0], dtype=torch.int64, device=device)
 
 
 def split_layout(V: int, block_v: int, splits: int) -> tuple[int, int]:

@@ -2,74 +2,19 @@
 
 The row's last split to finish (``scan_select.py``) merges the splits (L in fp64 from the fp32
 partials; the best non-eos value and index, or the K best candidate keys), computes the head's
-scalars — a = log(1 − α_t), ζ_eos = L + log(1 − e^a) − a, log_norm = L − a, as
-``nmst_fast.decoding.distribution`` does — and picks: eos against the greedy winner, one inverse-CDF
-draw over eos and the splits' masses (whose own draw is the token), or top-k then top-p over the
-candidates with eos merged in. It stores the token, its log-probability and ST's state, and returns
-the first row without a distribution. Float64 math uses only exp and log (``expm1``/``log1p`` by
-Kahan's formulas), which the CPU interpreter runs too.
+scalars (``step_common.py``) and picks: eos against the greedy winner, one inverse-CDF draw over eos
+and the splits' masses (whose own draw is the token), or top-k then top-p over the candidates with
+eos merged in. It stores the token, its log-probability and ST's state, and returns the first row
+without a distribution.
 """
 
 from __future__ import annotations
 
-import functools
-import math
-import struct
-from dataclasses import dataclass
-from typing import Optional
-
-import torch
 import triton
 import triton.language as tl
 
-from . import host_math
 from .inverse_cdf import crossing_with
-from .row_scan import decode_column_keys
-
-HEAD_CODES = {"va": 0, "nmst": 1, "st": 2}
-
-
-@triton.jit
-def _expm1(x):
-    """exp(x) − 1 in fp64 to a few ulps (Kahan), for x <= 0."""
-    u = tl.exp(x)
-    um1 = u - 1.0
-    plain = (um1 == 0.0) | (um1 == -1.0)  # |x| below 1 ulp of 1, or exp underflowed
-    log_u = tl.log(tl.where(plain, 2.0, u))
-    return tl.where(um1 == 0.0, x, tl.where(um1 == -1.0, -1.0, um1 * x / log_u))
-
-
-@triton.jit
-def _log1p(x):
-    """log(1 + x) in fp64 to a few ulps (Kahan), for x > -1."""
-    u = 1.0 + x
-    um1 = u - 1.0
-    return tl.where(um1 == 0.0, x, tl.log(u) * x / tl.where(um1 == 0.0, 1.0, um1))
-
-
-@triton.jit
-def _log_sigmoid(x):
-    return tl.minimum(x, 0.0) - _log1p(tl.exp(-tl.abs(x)))
-
-
-@triton.jit
-def _log1mexp(a):
-    """log(1 − e^a) for a <= 0 (−inf at a = 0), switching branches at −ln 2 as the torch path does."""
-    near = a > -0.6931471805599453
-    at_zero = a == 0.0
-    near_arg = -_expm1(tl.where(near & ~at_zero, a, -0.6931471805599453))
-    far = _log1p(-tl.exp(tl.where(near, -0.6931471805599453, a)))
-    return tl.where(at_zero, float("-inf"), tl.where(near, tl.log(near_arg), far))
-
-
-@triton.jit
-def uniform_f64(key, offsets):
-    """U(0, 1) with 53 random bits per offset, never 0 or 1, from Philox keyed by ``key``
-    (``row_scan.philox_key``)."""
-    r0, r1, _, _ = tl.randint4x(key, offsets)
-    hi = (r0.to(tl.uint32, bitcast=True) >> 5).to(tl.float64)
-    lo = (r1.to(tl.uint32, bitcast=True) >> 6).to(tl.float64)
-    return (hi * 67108864.0 + lo + 0.5) / 9007199254740992.0
+from .step_common import decode_column_keys, survival_terms, uniform_f64, with_lse
 
 
 @triton.jit
@@ -89,7 +34,7 @@ def _merged_lse(m, total, row_ok):
 
 
 @triton.jit
-def _row_block(n_rows, n_splits, part_row_stride, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr):
+def row_block(n_rows, n_splits, part_row_stride, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr):
     """This program's rows and their (row, split) partial offsets."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     row_ok = rows < n_rows
@@ -100,77 +45,13 @@ def _row_block(n_rows, n_splits, part_row_stride, BLOCK_B: tl.constexpr, BLOCK_S
 
 
 @triton.jit
-def _head_inputs(
-    z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value, state_ptr, state_stride,
-    HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_B: tl.constexpr,
-):
-    """What the head math reads per row: (eos's raw logit s as fp64, t as int64, ST's previous state as
-    fp64; 0 where there is none). No program writes it, so the one-launch step loads it before a row's
-    arrival; loads go before any math (the compiler does not move a load across the fp64 log/exp
-    branches)."""
-    if HEAD == 0:
-        s = tl.zeros((BLOCK_B,), tl.float64)
-    else:
-        s = tl.load(z_ptr + rows.to(tl.int64) * z_row_stride + eos_index, mask=row_ok, other=0.0).to(tl.float64)
-    if STEPS_PER_ROW:
-        t = tl.load(steps_ptr + rows.to(tl.int64) * steps_stride, mask=row_ok, other=1).to(tl.int64)
-    else:
-        t = tl.full((BLOCK_B,), steps_value, tl.int64)
-    if HAS_STATE:
-        prev = tl.load(state_ptr + rows.to(tl.int64) * state_stride, mask=row_ok, other=0.0).to(tl.float64)
-    else:
-        prev = tl.zeros((BLOCK_B,), tl.float64)
-    return s, t, prev
-
-
-@triton.jit
-def _with_lse(lse, survival, HEAD: tl.constexpr):
-    """(log_norm = L − a, ζ_eos = L + log α_t − a (−inf for VA), rows without a distribution: L not
-    finite, or a NaN row of :func:`_survival_terms`) from L and ``survival``, that function's result."""
-    bad = ~(tl.abs(lse) < float("inf"))  # NaN, +inf, or no finite non-eos logit
-    if HEAD == 0:
-        return lse, tl.full(lse.shape, float("-inf"), tl.float64), bad
-    a_floor, log_alpha, eos_nan = survival
-    return lse - a_floor, lse + log_alpha - a_floor, bad | eos_nan
-
-
-@triton.jit
-def _survival_terms(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD: tl.constexpr):
-    """The NMST/ST terms that need no partial: (a = log(1 − α_t) floored at −1e300 as the torch path's
-    LOG_SURVIVAL_FLOOR, log α_t = log(1 − e^a), rows whose eos logit or ST state is NaN or the state
-    positive); stores ST's new state. Run while the partials' loads are in flight. VA: its inputs
-    (:func:`_head_inputs`' zeros), unused."""
-    if HEAD == 0:
-        return s, s, s != s
-    a = _log_survival(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD)
-    return tl.maximum(a, -1e300), _log1mexp(a), (s != s) | (a != a)
-
-
-@triton.jit
-def _log_survival(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD: tl.constexpr):
-    """a = log(1 − α_t) per row (fp64) from the raw eos logit s, t and (ST) the state ``prev``; stores
-    ST's new state. Context rows (t <= 0): a = 0; ST's state passes through."""
-    # fp64 scalars arrive as fp32 (hi, lo) pairs: Triton passes Python floats as fp32.
-    log1m_eps = tl.cast(log1m_eps_hi, tl.float64) + tl.cast(log1m_eps_lo, tl.float64)
-    if HEAD == 1:
-        a = tl.where(t >= 1, _log_sigmoid(-s) + t.to(tl.float64) * log1m_eps, 0.0)
-    else:
-        prev = tl.where(prev > 0.0, float("nan"), prev)  # not a log(1 − α): the row is flagged
-        running = prev + _log_sigmoid(s) + log1m_eps
-        tl.store(new_state_ptr + rows, tl.where(t >= 1, running, prev), mask=row_ok)
-        # A NaN state (flagged) stays NaN on a context row too: the row is reported, not decoded.
-        a = tl.where(t >= 1, running, tl.where(prev != prev, prev, 0.0))
-    return a
-
-
-@triton.jit
 def select_rows(
     rows, row_ok, part, part_ok, s, t, prev, n_rows, V, max_ptr, sum_ptr, pick_val_ptr, pick_idx_ptr, eos_index,
     temp_hi, temp_lo, log1m_eps_hi, log1m_eps_lo, key, token_ptr, log_prob_ptr, new_state_ptr,
     HEAD: tl.constexpr, GREEDY: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     """Greedy or sampling for ``rows`` (``row_ok``) from the partials at ``part`` (rows × splits
-    offsets, ``part_ok``), the rows' :func:`_head_inputs` and the draw's Philox ``key``: stores each row's
+    offsets, ``part_ok``), the rows' :func:`head_inputs` and the draw's Philox ``key``: stores each row's
     token and log-probability; returns the first row without a distribution (``n_rows``: none)."""
     # Every load before any math: one round trip, under which the survival terms run.
     split_max = _load_partial(max_ptr, part, part_ok, float("-inf"))
@@ -179,8 +60,8 @@ def select_rows(
     # column and its raw z.
     pick_vals = _load_partial(pick_val_ptr, part, part_ok, float("-inf") if GREEDY else 0.0)
     pick_idxs = _load_partial(pick_idx_ptr, part, part_ok, V if GREEDY else 0)
-    survival = _survival_terms(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD)
-    log_norm, eos_zeta, bad = _with_lse(_merged_lse(split_max, split_sum, row_ok), survival, HEAD)
+    survival = survival_terms(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD)
+    log_norm, eos_zeta, bad = with_lse(_merged_lse(split_max, split_sum, row_ok), survival, HEAD)
     temperature = tl.cast(temp_hi, tl.float64) + tl.cast(temp_lo, tl.float64)
     if GREEDY:
         # The largest raw z over the splits (raw z, so rounding of z / T cannot make the pick depend on
@@ -233,7 +114,7 @@ def select_candidate_rows(
                        other=-9223372036854775808, cache_modifier=".cg")
     else:
         keys = tl.load(key_row + rank[None, :], mask=row_ok[:, None], other=-9223372036854775808, cache_modifier=".cg")
-    survival = _survival_terms(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD)
+    survival = survival_terms(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD)
     lse = _merged_lse(split_max, split_sum, row_ok)
 
     # The K best keys over all splits, in rank order (keys sort as (value desc, column asc)).
@@ -241,7 +122,7 @@ def select_candidate_rows(
         keys = tl.topk(keys, K, dim=1)
     zeta, cols = decode_column_keys(keys)
 
-    log_norm, eos_zeta, bad = _with_lse(lse, survival, HEAD)
+    log_norm, eos_zeta, bad = with_lse(lse, survival, HEAD)
     if HEAD == 0:
         eos_pos = tl.full((BLOCK_B,), K, tl.int32)  # VA's eos is an ordinary candidate
     else:
@@ -289,55 +170,3 @@ def select_candidate_rows(
     return tl.min(tl.where(bad & row_ok, rows, n_rows), axis=0)
 
 
-@dataclass
-class Selection:
-    """One token per row; every tensor is on the logits' device."""
-
-    tokens: torch.Tensor  # (B,) int64
-    log_probs: torch.Tensor  # (B,) float64 log p of each chosen token (untruncated distribution)
-    state: Optional[torch.Tensor]  # (B,) float64 ST's log(1 − α_t) after this step; None for other heads
-    # (2,) int32: [first row without a distribution, first row left without a token (the row draw's
-    # rounds ran out): its token is invalid]; B (NO_ROW in a step's deferred pair) means none
-    flags: torch.Tensor
-
-
-NO_ROW = tl.constexpr(host_math.NO_ROW)  # a one-call pair starts at B instead
-
-
-@functools.lru_cache(maxsize=256)  # a step's temperature, ε and p recur every call
-def _split_f64(value: float) -> tuple[float, float]:
-    """(hi, lo) fp32-representable parts of a float64 (hi + lo == value to ~1e-16 relative)."""
-    try:
-        hi = _FP32.unpack(_FP32.pack(value))[0]  # round to fp32 (struct: ~10x faster than a numpy scalar)
-    except OverflowError:  # beyond fp32's range, as a numpy fp32 scalar would round it
-        hi = math.copysign(math.inf, value)
-    return hi, value - hi
-
-
-_FP32 = struct.Struct("f")
-
-
-class _Outputs:
-    """Output buffers plus the head arguments every select kernel takes, in kernel order."""
-
-    def __init__(self, z: torch.Tensor, head: str, eps: float, steps: int | torch.Tensor,
-                 state: Optional[torch.Tensor], flags: Optional[torch.Tensor] = None):
-        B, device = z.shape[0], z.device
-        self.tokens = torch.empty(B, dtype=torch.int64, device=device)
-        self.log_probs = torch.empty(B, dtype=torch.float64, device=device)
-        # Other heads store no state: any fp64 pointer will do.
-        self.state = torch.empty(B, dtype=torch.float64, device=device) if head == "st" else self.log_probs
-        # The kernels atomic_min bad rows into the flags: a new pair at B (none), or the caller's as it stands.
-        self.flags = torch.full((2,), B, dtype=torch.int32, device=device) if flags is None else flags
-        self.steps_per_row = isinstance(steps, torch.Tensor)
-        self.has_state = head == "st" and state is not None
-        steps_tensor = steps if self.steps_per_row else self.tokens  # any pointer when unused
-        state_tensor = state if self.has_state else self.log_probs
-        self.head_args = (
-            *_split_f64(math.log1p(-eps)),
-            steps_tensor, steps_tensor.stride(0) if self.steps_per_row else 0, 0 if self.steps_per_row else int(steps),
-            state_tensor, state_tensor.stride(0) if self.has_state else 0,
-        )
-
-    def selection(self, head: str) -> Selection:
-        return Selection(self.tokens, self.log_probs, self.state if head == "st" else None, self.flags)

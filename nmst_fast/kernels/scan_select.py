@@ -6,9 +6,9 @@ row's finish overlaps the other rows' reads and no second launch waits for the s
 separate merge launch doubled the step at B = 32 on an H100). No fill before the launch: the arrival
 counters and, for a draw, a count of finished rows live in the step workspace (``workspace.py``),
 zero at rest — a row's last arrival zeroes its counter, and the program that finishes the batch's
-last rows zeroes the count and advances the RNG state's calls (``row_scan.philox_key``), so the next
-call, or a replay of a captured one, draws afresh. A bad row is atomic_min'ed into the flags, which
-may collect several calls' rows (a deferred step's pair).
+last rows zeroes the count and advances the RNG state's calls (``step_common.philox_key``), so the
+next call, or a replay of a captured one, draws afresh. A bad row is atomic_min'ed into the flags,
+which may collect several calls' rows (a deferred step's pair).
 """
 
 from __future__ import annotations
@@ -20,17 +20,9 @@ import triton
 import triton.language as tl
 
 from .host_math import next_power_of_2
-from .row_scan import FINISH_KEYS, advance_calls, philox_key, rng_state, scan_launch, scan_split
-from .row_select import (
-    HEAD_CODES,
-    Selection,
-    _head_inputs,
-    _Outputs,
-    _row_block,
-    _split_f64,
-    select_candidate_rows,
-    select_rows,
-)
+from .row_scan import FINISH_KEYS, scan_launch, scan_split
+from .row_select import row_block, select_candidate_rows, select_rows
+from .step_common import HEAD_CODES, Outputs, Selection, advance_calls, head_inputs, philox_key, rng_state, split_f64
 
 
 @triton.jit
@@ -52,9 +44,9 @@ def _scan_select_kernel(
     scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp, seed_ptr, max_ptr, sum_ptr,
                top_val_ptr, top_idx_ptr, draw_idx_ptr, key_ptr, HAS_EOS, DRAW, K, BLOCK_B, BLOCK_V, LANE_TILES)
     n_splits = tl.num_programs(1)
-    rows, row_ok, part, part_ok = _row_block(n_rows, n_splits, n_splits, BLOCK_B, BLOCK_S)
+    rows, row_ok, part, part_ok = row_block(n_rows, n_splits, n_splits, BLOCK_B, BLOCK_S)
     # The head's inputs and the RNG state are no program's output: every split loads them before counting in.
-    s, t, prev = _head_inputs(z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value,
+    s, t, prev = head_inputs(z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value,
                               state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
     key = philox_key(finish_seed_ptr, 1) if DRAW or K > 0 else 0
     if n_splits > 1:
@@ -115,7 +107,7 @@ def scan_select(
         steps: t of this step: an int, or a (B,) int64 tensor (stride 0 allowed).
         state: "st" only: (B,) float64 running log(1 − α) before this step (None: 0).
         seed: the draw's seed (None: greedy): an int, a one-element integer tensor, or a (3,) int64
-            RNG state (``row_scan.rng_state``) that the launch advances.
+            RNG state (``step_common.rng_state``) that the launch advances.
         top_k: keep the k most probable tokens, then ranks while the mass before them is below
             ``top_p_threshold`` (top_p less the caller's rounding slack).
         launch: (BLOCK_V, splits) instead of the automatic layout (at most ``row_scan.FINISH_KEYS``
@@ -123,7 +115,7 @@ def scan_select(
         flags: a (2,) int32 tensor the kernel atomic_mins bad rows into, as it stands (None: a new
             one at B).
     Returns:
-        :class:`row_select.Selection`; ``flags[0]`` < B: the first row with no distribution.
+        :class:`step_common.Selection`; ``flags[0]`` < B: the first row with no distribution.
     """
     B, V = z.shape
     if top_k is not None and seed is None:
@@ -134,7 +126,7 @@ def scan_select(
     scan = scan_launch(z, eos_index=None if head == "va" else eos_index, temperature=temperature,
                        seed=None if top_k is not None else seed, candidates=top_k or 0, launch=launch,
                        sync_slots=1 + B)
-    out = _Outputs(z, head, eps, steps, state, flags=flags)
+    out = Outputs(z, head, eps, steps, state, flags=flags)
     if B:
         splits = scan.grid[1]
         if scan.meta["K"] and next_power_of_2(splits) * scan.meta["K"] > FINISH_KEYS:
@@ -142,10 +134,10 @@ def scan_select(
                              f"{FINISH_KEYS} keys")
         # The finish's RNG state: the scan's own (a drawing scan), the top-k draw's, or any pointer (greedy).
         finish_seed = scan.args[7] if top_k is None else rng_state(seed, z.device)
-        truncation = (top_k or 0, *_split_f64(top_p_threshold if top_p_threshold is not None else 1.0), finish_seed)
+        truncation = (top_k or 0, *split_f64(top_p_threshold if top_p_threshold is not None else 1.0), finish_seed)
         try:
             _scan_select_kernel[scan.grid](
-                *scan.args, *_split_f64(float(temperature)), *out.head_args, *truncation, out.tokens, out.log_probs,
+                *scan.args, *split_f64(float(temperature)), *out.head_args, *truncation, out.tokens, out.log_probs,
                 out.state, out.flags, scan.sync, **scan.meta, HEAD=HEAD_CODES[head], STEPS_PER_ROW=out.steps_per_row,
                 HAS_STATE=out.has_state, HAS_TOP_P=top_p_threshold is not None, BLOCK_S=next_power_of_2(splits),
             )
