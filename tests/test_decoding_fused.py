@@ -250,7 +250,7 @@ def test_candidates_match_a_stable_sort_on_fresh_rows(K):
 def _runners_up_rows(K: int, block_v: int, eos: int) -> torch.Tensor:
     """Rows whose K best sit in the lanes in each way that decides a candidate scan's path, over a
     floor of distinct low values (lower to the right). Tiles of ``block_v`` columns; 7 tiles."""
-    from nmst_fast.kernels.row_scan import PAIR_MAX_K, TRIPLE_MAX_K
+    from nmst_fast.kernels.row_scan import PAIR_MAX_K
 
     V = 7 * block_v
     floor = torch.full((V,), -5.0) - torch.arange(V) * 1e-4
@@ -265,7 +265,7 @@ def _runners_up_rows(K: int, block_v: int, eos: int) -> torch.Tensor:
     rows[3, block_v] = kth  # a runner-up equal to the K-th at a lower column: it ranks above it
     # Lane 0 keeps 9 and depth − 1 values above the rest, and pushes out one equal to the K-th at a lower
     # column, which therefore ranks above it (equal is not strictly below: the split is read again).
-    depth = 2 if K <= PAIR_MAX_K.value else 3 if K <= TRIPLE_MAX_K.value else 4  # the scan's DEPTH
+    depth = 2 if K <= PAIR_MAX_K.value else 3  # the scan's DEPTH
     if K > depth:
         rows[4, block_v] = spread[K - depth]
         rows[4, torch.arange(2, depth + 1) * block_v] = torch.tensor([8.5, 8.4, 8.3])[: depth - 1]
@@ -279,7 +279,7 @@ def _runners_up_rows(K: int, block_v: int, eos: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("K", [2, 4, 8, 16, 32, 64])
 def test_lane_runners_up_and_their_fallback(K):
-    """Candidate scans take each lane's max and runners-up (2 values per lane for K <= 8, 3 to 32, 4 above) when
+    """Candidate scans take each lane's max and runners-up (2 values per lane for K <= 16, 3 above) when
     what every lane pushed out ranks below the K-th of them, else read the split again. Rows built for
     each case — the best in distinct lanes, 2, 3 and 5 of them in one lane, a runner-up tied with the
     K-th at a lower column (it enters by key, not value), a pushed-out value equal to the K-th, fewer

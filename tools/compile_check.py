@@ -102,9 +102,9 @@ def launches() -> list[Launch]:
             state=torch.zeros(4, dtype=torch.float64) if head == "st" else None, seed=seed_tensor),
             label, dict(BLOCK_B=1, BLOCK_V=block_v, LANE_TILES=lane_tiles, BLOCK_S=splits)))
     # Its top-k at the GPU layouts of 256 x 50257 (small K: 2 splits, large K: 1) and of B = 1 (small K:
-    # 50 splits; larger K as many as the finish's keys allow), at every lane depth of the candidate scan
-    # (K = 4: 2 values per lane, 16 and 32: 3, 64 and 128: 4; from 32 on the lanes' list by tl.topk),
-    # with bf16 loads at the ends.
+    # 50 splits; larger K as many as the finish's keys allow), at both lane depths of the candidate scan
+    # (K = 4 and 16: 2 values per lane, 32 to 128: 3; from 32 on the lanes' list by tl.topk), with bf16
+    # loads at the ends.
     for head, top_k, top_p, batch, dtype in (
             ("nmst", 4, None, 256, torch.float32), ("st", 3, 0.5, 256, torch.float32), ("va", 4, 0.9, 1, torch.float32),
             ("nmst", 16, None, 256, torch.float32), ("nmst", 20, 0.9, 256, torch.float32),

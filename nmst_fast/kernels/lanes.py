@@ -86,50 +86,41 @@ def no_runners_up(BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
     """Empty runners-up of every lane (see :func:`keep_runners_up`)."""
     none = tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32)
     start = tl.zeros((BLOCK_B, BLOCK_V), tl.int32)
-    return none, start, none, start, none, start, none
+    return none, start, none, start, none
 
 
 @triton.jit
 def keep_runners_up(runners, z, up, previous, previous_start, start, DEPTH: tl.constexpr):
-    """A lane's DEPTH (2-4) largest values after folding the tile at ``start`` (``z``; ``up``: it set a
-    new lane max, pushing ``previous`` from tile ``previous_start`` down a rank): ``runners`` = (2nd,
-    its tile start, 3rd, start, 4th, start, the largest value pushed out of the DEPTH; unused ranks
-    stay −inf). A value enters below an equal one (rank order is column order on ties); the
-    pushed-out value bounds every value of the lane not kept."""
-    second, second_start, third, third_start, fourth, fourth_start, pushed_out = runners
+    """A lane's DEPTH (2 or 3) largest values after folding the tile at ``start`` (``z``; ``up``: it set
+    a new lane max, pushing ``previous`` from tile ``previous_start`` down a rank): ``runners`` = (2nd,
+    its tile start, 3rd, start, the largest value pushed out of the DEPTH; unused ranks stay −inf). A
+    value enters below an equal one (rank order is column order on ties); the pushed-out value bounds
+    every value of the lane not kept."""
+    second, second_start, third, third_start, pushed_out = runners
     # What comes down to rank 2: the old max where z replaced it, else z itself.
     incoming = tl.where(up, previous, z)
     incoming_start = tl.where(up, previous_start, start)
-    # "Enters at rank r or above" implies it for every later rank: the ranks shift down consistently.
+    # "Enters at rank 2" implies it enters at rank 3: the ranks shift down consistently.
     at_2 = up | (incoming > second)
     if DEPTH == 2:
         pushed_out = tl.maximum(pushed_out, tl.where(at_2, second, incoming))
     else:
         at_3 = at_2 | (incoming > third)
-        if DEPTH == 3:
-            pushed_out = tl.maximum(pushed_out, tl.where(at_3, third, incoming))
-        else:
-            at_4 = at_3 | (incoming > fourth)
-            pushed_out = tl.maximum(pushed_out, tl.where(at_4, fourth, incoming))
-            fourth = tl.where(at_3, third, tl.where(at_4, incoming, fourth))
-            fourth_start = tl.where(at_3, third_start, tl.where(at_4, incoming_start, fourth_start))
+        pushed_out = tl.maximum(pushed_out, tl.where(at_3, third, incoming))
         third = tl.where(at_2, second, tl.where(at_3, incoming, third))
         third_start = tl.where(at_2, second_start, tl.where(at_3, incoming_start, third_start))
     second = tl.where(at_2, incoming, second)
     second_start = tl.where(at_2, incoming_start, second_start)
-    return second, second_start, third, third_start, fourth, fourth_start, pushed_out
+    return second, second_start, third, third_start, pushed_out
 
 
 @triton.jit
 def last_kept(runners, DEPTH: tl.constexpr):
     """Each lane's last kept value (rank DEPTH) and its tile start: later values of the lane were dropped."""
-    second, second_start, third, third_start, fourth, fourth_start, _pushed_out = runners
+    second, second_start, third, third_start, _pushed_out = runners
     if DEPTH == 2:
         return second, second_start
-    elif DEPTH == 3:
-        return third, third_start
-    else:
-        return fourth, fourth_start
+    return third, third_start
 
 
 @triton.jit

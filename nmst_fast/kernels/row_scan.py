@@ -35,11 +35,10 @@ HAS_TOPK = hasattr(tl, "topk")  # tl.topk arrived in Triton 3.3; older ones serv
 # tl.topk of the lanes' keys above. A split the lanes' values do not settle is read again and the few
 # values they dropped above the K-th enter one at a time (``_enter_dropped``; no tile is sorted).
 EXTRACT_MAX_K = tl.constexpr(16)
-# Values kept per lane (``lanes.keep_runners_up``): 2 up to K = 8, 3 up to 32, 4 above. At 256 x 50257
-# (randn · 3) the lanes' maxima alone left ~60 of 512 splits to re-read at K = 16 and ~430 at K = 64;
-# these depths leave ~0-1 per step, at ~6 instructions per element and rank.
-PAIR_MAX_K = tl.constexpr(8)
-TRIPLE_MAX_K = tl.constexpr(32)
+# Values kept per lane (``lanes.keep_runners_up``): 2 up to K = 16, 3 above. On the GPU layout at
+# 256 x 50257 the lanes' maxima alone re-read 11% of the splits at K = 16 and 86% at K = 64; these
+# depths re-read none up to K = 64 and ~1% at K = 128 (``python -m benchmarks.lane_depth``).
+PAIR_MAX_K = tl.constexpr(16)
 
 
 @triton.jit
@@ -124,13 +123,11 @@ def _lane_candidates(lane_max, lane_start, runners, inv_temp, K: tl.constexpr, D
     else:
         best = tl.topk(tl.where(x > float("-inf"), column_keys(x, cols), -9223372036854775808), K, dim=1)
     # The runners-up, rank by rank (raw z; tiles at their starts).
-    second, second_start, third, third_start, fourth, fourth_start, pushed_out = runners
+    second, second_start, third, third_start, pushed_out = runners
     lanes = tl.arange(0, BLOCK_V)[None, :]
     best = _enter_above_kth(best, second * inv_temp, second_start + lanes, True, K)
-    if DEPTH >= 3:
+    if DEPTH == 3:
         best = _enter_above_kth(best, third * inv_temp, third_start + lanes, True, K)
-    if DEPTH == 4:
-        best = _enter_above_kth(best, fourth * inv_temp, fourth_start + lanes, True, K)
     kth_key = tl.min(best, axis=1)
     kth_value, _ = decode_column_keys(kth_key)
     pushed = tl.max(pushed_out * inv_temp, axis=1).to(tl.float64)
@@ -163,7 +160,7 @@ def scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp,
     else:
         # PREFETCH (each tile's load issued one tile ahead): the 1024-column tiles then keep 16 values
         # per thread in flight, as greedy's 2048 do, for 2-4 registers.
-        DEPTH: tl.constexpr = 2 if K <= PAIR_MAX_K else (3 if K <= TRIPLE_MAX_K else 4)
+        DEPTH: tl.constexpr = 2 if K <= PAIR_MAX_K else 3
         lane_max, lane_sum, lane_start, runners = fold_row_lanes(lane_ptrs, lo, hi, eos_index, neg_scale, True, DEPTH,
                                                                  True, HAS_EOS, BLOCK_B, BLOCK_V)
         best, exact = _lane_candidates(lane_max, lane_start, runners, inv_temp, K, DEPTH, BLOCK_B, BLOCK_V)
