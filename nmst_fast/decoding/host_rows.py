@@ -25,6 +25,7 @@ from .distribution import (
     BLOCK_ENTRIES,
     Steps,
     check_state,
+    exp_sum,
     head_terms,
     no_distribution_message,
     row_blocks_of,
@@ -109,7 +110,7 @@ class HostRows:
             values, picked = [row[:k] for row in values], [row[:k] for row in picked]
             tops = [row[0] for row in values]
         shift = tops[0] if R == 1 else zeta.new_tensor(tops).unsqueeze(1)
-        totals = torch.sub(zeta, shift, out=buffer).exp_().sum(dim=1)  # NaN, ±inf or all −inf rows: NaN
+        totals = exp_sum(torch.sub(zeta, shift, out=buffer))  # NaN, ±inf or all −inf rows: NaN
         return list(zip(tops, totals.tolist(), picked, values))
 
     def _finish(self, row: int, top: float, total: float, picked, values: Optional[list[float]], eos_logit: float,
