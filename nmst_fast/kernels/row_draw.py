@@ -76,7 +76,7 @@ def _row_head(
     w = e^(M − log_norm), bad): token v has mass w·e^(x_v − M); bad rows get w = p_eos = 0."""
     lse = m.to(tl.float64) + tl.log(tl.where(row_ok, s, 1.0).to(tl.float64))
     eos_z, t, prev = head_inputs(z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value,
-                                  state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
+                                 state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
     survival = survival_terms(eos_z, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD)
     log_norm, eos_zeta, bad = with_lse(lse, survival, HEAD)
     if HEAD != 0:

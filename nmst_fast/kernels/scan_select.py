@@ -47,7 +47,7 @@ def _scan_select_kernel(
     rows, row_ok, part, part_ok = row_block(n_rows, n_splits, n_splits, BLOCK_B, BLOCK_S)
     # The head's inputs and the RNG state are no program's output: every split loads them before counting in.
     s, t, prev = head_inputs(z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value,
-                              state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
+                             state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
     key = philox_key(finish_seed_ptr, 1) if DRAW or K > 0 else 0
     if n_splits > 1:
         # Stores before the barrier, the barrier before the release: the last arrival sees every partial.
