@@ -7,7 +7,7 @@ from typing import Callable, Optional
 import torch
 
 from nmst_fast.decoding import sample, step_log_probs
-from nmst_fast.decoding.reference import sort_based_sample
+from nmst_fast.reference import sort_based_sample
 
 BATCHES = (1, 32, 256)
 VOCABS = (33278, 50257, 128256)  # WikiText-2 words, GPT-2 BPE, Llama-3

@@ -6,7 +6,7 @@
 
 Tables: "row-draw" sweeps the row draw (top-p's kernel) over tile width, warps and PREFETCH (the next tile's
 load issued before this tile's folds); "top-p-layout" it in the wide and compact layouts
-(``row_draw.top_p_layout``) at p = 0.4 and 0.9, with mean rounds and passes per row; "scan" the split-V scan
+(``row_draw.TOP_P_LAYOUTS``) at p = 0.4 and 0.9, with mean rounds and passes per row; "scan" the split-V scan
 with its finish (the greedy and sampling step, ``nmst_fast/kernels/scan_select.py``) over splits per row and
 tile width at B = 256, "scan-b32" at B = 32; "top-k-scan" the one-launch top-k 4 and 50 steps over tile
 width and splits; "read-floor" the greedy and sampling steps against a bare read in the same layout and
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nmst_fast.kernels.row_draw import COMPACT_TOP_P, TOP_P_LAYOUTS, cuda_launch, default_launch, draw_rows
+from nmst_fast.kernels.row_draw import TOP_P_LAYOUTS, cuda_launch, default_launch, draw_rows
 from nmst_fast.kernels.row_scan import launch_plan, split_layout
 
 from .cold_reads import cold_graph_ms
@@ -55,10 +55,10 @@ class Variant:
 
 def variants() -> list[Variant]:
     """The default shape without PREFETCH (the kernel the H100 timed), then every tile width x
-    warps with it, then top-p's compact layout (``row_draw.COMPACT_TOP_P``): each is a compile
+    warps with it, then top-p's compact layout (``row_draw.TOP_P_LAYOUTS``): each is a compile
     (~2 s), so the sweep fits one gpu_check step."""
     return ([Variant(2048, 8, False)] + [Variant(b, w, True) for b, w in itertools.product(BLOCK_VS, WARPS)]
-            + [Variant(prefetch=True, **COMPACT_TOP_P)])
+            + [Variant(prefetch=True, **TOP_P_LAYOUTS["compact"])])
 
 
 def sweep(logits: torch.Tensor, top_p: float, candidates: Iterable[Variant],
@@ -78,7 +78,7 @@ def sweep(logits: torch.Tensor, top_p: float, candidates: Iterable[Variant],
 
 def top_p_layout_sweep(logits: torch.Tensor, timer: Timer) -> list[tuple[float, str, float, float, float]]:
     """(top_p, layout's name in ``row_draw.TOP_P_LAYOUTS``, ms, mean rounds, mean passes per row) of
-    the row draw's top-p in each layout (``row_draw.top_p_layout``; NMST head, t = 100)."""
+    the row draw's top-p in each layout (NMST head, t = 100)."""
     rows = []
     for top_p, (name, layout) in itertools.product((0.4, 0.9), TOP_P_LAYOUTS.items()):
         args = dict(head="nmst", eos_index=logits.shape[1] - 1, eps=1e-5, temperature=1.0, steps=100, state=None,

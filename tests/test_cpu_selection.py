@@ -7,8 +7,8 @@ against each row's float64 nucleus.
 import torch
 
 from nmst_fast.decoding import distribution, effective_logits, sample, selection
-from nmst_fast.decoding.reference import truncated_distribution
 from nmst_fast.decoding.truncation import draw, search_cdf
+from nmst_fast.reference import truncated_distribution
 
 from test_decoding import DRAWS, _g_test, _reference_log_probs
 
@@ -72,9 +72,10 @@ def test_inverse_cdf_never_lands_on_a_zero_weight():
 
 def test_row_blocks_and_the_blocked_logsumexp(monkeypatch):
     """CPU work goes by blocks of rows (bounded temporaries); L over non-eos is the same by blocks."""
-    assert distribution.row_blocks(5, 10**9) == [slice(i, i + 1) for i in range(5)]  # one row at least
+    wide = torch.empty(5, 1).expand(5, 10**9)
+    assert distribution.row_blocks(wide) == [slice(i, i + 1) for i in range(5)]  # one row at least
     monkeypatch.setattr(distribution, "BLOCK_ENTRIES", 100)
-    blocks = distribution.row_blocks(23, 30)
+    blocks = distribution.row_blocks(torch.empty(23, 30))
     assert blocks[0] == slice(0, 3) and blocks[-1] == slice(21, 23) and len(blocks) == 8
     z = torch.randn(23, 30, dtype=torch.float64) * 5
     for column in (0, 13, 29):

@@ -8,7 +8,7 @@ from scipy import stats
 
 import nmst_fast
 from nmst_fast.decoding import effective_logits, ranked_candidates, sample, step_log_probs, truncated_candidates
-from nmst_fast.decoding.reference import truncated_distribution
+from nmst_fast.reference import truncated_distribution
 
 HEADS = ("nmst", "st", "va")
 DRAWS = 1_000_000

@@ -152,6 +152,22 @@ def test_fused_rejects_large_k_and_nan():
         sample(bad, head="nmst", eos_index=0, top_k=1, impl="triton")
 
 
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("top_k,top_p", [(1, None), (None, None), (3, None), (3, 0.5), (None, 0.5)])
+def test_deferred_rows_without_a_distribution_get_a_column_until_the_check(head, top_k, top_p):
+    """Until ``check`` raises, a deferred step's row without a distribution yields some column in
+    [0, V), never VA's eos_index of −1: a loop feeding it to an embedding must not index out of range."""
+    z = torch.randn(5, 37, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    z[1] = float("-inf")  # no finite logit
+    z[3, 5] = float("nan")
+    step = DecodingStep(head=head, eos_index=4, vocab_size=37, device=z.device, top_k=top_k, top_p=top_p,
+                        impl="triton")
+    tokens = step(z, generator=torch.Generator().manual_seed(0), defer_checks=True).tokens.cpu()
+    assert bool(((tokens >= 0) & (tokens < 37)).all()), tokens
+    with pytest.raises(ValueError, match="row 1"):
+        step.check()
+
+
 def test_fused_paths_reject_bad_steps_and_state():
     z = torch.randn(4, 20, device=DEVICE)
     for kw in (dict(top_k=1), dict(), dict(top_k=3)):
@@ -350,7 +366,7 @@ def _check_against_torch(picked, z, *, head, eos, eps, steps, state, temperature
         assert torch.equal(tokens, nmst_fast.decoding.greedy(dist)), msg
     else:
         kept, probs = nmst_fast.decoding.truncated_candidates(dist, top_k, top_p) if (top_k or top_p) else (None, None)
-        allowed = (dist.probs() > 0 if kept is None
+        allowed = (dist.log_probs() > -torch.inf if kept is None
                    else torch.zeros(rows.shape, dtype=torch.float64).scatter_add(1, kept, probs) > 0)
         assert bool(allowed.gather(1, tokens[:, None]).all()), msg
     scale = max(1.0, float(rows.masked_fill(~torch.isfinite(rows), 0).abs().max()) / temperature)

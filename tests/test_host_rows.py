@@ -7,7 +7,7 @@ from scipy import stats
 
 from nmst_fast.decoding import DecodingStep, effective_logits, greedy, step_log_probs
 from nmst_fast.decoding.host_rows import MAX_ROWS
-from nmst_fast.decoding.reference import truncated_distribution
+from nmst_fast.reference import truncated_distribution
 
 from test_decoding import _g_test
 

@@ -1,4 +1,4 @@
-"""nmst_fast/kernels/inverse_cdf.py: the draws' inverse-CDF pick against a plain reference, on small
+"""``step_common.crossing_with``, the decoding kernels' inverse-CDF pick against a plain reference, on small
 random inputs with the edge cases (zero weights, rows with none, targets below 0 and past the total),
 in two and three dimensions.
 """
@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nmst_fast.kernels.inverse_cdf import crossing_with
+from nmst_fast.kernels.step_common import crossing_with
 
 from helpers import DEVICE
 

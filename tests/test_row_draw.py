@@ -6,8 +6,8 @@ import torch
 
 import nmst_fast.kernels.row_draw as row_draw
 from nmst_fast.decoding import DecodingStep, effective_logits, sample, truncated_candidates
-from nmst_fast.decoding.reference import truncated_distribution
 from nmst_fast.decoding.truncation import TOP_P_SLACK
+from nmst_fast.reference import truncated_distribution
 
 from helpers import DEVICE, KERNEL_DRAWS
 from test_decoding import _g_test, _reference_log_probs, _row, _st_state_before
@@ -222,23 +222,22 @@ def test_prefetch_changes_no_draw():
         assert torch.equal(a, b)
 
 
-def test_top_p_layout_follows_the_batch():
+def test_top_p_layout_follows_the_batch(monkeypatch):
     """Top-p on a GPU: one wide 16-warp program per row while every row has an SM to itself; above
     that, compact 8-warp programs capped at 128 registers, two per SM, so the batch runs in one wave
     where the wide ones took two (H100: 132 SMs, B = 256). The cap is a compile option the launch
     passes on."""
+    wide = row_draw.cuda_launch(50257, **row_draw.TOP_P_LAYOUTS["wide"])
+    compact = row_draw.cuda_launch(50257, **row_draw.TOP_P_LAYOUTS["compact"])
     for sms in (78, 132):
-        assert row_draw.top_p_layout(1, sms) == row_draw.top_p_layout(sms, sms) == row_draw.WIDE_TOP_P
-        assert row_draw.top_p_layout(sms + 1, sms) == row_draw.top_p_layout(10**6, sms) == row_draw.COMPACT_TOP_P
-    wide = row_draw.cuda_launch(50257, **row_draw.WIDE_TOP_P)
-    compact = row_draw.cuda_launch(50257, **row_draw.COMPACT_TOP_P)
+        monkeypatch.setattr(row_draw, "multi_processors", lambda index, sms=sms: sms)
+        launch = row_draw._default_launch.__wrapped__  # uncached: the SM count is patched
+        assert launch(1, 50257, 0) == launch(sms, 50257, 0) == wide
+        assert launch(sms + 1, 50257, 0) == launch(10**6, 50257, 0) == compact
     assert (wide["BLOCK_V"], wide["num_warps"], "maxnreg" in wide) == (2048, 16, False)
     assert (compact["BLOCK_V"], compact["num_warps"], compact["maxnreg"]) == (1024, 8, 128)
     assert compact["NTILES"] >= -(-50257 // 1024)  # the lane's column table holds all its tiles
     assert row_draw.cuda_launch(50257) == wide
-    layout = row_draw.top_p_layout(2, 132)
-    layout["num_warps"] = 4  # the caller's copy: the module's layouts stay as they are
-    assert row_draw.WIDE_TOP_P["num_warps"] == 16
 
 
 def test_launch_sweep_runs_every_variant():

@@ -198,7 +198,7 @@ def _small_vocab_launches(seed: torch.Tensor) -> list[Launch]:
             out.append(_record_row_draw(z.to(dtype), head="nmst", state=None, temperature=1.0, top_p=0.9, seed=seed,
                                         label=f"row draw V={V} {str(dtype)[6:]}"))
     # The one-launch step with one split (a small vocabulary, or a batch of over 4 rows per SM): a
-    # one-column split table in the finish's inverse CDF (``inverse_cdf.crossing_with``'s cumsum).
+    # one-column split table in the finish's inverse CDF (``step_common.crossing_with``'s cumsum).
     for V, seed_or_none in ((400, seed), (2048, seed), (2048, None)):
         z = torch.randn(5, V, generator=torch.Generator().manual_seed(4))
         _, block_v, splits = row_scan.cuda_launch_shape(600, V, 0, H100_SMS)

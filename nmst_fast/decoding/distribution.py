@@ -62,10 +62,6 @@ class StepDistribution:
         return StepDistribution(self.zeta[rows], self.log_norm[rows], self.eos_index, pick(self.eos_zeta),
                                 pick(self.eos_log_prob), pick(self.state))
 
-    def probs(self) -> torch.Tensor:
-        """(B, V) float64 p = exp(log_probs()), in the one (B, V) buffer."""
-        return self.log_probs().exp_()
-
     def log_probs(self) -> torch.Tensor:
         """(B, V) float64 log p."""
         log_p = self.zeta - self.log_norm.unsqueeze(1)  # float64 by promotion: one (B, V) buffer
@@ -77,9 +73,7 @@ class StepDistribution:
 def step_values(steps: Steps, batch: int, device: torch.device) -> Steps:
     """t as every path takes it: one int (fitting int64, as the kernels hold it) or a (batch,) int64
     tensor on ``device``; a TypeError or ValueError naming steps otherwise."""
-    if isinstance(steps, bool):
-        raise TypeError("steps must be an int or an integer tensor")
-    if isinstance(steps, numbers.Integral):
+    if isinstance(steps, numbers.Integral) and not isinstance(steps, bool):
         if not -(2**63) <= int(steps) < 2**63:
             raise ValueError(f"steps must fit in int64, got {int(steps)}")
         return int(steps)
@@ -89,18 +83,6 @@ def step_values(steps: Steps, batch: int, device: torch.device) -> Steps:
         return torch.broadcast_to(steps.to(device), (batch,)).long()
     except RuntimeError as err:
         raise ValueError(f"steps of shape {tuple(steps.shape)} does not broadcast to the batch ({batch},)") from err
-
-
-def check_step_args(logits: torch.Tensor, head: str, eos_index: int, eps: float, temperature: float) -> None:
-    check_choice("head", head, HEADS)
-    check_float_tensor("logits", logits)
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be (B, V), got shape {tuple(logits.shape)}")
-    if logits.shape[1] < 2:
-        raise ValueError(f"logits must have V >= 2 (eos and one other token), got V={logits.shape[1]}")
-    check_index("eos_index", eos_index, logits.shape[1], "V")
-    check_eps(eps)
-    check_temperature(temperature)
 
 
 def check_temperature(temperature: object) -> None:
@@ -196,7 +178,15 @@ def effective_logits(
         steps: t of this step (int or (B,)); t <= 0 is context (p(eos) = 0).
         state: "st" only: (B,) running log(1−α) after the previous step (None: start, 0).
     """
-    check_step_args(logits, head, eos_index, eps, temperature)
+    check_choice("head", head, HEADS)
+    check_float_tensor("logits", logits)
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be (B, V), got shape {tuple(logits.shape)}")
+    if logits.shape[1] < 2:
+        raise ValueError(f"logits must have V >= 2 (eos and one other token), got V={logits.shape[1]}")
+    check_index("eos_index", eos_index, logits.shape[1], "V")
+    check_eps(eps)
+    check_temperature(temperature)
     zeta = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()  # never written to
     if temperature != 1.0:
         zeta = zeta / temperature  # eos's column too, but for NMST/ST that column is not read
@@ -213,7 +203,7 @@ def effective_logits(
 
 def _row_logsumexp(values: torch.Tensor, without: Optional[int] = None) -> torch.Tensor:
     """(B,) float64 logsumexp of each row of ``values`` (B, V) over every column but ``without`` (one
-    per side of it, views, combined in float64), by :func:`row_blocks_of`. Each side is
+    per side of it, views, combined in float64), by :func:`row_blocks`. Each side is
     max + log Σ e^(x − max) with the max kept apart in float64: a float32 ``torch.logsumexp`` rounds
     L to float32 (1e-3 at |z| ~ 1e4), which broke exact top-p cuts."""
     def side(part: torch.Tensor) -> torch.Tensor:
@@ -225,10 +215,8 @@ def _row_logsumexp(values: torch.Tensor, without: Optional[int] = None) -> torch
         sides = [side(part) for part in parts if part.shape[1]]
         return sides[0] if len(sides) == 1 else torch.logaddexp(sides[0], sides[1])
 
-    blocks = row_blocks_of(values)
-    if len(blocks) == 1:
-        return one_block(values)
-    return torch.cat([one_block(values[rows]) for rows in blocks])
+    blocks = row_blocks(values)
+    return one_block(values) if len(blocks) == 1 else torch.cat([one_block(values[rows]) for rows in blocks])
 
 
 LOG2E = 1.4426950408889634
@@ -249,17 +237,12 @@ def exp_sum(shifted: torch.Tensor) -> torch.Tensor:
 BLOCK_ENTRIES = 1 << 21
 
 
-def row_blocks(rows: int, columns: int) -> list[slice]:
-    """Slices covering ``rows`` rows, each of at most BLOCK_ENTRIES entries (at least one row; one
-    empty slice for an empty batch)."""
-    per_block = max(1, BLOCK_ENTRIES // max(1, columns))
-    return [slice(start, min(rows, start + per_block)) for start in range(0, rows, per_block)] or [slice(0, 0)]
-
-
-def row_blocks_of(table: torch.Tensor) -> list[slice]:
-    """:func:`row_blocks` of ``table`` (B, V) on CPU; the whole table elsewhere (allocators cache)."""
+def row_blocks(table: torch.Tensor) -> list[slice]:
+    """Slices covering the rows of ``table`` (B, V): on CPU blocks of at most BLOCK_ENTRIES entries (one
+    row at least; one empty slice for an empty batch), elsewhere the whole table (allocators cache)."""
     B, V = table.shape
-    return row_blocks(B, V) if table.device.type == "cpu" else [slice(0, B)]
+    per_block = max(1, BLOCK_ENTRIES // max(1, V)) if table.device.type == "cpu" else max(1, B)
+    return [slice(start, min(B, start + per_block)) for start in range(0, B, per_block)] or [slice(0, 0)]
 
 
 def step_log_probs(

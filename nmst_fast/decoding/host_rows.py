@@ -28,7 +28,7 @@ from .distribution import (
     exp_sum,
     head_terms,
     no_distribution_message,
-    row_blocks_of,
+    row_blocks,
     step_values,
 )
 from .selection import block_topk, first_max, top_tokens
@@ -62,17 +62,13 @@ class HostRows:
         step_list = [t] * B if isinstance(t, int) else t.tolist()
         prev = [0.0] * B if self.head != "st" or state is None else check_state(state, B, device).double().tolist()
         reduced = self._reduce(logits) if B * logits.shape[1] <= BLOCK_ENTRIES else [
-            row for rows in row_blocks_of(logits) for row in self._reduce(logits[rows])]
+            row for rows in row_blocks(logits) for row in self._reduce(logits[rows])]
         uniforms = [0.0] * B if self.top_k == 1 else torch.rand(
             B, dtype=torch.float64, generator=generator,
             device=generator.device if generator is not None else device).tolist()
-        tokens, log_probs, states = [], [], []
-        for row, (top, total, picked, values) in enumerate(reduced):
-            token, log_p, next_state = self._finish(row, top, total, picked, values, eos_logits[row],
-                                                    step_list[row], prev[row], uniforms[row])
-            tokens.append(token)
-            log_probs.append(log_p)
-            states.append(next_state)
+        finished = [self._finish(row, *row_reduced, eos_logits[row], step_list[row], prev[row], uniforms[row])
+                    for row, row_reduced in enumerate(reduced)]
+        tokens, log_probs, states = zip(*finished) if finished else ((), (), ())
         return (_tensor(tokens, np.int64, device), _tensor(log_probs, np.float64, device),
                 _tensor(states, np.float64, device) if self.head == "st" else None)
 

@@ -14,8 +14,8 @@ from typing import Optional
 
 import torch
 
-from .distribution import StepDistribution, row_blocks_of
-from .truncation import check_truncation, draw, insert_eos, truncate, untruncated
+from .distribution import StepDistribution, row_blocks
+from .truncation import draw, insert_eos, truncate, untruncated
 
 _FIRST_CANDIDATES = 64
 
@@ -163,20 +163,14 @@ def truncated_candidates(
         probs, covered = truncate(ranked_probs, top_k, top_p)
         if top_p is None or k >= V or bool(covered.all()):  # top-k alone: its list is the answer
             return tokens, probs
-        # Next size on the 4× grid, skipping sizes the missing mass proves too small.
-        needed, k = k + _fewest_more(ranked_probs, top_p, V), 4 * k
+        # Next size on the 4× grid, skipping sizes the missing mass proves too small: a row short by m
+        # needs at least m / p_last more tokens (no later token is more probable; m / 0 = inf: all).
+        missing = (top_p - ranked_probs.sum(dim=1)).clamp(min=0.0)
+        fewest = float(torch.where(missing > 0, missing / ranked_probs[:, -1], 0.0).max())
+        needed, k = k + (math.ceil(fewest) if fewest < V else V), 4 * k
         while k < min(needed, V):
             k *= 4
         k = min(V, k)
-
-
-def _fewest_more(ranked_probs: torch.Tensor, top_p: float, V: int) -> int:
-    """How many more ranked tokens the neediest row needs at least to reach mass ``top_p``: a row short
-    by m needs m / p_last more (every later token is at most p_last; capped at V)."""
-    missing = (top_p - ranked_probs.sum(dim=1)).clamp(min=0.0)
-    last = ranked_probs[:, -1]
-    bound = float(torch.where(missing > 0, missing / last, 0.0).max())  # m / 0 = inf: every token
-    return V if not bound < V else math.ceil(bound)
 
 
 def select(
@@ -187,14 +181,13 @@ def select(
     generator: Optional[torch.Generator] = None,
     first_size: Optional[int] = None,
 ) -> torch.Tensor:
-    """One token per row (B,) from ``dist`` after optional top-k / top-p truncation."""
-    check_truncation(top_k, top_p)
+    """One token per row (B,) from ``dist`` after optional top-k / top-p truncation (checked by the caller)."""
     if top_k == 1:
         return greedy(dist)
     if untruncated(top_k, top_p):
         # By blocks of rows on CPU (``distribution.BLOCK_ENTRIES``): each (rows, V) float64 table is small.
-        blocks = row_blocks_of(dist.zeta)
-        parts = [draw(part.probs(), generator, overwrite=True).squeeze(1)
+        blocks = row_blocks(dist.zeta)
+        parts = [draw(part.log_probs().exp_(), generator, overwrite=True).squeeze(1)
                  for part in ([dist] if len(blocks) == 1 else [dist.take(rows) for rows in blocks])]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
     tokens, probs = truncated_candidates(dist, top_k, top_p, first_size=first_size)

@@ -2,16 +2,16 @@
 
 :class:`DecodingStep` is built once per (head, strategy, vocabulary size, device) and picks its path
 then: the Triton kernels (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``) — greedy, sampling and
-top-k (then top-p) in the one-launch split-V scan (``nmst_fast/kernels/scan_select.py``), top-p alone
-by rejection rounds (``nmst_fast/kernels/row_draw.py``) — or the torch path (CPU, top-k beyond the kernels'
-lists: :mod:`.host_rows` for greedy and for top-k of small batches, :mod:`.selection` otherwise).
+top-k (then top-p) in the one-launch split-V scan (``kernels/scan_select.py``), top-p alone by
+rejection rounds (``kernels/row_draw.py``) — or the torch path (:mod:`.host_rows` for greedy and for
+top-k of small batches, :mod:`.selection` otherwise).
 
-The kernels flag two rows on the device: the first with no distribution and the first the rejection
-rounds left without a token. ``defer_checks=True`` collects them, over the calls, in the step's flags
-pair for :meth:`DecodingStep.check` (no host sync: a loop runs ahead of the GPU); otherwise a call
-reads its own at once, as :func:`sample` does. The draws' RNG state lives on the device too, seeded
-from the generator once and advanced by each launch. So a deferred call, once the step has run
-eagerly, can be captured in a CUDA graph: its replays draw afresh and collect their flags.
+The kernels flag on the device the first row with no distribution and the first row the rejection
+rounds left without a token. ``defer_checks=True`` collects the flags over calls for
+:meth:`DecodingStep.check` (no host sync: a loop runs ahead of the GPU); otherwise a call reads its
+own, as :func:`sample` does. The draws' RNG state lives on the device, seeded from the generator once
+and advanced by each launch, so a deferred call can be captured in a CUDA graph (after one eager call)
+and its replays draw afresh.
 """
 
 from __future__ import annotations
@@ -59,15 +59,17 @@ def check_impl(impl: object) -> None:
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
 
 
-def kernels_serve(impl: str, device: torch.device, top_k: Optional[int], top_p: Optional[float]) -> bool:
+def kernels_serve(impl: str, device: torch.device, top_k: Optional[int]) -> bool:
     """Whether the Triton kernels serve this strategy on ``device``: greedy, sampling, top-p alone and
     top-k (then top-p) with k up to ``row_scan.MAX_CANDIDATES``. "auto" takes them on CUDA; "triton"
     insists (CPU tensors need ``TRITON_INTERPRET=1``)."""
     check_impl(impl)
     if impl == "torch" or (impl == "auto" and device.type != "cuda"):
         return False
-    # Greedy, sampling and top-p alone always; top-k when the scan's list holds k (needs tl.topk).
-    servable = triton_available() and (top_k in (None, 1) or _list_holds(top_k))
+    servable = triton_available()  # greedy, sampling and top-p alone; top-k when the scan's list holds k
+    if servable and top_k not in (None, 1):
+        from nmst_fast.kernels.row_scan import HAS_TOPK, MAX_CANDIDATES  # lazy: Triton reads its mode at import
+        servable = HAS_TOPK and top_k <= MAX_CANDIDATES
     if impl == "triton":
         if not servable:
             raise ValueError("impl='triton' serves top_k up to nmst_fast.kernels.row_scan.MAX_CANDIDATES (and needs "
@@ -76,12 +78,6 @@ def kernels_serve(impl: str, device: torch.device, top_k: Optional[int], top_p: 
             raise ValueError("impl='triton' needs CUDA logits (or TRITON_INTERPRET=1 for CPU tensors)")
         return True
     return servable
-
-
-def _list_holds(top_k: int) -> bool:
-    from nmst_fast.kernels.row_scan import HAS_TOPK, MAX_CANDIDATES  # lazy: Triton reads its mode at import
-
-    return HAS_TOPK and top_k <= MAX_CANDIDATES
 
 
 class DecodingStep:
@@ -110,7 +106,7 @@ class DecodingStep:
         self.head, self.eos_index, self.eps, self.temperature = head, int(eos_index), float(eps), float(temperature)
         self.vocab_size, self.device = int(vocab_size), torch.device(device)
         self.top_k, self.top_p = top_k, top_p
-        self.kernels = kernels_serve(impl, self.device, top_k, top_p)
+        self.kernels = kernels_serve(impl, self.device, top_k)
         self._greedy = top_k == 1
         plain = untruncated(top_k, top_p)
         # The kernels' truncation: top-k's list (None for greedy and sampling) and the top-p threshold

@@ -75,21 +75,6 @@ def load_tile(lane_ptrs, start, hi, eos_index, MASKED: tl.constexpr, HAS_EOS: tl
 
 
 @triton.jit
-def _load_next(lane_ptrs, start, last, HAS_EOS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """PREFETCH's load in an unmasked span ending at ``last``: the tile after ``start`` (the last again
-    at the end: no read past the span)."""
-    return load_tile(lane_ptrs, tl.minimum(start + BLOCK_V, last - BLOCK_V), last, -1, False, HAS_EOS, BLOCK_V)
-
-
-@triton.jit
-def no_runners_up(BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Empty runners-up of every lane (see :func:`keep_runners_up`)."""
-    none = tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32)
-    start = tl.zeros((BLOCK_B, BLOCK_V), tl.int32)
-    return none, start, none, start, none
-
-
-@triton.jit
 def keep_runners_up(runners, z, up, previous, previous_start, start, DEPTH: tl.constexpr):
     """A lane's DEPTH (2 or 3) largest values after folding the tile at ``start`` (``z``; ``up``: it set
     a new lane max, pushing ``previous`` from tile ``previous_start`` down a rank): ``runners`` = (2nd,
@@ -158,8 +143,9 @@ def _walk_span(state, args, lane_ptrs, first, last, hi, eos_index, MASKED: tl.co
         if first < last:
             z_next = load_tile(lane_ptrs, first, hi, eos_index, False, HAS_EOS, BLOCK_V)
             for start in range(first, last, BLOCK_V):
-                z = z_next
-                z_next = _load_next(lane_ptrs, start, last, HAS_EOS, BLOCK_V)
+                z = z_next  # the next tile's load (the last tile again at the end: no read past the span)
+                z_next = load_tile(lane_ptrs, tl.minimum(start + BLOCK_V, last - BLOCK_V), last, -1, False, HAS_EOS,
+                                   BLOCK_V)
                 state = _walk_tile(state, z, start, args, RANKED, ARGMAX, DEPTH, BLOCK_V)
     else:
         for start in range(first, last, BLOCK_V):
@@ -189,8 +175,10 @@ def fold_row_lanes(lane_ptrs, lo, hi, eos_index, neg_scale, ARGMAX: tl.constexpr
                    PREFETCH: tl.constexpr, HAS_EOS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
     """Per-lane (max z, Σ e^(x − max x), tile start of the first max (ARGMAX), runners-up (DEPTH > 0))
     over columns [lo, hi) of each row (``lane_pointers``)."""
-    state = (tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32), tl.zeros((BLOCK_B, BLOCK_V), tl.float32),
-             tl.zeros((BLOCK_B, BLOCK_V), tl.int32), no_runners_up(BLOCK_B, BLOCK_V))
+    none = tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32)
+    start = tl.zeros((BLOCK_B, BLOCK_V), tl.int32)
+    # (max, sum, its tile start, runners-up: empty ranks 2 and 3 with their starts, pushed-out value)
+    state = (none, tl.zeros((BLOCK_B, BLOCK_V), tl.float32), start, (none, start, none, start, none))
     return _walk_row(state, (neg_scale,), lane_ptrs, lo, hi, eos_index, False, ARGMAX, DEPTH, PREFETCH, HAS_EOS,
                      BLOCK_V)
 

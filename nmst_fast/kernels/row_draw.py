@@ -1,20 +1,19 @@
 """Top-p (nucleus) sampling, one program per row: rejection rounds, about one to two reads.
 
-A token j is in the nucleus iff the mass ranked before it (probability desc, column asc) is below p,
-which one pass over the row decides. So: one pass gives per lane (``lanes.py``) the max and
-Σ e^(x − max) of the non-eos x = z / temperature, then the head's float64 scalars; each round draws
-a candidate j from the current set S (at first every token: eos by its exact mass, a lane by the
-lane masses, a column along that lane) and sums the mass ranked before j. Below p: j is the draw.
-Otherwise S becomes the tokens ranked before j (that pass gave their lane masses) and the next round
-draws from it. A draw from S ⊇ nucleus that lands in the nucleus is an exact sample of it.
+A token j is in the nucleus iff the mass ranked before it (probability desc, column asc) is below p.
+One pass gives per lane (``lanes.py``) the max and Σ e^(x − max) of the non-eos x = z / temperature,
+then the head's float64 scalars. Each round draws a candidate j from the current set S (at first
+every token: eos by its exact mass, a lane by the lane masses, a column along that lane) and weighs
+the mass ranked before j: below p, j is the draw; otherwise S becomes the tokens ranked before j and
+the next round draws from it. A draw from S ⊇ nucleus that lands in the nucleus is an exact sample.
 
-Most rounds need no pass: the lane maxima bound the ranked-before mass (:func:`_bounds`), settling
-~97% of the rounds of p = 0.4 and ~85% of p = 0.9 on N(0, 3²) rows. A round accepts with
-probability ≥ p; from FORCED_PASS_ROUND on every rejection takes the pass (S shrinks); a row still
-drawing after MAX_ROUNDS is flagged (flags[1]) for the torch path. The pass sums fp32 along each lane
-in column order, then float64: monotone along the ranking, so the accepted tokens are exactly a
-prefix (within ~1e-7 of p the cut may differ from the float64 torch cut by one token). Eos as a
-pivot is the largest fp32 ≤ ζ_eos, with the column rule only when ζ_eos is exact in fp32.
+The lane maxima bound the ranked-before mass (:func:`_bounds`) and settle most rounds without a pass
+(~97% at p = 0.4, ~85% at 0.9 on N(0, 3²) rows). A round accepts with probability ≥ p; from
+FORCED_PASS_ROUND on every rejection takes the pass (S shrinks); a row still drawing after MAX_ROUNDS
+is flagged (flags[1]) for the torch path. The pass sums fp32 along each lane in column order, then
+float64: monotone along the ranking, so the accepted tokens are exactly a prefix (within ~1e-7 of p
+the cut may differ from the float64 torch cut by one token). Eos as a pivot is the largest fp32 ≤
+ζ_eos, with the column rule only when ζ_eos is exact in fp32.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_power_of_2, scan_width
-from .inverse_cdf import crossing_with
 from .lanes import LOG2E, fold_row_lanes, lane_pointers, merge_lanes, ranked_lane_mass
 from .row_scan import multi_processors
 from .step_common import (
@@ -36,6 +34,7 @@ from .step_common import (
     Outputs,
     Selection,
     advance_calls,
+    crossing_with,
     head_inputs,
     philox_key,
     rng_state,
@@ -79,10 +78,7 @@ def _row_head(
                                  state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
     survival = survival_terms(eos_z, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD)
     log_norm, eos_zeta, bad = with_lse(lse, survival, HEAD)
-    if HEAD != 0:
-        p_eos = tl.where(bad, 0.0, tl.exp(eos_zeta - log_norm))
-    else:
-        p_eos = tl.zeros((BLOCK_B,), tl.float64)
+    p_eos = tl.where(bad, 0.0, tl.exp(eos_zeta - log_norm))  # VA: ζ_eos = −inf, 0
     w = tl.where(row_ok & ~bad, tl.exp(m.to(tl.float64) - log_norm), 0.0)
     return log_norm, eos_zeta, p_eos, w, bad
 
@@ -258,18 +254,11 @@ def cuda_launch(V: int, *, block_v: int = 2048, num_warps: int = 16, prefetch: b
     return launch if maxnreg is None else launch | {"maxnreg": maxnreg}
 
 
-# The layout on a GPU: a wide program (16 warps, 2048-column tiles) takes a whole SM, so batches of
-# at most one row per SM use it; larger ones take two compact programs per SM (8 warps, 1024 columns,
-# 128 registers without spills) and run in one wave. Rounds and passes per row are the same at either
-# width (interpreter, 256 x 50257).
-WIDE_TOP_P = dict(block_v=2048, num_warps=16)
-COMPACT_TOP_P = dict(block_v=1024, num_warps=8, maxnreg=128)
-TOP_P_LAYOUTS = {"wide": WIDE_TOP_P, "compact": COMPACT_TOP_P}
-
-
-def top_p_layout(rows: int, multi_processors: int) -> dict:
-    """:func:`cuda_launch`'s layout for ``rows`` rows on ``multi_processors`` SMs."""
-    return dict(WIDE_TOP_P if rows <= multi_processors else COMPACT_TOP_P)
+# Layouts on a GPU (:func:`cuda_launch`'s arguments): a wide program (16 warps, 2048-column tiles) takes a
+# whole SM, so batches of at most one row per SM use it; larger ones take two compact programs per SM (8
+# warps, 1024 columns, 128 registers without spills) and run in one wave. Rounds and passes per row are
+# the same at either width (interpreter, 256 x 50257).
+TOP_P_LAYOUTS = {"wide": dict(block_v=2048, num_warps=16), "compact": dict(block_v=1024, num_warps=8, maxnreg=128)}
 
 
 def default_launch(z: torch.Tensor) -> dict:
@@ -282,7 +271,7 @@ def _default_launch(B: int, V: int, device_index: Optional[int]) -> dict:
     """:func:`default_launch` by shape and CUDA device; -1, the CPU interpreter, which pays per
     operation: many rows per program (2^18 elements per tensor), on the GPU's code path."""
     if device_index != -1:
-        return cuda_launch(V, **top_p_layout(B, multi_processors(device_index)))
+        return cuda_launch(V, **TOP_P_LAYOUTS["wide" if B <= multi_processors(device_index) else "compact"])
     block_v = min(2048, next_power_of_2(V))
     n_tiles = tile_table_width(V, block_v)
     return dict(BLOCK_B=min(next_power_of_2(max(B, 1)), max(1, (1 << 18) // max(block_v, n_tiles))),

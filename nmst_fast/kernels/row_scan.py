@@ -1,14 +1,13 @@
 """The split-V row scan of the one-launch decoding step (``scan_select.py``): one read of the logits.
 
-Programs tile the (B, V) logits as BLOCK_B rows × one slice of V (so a small batch still fills the
-GPU) and walk the slice in BLOCK_V tiles, leaving per (row, split), over the non-eos columns with
-x = z · inv_temp: max and Σ e^(x − max) (L of the head), and the first argmax (greedy), or one
-column drawn ∝ e^x (sampling: the finish picks a split by its mass), or the K best x, ties → lower
-column (top-k). State is kept per lane (``lanes.py``), so the loops have no barrier. The draw takes
-a lane by inverse CDF over the lane masses, then a column of that lane. Candidates come from each
-lane's max and runners-up, checked by the largest value a lane did not keep (a split they do not
-settle is read again); they rank by one int64 key per column, (orderable bits of x) << 32 |
-(2³¹ − 1 − column), whose order is exactly (value desc, column asc).
+Programs tile the (B, V) logits as BLOCK_B rows × one slice of V (a small batch still fills the GPU)
+and walk the slice in BLOCK_V tiles, keeping state per lane (``lanes.py``: no barrier in the loop).
+Per (row, split) they leave, over the non-eos x = z · inv_temp: max and Σ e^(x − max) (the head's
+L), and the first argmax (greedy), or one column drawn ∝ e^x (a lane by inverse CDF over the lane
+masses, then a column of it; the finish picks a split by its mass), or the K best x (top-k). The K
+best come from each lane's max and runners-up, checked against the largest value a lane dropped (a
+split they do not settle is read again), ranked by one int64 key per column whose order is exactly
+(value desc, column asc).
 """
 
 from __future__ import annotations
@@ -22,9 +21,8 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_power_of_2, scan_width
-from .inverse_cdf import crossing_with
 from .lanes import LOG2E, fold_row_lanes, lane_pointers, last_kept, load_tile, merge_lanes
-from .step_common import column_keys, decode_column_keys, philox_key, rng_state
+from .step_common import column_keys, crossing_with, decode_column_keys, philox_key, rng_state
 from .workspace import step_buffers
 
 MAX_CANDIDATES = 128  # the largest candidate list per row (a power of two, for tl.topk)
@@ -174,15 +172,14 @@ def scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp,
                  mask=row_ok[:, None])
     max_z, lane_mass = merge_lanes(lane_max, lane_sum, inv_temp)
     running_max = max_z * inv_temp
+    running_sum = tl.sum(lane_mass, axis=1)
     if DRAW:
-        running_sum = tl.sum(lane_mass, axis=1)
         draw_idx, top_val = _draw_in_split(row_base, rows, row_ok, lo, hi, eos_index, inv_temp, lane_max,
                                            lane_mass, running_sum, philox_key(seed_ptr, 0), split, n_splits, V, HAS_EOS,
                                            BLOCK_V, LANE_TILES)
     else:
         # The split's mass and the first column of its max (lanes hold their first maximum's tile).
         firsts = tl.where(lane_max == max_z[:, None], lane_start + lanes, V)
-        running_sum = tl.sum(lane_mass, axis=1)
         first = tl.min(firsts, axis=1)
         top_val = max_z  # raw z: splits merge on it, so rounding of z · inv_temp cannot tie them
         top_idx = tl.where(max_z == float("-inf"), 0, first)
@@ -237,11 +234,10 @@ def split_layout(V: int, block_v: int, splits: int) -> tuple[int, int]:
 
 @dataclass
 class ScanLaunch:
-    """What one launch of the scan takes: its grid, its arguments in ``scan_split``'s order (the
-    partials' buffers included), its compile-time flags, and the partials it will leave, (rows,
-    splits) each ("keys": (rows, splits, K)): "max"/"sum", the split's max x and Σ e^(x − max);
-    "top_val"/"top_idx", its largest raw z and that z's first column; a drawing scan's "draw_idx",
-    one drawn column per split, with that column's raw z in "top_val"."""
+    """One scan launch: grid, arguments in ``scan_split``'s order, compile-time flags, and the partials
+    it leaves, (rows, splits) each: "max"/"sum" (the split's max x and Σ e^(x − max)), "top_val"/"top_idx"
+    (its largest raw z and first column), a draw's "draw_idx" (its drawn column, whose raw z goes to
+    "top_val"), and top-k's "keys" (rows, splits, K)."""
 
     grid: tuple[int, int]
     args: tuple
@@ -253,12 +249,10 @@ class ScanLaunch:
 def scan_launch(z: torch.Tensor, *, eos_index: int | None, temperature: float, seed: int | torch.Tensor | None,
                 candidates: int, launch: tuple[int, int] | None, sync_slots: Optional[int] = None) -> ScanLaunch:
     """Check a scan's arguments and lay out its launch: ``z`` (B, V) with unit stride along V;
-    ``eos_index`` the column left out (None: none); x = z / ``temperature``; ``seed`` (an int, a
-    one-element integer tensor or an RNG state: :func:`rng_state`; None: no draw) draws a column per
-    split (the launch that finishes the rows advances the state's calls); ``candidates``: keep the
-    K = next power of two >= it best x; ``launch``: (BLOCK_V, splits) instead of the automatic layout.
-    ``sync_slots``: the partials are scratch of the step workspace (``workspace.py``), which also
-    hands out this many zeroed int32 slots as ``sync``; None: fresh tensors."""
+    ``eos_index`` the column left out (None: none); x = z / ``temperature``; ``seed`` (see
+    :func:`rng_state`; None: no draw) draws a column per split; ``candidates``: keep the K = next power
+    of two >= it best x; ``launch``: (BLOCK_V, splits) instead of the automatic layout; ``sync_slots``:
+    take the partials, and this many zeroed int32 slots as ``sync``, from ``workspace.py`` (None: fresh)."""
     if z.dim() != 2 or z.stride(1) != 1:
         raise ValueError("z must be a 2-D tensor with unit stride along V")
     if not 0 <= candidates <= MAX_CANDIDATES or (candidates and not HAS_TOPK):

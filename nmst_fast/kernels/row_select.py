@@ -13,8 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .inverse_cdf import crossing_with
-from .step_common import decode_column_keys, survival_terms, uniform_f64, with_lse
+from .step_common import crossing_with, decode_column_keys, survival_terms, uniform_f64, with_lse
 
 
 @triton.jit
@@ -34,21 +33,10 @@ def _merged_lse(m, total, row_ok):
 
 
 @triton.jit
-def row_block(n_rows, n_splits, part_row_stride, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr):
-    """This program's rows and their (row, split) partial offsets."""
-    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    row_ok = rows < n_rows
-    split = tl.arange(0, BLOCK_S)
-    part = rows.to(tl.int64)[:, None] * part_row_stride + split[None, :]
-    part_ok = row_ok[:, None] & (split[None, :] < n_splits)
-    return rows, row_ok, part, part_ok
-
-
-@triton.jit
 def select_rows(
     rows, row_ok, part, part_ok, s, t, prev, n_rows, V, max_ptr, sum_ptr, pick_val_ptr, pick_idx_ptr, eos_index,
     temp_hi, temp_lo, log1m_eps_hi, log1m_eps_lo, key, token_ptr, log_prob_ptr, new_state_ptr,
-    HEAD: tl.constexpr, GREEDY: tl.constexpr, BLOCK_B: tl.constexpr,
+    HEAD: tl.constexpr, GREEDY: tl.constexpr,
 ):
     """Greedy or sampling for ``rows`` (``row_ok``) from the partials at ``part`` (rows × splits
     offsets, ``part_ok``), the rows' :func:`head_inputs` and the draw's Philox ``key``: stores each row's
@@ -84,12 +72,9 @@ def select_rows(
                                    pick_idxs, 0)
         eos_wins = eos_wins | (split < 0)  # no non-eos mass (a certain eos)
         chosen = tl.sum(tl.where(split_no == split[:, None], pick_vals, 0.0), axis=1).to(tl.float64) / temperature
-    if HEAD == 0:
-        token = idx.to(tl.int64)
-        log_prob = chosen - log_norm
-    else:
-        token = tl.where(eos_wins, eos_index, idx).to(tl.int64)
-        log_prob = tl.where(eos_wins, eos_zeta, chosen) - log_norm
+    eos_wins = eos_wins & (HEAD != 0)  # VA: no eos column (its eos_index is -1)
+    token = tl.where(eos_wins, eos_index, idx).to(tl.int64)
+    log_prob = tl.where(eos_wins, eos_zeta, chosen) - log_norm
     tl.store(token_ptr + rows, token, mask=row_ok)
     tl.store(log_prob_ptr + rows, log_prob, mask=row_ok)
     return tl.min(tl.where(bad & row_ok, rows, n_rows), axis=0)
@@ -97,7 +82,7 @@ def select_rows(
 
 @triton.jit
 def select_candidate_rows(
-    rows, row_ok, part, part_ok, s, t, prev, n_rows, n_splits, part_row_stride, max_ptr, sum_ptr, key_ptr,
+    rows, row_ok, part, part_ok, s, t, prev, n_rows, n_splits, max_ptr, sum_ptr, key_ptr,
     eos_index, log1m_eps_hi, log1m_eps_lo, top_k, top_p_hi, top_p_lo, key, token_ptr, log_prob_ptr,
     new_state_ptr, HEAD: tl.constexpr, HAS_TOP_P: tl.constexpr, K: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -107,18 +92,15 @@ def select_candidate_rows(
     split_max = _load_partial(max_ptr, part, part_ok, float("-inf"))
     split_sum = _load_partial(sum_ptr, part, part_ok, 0.0)
     rank = tl.arange(0, K)
-    key_row = key_ptr + rows.to(tl.int64)[:, None] * (part_row_stride * K)
-    if BLOCK_S > 1:
-        slot = tl.arange(0, BLOCK_S * K)
-        keys = tl.load(key_row + slot[None, :], mask=row_ok[:, None] & (slot[None, :] < n_splits * K),
-                       other=-9223372036854775808, cache_modifier=".cg")
-    else:
-        keys = tl.load(key_row + rank[None, :], mask=row_ok[:, None], other=-9223372036854775808, cache_modifier=".cg")
+    key_row = key_ptr + rows.to(tl.int64)[:, None] * (n_splits * K)
+    slot = tl.arange(0, BLOCK_S * K)
+    keys = tl.load(key_row + slot[None, :], mask=row_ok[:, None] & (slot[None, :] < n_splits * K),
+                   other=-9223372036854775808, cache_modifier=".cg")
     survival = survival_terms(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD)
     lse = _merged_lse(split_max, split_sum, row_ok)
 
     # The K best keys over all splits, in rank order (keys sort as (value desc, column asc)).
-    if BLOCK_S > 1:
+    if BLOCK_S > 1:  # one split's keys are stored in rank order
         keys = tl.topk(keys, K, dim=1)
     zeta, cols = decode_column_keys(keys)
 
@@ -132,10 +114,7 @@ def select_candidate_rows(
     # Rank of each candidate once eos is merged in (eos sits at eos_pos).
     merged_rank = rank[None, :] + (rank[None, :] >= eos_pos[:, None]).to(tl.int32)
     prob = tl.exp(zeta - log_norm[:, None])
-    if HEAD == 0:
-        prob_eos = tl.zeros((BLOCK_B,), tl.float64)
-    else:
-        prob_eos = tl.exp(eos_zeta - log_norm)
+    prob_eos = tl.where(bad, 0.0, tl.exp(eos_zeta - log_norm))  # VA: ζ_eos = −inf, 0
     prob = tl.where(merged_rank < top_k, prob, 0.0)
     prob_eos = tl.where(eos_pos < top_k, prob_eos, 0.0)
     mass = tl.sum(prob, axis=1) + prob_eos
@@ -156,7 +135,7 @@ def select_candidate_rows(
     # Inverse-CDF draw over the kept mass: eos first, then the candidates in rank order.
     u = uniform_f64(key, rows) * (tl.sum(prob, axis=1) + prob_eos)
     last_kept = tl.max(tl.where(prob > 0.0, rank[None, :], -1), axis=1)
-    eos_drawn = (u < prob_eos) | (last_kept < 0)
+    eos_drawn = ((u < prob_eos) | (last_kept < 0)) & (HEAD != 0)
     crossed = (tl.cumsum(prob, axis=1) > (u - prob_eos)[:, None]) & (prob > 0.0)  # see crossing_with
     pick = tl.min(tl.where(crossed, rank[None, :], K), axis=1)
     pick = tl.where(pick < K, pick, last_kept)  # rounding at the top of the CDF

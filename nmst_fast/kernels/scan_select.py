@@ -1,14 +1,13 @@
 """Greedy, sampling and top-k in one launch: the split-V scan, each row finished by its last split.
 
-Every scan program (``row_scan.py``), once its partials are stored, counts itself in for its row (an
+Every scan program (``row_scan.py``) stores its partials and counts itself in for its row (an
 acquire-release atomic at GPU scope); the last to arrive finishes the row (``row_select.py``), so a
-row's finish overlaps the other rows' reads and no second launch waits for the slowest split (a
-separate merge launch doubled the step at B = 32 on an H100). No fill before the launch: the arrival
-counters and, for a draw, a count of finished rows live in the step workspace (``workspace.py``),
-zero at rest — a row's last arrival zeroes its counter, and the program that finishes the batch's
-last rows zeroes the count and advances the RNG state's calls (``step_common.philox_key``), so the
-next call, or a replay of a captured one, draws afresh. A bad row is atomic_min'ed into the flags,
-which may collect several calls' rows (a deferred step's pair).
+row's finish overlaps the other rows' reads (a separate merge launch doubled the step at B = 32 on an
+H100). The arrival counters and a draw's count of finished rows live in the step workspace
+(``workspace.py``), zero at rest: the last arrival zeroes its row's counter, and the program that
+finishes the batch zeroes the count and advances the RNG state's calls (``step_common.philox_key``),
+so the next call, or a replay of a captured one, draws afresh. Bad rows are atomic_min'ed into the
+flags, which may collect several calls' rows (a deferred step's pair).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import triton.language as tl
 
 from .host_math import next_power_of_2
 from .row_scan import FINISH_KEYS, scan_launch, scan_split
-from .row_select import row_block, select_candidate_rows, select_rows
+from .row_select import select_candidate_rows, select_rows
 from .step_common import HEAD_CODES, Outputs, Selection, advance_calls, head_inputs, philox_key, rng_state, split_f64
 
 
@@ -44,7 +43,11 @@ def _scan_select_kernel(
     scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp, seed_ptr, max_ptr, sum_ptr,
                top_val_ptr, top_idx_ptr, draw_idx_ptr, key_ptr, HAS_EOS, DRAW, K, BLOCK_B, BLOCK_V, LANE_TILES)
     n_splits = tl.num_programs(1)
-    rows, row_ok, part, part_ok = row_block(n_rows, n_splits, n_splits, BLOCK_B, BLOCK_S)
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    row_ok = rows < n_rows
+    split = tl.arange(0, BLOCK_S)  # the rows' (row, split) partials
+    part = rows.to(tl.int64)[:, None] * n_splits + split[None, :]
+    part_ok = row_ok[:, None] & (split[None, :] < n_splits)
     # The head's inputs and the RNG state are no program's output: every split loads them before counting in.
     s, t, prev = head_inputs(z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value,
                              state_ptr, state_stride, HEAD, STEPS_PER_ROW, HAS_STATE, BLOCK_B)
@@ -65,11 +68,10 @@ def _scan_select_kernel(
         if K == 0:
             first_bad = select_rows(rows, finishes, part, part_ok, s, t, prev, n_rows, V, max_ptr, sum_ptr, top_val_ptr,
                                     draw_idx_ptr if DRAW else top_idx_ptr, eos_index, temp_hi, temp_lo, log1m_eps_hi,
-                                    log1m_eps_lo, key, token_ptr, log_prob_ptr, new_state_ptr, HEAD, not DRAW,
-                                    BLOCK_B)
+                                    log1m_eps_lo, key, token_ptr, log_prob_ptr, new_state_ptr, HEAD, not DRAW)
         else:
             first_bad = select_candidate_rows(
-                rows, finishes, part, part_ok, s, t, prev, n_rows, n_splits, n_splits, max_ptr, sum_ptr, key_ptr,
+                rows, finishes, part, part_ok, s, t, prev, n_rows, n_splits, max_ptr, sum_ptr, key_ptr,
                 eos_index, log1m_eps_hi, log1m_eps_lo, top_k, top_p_hi, top_p_lo, key, token_ptr, log_prob_ptr,
                 new_state_ptr, HEAD, HAS_TOP_P, K, BLOCK_B, BLOCK_S)
         if first_bad < n_rows:

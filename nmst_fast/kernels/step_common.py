@@ -1,5 +1,6 @@
 """What the decoding kernels share: the head's float64 math per row, Philox keys and uniforms, the
-candidate keys, and the host side of their arguments (RNG state, float64 scalars) and outputs.
+candidate keys, the inverse-CDF pick, and the host side of their arguments (RNG state, float64
+scalars) and outputs.
 
 The head's scalars are those of ``nmst_fast.decoding.distribution``: a = log(1 − α_t),
 ζ_eos = L + log(1 − e^a) − a, log_norm = L − a. Float64 math uses only exp and log (``expm1`` and
@@ -69,6 +70,23 @@ def uniform_f64(key, offsets):
 
 
 @triton.jit
+def crossing_with(cum, weights, target, index, SIZE, payload, none):
+    """Along the last axis, per row: the first index of positive weight whose cumulative weight ``cum``
+    exceeds ``target`` (the last positive one when rounding leaves none, -1 when there is none), and
+    ``payload`` there (``none`` where there is no positive weight). Only positive weights may be
+    picked: a GPU's parallel scan is not monotone to the last ulp, and a zero weight after a block
+    boundary can read above its predecessor (an H200 drew outside the nucleus that way)."""
+    positive = weights > 0
+    crossing = (cum > tl.expand_dims(target, -1)) & positive
+    axis: tl.constexpr = len(crossing.shape) - 1
+    pick = tl.min(tl.where(crossing, index, SIZE), axis=axis)
+    pick = tl.where(pick < SIZE, pick, tl.max(tl.where(positive, index, -1), axis=axis))
+    at = (index == tl.expand_dims(pick, -1)) & positive  # the pick's one entry
+    value = tl.where(pick >= 0, tl.sum(tl.where(at, payload, 0), axis=axis), none)
+    return pick, value
+
+
+@triton.jit
 def head_inputs(
     z_ptr, z_row_stride, rows, row_ok, eos_index, steps_ptr, steps_stride, steps_value, state_ptr, state_stride,
     HEAD: tl.constexpr, STEPS_PER_ROW: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -94,20 +112,13 @@ def head_inputs(
 
 @triton.jit
 def survival_terms(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD: tl.constexpr):
-    """The NMST/ST terms that need no partial: (a = log(1 − α_t) floored at −1e300 as the torch path's
-    LOG_SURVIVAL_FLOOR, log α_t = log(1 − e^a), rows whose eos logit or ST state is NaN or the state
-    positive); stores ST's new state. Run while the partials' loads are in flight. VA: its inputs
-    (:func:`head_inputs`' zeros), unused."""
+    """The NMST/ST terms that need no partial, from the raw eos logit s, t and (ST) the state ``prev``:
+    (a = log(1 − α_t) floored at −1e300 as the torch path's LOG_SURVIVAL_FLOOR, log α_t = log(1 − e^a),
+    rows whose eos logit or ST state is NaN or the state positive); stores ST's new state. Context rows
+    (t <= 0): a = 0, ST's state passes through. Run while the partials' loads are in flight. VA: its
+    inputs (:func:`head_inputs`' zeros), unused."""
     if HEAD == 0:
         return s, s, s != s
-    a = _log_survival(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD)
-    return tl.maximum(a, -1e300), _log1mexp(a), (s != s) | (a != a)
-
-
-@triton.jit
-def _log_survival(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_state_ptr, HEAD: tl.constexpr):
-    """a = log(1 − α_t) per row (fp64) from the raw eos logit s, t and (ST) the state ``prev``; stores
-    ST's new state. Context rows (t <= 0): a = 0; ST's state passes through."""
     # fp64 scalars arrive as fp32 (hi, lo) pairs: Triton passes Python floats as fp32.
     log1m_eps = tl.cast(log1m_eps_hi, tl.float64) + tl.cast(log1m_eps_lo, tl.float64)
     if HEAD == 1:
@@ -118,7 +129,7 @@ def _log_survival(s, t, prev, rows, row_ok, log1m_eps_hi, log1m_eps_lo, new_stat
         tl.store(new_state_ptr + rows, tl.where(t >= 1, running, prev), mask=row_ok)
         # A NaN state (flagged) stays NaN on a context row too: the row is reported, not decoded.
         a = tl.where(t >= 1, running, tl.where(prev != prev, prev, 0.0))
-    return a
+    return tl.maximum(a, -1e300), _log1mexp(a), (s != s) | (a != a)
 
 
 @triton.jit
