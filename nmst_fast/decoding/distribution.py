@@ -55,18 +55,11 @@ class StepDistribution:
             log_p = torch.where(tokens == self.eos_index, self.eos_log_prob, log_p)
         return log_p
 
-    def take(self, rows: Union[torch.Tensor, slice]) -> "StepDistribution":
-        """The distribution of some rows only: ``rows`` (R,) int64 (copies their ζ) or a slice (views)."""
-        def pick(values: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            return None if values is None else values[rows]
-        return StepDistribution(self.zeta[rows], self.log_norm[rows], self.eos_index, pick(self.eos_zeta),
-                                pick(self.eos_log_prob), pick(self.state))
-
-    def log_probs(self) -> torch.Tensor:
-        """(B, V) float64 log p."""
-        log_p = self.zeta - self.log_norm.unsqueeze(1)  # float64 by promotion: one (B, V) buffer
+    def log_probs(self, rows: slice = slice(None)) -> torch.Tensor:
+        """(R, V) float64 log p of ``rows`` (default: every row)."""
+        log_p = self.zeta[rows] - self.log_norm[rows].unsqueeze(1)  # float64 by promotion: one (R, V) buffer
         if self.eos_log_prob is not None:
-            log_p[:, self.eos_index] = self.eos_log_prob
+            log_p[:, self.eos_index] = self.eos_log_prob[rows]
         return log_p
 
 

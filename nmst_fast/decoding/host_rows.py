@@ -1,13 +1,11 @@
-"""Greedy, and top-k (then top-p) of batches up to MAX_ROWS rows, on the torch path: each row finished
-on the host in Python floats (larger top-k batches take the tensors of :mod:`.selection`).
+"""Greedy, and top-k (then top-p) of up to MAX_ROWS rows, on the torch path: each row finished on the
+host in Python floats (larger top-k batches: :mod:`.selection`).
 
-On the CPU a torch op costs 3–8 µs of dispatch however short its tensor, and the per-row part of a
-step — the head's float64 scalars, the row check, eos ranked among the best tokens, truncation, the
-draw — took 60–90 such ops: at B = 1 most of the step. Here the V-wide part stays in torch (ζ in one
-reused buffer with eos at −inf, the best token or the exact top k, Σ e^(ζ − max)), is read back once,
-and each row is finished in float64 arithmetic by the same head formulas as the tensors
-(:func:`nmst_fast.head_math.nmst_log_survival`, :func:`.distribution.head_terms`). On CUDA
-(``impl="torch"``) the read-back is the call's one host sync.
+A CPU torch op costs 3–8 µs of dispatch however short its tensor, and a step's per-row part (head
+scalars, row check, eos among the best tokens, truncation, draw) took 60–90 of them. Here the V-wide
+part stays in torch (ζ in one reused buffer with eos at −inf, the best token or the exact top k,
+Σ e^(ζ − max)), is read back once (on CUDA, ``impl="torch"``: the call's one host sync), and each row
+is finished in float64 by the tensors' head formulas (``head_math``, :func:`.distribution.head_terms`).
 """
 
 from __future__ import annotations
@@ -47,8 +45,7 @@ class HostRows:
 
     def __init__(self, *, head: str, eos_index: int, eps: float, temperature: float, top_k: int,
                  top_p: Optional[float]):
-        self.head, self.eos_index, self.eps, self.temperature = head, eos_index, eps, temperature
-        self.top_k = top_k
+        self.head, self.eos_index, self.eps, self.temperature, self.top_k = head, eos_index, eps, temperature, top_k
         self.cut = None if top_p is None or top_p >= 1.0 else top_p - TOP_P_SLACK
         self._buffer: Optional[torch.Tensor] = None
 

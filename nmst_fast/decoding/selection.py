@@ -1,10 +1,7 @@
 """Token selection in torch (the torch path of :class:`nmst_fast.decoding.DecodingStep`): greedy,
-top-k, top-p and sampling on the step distribution, with no full sort of the vocabulary.
-
-Tokens rank by probability, ties → lower index, exactly: non-eos tokens by ζ (a partial selection,
-``torch.topk``, then exact ties: :func:`top_tokens`), eos merged in by its float64 ζ_eos. Top-p's
-list starts at 64 and grows 4× per round until it covers mass p, skipping sizes the missing mass
-proves too small.
+top-k, top-p and sampling on the step distribution, with no full sort of the vocabulary. Tokens rank
+by probability, ties → lower index, exactly: non-eos tokens by ζ (``torch.topk``, then exact ties:
+:func:`top_tokens`), eos merged in by its float64 ζ_eos. Top-p's list grows until it covers p.
 """
 
 from __future__ import annotations
@@ -186,9 +183,8 @@ def select(
         return greedy(dist)
     if untruncated(top_k, top_p):
         # By blocks of rows on CPU (``distribution.BLOCK_ENTRIES``): each (rows, V) float64 table is small.
-        blocks = row_blocks(dist.zeta)
-        parts = [draw(part.log_probs().exp_(), generator, overwrite=True).squeeze(1)
-                 for part in ([dist] if len(blocks) == 1 else [dist.take(rows) for rows in blocks])]
+        parts = [draw(dist.log_probs(rows).exp_(), generator, overwrite=True).squeeze(1)
+                 for rows in row_blocks(dist.zeta)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
     tokens, probs = truncated_candidates(dist, top_k, top_p, first_size=first_size)
     return tokens.gather(1, draw(probs, generator)).squeeze(1)

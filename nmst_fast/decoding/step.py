@@ -41,13 +41,9 @@ from .truncation import TOP_P_SLACK, check_truncation, untruncated
 
 @dataclass
 class StepOutput:
-    """One decoding step's result for a batch of rows (every tensor on the logits' device).
-
-    Attributes:
-        tokens: (B,) int64 chosen tokens.
-        log_probs: (B,) float64 log p of each chosen token under the untruncated step distribution.
-        state: (B,) float64 ST's running log(1 − α) after the step; None for NMST and VA.
-    """
+    """One decoding step's result for a batch of rows, on the logits' device: ``tokens`` (B,) int64;
+    ``log_probs`` (B,) float64, log p of each under the untruncated step distribution; ``state`` (B,)
+    float64, ST's running log(1 − α) after the step (None for NMST and VA)."""
 
     tokens: torch.Tensor
     log_probs: torch.Tensor
@@ -104,8 +100,7 @@ class DecodingStep:
         check_temperature(temperature)
         check_truncation(top_k, top_p)
         self.head, self.eos_index, self.eps, self.temperature = head, int(eos_index), float(eps), float(temperature)
-        self.vocab_size, self.device = int(vocab_size), torch.device(device)
-        self.top_k, self.top_p = top_k, top_p
+        self.vocab_size, self.device, self.top_k, self.top_p = int(vocab_size), torch.device(device), top_k, top_p
         self.kernels = kernels_serve(impl, self.device, top_k)
         self._greedy = top_k == 1
         plain = untruncated(top_k, top_p)
@@ -133,7 +128,7 @@ class DecodingStep:
             state: "st" only: (B,) running log(1−α) from the previous step (None at the start).
             generator: torch.Generator for reproducible draws.
             defer_checks: leave the kernels' flags for :meth:`check` (no host sync); a row without a
-                distribution yields an arbitrary token until then.
+                distribution yields some column in [0, V) until then.
         """
         self._check_logits(logits)
         if not self.kernels:
@@ -141,17 +136,15 @@ class DecodingStep:
         if defer_checks and self._flags is None:
             self._flags = torch.full((2,), NO_ROW, dtype=torch.int32, device=self.device)
         picked = self._kernel_step(logits, steps, state, generator, self._flags if defer_checks else None)
-        if defer_checks or torch.compiler.is_compiling():
-            return StepOutput(picked.tokens, picked.log_probs, picked.state)
-        bad, unresolved = picked.flags.tolist()  # the call's one host sync
-        B = logits.shape[0]
-        if bad < B:
-            raise ValueError(no_distribution_message(bad, with_state=True))
-        if unresolved < B:
-            # A row the rejection rounds left (P ≤ (1 − p)^64): the torch path draws the batch, on CUDA
-            # ranking whole rows at once (one sort costs about one large torch.topk there).
-            return self._torch_step(logits, steps, state, generator, first_size=self.vocab_size if
-                                    logits.is_cuda else None)
+        if not (defer_checks or torch.compiler.is_compiling()):
+            bad, unresolved = picked.flags.tolist()  # the call's one host sync
+            if bad < logits.shape[0]:
+                raise ValueError(no_distribution_message(bad, with_state=True))
+            if unresolved < logits.shape[0]:
+                # A row the rejection rounds left (P ≤ (1 − p)^64): the torch path draws the batch, on
+                # CUDA ranking whole rows at once (one sort costs about one large torch.topk there).
+                return self._torch_step(logits, steps, state, generator,
+                                        first_size=self.vocab_size if logits.is_cuda else None)
         return StepOutput(picked.tokens, picked.log_probs, picked.state)
 
     def check(self) -> None:

@@ -100,15 +100,6 @@ def keep_runners_up(runners, z, up, previous, previous_start, start, DEPTH: tl.c
 
 
 @triton.jit
-def last_kept(runners, DEPTH: tl.constexpr):
-    """Each lane's last kept value (rank DEPTH) and its tile start: later values of the lane were dropped."""
-    second, second_start, third, third_start, _pushed_out = runners
-    if DEPTH == 2:
-        return second, second_start
-    return third, third_start
-
-
-@triton.jit
 def fold_tile(lane_max, lane_sum, lane_start, runners, z, start, neg_scale, ARGMAX: tl.constexpr,
               DEPTH: tl.constexpr):
     """:func:`fold_lanes` of the tile at ``start``, plus per lane: ARGMAX, the tile start of its first

@@ -96,14 +96,6 @@ def _fp32_floor(value):
 
 
 @triton.jit
-def _ranked_before(x, cols, pivot_value, pivot_col):
-    """Tokens (x, column) ranked before the pivot: a larger x, or the same x at a lower column (the
-    pivot has the shape of ``x`` less its last axis)."""
-    value = tl.expand_dims(pivot_value, -1)
-    return (x > value) | ((x == value) & (cols < tl.expand_dims(pivot_col, -1)))
-
-
-@triton.jit
 def _bounds(lane_top, lane_top_e, lane_e, cand_value, cand_e, w, eos_term, slack, threshold):
     """Per row, whether the candidate (fp32 pivot ``cand_value``) is surely in the nucleus, or surely out,
     from the lane maxima alone: the mass ranked before it is at least the weights of the lane maxima
@@ -187,7 +179,9 @@ def _row_draw_kernel(
         lane, skipped = crossing_with(cum, lane_weights, goal_e, lanes, BLOCK_V, cum - lane_weights, 0.0)
         cols = lane[:, None] + steps_of_lane
         x = _load_x(base, cols, pending & ~is_eos & (lane >= 0), V, eos_index, inv_temp, HAS_EOS)
-        e = tl.where(_ranked_before(x, cols, pivot_value, pivot_col), tl.exp2((x - m[:, None]) * LOG2E), 0.0)
+        # S: the tokens ranked before the pivot (a larger x, or the same x at a lower column).
+        in_s = (x > pivot_value[:, None]) | ((x == pivot_value[:, None]) & (cols < pivot_col[:, None]))
+        e = tl.where(in_s, tl.exp2((x - m[:, None]) * LOG2E), 0.0)
         col, col_x = crossing_with(tl.cumsum(e, axis=1), e, (goal_e - skipped).to(tl.float32), cols, V, x,
                                    float("-inf"))
         drawn = pending & (is_eos | (col >= 0))  # col < 0: rounding left no token; draw again
@@ -308,8 +302,7 @@ def draw_rows(
     if z.stride(1) != 1:
         raise ValueError("z must have unit stride along V")
     out = Outputs(z, head, eps, steps, state, flags=flags)
-    rounds = torch.empty(B, dtype=torch.int32, device=z.device)
-    passes = torch.empty(B, dtype=torch.int32, device=z.device)
+    rounds, passes = torch.empty(2, B, dtype=torch.int32, device=z.device)
     if B:
         launch = _default_launch(B, V, z.device.index if z.is_cuda else -1) if launch is None else launch
         _row_draw_kernel[(cdiv(B, launch["BLOCK_B"]),)](

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_power_of_2, scan_width
-from .lanes import LOG2E, fold_row_lanes, lane_pointers, last_kept, load_tile, merge_lanes
+from .lanes import LOG2E, fold_row_lanes, lane_pointers, load_tile, merge_lanes
 from .step_common import column_keys, crossing_with, decode_column_keys, philox_key, rng_state
 from .workspace import step_buffers
 
@@ -163,7 +163,7 @@ def scan_split(z_ptr, z_row_stride, n_rows, V, split_width, eos_index, inv_temp,
                                                                  True, HAS_EOS, BLOCK_B, BLOCK_V)
         best, exact = _lane_candidates(lane_max, lane_start, runners, inv_temp, K, DEPTH, BLOCK_B, BLOCK_V)
         if tl.max((~exact).to(tl.int32), axis=0) > 0:
-            floor_z, floor_start = last_kept(runners, DEPTH)
+            floor_z, floor_start = (runners[0], runners[1]) if DEPTH == 2 else (runners[2], runners[3])  # last kept
             by_tiles = _enter_dropped(best, lane_ptrs, lo, hi, eos_index, inv_temp, floor_z, floor_start, HAS_EOS, K,
                                       BLOCK_V)
             best = tl.where(exact[:, None], best, by_tiles)

@@ -66,11 +66,10 @@ def select_rows(
                               split_sum.to(tl.float64) * tl.exp(split_max.to(tl.float64) - log_norm[:, None]), 0.0)
         p_eos = tl.exp(eos_zeta - log_norm)  # 0 for VA (ζ_eos = −inf)
         goal = uniform_f64(key, rows) * (p_eos + tl.sum(split_mass, axis=1))
-        eos_wins = goal < p_eos
         split_no = tl.arange(0, part.shape[1])[None, :]
         split, idx = crossing_with(tl.cumsum(split_mass, axis=1), split_mass, goal - p_eos, split_no, part.shape[1],
                                    pick_idxs, 0)
-        eos_wins = eos_wins | (split < 0)  # no non-eos mass (a certain eos)
+        eos_wins = (goal < p_eos) | (split < 0)  # split < 0: no non-eos mass (a certain eos)
         chosen = tl.sum(tl.where(split_no == split[:, None], pick_vals, 0.0), axis=1).to(tl.float64) / temperature
     eos_wins = eos_wins & (HEAD != 0)  # VA: no eos column (its eos_index is -1)
     token = tl.where(eos_wins, eos_index, idx).to(tl.int64)

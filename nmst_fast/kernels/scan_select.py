@@ -108,14 +108,12 @@ def scan_select(
         head: "va" | "nmst" | "st"; eos_index, eps: the head's; temperature divides non-eos logits.
         steps: t of this step: an int, or a (B,) int64 tensor (stride 0 allowed).
         state: "st" only: (B,) float64 running log(1 − α) before this step (None: 0).
-        seed: the draw's seed (None: greedy): an int, a one-element integer tensor, or a (3,) int64
-            RNG state (``step_common.rng_state``) that the launch advances.
+        seed: the draw's seed (None: greedy): an int, a one-element integer tensor, or a (3,) int64 RNG
+            state (``step_common.rng_state``) that the launch advances.
         top_k: keep the k most probable tokens, then ranks while the mass before them is below
             ``top_p_threshold`` (top_p less the caller's rounding slack).
-        launch: (BLOCK_V, splits) instead of the automatic layout (at most ``row_scan.FINISH_KEYS``
-            candidate keys per row).
-        flags: a (2,) int32 tensor the kernel atomic_mins bad rows into, as it stands (None: a new
-            one at B).
+        launch: (BLOCK_V, splits) instead of the automatic layout (≤ ``row_scan.FINISH_KEYS`` keys a row).
+        flags: a (2,) int32 tensor the kernel atomic_mins bad rows into (None: a new one at B).
     Returns:
         :class:`step_common.Selection`; ``flags[0]`` < B: the first row with no distribution.
     """
