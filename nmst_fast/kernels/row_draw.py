@@ -302,7 +302,8 @@ def draw_rows(
     if z.stride(1) != 1:
         raise ValueError("z must have unit stride along V")
     out = Outputs(z, head, eps, steps, state, flags=flags)
-    rounds, passes = torch.empty(2, B, dtype=torch.int32, device=z.device)
+    rounds = torch.empty(B, dtype=torch.int32, device=z.device)
+    passes = torch.empty(B, dtype=torch.int32, device=z.device)
     if B:
         launch = _default_launch(B, V, z.device.index if z.is_cuda else -1) if launch is None else launch
         _row_draw_kernel[(cdiv(B, launch["BLOCK_B"]),)](
