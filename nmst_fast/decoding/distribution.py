@@ -78,6 +78,14 @@ def step_values(steps: Steps, batch: int, device: torch.device) -> Steps:
         raise ValueError(f"steps of shape {tuple(steps.shape)} does not broadcast to the batch ({batch},)") from err
 
 
+def check_head_args(head: object, eos_index: object, vocab_size: int, eps: object, temperature: object) -> None:
+    """The head's arguments, for logits of ``vocab_size`` columns (checked by the caller)."""
+    check_choice("head", head, HEADS)
+    check_index("eos_index", eos_index, vocab_size, "V")
+    check_eps(eps)
+    check_temperature(temperature)
+
+
 def check_temperature(temperature: object) -> None:
     if (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature > 0
             or not math.isfinite(temperature)):
@@ -171,15 +179,12 @@ def effective_logits(
         steps: t of this step (int or (B,)); t <= 0 is context (p(eos) = 0).
         state: "st" only: (B,) running log(1−α) after the previous step (None: start, 0).
     """
-    check_choice("head", head, HEADS)
     check_float_tensor("logits", logits)
     if logits.dim() != 2:
         raise ValueError(f"logits must be (B, V), got shape {tuple(logits.shape)}")
     if logits.shape[1] < 2:
         raise ValueError(f"logits must have V >= 2 (eos and one other token), got V={logits.shape[1]}")
-    check_index("eos_index", eos_index, logits.shape[1], "V")
-    check_eps(eps)
-    check_temperature(temperature)
+    check_head_args(head, eos_index, logits.shape[1], eps, temperature)
     zeta = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()  # never written to
     if temperature != 1.0:
         zeta = zeta / temperature  # eos's column too, but for NMST/ST that column is not read
@@ -234,7 +239,9 @@ def row_blocks(table: torch.Tensor) -> list[slice]:
     """Slices covering the rows of ``table`` (B, V): on CPU blocks of at most BLOCK_ENTRIES entries (one
     row at least; one empty slice for an empty batch), elsewhere the whole table (allocators cache)."""
     B, V = table.shape
-    per_block = max(1, BLOCK_ENTRIES // max(1, V)) if table.device.type == "cpu" else max(1, B)
+    if table.device.type != "cpu":
+        return [slice(0, B)]
+    per_block = max(1, BLOCK_ENTRIES // max(1, V))
     return [slice(start, min(B, start + per_block)) for start in range(0, B, per_block)] or [slice(0, 0)]
 
 

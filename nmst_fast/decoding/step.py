@@ -25,11 +25,11 @@ import torch
 
 from ..backends import triton_available
 from ..kernels.host_math import NO_ROW
-from ..validation import HEADS, check_choice, check_eps, check_float_tensor, check_index, check_int
+from ..validation import check_float_tensor, check_int
 from .distribution import (
     Steps,
+    check_head_args,
     check_state,
-    check_temperature,
     effective_logits,
     no_distribution_message,
     step_values,
@@ -93,11 +93,8 @@ class DecodingStep:
     def __init__(self, *, head: str, eos_index: int, vocab_size: int, device: Union[str, torch.device] = "cpu",
                  eps: float = 1e-5, top_k: Optional[int] = None, top_p: Optional[float] = None,
                  temperature: float = 1.0, impl: str = "auto"):
-        check_choice("head", head, HEADS)
         check_int("vocab_size", vocab_size, 2)  # eos and one other token
-        check_index("eos_index", eos_index, int(vocab_size), "V")
-        check_eps(eps)
-        check_temperature(temperature)
+        check_head_args(head, eos_index, int(vocab_size), eps, temperature)
         check_truncation(top_k, top_p)
         self.head, self.eos_index, self.eps, self.temperature = head, int(eos_index), float(eps), float(temperature)
         self.vocab_size, self.device, self.top_k, self.top_p = int(vocab_size), torch.device(device), top_k, top_p
