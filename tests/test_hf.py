@@ -6,6 +6,7 @@ import torch
 import transformers  # a test dependency (pyproject.toml extra "test")
 from torch import nn
 
+from nmst_fast import nmst_log_probs
 from nmst_fast.generation import generate
 from nmst_fast.integrations.hf import (
     HFDecoder,
@@ -230,3 +231,95 @@ def test_bad_input_is_refused_before_anything_runs():
         model(ids, labels=labels, nmst_steps=torch.ones(3, 12))
     with pytest.raises(ValueError, match="nmst_steps"):
         model(ids, nmst_steps=torch.ones(3, 12, dtype=torch.long))
+
+
+def test_an_output_layer_that_is_not_plain_linear_is_refused():
+    """A learned per-token logit scale inside the output layer (as DoryLMHead's) is 1 at init, so the probe's
+    logits agree; the fused loss would still leave it without a gradient: refused by the layer's form."""
+
+    class ScaledHead(nn.Linear):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.logit_scale = nn.Parameter(torch.ones(self.out_features, dtype=self.weight.dtype))
+
+        def forward(self, x):
+            return super().forward(x) * self.logit_scale
+
+    model = tiny_model("llama")
+    model.lm_head = ScaledHead(32, V, bias=False, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"model_type 'llama'.*forward of its own"):
+        apply_nmst(model)
+
+    class Extra(nn.Linear):  # nn.Linear's forward, one more parameter
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.gain = nn.Parameter(torch.ones(()))
+
+    model.lm_head = Extra(32, V, bias=False, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"model_type 'llama'.*beside weight and bias \(gain\)"):
+        apply_nmst(model)
+
+
+def test_a_parameter_outside_the_stack_and_the_output_layer_is_refused():
+    class Tempered(transformers.LlamaForCausalLM):  # a learned temperature, 1 at init
+        def __init__(self, config):
+            super().__init__(config)
+            self.temperature = nn.Parameter(torch.ones(()))
+
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            if out.logits is not None:
+                out.logits = out.logits / self.temperature
+                if kwargs.get("labels") is not None:
+                    out.loss = self.loss_function(out.logits, kwargs["labels"], vocab_size=self.config.vocab_size)
+            return out
+
+    torch.manual_seed(0)
+    model = Tempered(transformers.LlamaConfig(**GQA, eos_token_id=EOS)).double()
+    with pytest.raises(ValueError, match=r"model_type 'llama'.*\(temperature\).*without a gradient"):
+        apply_nmst(model)
+
+
+def test_the_probe_sees_a_cap_that_small_logits_hide():
+    """A float32 model whose output layer gives |logits| ≤ 0.1: a cap of 30 moves them by < 4e-7, inside the
+    first probe's tolerance; the second probe, at logits of about ±50, sees it."""
+
+    class Capped(transformers.LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = 30.0 * torch.tanh(out.logits / 30.0)
+            return out
+
+    torch.manual_seed(0)
+    model = Capped(transformers.LlamaConfig(**GQA, eos_token_id=EOS)).eval()
+    ids = torch.arange(7)[None] * 7919 % V
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.1 / float(model(ids).logits.abs().max()))
+        weight = model.lm_head.weight.clone()
+        small = model(ids).logits
+    assert float(small.abs().max()) <= 0.1001
+    with pytest.raises(ValueError, match=r"model_type 'llama'.*at max \|logit\| (2|3)\d"):
+        apply_nmst(model)
+    assert torch.equal(model.lm_head.weight, weight), "the probe restores the output layer's weight"
+    # The same model without the cap is patched, and its weight is restored bit for bit.
+    plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(**GQA, eos_token_id=EOS)).eval()
+    with torch.no_grad():
+        plain.lm_head.weight.copy_(weight)
+    apply_nmst(plain)
+    assert torch.equal(plain.lm_head.weight, weight)
+
+
+def test_unshifted_labels_take_explicit_steps_aligned_with_them():
+    """BART's decoder scores labels[:, i] at position i: nmst_steps aligned with labels give each label's t."""
+    from hf_families import probe_batch, tiny_causal_lm
+
+    ids, labels = probe_batch(3)
+    steps = torch.randint(0, 9, labels.shape, generator=torch.Generator().manual_seed(5))
+    plain, model = tiny_causal_lm("bart"), apply_nmst(tiny_causal_lm("bart"), head="nmst", eps=0.05, eos_token_id=7)
+    logits = plain(input_ids=ids, use_cache=False).logits
+    log_p = nmst_log_probs(logits.double(), eos_index=7, eps=0.05, head="nmst", steps=steps)
+    active = labels != -100
+    nll = -log_p.gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    want = torch.where(active, nll, 0.0).sum() / active.sum()
+    torch.testing.assert_close(model(input_ids=ids, labels=labels, nmst_steps=steps).loss, want,
+                               rtol=1e-10, atol=1e-10)

@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 from nmst_fast import generate, metrics, nmst_log_probs
 from nmst_fast.data.bpe import bucket_batches, collate_bpe, encode_bpe_lines, load_tokenizer, train_byte_level_bpe
 from nmst_fast.data.wikitext import find_split_file, read_lines
-from nmst_fast.integrations.hf import HFDecoder, apply_nmst, steps_from_attention_mask
+from nmst_fast.integrations.hf import HFDecoder, apply_nmst, decoder_hidden, steps_from_attention_mask
 from nmst_fast.validation import HEADS
 
 from .checkpoint import Diverged, claim_directory, data_fingerprint, refuse_another_run, require_finite, save_atomic
@@ -138,7 +138,7 @@ def eos_probability_by_step(model, seqs: list[list[int]], context_length: int, m
     rate = EosRateByStep(max_t)
     for batch, _ in _batches(share(seqs, world), max_tokens, 0, pad_id, shuffle=False):
         ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-        hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
+        hidden = decoder_hidden(model, input_ids=ids, attention_mask=mask)[1][:, :-1]
         steps = steps_from_attention_mask(mask, context_length)[:, 1:]  # t of the token each position predicts
         log_p = nmst_log_probs(head(hidden).double(), eos_index=head.eos_index, eps=head.eps, head=head.head,
                                steps=None if head.head == "va" else steps)

@@ -6,7 +6,7 @@
 * :class:`HFDecoder` — the model under :func:`nmst_fast.generate` (greedy, top-k, nucleus, beam).
 * :class:`NMSTLogitsProcessor` — HF ``generate()`` greedy / sampling on the head's distribution.
 
-Nothing here names a model family: the decoder stack is ``model.base_model``, the output layer
+Nothing here names a model family: the decoder stack is :func:`decoder_stack`, the output layer
 ``model.get_output_embeddings()`` (weight, and bias where the model has one), and the logits'
 post-processing comes from the config (``final_logit_softcapping``: Gemma 2/3; ``logit_scale``:
 Cohere; ``logits_scaling``: Granite). :func:`apply_nmst` checks on a probe input that this
@@ -44,18 +44,66 @@ def _causal_lm_class_names() -> set[str]:
     return names
 
 
+def _model_name(model: Any) -> str:
+    return f"{type(model).__name__} (model_type {model.config.model_type!r})"
+
+
+def _linear_of(layer: nn.Module) -> nn.Module:
+    """The module that computes ``layer``'s output: PEFT's active ``modules_to_save`` copy for its
+    wrapper (the original module when no adapter is active), else ``layer`` itself."""
+    copies = getattr(layer, "modules_to_save", None)
+    if isinstance(copies, nn.ModuleDict):
+        active = list(getattr(layer, "active_adapters", None) or [])
+        return copies[active[0]] if active else layer.original_module
+    return layer
+
+
 def _output_layer(model: Any) -> nn.Module:
     """The model's output layer (``get_output_embeddings()``: an ``nn.Linear``, or PEFT's
-    ``modules_to_save`` copy of one), read at every call so that wrapping the model later is seen."""
+    ``modules_to_save`` wrapper of one), read at every call so that wrapping the model later is seen.
+
+    Refused unless its output is exactly ``F.linear(h, weight, bias)``: the forward is ``nn.Linear``'s
+    own and it holds no parameter beside ``weight`` and ``bias`` (the fused loss reads those two and
+    would leave any other parameter, such as a learned logit scale, without its gradient)."""
     layer = model.get_output_embeddings()
     if hasattr(layer, "base_layer"):  # a PEFT tuner layer: its adapter is not part of .weight
-        raise ValueError(f"{type(model).__name__}: the output layer carries an adapter ({type(layer).__name__}); the "
+        raise ValueError(f"{_model_name(model)}: the output layer carries an adapter ({type(layer).__name__}); the "
                          "fused loss reads the layer's weight alone: train it under modules_to_save instead")
-    weight = getattr(layer, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError(f"{type(model).__name__}: the output layer (get_output_embeddings()) must be an nn.Linear "
-                         f"with a (V, H) weight, got {type(layer).__name__}")
+    linear = _linear_of(layer) if isinstance(layer, nn.Module) else layer
+    weight = getattr(linear, "weight", None)
+    if not isinstance(linear, nn.Linear) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"{_model_name(model)}: the output layer (get_output_embeddings()) must be an nn.Linear "
+                         f"with a (V, H) weight, got {type(linear).__name__}")
+    if type(linear).forward is not nn.Linear.forward:
+        raise ValueError(f"{_model_name(model)}: the output layer {type(linear).__name__} has a forward of its own, "
+                         "so its logits are not W h + b; the fused loss reads weight and bias alone and cannot "
+                         "reproduce it; this model type is not supported")
+    # torch.nn.utils.parametrize keeps weight's (and bias's) source tensors under parametrizations.
+    others = sorted(name for name, _ in linear.named_parameters()
+                    if name not in ("weight", "bias") and not name.startswith(("parametrizations.weight.",
+                                                                               "parametrizations.bias.")))
+    if others:
+        raise ValueError(f"{_model_name(model)}: the output layer {type(linear).__name__} holds parameters beside "
+                         f"weight and bias ({', '.join(others)}); the fused loss reads weight and bias alone and "
+                         "would leave them without a gradient; this model type is not supported")
     return layer
+
+
+def decoder_stack(model: Any) -> nn.Module:
+    """The module whose last hidden state the output layer reads: ``model.base_model`` where it is a
+    separate module, else ``model.model`` (Llama 4, mllama: their ``base_model_prefix`` names another
+    attribute), else ``model.get_decoder()``. :func:`apply_nmst` checks on a probe input that the
+    output layer on its hidden state gives the model's own logits."""
+    candidates = [model.base_model, getattr(model, "model", None)]
+    try:
+        candidates.append(model.get_decoder())
+    except (AttributeError, NotImplementedError, ValueError):
+        pass
+    for candidate in candidates:
+        if isinstance(candidate, nn.Module) and candidate is not model:
+            return candidate
+    raise ValueError(f"{_model_name(model)} has no separate decoder stack (base_model, model or get_decoder()) "
+                     "for the fused loss to run before its output layer")
 
 
 def _check_causal_lm(model: Any) -> nn.Module:
@@ -64,21 +112,26 @@ def _check_causal_lm(model: Any) -> nn.Module:
         raise TypeError(f"model must be a transformers PreTrainedModel (a …ForCausalLM), got {type(model).__name__}")
     causal = _causal_lm_class_names()
     if not any(cls.__name__ in causal for cls in type(model).__mro__) or model.config.is_encoder_decoder:
-        raise ValueError(f"model must be a causal LM (AutoModelForCausalLM), got {type(model).__name__} "
-                         f"(model_type {model.config.model_type!r})")
+        raise ValueError(f"model must be a causal LM (AutoModelForCausalLM), got {_model_name(model)}")
     layer = _output_layer(model)
-    if model.base_model is model:
-        raise ValueError(f"{type(model).__name__} has no separate decoder stack (base_model)")
+    decoder_stack(model)
     return layer
+
+
+# Config keys of a plain logit cap, softcap·tanh(z / softcap): Gemma 2/3, RecurrentGemma, xLSTM.
+SOFTCAP_KEYS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
 
 
 def logit_postprocessing(config: Any) -> tuple[Optional[float], Optional[float]]:
     """(softcap, logit_scale) such that the model's logits are softcap·tanh(logit_scale·z / softcap)
     (or logit_scale·z without softcap) for z = the output layer's output; each None when absent.
-    Read from the text config: ``final_logit_softcapping`` (Gemma 2/3), ``logit_scale`` (Cohere,
-    multiplies), ``logits_scaling`` (Granite, divides)."""
+    Read from the text config: the cap from :data:`SOFTCAP_KEYS` (Gemma 2/3, RecurrentGemma, xLSTM),
+    ``logit_scale`` (Cohere, multiplies), ``logits_scaling`` (Granite, divides)."""
     config = config.get_text_config()
-    softcap = getattr(config, "final_logit_softcapping", None)
+    caps = {key: getattr(config, key) for key in SOFTCAP_KEYS if getattr(config, key, None) is not None}
+    if len(set(caps.values())) > 1:
+        raise ValueError(f"the config sets several different logit caps {caps}")
+    softcap = next(iter(caps.values()), None)
     scale = 1.0
     if getattr(config, "logit_scale", None) is not None:
         scale *= float(config.logit_scale)
@@ -161,29 +214,131 @@ def _last_hidden_state(out: Any) -> torch.Tensor:
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
-def _probe(model: Any, forward: Callable, head: NMSTHead) -> None:
-    """Refuse a model whose logits the fused path does not reproduce (an unknown post-processing,
-    a head that is not a plain linear layer): compare both on a short input."""
-    V = head.vocab_size
-    device = head.weight.device
+def decoder_hidden(model: Any, **named: Any) -> tuple[Any, torch.Tensor]:
+    """(output, last hidden state (B, T, H)) of :func:`decoder_stack` on the model's forward
+    arguments ``named``, as the fused loss and the probe call it: no KV cache, only the arguments the
+    stack takes."""
+    for unused in ("logits_to_keep", "num_logits_to_keep", "return_dict", "labels"):
+        named.pop(unused, None)
+    named["use_cache"] = False
+    stack = decoder_stack(model)
+    out = stack(**_accepted(stack.forward, named))
+    return out, _last_hidden_state(out)
+
+
+_PROBE_SPAN = 50.0  # max |logit| of the second probe: a cap of 30 (Gemma's) moves it by 22
+
+
+def _own_call(forward: Callable, **named: Any) -> Any:
+    if "use_cache" in inspect.signature(forward).parameters:
+        named["use_cache"] = False
+    return forward(**named)
+
+
+def _matches(loss: torch.Tensor, candidate: torch.Tensor, dtype: torch.dtype) -> bool:
+    # HF's losses upcast the logits to float32 at least.
+    precision = max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
+    return abs(float(loss) - float(candidate)) <= 64 * precision * max(1.0, abs(float(candidate)))
+
+
+def _probe(model: Any, forward: Callable, head: NMSTHead) -> bool:
+    """Refuse a model whose logits the fused path does not reproduce (an unknown post-processing, a
+    head that is not a plain linear layer), and find how the class aligns ``labels``: compare the
+    model's own forward with the fused path's logits on a short input, with the output layer's
+    weights as they are and scaled so that the logits span about ±50 (a nonlinearity such as a cap is
+    invisible on small logits), then restored. Returns whether the class shifts its labels (token i+1
+    is the target at position i, as most causal LMs do) rather than scoring ``labels[i]`` at position i."""
+    name = _model_name(model)
+    layer = _linear_of(_output_layer(model))
+    V, H = layer.weight.shape
+    device = layer.weight.device
     ids = (torch.arange(7, device=device) * 7919 % V)[None]
+    labels = (torch.arange(7, device=device) * 4243 % V + 11)[None] % V
+    params = [p for p in (layer.weight, layer.bias) if p is not None]
+    saved = [p.detach().clone() for p in params]
+    precision = torch.finfo(layer.weight.dtype).eps
     was_training = model.training
     model.eval()
     try:
+        _check_every_parameter_is_reached(model, forward, ids, labels)
         with torch.no_grad():
-            expected = forward(input_ids=ids).logits.float()
-            ours = head(_last_hidden_state(model.base_model(input_ids=ids))).float()
+            for attempt in range(4):
+                own = _own_call(forward, input_ids=ids, labels=labels)  # the model's own errors are its own
+                try:
+                    _, hidden = decoder_hidden(model, input_ids=ids)
+                    if hidden.shape[-1] != H:
+                        raise ValueError(f"{name}: the output layer takes {H}-wide inputs but the decoder stack's "
+                                         f"last hidden state is {hidden.shape[-1]} wide (a projection between them "
+                                         "that the fused loss does not run); this model type is not supported")
+                    ours = head(hidden).float()
+                except (RuntimeError, TypeError, IndexError) as error:
+                    raise ValueError(f"{name}: the fused path could not run on a probe input "
+                                     f"({type(error).__name__}: {error}); this model type is not supported") from error
+                expected = own.logits.float()
+                span = float(expected.abs().max())
+                # Some models return their logits upcast to float32 from a float64 layer (xLSTM).
+                tolerance = 16 * max(precision, torch.finfo(own.logits.dtype).eps) * max(1.0, span)
+                if ours.shape != expected.shape or not bool(((ours - expected).abs() <= tolerance).all()):
+                    error = float((ours - expected).abs().max()) if ours.shape == expected.shape else math.inf
+                    raise ValueError(
+                        f"{name}: the fused loss would not see the model's own logits (max difference {error:.3g} "
+                        f"at max |logit| {span:.3g} on a probe input): its logits are not "
+                        "softcap·tanh(scale·(W h + b) / softcap) of the decoder stack's last hidden state with the "
+                        f"config's {' / '.join(SOFTCAP_KEYS)} / logit_scale / logits_scaling; this model type is "
+                        "not supported")
+                raw = float(torch.nn.functional.linear(hidden, layer.weight, layer.bias).abs().max())
+                if raw >= 0.8 * _PROBE_SPAN:
+                    return _shifts_labels(name, own.loss, expected, labels, layer.weight.dtype)
+                for p in params:  # tied input embeddings scale too: measure again
+                    p.mul_(_PROBE_SPAN / max(raw, 1e-3))
+            raise ValueError(f"{name}: scaling the output layer does not spread its logits (max |W h + b| {raw:.3g}); "
+                             "the probe cannot check the logits' post-processing")
     finally:
+        with torch.no_grad():
+            for p, value in zip(params, saved):
+                p.copy_(value)
         model.train(was_training)
-    precision = torch.finfo(head.weight.dtype).eps
-    tolerance = 64 * precision * max(1.0, float(expected.abs().max()))
-    if ours.shape != expected.shape or not bool(((ours - expected).abs() <= tolerance).all()):
-        error = float((ours - expected).abs().max()) if ours.shape == expected.shape else math.inf
-        raise ValueError(
-            f"{type(model).__name__} (model_type {model.config.model_type!r}): the fused loss would not see the "
-            f"model's own logits (max difference {error:.3g} on a probe input): its logits are not "
-            "softcap·tanh(scale·(W h + b) / softcap) of base_model's last hidden state with the config's "
-            "final_logit_softcapping / logit_scale / logits_scaling; this model type is not supported")
+
+
+def _check_every_parameter_is_reached(model: Any, forward: Callable, ids: torch.Tensor, labels: torch.Tensor) -> None:
+    """Refuse a model with trainable parameters outside the decoder stack and the output layer that
+    its own loss reaches (a learned logit temperature, say: equal to 1 at init, the probe's logits
+    cannot tell): the fused loss runs the stack and the layer alone and would leave them untrained."""
+    covered = {id(p) for p in decoder_stack(model).parameters()}
+    covered |= {id(p) for p in model.get_output_embeddings().parameters()}
+    others = [(n, p) for n, p in model.named_parameters() if id(p) not in covered and p.requires_grad]
+    if not others:
+        return
+    with torch.enable_grad():
+        loss = _own_call(forward, input_ids=ids, labels=labels).loss
+        grads = torch.autograd.grad(loss, [p for _, p in others], allow_unused=True) if loss is not None else ()
+    reached = [n for (n, _), g in zip(others, grads) if g is not None and bool(g.any())]
+    if reached:
+        raise ValueError(f"{_model_name(model)}: parameters outside the decoder stack and the output layer shape its "
+                         f"loss ({', '.join(reached)}); the fused loss would leave them without a gradient; this "
+                         "model type is not supported")
+
+
+def _shifts_labels(name: str, loss: Optional[torch.Tensor], logits: torch.Tensor, labels: torch.Tensor,
+                   dtype: torch.dtype) -> bool:
+    """Whether the model's own ``loss`` on ``labels`` is the shifted cross-entropy (position i scores
+    token i+1) or the unshifted one (position i scores ``labels[i]``); refuses any other loss."""
+    if loss is None:
+        raise ValueError(f"{name}: its forward returns no loss for labels, so the fused loss cannot follow its "
+                         "label convention; this model type is not supported")
+    log_p = torch.log_softmax(logits.double(), dim=-1)
+    shifted = -log_p[:, :-1].gather(-1, labels[:, 1:, None]).mean()
+    unshifted = -log_p.gather(-1, labels[..., None]).mean()
+    matches = [_matches(loss, shifted, dtype), _matches(loss, unshifted, dtype)]
+    if matches == [True, False]:
+        return True
+    if matches == [False, True]:
+        return False
+    raise ValueError(f"{name}: its own loss with labels ({float(loss):.6g}) is "
+                     f"{'both' if all(matches) else 'neither'} the shifted ({float(shifted):.6g}) "
+                     f"{'and' if all(matches) else 'nor'} the unshifted ({float(unshifted):.6g}) cross-entropy of "
+                     "its logits (an auxiliary loss term?), so the fused loss would change what the model is trained "
+                     "on; this model type is not supported")
 
 
 # --- the step t of every token ----------------------------------------------------------------
@@ -265,37 +420,53 @@ def _in_output_layer(layer: nn.Module, hidden: torch.Tensor, compute: Callable[[
             layer.forward = previous
 
 
-def _fused_loss(model, settings: dict, impl: str, named: dict, labels: torch.Tensor,
+def _as_shifted(labels: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                position_ids: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor],
+                                                                Optional[torch.Tensor]]:
+    """Unshifted labels (``labels[:, i]`` is the target at position i) written in the shifted layout
+    the step rules read (column j is the token predicted at position j − 1): (B, T + 1), with a first
+    column predicted by nothing, and the attention mask and positions carried one column on."""
+    ignored = labels.new_full((labels.shape[0], 1), -100)
+    if attention_mask is not None:
+        attention_mask = torch.cat([attention_mask, attention_mask[:, -1:]], dim=1)
+    if position_ids is not None:
+        position_ids = position_ids.expand(labels.shape)
+        position_ids = torch.cat([position_ids, position_ids[:, -1:] + 1], dim=1)
+    return torch.cat([ignored, labels], dim=1), attention_mask, position_ids
+
+
+def _fused_loss(model, settings: dict, impl: str, named: dict, labels: torch.Tensor, shifted: bool,
                 nmst_steps: Optional[torch.Tensor], num_items_in_batch) -> CausalLMOutputWithPast:
     layer = _output_layer(model)
-    for unused in ("logits_to_keep", "num_logits_to_keep", "return_dict"):
-        named.pop(unused, None)
-    named["use_cache"] = False
-    out = model.base_model(**_accepted(model.base_model.forward, named))
-    hidden = _last_hidden_state(out)
+    out, hidden = decoder_hidden(model, **named)
     if labels.shape != hidden.shape[:2]:
         raise ValueError(f"labels must be (B, T)={tuple(hidden.shape[:2])} like input_ids, got {tuple(labels.shape)}")
     labels = labels.to(hidden.device)
     if nmst_steps is None:
-        steps = default_steps(labels, settings, attention_mask=named.get("attention_mask"),
-                              position_ids=named.get("position_ids"))
+        mask, positions = named.get("attention_mask"), named.get("position_ids")
+        if shifted:
+            steps = default_steps(labels, settings, attention_mask=mask, position_ids=positions)
+        else:
+            aligned, mask, positions = _as_shifted(labels, mask, positions)
+            steps = default_steps(aligned, settings, attention_mask=mask, position_ids=positions)[:, 1:]
     else:
         check_int_tensor("nmst_steps", nmst_steps)
         if nmst_steps.shape != labels.shape:
             raise ValueError(f"nmst_steps must be (B, T)={tuple(labels.shape)} aligned with labels, "
                              f"got {tuple(nmst_steps.shape)}")
         steps = nmst_steps.to(hidden.device)
+    if shifted:  # token i+1 is the target at position i, as HF's causal LMs shift their labels
+        hidden, labels, steps = hidden[:, :-1], labels[:, 1:], steps[:, 1:]
     softcap, scale = logit_postprocessing(model.config)
     head = settings["head"]
 
     def loss_of(h: torch.Tensor) -> torch.Tensor:
-        # Token i+1 is predicted at position i, as HF shifts its labels.
-        return linear_nmst_loss(h, layer.weight, labels[:, 1:], bias=layer.bias, eos_index=settings["eos_token_id"],
-                                eps=settings["eps"], head=head, steps=None if head == "va" else steps[:, 1:],
+        return linear_nmst_loss(h, layer.weight, labels, bias=layer.bias, eos_index=settings["eos_token_id"],
+                                eps=settings["eps"], head=head, steps=None if head == "va" else steps,
                                 softcap=softcap, logit_scale=scale,
                                 reduction="mean" if num_items_in_batch is None else "sum", impl=impl)
 
-    loss = _in_output_layer(layer, hidden[:, :-1], loss_of)
+    loss = _in_output_layer(layer, hidden, loss_of)
     if num_items_in_batch is not None:  # HF Trainer's gradient accumulation: one divisor for the whole batch
         loss = loss / num_items_in_batch
     return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=getattr(out, "hidden_states", None),
@@ -307,11 +478,14 @@ def apply_nmst(model: Any, *, head: Optional[str] = None, eps: Optional[float] =
                generation_logits: bool = False) -> Any:
     """Make any HF causal LM train with the fused NMST / ST / VA loss (returns ``model``, patched).
 
-    With ``labels``, ``model(input_ids, labels=..., nmst_steps=None, ...)`` runs ``model.base_model``,
+    With ``labels``, ``model(input_ids, labels=..., nmst_steps=None, ...)`` runs :func:`decoder_stack`,
     then :func:`nmst_fast.linear_nmst_loss` on its last hidden state and the output layer's weight
     (and bias), with the config's logit softcap and scale — inside the output layer's own call, so
     sharding hooks gather its weight. The (B, T, V) logits are never formed (``logits`` is None).
-    Labels are shifted inside as in HF (-100 ignored). ``nmst_steps`` (B, T), aligned with ``labels``,
+    Labels follow the class's own convention, found on the probe: most causal LMs shift them inside
+    (position i is scored on ``labels[:, i + 1]``); a few (the ``…ForCausalLM`` of BART-style decoders,
+    XLNet's and XLM's LM heads) score ``labels[:, i]`` at position i, and so does the fused loss
+    for them (-100 ignored). ``nmst_steps`` (B, T), aligned with ``labels``,
     gives the t of each token (t ≤ 0: context); without it, :func:`default_steps`: from the labels
     (t = 1 at each sequence's first supervised token) unless a fixed ``context_length`` is set.
     HF Trainer's ``num_items_in_batch`` is honoured (loss summed, then divided by it).
@@ -337,7 +511,7 @@ def apply_nmst(model: Any, *, head: Optional[str] = None, eps: Optional[float] =
         raise ValueError("generation_logits=True supports head 'nmst' and 'va': ST's running state cannot "
                          "follow HF's beam reordering; use NMSTLogitsProcessor or HFDecoder for ST")
     original_forward = getattr(model, "_nmst_original_forward", model.forward)
-    _probe(model, original_forward, output_head(model, settings))
+    shifted = _probe(model, original_forward, output_head(model, settings))
     model.config.nmst = {k: settings[k] for k in ("head", "eps", "context_length", "eos_token_id")}
     signature = inspect.signature(original_forward)  # bound: without self
     eos = settings["eos_token_id"]
@@ -359,7 +533,7 @@ def apply_nmst(model: Any, *, head: Optional[str] = None, eps: Optional[float] =
         named = _named_arguments(signature, args, kwargs)
         labels = named.pop("labels", None)
         if labels is not None:
-            return _fused_loss(self, settings, impl, named, labels, nmst_steps, num_items_in_batch)
+            return _fused_loss(self, settings, impl, named, labels, shifted, nmst_steps, num_items_in_batch)
         if nmst_steps is not None:
             raise ValueError("nmst_steps is given without labels: it is the t of each label")
         out = original_forward(**named)
@@ -433,7 +607,8 @@ class HFDecoder(nn.Module):
         self.model = model
         self.nmst_head = output_head(model, settings)
         self.stop_token_ids = stop_token_ids(model, settings["eos_token_id"])
-        parameters = inspect.signature(model.base_model.forward).parameters
+        self._stack = decoder_stack(model)
+        parameters = inspect.signature(self._stack.forward).parameters
         # transformers renamed the KV-cache argument (past_key_values -> cache); use what this version takes.
         self._cache_arg = "cache" if "cache" in parameters else "past_key_values"
 
@@ -446,7 +621,7 @@ class HFDecoder(nn.Module):
         if getattr(config, "n_positions", None) is not None:
             return int(config.n_positions)
         embeddings = self.model.get_input_embeddings()
-        learned = any(isinstance(m, nn.Embedding) and m is not embeddings for m in self.model.base_model.modules())
+        learned = any(isinstance(m, nn.Embedding) and m is not embeddings for m in self._stack.modules())
         return int(config.max_position_embeddings) if learned else None
 
     @staticmethod
@@ -455,11 +630,11 @@ class HFDecoder(nn.Module):
         return out["cache"] if "cache" in out.keys() else out.past_key_values
 
     def prefill(self, contexts: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        out = self.model.base_model(input_ids=contexts, use_cache=True)
+        out = self._stack(input_ids=contexts, use_cache=True)
         return _last_hidden_state(out)[:, -1], self._returned_cache(out)
 
     def decode_step(self, tokens: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
-        out = self.model.base_model(input_ids=tokens[:, None], use_cache=True, **{self._cache_arg: cache})
+        out = self._stack(input_ids=tokens[:, None], use_cache=True, **{self._cache_arg: cache})
         return _last_hidden_state(out)[:, -1], self._returned_cache(out)
 
     def select_cache(self, cache: Any, index: torch.Tensor) -> Any:

@@ -1,0 +1,170 @@
+"""Tiny random configs of every model type transformers maps to ``AutoModelForCausalLM``, for the family sweep.
+
+Each type's default config is shrunk key by key (widths, depths, heads, experts, vocabulary) and
+built through the same ``AutoConfig.for_model`` call a user's config goes through, so the dependent
+fields a config derives in its constructor (layer types, head dims) follow the small sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import transformers
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+V, EOS = 97, 7  # V is prime: never a multiple of a block or of a vocabulary padding
+WIDTH, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
+
+# Config keys and the tiny value each takes (only the keys a type's config has are set).
+_TINY = {
+    "vocab_size": V, "n_vocab": V, "padded_vocab_size": V, "unpadded_vocab_size": V, "vocab_size_per_layer_input": V,
+    "hidden_size_per_layer_input": 16,
+    "hidden_size": WIDTH, "n_embd": WIDTH, "d_model": WIDTH, "dim": WIDTH, "embed_dim": WIDTH, "emb_dim": WIDTH,
+    "embedding_dim": WIDTH, "hidden_dim": WIDTH, "word_embed_proj_dim": WIDTH, "input_embedding_size": WIDTH,
+    "num_hidden_layers": 2, "n_layer": 2, "n_layers": 2, "num_layers": 2, "decoder_layers": 2,
+    "num_decoder_layers": 2, "encoder_layers": 2,
+    "num_attention_heads": HEADS, "n_head": HEADS, "n_heads": HEADS, "num_heads": HEADS,
+    "decoder_attention_heads": HEADS, "encoder_attention_heads": HEADS,
+    "num_key_value_heads": KV_HEADS, "n_kv_heads": KV_HEADS, "num_kv_heads": KV_HEADS,
+    "head_dim": HEAD_DIM, "kv_channels": HEAD_DIM,
+    "intermediate_size": 96, "n_inner": 96, "ffn_dim": 96, "decoder_ffn_dim": 96, "encoder_ffn_dim": 96,
+    "ffn_hidden_size": 96, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+    "max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128, "max_sequence_length": 128,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "n_group": 1, "topk_group": 1,
+    "rotary_dim": 8, "qk_rope_head_dim": HEAD_DIM, "qk_nope_head_dim": HEAD_DIM, "v_head_dim": 16, "kv_lora_rank": 16,
+    "q_lora_rank": 16, "num_kv_shared_layers": 0, "global_head_dim": 2 * HEAD_DIM,
+    "mamba_d_state": 16, "state_size": 16, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_ssm": 128,
+    "mamba_chunk_size": 16, "attention_head_dim": HEAD_DIM, "attention_head_size": HEAD_DIM,
+}
+
+# Types whose class is not a text LM a batch of token ids runs through: the sweep checks that they
+# still fail to build or to run on text (so a type that starts to work is noticed and swept).
+NOT_TEXT = {
+    "musicgen": "audio codebooks: input_ids are (batch × codebooks, T)",
+    "musicgen_melody": "audio codebooks: input_ids are (batch × codebooks, T)",
+}
+# Types without a tiny config that builds and runs here: the sweep checks that they still fail, so a
+# type that starts to build is noticed and swept.
+NOT_BUILT = {
+    "cohere_compass_text": "its default config does not build a model (KeyError 'full_attention')",
+    "dots1": "its default config does not build a model (TypeError in the experts)",
+    "lfm2_moe": "its default config does not build a model (layer_types is None)",
+    "qwen4_exp_text": "its default config does not build a model (indexer sizes are None)",
+    "gemma4_assistant": "its default config fails its own validation (hidden_size_per_layer_input)",
+    "gemma3n": "its vision tower needs timm, whose torchvision does not load beside the CPU torch",
+    "blt": "no tiny config found: the patcher's sizes do not follow the shrunk ones",
+    "zamba": "no tiny config found: the shared-transformer ties do not survive fewer layers",
+}
+# Types that run in float32 only (a float32 constant or buffer meets the float64 weights).
+FLOAT32 = {"xglm", "inkling2_text", "inkling2_loop_text"}
+
+# Keys a type needs beyond the generic shrink (sizes that must agree with each other).
+_OVERRIDES: dict[str, dict] = {
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
+    "mamba2": dict(head_dim=32, n_groups=1),
+    "zaya": dict(num_experts_per_tok=1),
+    "gemma4_assistant": dict(hidden_size_per_layer_input=0),
+    "reformer": dict(is_decoder=True, axial_pos_shape=[8, 16], axial_pos_embds_dim=[32, 32]),
+}
+
+
+def causal_lm_types() -> list[str]:
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _fields(config) -> set[str]:
+    names = set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
+    if dataclasses.is_dataclass(config):
+        names |= {f.name for f in dataclasses.fields(config)}
+    return names
+
+
+_DEPTH_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "num_decoder_layers")
+
+
+def _layers(config) -> dict:
+    """Keep one layer of each kind (at least two layers): the per-layer lists a config holds (layer
+    types, block types, per-layer settings) are cut to the kept layers, so they stay consistent.
+    Read from ``to_dict()``: a heterogeneous config refuses to read a per-layer value as a global."""
+    values = config.to_dict()
+    depth = next((values[key] for key in _DEPTH_KEYS if isinstance(values.get(key), int)), None)
+    if not depth:
+        return {}
+    # Derived properties (no setter) follow the fields they are computed from.
+    per_layer = {key: value for key, value in values.items() if isinstance(value, (list, tuple)) and len(value) == depth
+                 and key != "architectures" and not isinstance(getattr(type(config), key, None), property)}
+    kinds, kept = set(), []
+    for i in range(depth):
+        kind = tuple(repr(value[i]) for value in per_layer.values())
+        if kind not in kinds:
+            kinds.add(kind)
+            kept.append(i)
+    kept = sorted(set(kept) | set(range(min(2, depth))))[:4]
+    kwargs = {key: len(kept) for key in _DEPTH_KEYS if key in values}
+    kwargs.update({key: type(value)(_TINY.get(key, value[i]) for i in kept) for key, value in per_layer.items()})
+    return kwargs
+
+
+def _shrunk(config) -> dict:
+    """Keyword arguments that make ``config`` (or a sub-config) tiny, sub-configs included."""
+    fields = _fields(config)
+    kwargs = {key: value for key, value in _TINY.items() if key in fields}
+    if "kv_lora_rank" in fields:  # multi-head latent attention: as many key/value heads as query heads
+        kwargs["num_key_value_heads"] = HEADS
+    kwargs.update(_layers(config))
+    kwargs.update({key: value for key, value in _TOKENS.items() if key in fields})
+    for key, value in vars(config).items():
+        if isinstance(value, transformers.PretrainedConfig):
+            # Per-layer overrides are derived again from the kept layers.
+            kept = {k: v for k, v in value.to_dict().items() if k != "per_layer_config"}
+            kwargs[key] = {**kept, **_shrunk(value)}
+    return kwargs
+
+
+_TOKENS = dict(bos_token_id=0, pad_token_id=0, eos_token_id=EOS)
+
+
+def tiny_config(model_type: str, **extra):
+    default = transformers.AutoConfig.for_model(model_type)
+    kwargs = {**_shrunk(default), **_TOKENS, **_OVERRIDES.get(model_type, {}), **extra}
+    # Mixture-of-experts layers default to torch's grouped GEMM, which has no float64 kernel.
+    return transformers.AutoConfig.for_model(model_type, **kwargs, experts_implementation="eager")
+
+
+def tiny_causal_lm(model_type: str, seed: int = 0, dtype=None, **extra):
+    """A random-init ``AutoModelForCausalLM`` of ``model_type``, tiny, in eval mode, its output layer's
+    logits spread (random init gives near-uniform ones) so that the heads differ."""
+    torch.manual_seed(seed)
+    config = tiny_config(model_type, **extra)
+    dtype = dtype or (torch.float32 if model_type in FLOAT32 else torch.float64)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    if getattr(config, "languages", None) and hasattr(model, "set_default_language"):  # X-MOD's adapters
+        model.set_default_language(config.languages[0])
+    return model
+
+
+# The classes that score ``labels[:, i]`` at position i (their own loss is not shifted).
+UNSHIFTED = {"bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "cpmant", "marian", "mbart", "mvp", "pegasus",
+             "plbart", "trocr", "whisper", "xlm", "xlnet"}
+
+
+def probe_batch(seed: int = 0, B: int = 2, T: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and labels aligned with them (the shifted convention's layout: the class's own
+    convention decides which position scores which label): a masked prompt of 3 tokens on row 0,
+    none on row 1, and an eos target."""
+    ids = torch.randint(8, V, (B, T), generator=torch.Generator().manual_seed(seed))
+    ids[1, 6] = EOS
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return ids, labels
+
+
+def targets_and_steps(labels: torch.Tensor, shifted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(targets, t) of the positions that score them, (B, T - 1) shifted or (B, T) not: t = 1 at a
+    row's first supervised target, counting on from there."""
+    targets = labels[:, 1:] if shifted else labels
+    index = torch.arange(targets.shape[1]).expand(targets.shape)
+    first = torch.where(targets != -100, index, targets.shape[1]).amin(dim=1, keepdim=True)
+    return targets, (index - first + 1).clamp(min=0)
