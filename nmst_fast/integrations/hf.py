@@ -44,18 +44,31 @@ def _causal_lm_class_names() -> set[str]:
     return names
 
 
-def _output_layer(model: Any) -> nn.Module:
+def _output_layer(model: Any, *, check_weight: bool = True) -> nn.Module:
     """The model's output layer (``get_output_embeddings()``: an ``nn.Linear``, or PEFT's
-    ``modules_to_save`` copy of one), read at every call so that wrapping the model later is seen."""
+    ``modules_to_save`` copy of one), read at every call so that wrapping the model later is seen.
+    ``check_weight=False`` leaves its weight unread (:func:`_check_output_weight` then checks it
+    inside the layer's call): during DeepSpeed's forward, ZeRO-3 gathers a partitioned weight
+    wherever it is read and keeps it gathered until the module that read it returns."""
     layer = model.get_output_embeddings()
     if hasattr(layer, "base_layer"):  # a PEFT tuner layer: its adapter is not part of .weight
         raise ValueError(f"{type(model).__name__}: the output layer carries an adapter ({type(layer).__name__}); the "
                          "fused loss reads the layer's weight alone: train it under modules_to_save instead")
+    if check_weight:
+        _check_output_weight(model, layer)
+    return layer
+
+
+def _check_output_weight(model: Any, layer: nn.Module) -> None:
     weight = getattr(layer, "weight", None)
+    if hasattr(weight, "ds_shape") and weight.numel() == 0:
+        raise ValueError(f"{type(model).__name__}: its output layer's weight is partitioned by DeepSpeed ZeRO-3 (a "
+                         "model built under deepspeed.zero.Init, as from_pretrained does while Hugging Face's ZeRO-3 "
+                         "config is active); apply_nmst probes the whole model: patch it whole, then hand it to "
+                         "deepspeed.initialize, which partitions it")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"{type(model).__name__}: the output layer (get_output_embeddings()) must be an nn.Linear "
                          f"with a (V, H) weight, got {type(layer).__name__}")
-    return layer
 
 
 def _check_causal_lm(model: Any) -> nn.Module:
@@ -267,7 +280,9 @@ def _in_output_layer(layer: nn.Module, hidden: torch.Tensor, compute: Callable[[
 
 def _fused_loss(model, settings: dict, impl: str, named: dict, labels: torch.Tensor,
                 nmst_steps: Optional[torch.Tensor], num_items_in_batch) -> CausalLMOutputWithPast:
-    layer = _output_layer(model)
+    # The weight is read inside the layer's call alone (loss_of), where FSDP2 / ZeRO-3 hold it whole:
+    # read here, ZeRO-3 would gather it for the whole decoder stack's forward.
+    layer = _output_layer(model, check_weight=False)
     for unused in ("logits_to_keep", "num_logits_to_keep", "return_dict"):
         named.pop(unused, None)
     named["use_cache"] = False
@@ -289,6 +304,7 @@ def _fused_loss(model, settings: dict, impl: str, named: dict, labels: torch.Ten
     head = settings["head"]
 
     def loss_of(h: torch.Tensor) -> torch.Tensor:
+        _check_output_weight(model, layer)
         # Token i+1 is predicted at position i, as HF shifts its labels.
         return linear_nmst_loss(h, layer.weight, labels[:, 1:], bias=layer.bias, eos_index=settings["eos_token_id"],
                                 eps=settings["eps"], head=head, steps=None if head == "va" else steps[:, 1:],
