@@ -58,20 +58,22 @@ def _linear_of(layer: nn.Module) -> nn.Module:
     return layer
 
 
-def _output_layer(model: Any) -> nn.Module:
+def _output_layer(model: Any, *, check_weight: bool = True) -> nn.Module:
     """The model's output layer (``get_output_embeddings()``: an ``nn.Linear``, or PEFT's
     ``modules_to_save`` wrapper of one), read at every call so that wrapping the model later is seen.
 
     Refused unless its output is exactly ``F.linear(h, weight, bias)``: the forward is ``nn.Linear``'s
     own and it holds no parameter beside ``weight`` and ``bias`` (the fused loss reads those two and
-    would leave any other parameter, such as a learned logit scale, without its gradient)."""
+    would leave any other parameter, such as a learned logit scale, without its gradient).
+    ``check_weight=False`` leaves the weight unread (:func:`_check_output_weight` then checks it
+    inside the layer's call): during DeepSpeed's forward, ZeRO-3 gathers a partitioned weight
+    wherever it is read and keeps it gathered until the module that read it returns."""
     layer = model.get_output_embeddings()
     if hasattr(layer, "base_layer"):  # a PEFT tuner layer: its adapter is not part of .weight
         raise ValueError(f"{_model_name(model)}: the output layer carries an adapter ({type(layer).__name__}); the "
                          "fused loss reads the layer's weight alone: train it under modules_to_save instead")
     linear = _linear_of(layer) if isinstance(layer, nn.Module) else layer
-    weight = getattr(linear, "weight", None)
-    if not isinstance(linear, nn.Linear) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+    if not isinstance(linear, nn.Linear):
         raise ValueError(f"{_model_name(model)}: the output layer (get_output_embeddings()) must be an nn.Linear "
                          f"with a (V, H) weight, got {type(linear).__name__}")
     if type(linear).forward is not nn.Linear.forward:
@@ -86,7 +88,21 @@ def _output_layer(model: Any) -> nn.Module:
         raise ValueError(f"{_model_name(model)}: the output layer {type(linear).__name__} holds parameters beside "
                          f"weight and bias ({', '.join(others)}); the fused loss reads weight and bias alone and "
                          "would leave them without a gradient; this model type is not supported")
+    if check_weight:
+        _check_output_weight(model, linear)
     return layer
+
+
+def _check_output_weight(model: Any, layer: nn.Module) -> None:
+    weight = getattr(layer, "weight", None)
+    if hasattr(weight, "ds_shape") and weight.numel() == 0:
+        raise ValueError(f"{_model_name(model)}: its output layer's weight is partitioned by DeepSpeed ZeRO-3 (a "
+                         "model built under deepspeed.zero.Init, as from_pretrained does while Hugging Face's ZeRO-3 "
+                         "config is active); apply_nmst probes the whole model: patch it whole, then hand it to "
+                         "deepspeed.initialize, which partitions it")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"{_model_name(model)}: the output layer (get_output_embeddings()) must be an nn.Linear "
+                         f"with a (V, H) weight, got {type(layer).__name__}")
 
 
 def decoder_stack(model: Any) -> nn.Module:
@@ -437,7 +453,9 @@ def _as_shifted(labels: torch.Tensor, attention_mask: Optional[torch.Tensor],
 
 def _fused_loss(model, settings: dict, impl: str, named: dict, labels: torch.Tensor, shifted: bool,
                 nmst_steps: Optional[torch.Tensor], num_items_in_batch) -> CausalLMOutputWithPast:
-    layer = _output_layer(model)
+    # The weight is read inside the layer's call alone (loss_of), where FSDP2 / ZeRO-3 hold it whole:
+    # read here, ZeRO-3 would gather it for the whole decoder stack's forward.
+    layer = _output_layer(model, check_weight=False)
     out, hidden = decoder_hidden(model, **named)
     if labels.shape != hidden.shape[:2]:
         raise ValueError(f"labels must be (B, T)={tuple(hidden.shape[:2])} like input_ids, got {tuple(labels.shape)}")
@@ -461,6 +479,7 @@ def _fused_loss(model, settings: dict, impl: str, named: dict, labels: torch.Ten
     head = settings["head"]
 
     def loss_of(h: torch.Tensor) -> torch.Tensor:
+        _check_output_weight(model, _linear_of(layer))
         return linear_nmst_loss(h, layer.weight, labels, bias=layer.bias, eos_index=settings["eos_token_id"],
                                 eps=settings["eps"], head=head, steps=None if head == "va" else steps,
                                 softcap=softcap, logit_scale=scale,
