@@ -19,7 +19,7 @@ WIDTH, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
 # Config keys and the tiny value each takes (only the keys a type's config has are set).
 _TINY = {
     "vocab_size": V, "n_vocab": V, "padded_vocab_size": V, "unpadded_vocab_size": V, "vocab_size_per_layer_input": V,
-    "hidden_size_per_layer_input": 16,
+    "hidden_size_per_layer_input": 16, "adapter_in_dim": WIDTH, "adapter_input_size": WIDTH,
     "hidden_size": WIDTH, "n_embd": WIDTH, "d_model": WIDTH, "dim": WIDTH, "embed_dim": WIDTH, "emb_dim": WIDTH,
     "embedding_dim": WIDTH, "hidden_dim": WIDTH, "word_embed_proj_dim": WIDTH, "input_embedding_size": WIDTH,
     "num_hidden_layers": 2, "n_layer": 2, "n_layers": 2, "num_layers": 2, "decoder_layers": 2,
@@ -50,6 +50,7 @@ NOT_TEXT = {
 NOT_BUILT = {
     "cohere_compass_text": "its default config does not build a model (KeyError 'full_attention')",
     "dots1": "its default config does not build a model (TypeError in the experts)",
+    "dbrx": "its default config does not build a model (its attention config lacks rope_theta)",
     "lfm2_moe": "its default config does not build a model (layer_types is None)",
     "qwen4_exp_text": "its default config does not build a model (indexer sizes are None)",
     "gemma4_assistant": "its default config fails its own validation (hidden_size_per_layer_input)",
@@ -65,6 +66,8 @@ _OVERRIDES: dict[str, dict] = {
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
     "mamba2": dict(head_dim=32, n_groups=1),
     "zaya": dict(num_experts_per_tok=1),
+    "dory": dict(num_hidden_layers=6, n_input_layers=2, n_recurrent_layers=2, n_output_layers=2,
+                 layer_types=["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention", "mlp"]),
     "gemma4_assistant": dict(hidden_size_per_layer_input=0),
     "reformer": dict(is_decoder=True, axial_pos_shape=[8, 16], axial_pos_embds_dim=[32, 32]),
 }

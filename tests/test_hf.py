@@ -323,3 +323,19 @@ def test_unshifted_labels_take_explicit_steps_aligned_with_them():
     want = torch.where(active, nll, 0.0).sum() / active.sum()
     torch.testing.assert_close(model(input_ids=ids, labels=labels, nmst_steps=steps).loss, want,
                                rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("model_type", ["bart", "llama"])
+def test_class_labels_score_token_i_plus_1_at_position_i_in_either_convention(model_type):
+    from nmst_fast.integrations.hf import class_labels
+
+    from hf_families import probe_batch, tiny_causal_lm
+
+    ids, labels = probe_batch(4)
+    with pytest.raises(ValueError, match="apply_nmst"):
+        class_labels(tiny_causal_lm(model_type), labels)
+    model = apply_nmst(tiny_causal_lm(model_type), head="va", eps=0.05, eos_token_id=7)
+    logits = tiny_causal_lm(model_type)(input_ids=ids, use_cache=False).logits[:, :-1].double()
+    want = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, 1:], ignore_index=-100)
+    torch.testing.assert_close(model(input_ids=ids, labels=class_labels(model, labels)).loss, want,
+                               rtol=1e-10, atol=1e-10)

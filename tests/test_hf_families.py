@@ -78,7 +78,8 @@ def check_exact(base, model_type: str, head: str) -> None:
     # A model whose own logits come out in float32 (a float64 layer's output upcast: xLSTM, mllama) is
     # exact to float32's precision; the others to float64's.
     rtol, atol = (1e-9, 1e-9) if own.logits.dtype == torch.float64 else (2e-5, 1e-6)
-    torch.testing.assert_close(loss, want, rtol=rtol, atol=atol, msg=lambda m: f"{model_type} {head}: loss: {m}")
+    torch.testing.assert_close(loss.double(), want, rtol=rtol, atol=atol,
+                               msg=lambda m: f"{model_type} {head}: loss: {m}")
     if head == "va":  # the class's own loss (HF computes it from float32 logits)
         torch.testing.assert_close(loss.float(), own.loss.float(), rtol=2e-6, atol=2e-6,
                                    msg=lambda m: f"{model_type}: the class's own loss: {m}")

@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 from nmst_fast import generate, metrics, nmst_log_probs
 from nmst_fast.data.bpe import bucket_batches, collate_bpe, encode_bpe_lines, load_tokenizer, train_byte_level_bpe
 from nmst_fast.data.wikitext import find_split_file, read_lines
-from nmst_fast.integrations.hf import HFDecoder, apply_nmst, decoder_hidden, steps_from_attention_mask
+from nmst_fast.integrations.hf import HFDecoder, apply_nmst, class_labels, decoder_hidden, steps_from_attention_mask
 from nmst_fast.validation import HEADS
 
 from .checkpoint import Diverged, claim_directory, data_fingerprint, refuse_another_run, require_finite, save_atomic
@@ -122,7 +122,7 @@ def perplexity(model, seqs: list[list[int]], context_length: int, max_tokens: in
         labels = batch.labels.clone()
         labels[:, :context_length] = -100  # the context is given, not predicted
         out = model(batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-                    labels=labels.to(device), num_items_in_batch=1)  # = the summed NLL
+                    labels=class_labels(model, labels).to(device), num_items_in_batch=1)  # = the summed NLL
         total += float(out.loss)
         count += int((labels[:, 1:] != -100).sum())
     total, count = all_sum([total, count], world).tolist()
@@ -288,8 +288,9 @@ def backward(step, batch, tokens: int, world: World, device: str, where: str = "
     ranks' losses add up to the global mean; DDP and FSDP average the ranks' gradients, so it is
     multiplied by the world size before backward: the gradient is one process's on the global batch.
     Returns the global mean loss (the same on every rank); Diverged, before backward, if it is not finite."""
+    labels = class_labels(getattr(step, "module", step), batch.labels)  # DDP wraps the model as .module
     loss = step(batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-                labels=batch.labels.to(device), num_items_in_batch=tokens).loss
+                labels=labels.to(device), num_items_in_batch=tokens).loss
     value = require_finite(float(all_sum([loss.item()], world)), f"the training loss ({where})")
     (loss * world.size).backward()
     return value

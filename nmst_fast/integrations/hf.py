@@ -1,6 +1,7 @@
 """Any Hugging Face causal LM with an NMST / ST / VA head.
 
-* :func:`apply_nmst` — train a ``…ForCausalLM`` with the fused loss (no (B, T, V) logits), t per row.
+* :func:`apply_nmst` — train a ``…ForCausalLM`` with the fused loss (no (B, T, V) logits), t per row;
+  :func:`class_labels` — labels aligned with the input ids in the convention the model's class scores.
 * :func:`steps_from_labels`, :func:`steps_from_positions`, :func:`steps_from_attention_mask` — the
   step t of every token, aligned with ``labels``.
 * :class:`HFDecoder` — the model under :func:`nmst_fast.generate` (greedy, top-k, nucleus, beam).
@@ -245,10 +246,14 @@ def decoder_hidden(model: Any, **named: Any) -> tuple[Any, torch.Tensor]:
 _PROBE_SPAN = 50.0  # max |logit| of the second probe: a cap of 30 (Gemma's) moves it by 22
 
 
-def _own_call(forward: Callable, **named: Any) -> Any:
-    if "use_cache" in inspect.signature(forward).parameters:
-        named["use_cache"] = False
-    return forward(**named)
+def _own_call(model: Any, forward: Callable, **named: Any) -> Any:
+    """The model's own forward on the probe's arguments, without a KV cache (where it takes one), as
+    training calls it; a failure is a refusal that names the model."""
+    try:
+        return forward(**_accepted(forward, {**named, "use_cache": False}) | named)
+    except Exception as error:
+        raise ValueError(f"{_model_name(model)}: its own forward fails on a probe batch of token ids with labels "
+                         f"({type(error).__name__}: {error}); this model type is not supported") from error
 
 
 def _matches(loss: torch.Tensor, candidate: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -279,7 +284,7 @@ def _probe(model: Any, forward: Callable, head: NMSTHead) -> bool:
         _check_every_parameter_is_reached(model, forward, ids, labels)
         with torch.no_grad():
             for attempt in range(4):
-                own = _own_call(forward, input_ids=ids, labels=labels)  # the model's own errors are its own
+                own = _own_call(model, forward, input_ids=ids, labels=labels)
                 try:
                     _, hidden = decoder_hidden(model, input_ids=ids)
                     if hidden.shape[-1] != H:
@@ -326,7 +331,7 @@ def _check_every_parameter_is_reached(model: Any, forward: Callable, ids: torch.
     if not others:
         return
     with torch.enable_grad():
-        loss = _own_call(forward, input_ids=ids, labels=labels).loss
+        loss = _own_call(model, forward, input_ids=ids, labels=labels).loss
         grads = torch.autograd.grad(loss, [p for _, p in others], allow_unused=True) if loss is not None else ()
     reached = [n for (n, _), g in zip(others, grads) if g is not None and bool(g.any())]
     if reached:
@@ -567,8 +572,23 @@ def apply_nmst(model: Any, *, head: Optional[str] = None, eps: Optional[float] =
     forward.__signature__ = _with_self_and(signature, ("num_items_in_batch", "nmst_steps"))
     model.forward = types.MethodType(forward, model)
     model._nmst_original_forward = original_forward
+    model._nmst_shifts_labels = shifted
     model.accepts_loss_kwargs = True  # HF Trainer then passes num_items_in_batch (one divisor per accumulated batch)
     return model
+
+
+def class_labels(model: Any, labels: torch.Tensor) -> torch.Tensor:
+    """``labels`` aligned with ``input_ids`` (column i is token i, -100 ignored: what most causal LMs
+    take and shift inside) in the convention of ``model``'s class, found by :func:`apply_nmst`'s probe:
+    unchanged where the class shifts its labels; moved one column left, -100 last, where it scores
+    ``labels[:, i]`` at position i (BART-style decoders, XLNet, XLM). Position i then scores token i + 1
+    either way. (B, T) int64 in, (B, T) out."""
+    shifts = getattr(model, "_nmst_shifts_labels", None)
+    if shifts is None:
+        raise ValueError(f"{type(model).__name__} is not patched: call apply_nmst(model, ...) first")
+    if shifts:
+        return labels
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
 
 
 def _accepted(function: Callable, named: dict) -> dict:
