@@ -10,6 +10,7 @@ import torch
 
 VOCAB = 256 + 8  # 256 bytes, then specials: <s> 256, </s> 257, padding up to 264
 BOS, EOS = 256, 257
+ST_EOS = 258  # a second eos-like token, for ST requests (ST continues while its eos logit is high)
 
 
 def save_tokenizer(directory: str) -> None:
@@ -29,10 +30,13 @@ def save_tokenizer(directory: str) -> None:
     fast.save_pretrained(directory)
 
 
-def build_model(seed: int = 0, eos_scale: float = 0.5, eos_shift: float = 6.0, layers: int = 2):
+def build_model(seed: int = 0, eos_scale: float = 0.2, eos_shift: float = 12.0, layers: int = 2,
+                st_eos_shift: float = -8.0):
     """A random-init Llama (hidden 128, 2 heads of 64, V = 264) in float32 whose logits are spread
     (output-layer weights of std 0.5: logits of std ~5, clear greedy margins) and whose eos logit is
-    about ``eos_scale``·(a random logit) − ``eos_shift``: eos is chosen now and then, not at once."""
+    about ``eos_scale``·(a random logit) − ``eos_shift``: eos is chosen now and then, not at once (NMST
+    stops when the eos logit is high). ST_EOS's logit is shifted by ``st_eos_shift`` (ST stops when its
+    eos logit is low)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -49,16 +53,17 @@ def build_model(seed: int = 0, eos_scale: float = 0.5, eos_shift: float = 6.0, l
         ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(seed))
         mean = model.model(input_ids=ids).last_hidden_state.reshape(-1, config.hidden_size).mean(0)
         head[EOS] -= eos_shift * mean / mean.dot(mean)
+        head[ST_EOS] *= eos_scale
+        head[ST_EOS] -= st_eos_shift * mean / mean.dot(mean)
     return model
 
 
-def save_model(directory: str, *, head: Optional[str], eps: float = 1e-5, eos_scale: float = 0.5,
-               seed: int = 0) -> str:
+def save_model(directory: str, *, head: Optional[str], eps: float = 1e-5, seed: int = 0) -> str:
     """Save the tiny model (with ``apply_nmst(head, eps)`` recorded when ``head`` is given) and its
     tokenizer into ``directory``; returns it."""
     from nmst_fast.integrations.hf import apply_nmst
 
-    model = build_model(seed, eos_scale)
+    model = build_model(seed)
     if head is not None:
         apply_nmst(model, head=head, eps=eps, eos_token_id=EOS)
     os.makedirs(directory, exist_ok=True)
