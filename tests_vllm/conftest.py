@@ -10,10 +10,13 @@ import os
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+import importlib.util  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-pytest.importorskip("vllm")
+if importlib.util.find_spec("vllm") is None:  # a virtualenv without vLLM: nothing here to run
+    collect_ignore_glob = ["test_*.py"]
 
 from tiny_model import load_model, save_model  # noqa: E402
 

@@ -246,11 +246,16 @@ class NMSTLogitsProcessor(LogitsProcessor):
             weakref.finalize(params, self._detached.pop, key, None)
         self._detached[key].append(request)
 
-    def _reattach(self, params: SamplingParams, output: list) -> Optional[_Request]:
+    def _reattach(self, index: int, params: SamplingParams, output: list) -> Optional[_Request]:
+        """The state of an ST request that re-enters the batch at ``index``: a row it left without
+        being listed as removed (the same output list), else the requests that left with the same
+        SamplingParams: the same output list, else the same tokens (the state is a function of them)."""
+        for other, request in list(self.rows.items()):
+            if other != index and request.output is output and request.params() is params:
+                return self.rows.pop(other)
         waiting = self._detached.get(id(params))
         if not waiting:
             return None
-        # The same output list, else one with the same tokens (the state is a function of the tokens).
         for match in (lambda r: r.output is output, lambda r: list(r.output) == list(output)):
             for i, request in enumerate(waiting):
                 if request.params() is params and match(request):
@@ -279,7 +284,7 @@ class NMSTLogitsProcessor(LogitsProcessor):
                 continue
             if settings is None:
                 continue
-            request = self._reattach(params, output) if settings.head == "st" else None
+            request = self._reattach(index, params, output) if settings.head == "st" and output else None
             if request is None:
                 request = _Request(settings, weakref.ref(params), output)
                 if settings.head == "st" and len(output) > 0:
@@ -297,6 +302,8 @@ class NMSTLogitsProcessor(LogitsProcessor):
                     self._detach(second)
                 if first is not None:
                     rows[b] = first
+        for index in [i for i in rows if i >= batch_update.batch_size]:  # rows past the batch's end are gone
+            self._detach(rows.pop(index))
 
     # --- the step ----------------------------------------------------------------------------
 
