@@ -223,3 +223,42 @@ def test_bad_settings_are_refused(llm, prompts, extra, others, message):
     assert isinstance(info.value.__cause__, ValueError) or isinstance(info.value, ValueError)
     out = llm.generate(_tokens(prompts[:1]), SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) >= 1
+
+
+class _Before:
+    """An HF logits processor standing for vLLM's controls that run before the head: a logit bias and
+    a mask of allowed tokens."""
+
+    def __init__(self, bias: dict, allowed):
+        self.bias, self.allowed = bias, allowed
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        for token, value in self.bias.items():
+            scores[:, token] += value
+        if self.allowed is not None:
+            banned = torch.ones(scores.shape[-1], dtype=torch.bool)
+            banned[self.allowed] = False
+            scores[:, banned] = float("-inf")
+        return scores
+
+
+@pytest.mark.parametrize("bias, allowed", [
+    ({EOS: 2.0, 65: 5.0}, None),  # logit_bias: the head reads the biased logits, eos's too
+    ({}, list(range(40, 80)) + [EOS]),  # allowed_token_ids with eos: the head over the allowed tokens
+    ({}, list(range(40, 80))),  # without eos: eos banned, never emitted, the rest renormalized
+])
+def test_controls_before_the_head(llm, reference, prompts, bias, allowed):
+    from transformers import GenerationConfig
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=30, logit_bias=bias or None, allowed_token_ids=allowed)
+    outs = llm.generate(_tokens(prompts[:6]), params, use_tqdm=False)
+    config = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=EOS, pad_token_id=EOS)
+    for p, o in zip(prompts[:6], outs):
+        processor = NMSTLogitsProcessor(eos_token_id=EOS, head="nmst", eps=EPS)
+        hf = reference.generate(torch.tensor([p]), generation_config=config,
+                                logits_processor=[_Before(bias, allowed), processor])
+        assert list(o.outputs[0].token_ids) == hf[0, len(p):].tolist()
+        if allowed is not None:
+            assert set(o.outputs[0].token_ids) <= set(allowed)
