@@ -156,3 +156,22 @@ def test_speculative_decoding_is_refused():
         request_settings(SamplingParams(), model)
     # A plain request on a plain model is not the processor's business, speculative or not.
     assert request_settings(SamplingParams(), _ModelInfo({}, EOS, V, speculative=True)) is None
+
+
+def test_model_wide_settings_and_their_refusals():
+    from vllm import SamplingParams
+
+    from nmst_fast.integrations.vllm import HeadSettings, _ModelInfo, request_settings
+
+    st_model = _ModelInfo({"head": "st", "eps": 0.1, "context_length": None, "eos_token_id": EOS}, EOS, V)
+    assert request_settings(SamplingParams(), st_model) == HeadSettings("st", 0.1, EOS)
+    with pytest.raises(ValueError, match="min_tokens"):  # a model-wide ST head refuses bans too
+        request_settings(SamplingParams(min_tokens=2), st_model)
+    assert request_settings(SamplingParams(min_tokens=2, extra_args={"nmst_head": "nmst"}), st_model) == \
+        HeadSettings("nmst", 0.1, EOS)
+    assert request_settings(SamplingParams(extra_args={"nmst_head": "va"}), st_model) is None
+    plain = _ModelInfo({}, None, V)  # a plain model whose config names several eos ids
+    with pytest.raises(ValueError, match="nmst_eos_token_id"):
+        request_settings(SamplingParams(extra_args={"nmst_head": "nmst"}), plain)
+    with pytest.raises(ValueError, match="without nmst_head"):
+        request_settings(SamplingParams(extra_args={"nmst_eps": 0.1}), plain)
