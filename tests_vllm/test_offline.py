@@ -226,11 +226,11 @@ def test_bad_settings_are_refused(llm, prompts, extra, others, message):
 
 
 class _Before:
-    """An HF logits processor standing for vLLM's controls that run before the head: a logit bias and
-    a mask of allowed tokens."""
+    """An HF logits processor standing for vLLM's controls that run before the head: a logit bias, a
+    mask of allowed tokens and banned tokens (single-token bad words)."""
 
-    def __init__(self, bias: dict, allowed):
-        self.bias, self.allowed = bias, allowed
+    def __init__(self, bias: dict, allowed, banned=()):
+        self.bias, self.allowed, self.banned = bias, allowed, list(banned)
 
     def __call__(self, input_ids, scores):
         scores = scores.clone()
@@ -240,25 +240,36 @@ class _Before:
             banned = torch.ones(scores.shape[-1], dtype=torch.bool)
             banned[self.allowed] = False
             scores[:, banned] = float("-inf")
+        scores[:, self.banned] = float("-inf")
         return scores
 
 
-@pytest.mark.parametrize("bias, allowed", [
-    ({EOS: 2.0, 65: 5.0}, None),  # logit_bias: the head reads the biased logits, eos's too
-    ({}, list(range(40, 80)) + [EOS]),  # allowed_token_ids with eos: the head over the allowed tokens
-    ({}, list(range(40, 80))),  # without eos: eos banned, never emitted, the rest renormalized
+@pytest.mark.parametrize("bias, allowed, bad", [
+    ({EOS: 2.0, 65: 5.0}, None, None),  # logit_bias: the head reads the biased logits, eos's too
+    ({}, list(range(40, 80)) + [EOS], None),  # allowed_token_ids with eos: the head over the allowed tokens
+    ({}, list(range(40, 80)), None),  # without eos: eos banned, never emitted, the rest renormalized
+    ({"A": 8.0}, None, ["A"]),  # bad_words: the token of "A", banned however biased
+    ({}, None, ["</s>"]),  # eos as a bad word: banned, the generation runs to max_tokens
 ])
-def test_controls_before_the_head(llm, reference, prompts, bias, allowed):
-    from transformers import GenerationConfig
+def test_controls_before_the_head(llm, reference, prompts, nmst_dir, bias, allowed, bad):
+    from transformers import AutoTokenizer, GenerationConfig
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=30, logit_bias=bias or None, allowed_token_ids=allowed)
+    tokenizer = AutoTokenizer.from_pretrained(nmst_dir)
+    token_of = {word: tokenizer.encode(word, add_special_tokens=False) for word in ("A", "</s>")}
+    assert token_of["</s>"] == [EOS] and len(token_of["A"]) == 1
+    bias = {token_of[k][0] if isinstance(k, str) else k: v for k, v in bias.items()}
+
+    params = SamplingParams(temperature=0.0, max_tokens=30, logit_bias=bias or None, allowed_token_ids=allowed,
+                            bad_words=bad)
     outs = llm.generate(_tokens(prompts[:6]), params, use_tqdm=False)
     config = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=EOS, pad_token_id=EOS)
     for p, o in zip(prompts[:6], outs):
         processor = NMSTLogitsProcessor(eos_token_id=EOS, head="nmst", eps=EPS)
-        hf = reference.generate(torch.tensor([p]), generation_config=config,
-                                logits_processor=[_Before(bias, allowed), processor])
+        before = _Before(bias, allowed, [t for word in bad or () for t in token_of[word]])
+        hf = reference.generate(torch.tensor([p]), generation_config=config, logits_processor=[before, processor])
         assert list(o.outputs[0].token_ids) == hf[0, len(p):].tolist()
         if allowed is not None:
             assert set(o.outputs[0].token_ids) <= set(allowed)
+        if bad == ["</s>"]:
+            assert len(o.outputs[0].token_ids) == 30 and EOS not in o.outputs[0].token_ids
