@@ -276,7 +276,7 @@ def _probe(model: Any, forward: Callable, head: NMSTHead) -> bool:
     ids = (torch.arange(7, device=device) * 7919 % V)[None]
     labels = (torch.arange(7, device=device) * 4243 % V + 11)[None] % V
     params = [p for p in (layer.weight, layer.bias) if p is not None]
-    saved = [p.detach().clone() for p in params]
+    saved = [p.detach().to("cpu", copy=True) for p in params]  # restored bit for bit; host memory, not device
     precision = torch.finfo(layer.weight.dtype).eps
     was_training = model.training
     model.eval()
