@@ -339,3 +339,17 @@ def test_class_labels_score_token_i_plus_1_at_position_i_in_either_convention(mo
     want = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, 1:], ignore_index=-100)
     torch.testing.assert_close(model(input_ids=ids, labels=class_labels(model, labels)).loss, want,
                                rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("model_type", ["bart", "llama"])
+def test_half_precision_models_keep_their_label_convention(model_type, dtype):
+    """The convention is read from the class's own loss, computed in half precision by some classes (BART):
+    its tolerance follows the loss's dtype, so neither convention is mistaken for the other."""
+    from hf_families import probe_batch, tiny_causal_lm
+
+    ids, labels = probe_batch(6)
+    plain = tiny_causal_lm(model_type, dtype=dtype)
+    model = apply_nmst(tiny_causal_lm(model_type, dtype=dtype), head="va", eps=0.05, eos_token_id=7)
+    own = plain(input_ids=ids, labels=labels, use_cache=False).loss
+    torch.testing.assert_close(model(input_ids=ids, labels=labels).loss.float(), own.float(), rtol=2e-2, atol=2e-2)

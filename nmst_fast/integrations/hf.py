@@ -256,10 +256,11 @@ def _own_call(model: Any, forward: Callable, **named: Any) -> Any:
                          f"({type(error).__name__}: {error}); this model type is not supported") from error
 
 
-def _matches(loss: torch.Tensor, candidate: torch.Tensor, dtype: torch.dtype) -> bool:
-    # HF's losses upcast the logits to float32 at least.
-    precision = max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
-    return abs(float(loss) - float(candidate)) <= 64 * precision * max(1.0, abs(float(candidate)))
+def _matches(loss: torch.Tensor, candidate: torch.Tensor) -> bool:
+    # The candidate is the float64 cross-entropy of the very logits the model's loss read (HF's losses
+    # upcast them to float32 at least): they agree to the loss's own precision.
+    precision = max(torch.finfo(loss.dtype).eps, torch.finfo(torch.float32).eps)
+    return abs(float(loss) - float(candidate)) <= 8 * precision * max(1.0, abs(float(candidate)))
 
 
 def _probe(model: Any, forward: Callable, head: NMSTHead) -> bool:
@@ -283,7 +284,7 @@ def _probe(model: Any, forward: Callable, head: NMSTHead) -> bool:
     try:
         _check_every_parameter_is_reached(model, forward, ids, labels)
         with torch.no_grad():
-            for attempt in range(4):
+            for _ in range(4):
                 own = _own_call(model, forward, input_ids=ids, labels=labels)
                 try:
                     _, hidden = decoder_hidden(model, input_ids=ids)
@@ -309,7 +310,7 @@ def _probe(model: Any, forward: Callable, head: NMSTHead) -> bool:
                         "not supported")
                 raw = float(torch.nn.functional.linear(hidden, layer.weight, layer.bias).abs().max())
                 if raw >= 0.8 * _PROBE_SPAN:
-                    return _shifts_labels(name, own.loss, expected, labels, layer.weight.dtype)
+                    return _shifts_labels(name, own.loss, own.logits, labels)
                 for p in params:  # tied input embeddings scale too: measure again
                     p.mul_(_PROBE_SPAN / max(raw, 1e-3))
             raise ValueError(f"{name}: scaling the output layer does not spread its logits (max |W h + b| {raw:.3g}); "
@@ -340,8 +341,7 @@ def _check_every_parameter_is_reached(model: Any, forward: Callable, ids: torch.
                          "model type is not supported")
 
 
-def _shifts_labels(name: str, loss: Optional[torch.Tensor], logits: torch.Tensor, labels: torch.Tensor,
-                   dtype: torch.dtype) -> bool:
+def _shifts_labels(name: str, loss: Optional[torch.Tensor], logits: torch.Tensor, labels: torch.Tensor) -> bool:
     """Whether the model's own ``loss`` on ``labels`` is the shifted cross-entropy (position i scores
     token i+1) or the unshifted one (position i scores ``labels[i]``); refuses any other loss."""
     if loss is None:
@@ -350,7 +350,7 @@ def _shifts_labels(name: str, loss: Optional[torch.Tensor], logits: torch.Tensor
     log_p = torch.log_softmax(logits.double(), dim=-1)
     shifted = -log_p[:, :-1].gather(-1, labels[:, 1:, None]).mean()
     unshifted = -log_p.gather(-1, labels[..., None]).mean()
-    matches = [_matches(loss, shifted, dtype), _matches(loss, unshifted, dtype)]
+    matches = [_matches(loss, shifted), _matches(loss, unshifted)]
     if matches == [True, False]:
         return True
     if matches == [False, True]:
