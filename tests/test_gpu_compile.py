@@ -5,7 +5,7 @@ with Triton) on the launch variants the CUDA paths use, in a subprocess without
 TRITON_INTERPRET, so a kernel that only works in the interpreter fails here.
 
 The fast set compiles one variant of each kernel with this environment's Triton; every variant
-(about 4 minutes on 2 cores) is the slow test, which compiles with the Triton in the folder
+(4–6 minutes on 2 cores) is the slow test, which compiles with the Triton in the folder
 ``NMST_COMPILE_TRITON`` names when it is set (``.ci/run`` points it at the GPU machines' Triton).
 """
 
