@@ -34,7 +34,9 @@ for step in $steps; do
     # -v: each failure is named as it happens, so a run cut off by the limit still says which.
     # Only the files whose cases run on the GPU (helpers.DEVICE): the CPU-only ones run in CI.
     # TESTS_K="scan_select or workspace": only those cases (pytest -k), when the whole list will not fit.
+    # -m "slow or not slow": the slow tests too (the G-tests at the GPU's 10⁶ draws), which pyproject.toml deselects.
     tests) OMP_NUM_THREADS=2 timeout 200 python3 -m pytest -v -p no:cacheprovider -n 8 -rf --tb=short --durations=12 \
+             -m "slow or not slow" \
              ${TESTS_K:+-k "$TESTS_K"} \
              tests/test_decoding_fused.py tests/test_fused_loss.py tests/test_generation.py tests/test_integration.py \
              tests/test_kernels.py tests/test_row_draw.py tests/test_workspace.py tests/test_inverse_cdf.py tests/test_lanes.py \

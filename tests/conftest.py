@@ -63,3 +63,15 @@ def corpus(tmp_path):
         lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(12, 30))) for _ in range(n)]
         (data / f"{split}.txt").write_text("\n".join(lines) + "\n")
     return data
+
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Exit status 5 (no tests ran), e.g. every test asked for is slow and deselected by pyproject.toml's
+    `-m 'not slow'`: say which marker expression chose nothing and how to run the slow tests."""
+    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+        deselected = len(terminalreporter.stats.get("deselected", []))  # (under xdist the workers deselect)
+        terminalreporter.write_line(
+            f"no tests ran ({f'{deselected} deselected' if deselected else 'none selected'} by -m "
+            f"{config.getoption('markexpr')!r}): -m slow runs the slow tests, -m 'slow or not slow' every test",
+            red=True, bold=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -15,6 +16,16 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # kernels' logic at a fifth of the cost (still flagging a 6% error in a token of probability 0.05 at
 # p < 10⁻⁵, where 10⁶ draws flag 3%).
 KERNEL_DRAWS = 1_000_000 if DEVICE == "cuda" else 200_000
+# The fast set's G-tests (the default `pytest tests`): one per kernel at 2·10⁴ draws, a tenth of the
+# interpreter's size, which still flags a 28% error in a token of probability 0.05 at p < 10⁻⁵ with
+# power 0.99 (an off-by-one in a kernel's pick or tiles moves whole tokens' mass); the full size runs under
+# -m slow.
+FAST_DRAWS = 20_000
+
+
+def slow(*values, **kwargs):
+    """A parametrize case behind the ``slow`` marker (deselected unless ``-m slow``)."""
+    return pytest.param(*values, marks=pytest.mark.slow, **kwargs)
 FAST_IMPLS = ("chunked", "triton")
 
 

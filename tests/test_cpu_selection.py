@@ -4,13 +4,14 @@ Draws are checked as distributions (10⁶ draws, G-test against the float64 trun
 against each row's float64 nucleus.
 """
 
+import pytest
 import torch
 
 from nmst_fast.decoding import distribution, effective_logits, sample, selection
 from nmst_fast.decoding.truncation import draw, search_cdf
 from nmst_fast.reference import truncated_distribution
 
-from test_decoding import DRAWS, _g_test, _reference_log_probs
+from test_decoding import DRAWS, GRID_FAST_DRAWS, _g_test, _reference_log_probs
 
 EOS = 2
 
@@ -21,7 +22,8 @@ def _row(gen: torch.Generator, V: int, scale: float) -> torch.Tensor:
     return z.float()
 
 
-def test_top_p_list_grows_past_the_first_size(monkeypatch):
+@pytest.mark.parametrize("draws", [pytest.param(DRAWS, marks=pytest.mark.slow), GRID_FAST_DRAWS])
+def test_top_p_list_grows_past_the_first_size(monkeypatch, draws):
     """Through ``sample``: a first list of 8 leaves a flat row's nucleus uncovered, so the list grows
     (to the size the missing mass proves) and the draw still follows the truncated reference."""
     monkeypatch.setattr(selection, "_FIRST_CANDIDATES", 8)
@@ -34,7 +36,7 @@ def test_top_p_list_grows_past_the_first_size(monkeypatch):
     z[EOS] = -4.0  # p(eos) ≈ 0.2 at t = 20: the nucleus keeps ≥ 22 tokens (3000 seeds tried), never ≤ 8
     reference = truncated_distribution(_reference_log_probs(z, "nmst", EOS, 0.01, 20).unsqueeze(0), None, 0.9)[0]
     assert int((reference > 0).sum()) > 8
-    tokens, _ = sample(z.unsqueeze(0).expand(DRAWS, -1), head="nmst", eos_index=EOS, eps=0.01, steps=20, top_p=0.9,
+    tokens, _ = sample(z.unsqueeze(0).expand(draws, -1), head="nmst", eos_index=EOS, eps=0.01, steps=20, top_p=0.9,
                        generator=torch.Generator().manual_seed(seed + 1))
     assert sizes[0] == 8 and len(sizes) > 1
     assert _g_test(tokens, reference) > 1e-5, f"seed={seed}"

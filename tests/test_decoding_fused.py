@@ -8,7 +8,7 @@ from nmst_fast.decoding import DecodingStep, effective_logits, sample
 from nmst_fast.generation import generate
 from nmst_fast.kernels.row_scan import MAX_CANDIDATES
 
-from helpers import DEVICE, KERNEL_DRAWS
+from helpers import DEVICE, FAST_DRAWS, KERNEL_DRAWS, slow
 from test_decoding import _g_test, _reference_log_probs, _row, _st_state_before, check_sampling_distribution
 
 HEADS = ("nmst", "st", "va")
@@ -124,8 +124,9 @@ def test_replicated_rows_share_one_scan_but_not_the_head_math():
             torch.testing.assert_close(fused_state, expected_state, rtol=1e-12, atol=0)
 
 
-@pytest.mark.parametrize("head,t", [("nmst", 1), ("st", 20), ("va", 1)])
-def test_fused_sampling_distribution(head, t):
+@pytest.mark.parametrize("head,t,draws", [slow("nmst", 1, KERNEL_DRAWS), slow("st", 20, KERNEL_DRAWS),
+                                          slow("va", 1, KERNEL_DRAWS), ("st", 20, FAST_DRAWS)])
+def test_fused_sampling_distribution(head, t, draws):
     """Draws through ``sample`` (the one-launch scan's draw) G-tested against the float64 reference."""
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
@@ -133,8 +134,8 @@ def test_fused_sampling_distribution(head, t):
     z = _row(gen, V=19)
     state = _st_state_before(z, eos, eps, t) if head == "st" else None
     reference = torch.exp(_reference_log_probs(z, head, eos, eps, t))
-    rows = z.to(DEVICE).unsqueeze(0).expand(KERNEL_DRAWS, -1)
-    rows_state = None if state is None else state.to(DEVICE).expand(KERNEL_DRAWS)
+    rows = z.to(DEVICE).unsqueeze(0).expand(draws, -1)
+    rows_state = None if state is None else state.to(DEVICE).expand(draws)
     tokens, _ = sample(rows, head=head, eos_index=eos, eps=eps, steps=t, state=rows_state, impl="triton",
                        generator=torch.Generator().manual_seed(seed + 1))
     assert _g_test(tokens.cpu(), reference) > 1e-5, f"seed={seed}"
@@ -376,8 +377,9 @@ def _check_against_torch(picked, z, *, head, eos, eps, steps, state, temperature
         torch.testing.assert_close(picked.state.cpu()[ok], dist.state, rtol=1e-12, atol=1e-12, msg=msg)
 
 
-@pytest.mark.parametrize("head,t,launch", [("nmst", 3, (8, 3)), ("va", 1, (16, 2))])
-def test_split_scan_draw_distribution_across_tiles_and_splits(head, t, launch):
+@pytest.mark.parametrize("head,t,launch,draws", [slow("nmst", 3, (8, 3), KERNEL_DRAWS),
+                                                 slow("va", 1, (16, 2), KERNEL_DRAWS), ("nmst", 3, (8, 3), FAST_DRAWS)])
+def test_split_scan_draw_distribution_across_tiles_and_splits(head, t, launch, draws):
     """The scan's weighted reservoir over several tiles per split, and the finish's choice of a split:
     draws G-tested against the float64 reference. The row's tiles differ in scale (one tile ~12
     below the rest, the last one raising the running max), and V = 61 leaves a partial tile; (8, 3):
@@ -391,15 +393,15 @@ def test_split_scan_draw_distribution_across_tiles_and_splits(head, t, launch):
     z[48:56] += 3.0
     state = _st_state_before(z, eos, eps, t) if head == "st" else None
     reference = torch.exp(_reference_log_probs(z, head, eos, eps, t))
-    rows = z.to(DEVICE).unsqueeze(0).expand(KERNEL_DRAWS, -1)
+    rows = z.to(DEVICE).unsqueeze(0).expand(draws, -1)
     from nmst_fast.kernels.row_scan import split_layout
     from nmst_fast.kernels.scan_select import scan_select
 
     assert split_layout(61, *launch)[1] == {(8, 3): 3, (16, 2): 2}[launch]
     picked = scan_select(rows, head=head, eos_index=eos, eps=eps, temperature=1.0, steps=t,
-                         state=None if state is None else state.to(DEVICE).expand(KERNEL_DRAWS),
+                         state=None if state is None else state.to(DEVICE).expand(draws),
                          seed=torch.tensor([seed + 1], device=DEVICE), launch=launch)
-    assert picked.flags.tolist() == [KERNEL_DRAWS, KERNEL_DRAWS]
+    assert picked.flags.tolist() == [draws, draws]
     assert _g_test(picked.tokens.cpu(), reference) > 1e-5, f"seed={seed}"
 
 

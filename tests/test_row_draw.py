@@ -9,7 +9,7 @@ from nmst_fast.decoding import DecodingStep, effective_logits, sample, truncated
 from nmst_fast.decoding.truncation import TOP_P_SLACK
 from nmst_fast.reference import truncated_distribution
 
-from helpers import DEVICE, KERNEL_DRAWS
+from helpers import DEVICE, FAST_DRAWS, KERNEL_DRAWS, slow
 from test_decoding import _g_test, _reference_log_probs, _row, _st_state_before
 
 HEADS = ("nmst", "st", "va")
@@ -50,8 +50,9 @@ def _draw(z: torch.Tensor, *, head: str, eos: int, eps: float = 1e-3, t=5, state
     return picked, rounds
 
 
-@pytest.mark.parametrize("head,top_p", [("nmst", 0.3), ("st", 0.9), ("va", 0.5)])
-def test_rejection_draw_distribution(head, top_p):
+@pytest.mark.parametrize("head,top_p,draws", [slow("nmst", 0.3, KERNEL_DRAWS), slow("st", 0.9, KERNEL_DRAWS),
+                                              slow("va", 0.5, KERNEL_DRAWS), ("nmst", 0.3, FAST_DRAWS)])
+def test_rejection_draw_distribution(head, top_p, draws):
     """Draws of top-p through ``sample`` (the row draw) from one random row with ties (fresh seed),
     G-tested against the float64 truncated reference; p = 0.3 takes several rounds on many rows."""
     seed = torch.seed() % 2**31
@@ -59,24 +60,25 @@ def test_rejection_draw_distribution(head, top_p):
     eos, eps, t = 2, 0.002, 40
     state = _st_state_before(z, eos, eps, t) if head == "st" else None
     reference = truncated_distribution(_reference_log_probs(z, head, eos, eps, t).unsqueeze(0), None, top_p)[0]
-    tokens, _ = sample(z.to(DEVICE).unsqueeze(0).expand(KERNEL_DRAWS, -1), head=head, eos_index=eos, eps=eps,
-                       steps=t, state=None if state is None else state.to(DEVICE).expand(KERNEL_DRAWS), top_p=top_p,
+    tokens, _ = sample(z.to(DEVICE).unsqueeze(0).expand(draws, -1), head=head, eos_index=eos, eps=eps,
+                       steps=t, state=None if state is None else state.to(DEVICE).expand(draws), top_p=top_p,
                        impl="triton", generator=torch.Generator().manual_seed(seed + 1))
     assert _g_test(tokens.cpu(), reference) > 1e-5, f"seed={seed}"
 
 
-@pytest.mark.parametrize("block_v", [16, 64, None])
-def test_draws_lie_in_the_float64_nucleus(block_v):
+@pytest.mark.parametrize("block_v,cases", [slow(16, 8), slow(64, 8), (None, 8), (16, 2)])
+def test_draws_lie_in_the_float64_nucleus(block_v, cases):
     """Random rows (fresh seeds; ties, bf16, flat halves, −inf runs, every head, eos anywhere, ε, t,
     temperature, ST states, p from 0.001 to 1, magnitudes up to 1e4 and near the fp32 limit), each
     drawn 40 times, with 16- and 64-column tiles (many columns per lane, as at V = 50257) and the
     default: every draw is a token of the float64 torch nucleus (a cut within BOUNDARY of p may
     differ), so no round the lane-maxima bounds decide without a pass keeps a token outside it;
-    log-probs are the untruncated ones, ST's state is torch's."""
+    log-probs are the untruncated ones, ST's state is torch's. 8 random cases; the fast set's 16-column
+    tiles take 2 (the interpreter pays per tile)."""
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
     copies = 40
-    for _ in range(8):
+    for _ in range(cases):
         case = _random_case(gen)
         z, head, eos = case["z"], case["head"], case["eos"]
         if bool(torch.rand(1, generator=gen) < 0.3):  # large magnitudes: the bounds' slack must cover their rounding
@@ -290,7 +292,8 @@ def _eos_pivot_row() -> tuple[torch.Tensor, int, float, int, float]:
     return z, eos, 0.01, 20, 0.5
 
 
-def test_a_rejected_eos_becomes_the_pivot():
+@pytest.mark.parametrize("draws", [slow(KERNEL_DRAWS), FAST_DRAWS])
+def test_a_rejected_eos_becomes_the_pivot(draws):
     """Eos holds ~0.28 of the mass but lies outside the nucleus (two tokens of ~0.33 each reach
     p = 0.5 first): a round that draws eos is rejected and the next draws only among the tokens
     ranked before eos (4-column tiles). Draws G-tested against the float64 truncated reference
@@ -300,18 +303,19 @@ def test_a_rejected_eos_becomes_the_pivot():
     log_p = _reference_log_probs(z, "nmst", eos, eps, t)
     reference = truncated_distribution(log_p.unsqueeze(0), None, top_p)[0]
     assert torch.nonzero(reference).flatten().tolist() == [3, 9] and 0.1 < float(log_p[eos].exp()) < 0.35
-    rows = z.to(DEVICE).unsqueeze(0).expand(KERNEL_DRAWS, -1)
+    rows = z.to(DEVICE).unsqueeze(0).expand(draws, -1)
     launch = row_draw.default_launch(rows)
     if not rows.is_cuda:  # the interpreter: as many elements per program as the default tiles hold
         launch["BLOCK_B"] *= launch["BLOCK_V"] // 4
     launch |= {"BLOCK_V": 4, "NTILES": row_draw.tile_table_width(z.shape[0], 4)}
     picked, rounds = _draw(rows, head="nmst", eos=eos, eps=eps, t=t, top_p=top_p, seed=seed + 1, launch=launch)
-    assert picked.flags.tolist() == [KERNEL_DRAWS, KERNEL_DRAWS] and int(rounds.max()) >= 2
+    assert picked.flags.tolist() == [draws, draws] and int(rounds.max()) >= 2
     assert _g_test(picked.tokens.cpu(), reference) > 1e-5, f"seed={seed}"
 
 
-@pytest.mark.parametrize("head,top_p,eos", [("st", 0.3, 60), ("nmst", 0.95, 99)])
-def test_row_draw_lanes_across_tiles(head, top_p, eos):
+@pytest.mark.parametrize("head,top_p,eos,draws", [slow("st", 0.3, 60, KERNEL_DRAWS),
+                                                  slow("nmst", 0.95, 99, KERNEL_DRAWS), ("st", 0.3, 60, FAST_DRAWS)])
+def test_row_draw_lanes_across_tiles(head, top_p, eos, draws):
     """16-column tiles on a 101-column row whose tiles differ in scale (one ~6 below the rest, a late
     one raising the running max): its lanes (a column position followed across seven tiles) carry
     the passes' sums, and a lane's columns are gathered to draw from it. eos in a whole tile (masked
@@ -325,12 +329,12 @@ def test_row_draw_lanes_across_tiles(head, top_p, eos):
     z[80:96] += 2.0  # a heavy one, after the light
     state = _st_state_before(z, eos, eps, t) if head == "st" else None
     expected = truncated_distribution(_reference_log_probs(z, head, eos, eps, t).unsqueeze(0), None, top_p)[0]
-    launch = dict(BLOCK_B=row_draw._default_launch(KERNEL_DRAWS, V, -1)["BLOCK_B"] * 8, BLOCK_V=16,
+    launch = dict(BLOCK_B=row_draw._default_launch(draws, V, -1)["BLOCK_B"] * 8, BLOCK_V=16,
                   NTILES=row_draw.tile_table_width(V, 16), PREFETCH=True)
-    picked, _ = _draw(z.to(DEVICE).unsqueeze(0).expand(KERNEL_DRAWS, -1), head=head, eos=eos, eps=eps, t=t,
-                      state=None if state is None else state.to(DEVICE).expand(KERNEL_DRAWS), seed=seed, top_p=top_p,
+    picked, _ = _draw(z.to(DEVICE).unsqueeze(0).expand(draws, -1), head=head, eos=eos, eps=eps, t=t,
+                      state=None if state is None else state.to(DEVICE).expand(draws), seed=seed, top_p=top_p,
                       launch=launch)
-    assert picked.flags.tolist() == [KERNEL_DRAWS, KERNEL_DRAWS]
+    assert picked.flags.tolist() == [draws, draws]
     assert _g_test(picked.tokens.cpu(), expected) > 1e-5, f"seed={seed}"
 
 

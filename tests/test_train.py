@@ -125,6 +125,7 @@ def test_cli_bad_input_is_one_clear_line(argv, message, capsys, tmp_path, monkey
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_builtin_run_separates_the_heads(tmp_path):
     """The main command's acceptance: VA's greedy decoding fails to stop for some contexts, ST and
     NMST always stop (NMST by its bound t½), and NMST fits the non-monotone eos pattern better than ST."""

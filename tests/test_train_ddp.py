@@ -6,6 +6,8 @@ python -m train.sweep runs the same way."""
 import json
 import time
 
+import pytest
+
 from train.__main__ import main
 
 from helpers import torchrun
@@ -21,6 +23,7 @@ def test_training_and_evaluation_over_ranks_equal_one_process(tmp_path):
         assert f"rank {rank}/2: training and evaluation equal one process" in run.stdout
 
 
+@pytest.mark.slow  # (the fast set's bad rank: test_vocab_parallel's NaN weight)
 def test_a_failing_rank_ends_the_run_with_its_error(tmp_path):
     start = time.monotonic()
     run = torchrun("train_ranks.py", 2, str(tmp_path), "--fail-rank", "1", timeout=300)
@@ -29,6 +32,7 @@ def test_a_failing_rank_ends_the_run_with_its_error(tmp_path):
     assert time.monotonic() - start < 240  # the other rank did not wait out a collective
 
 
+@pytest.mark.slow
 def test_the_command_under_torchrun_writes_once_and_matches_one_process(tmp_path):
     # python -m train, then again on the same --out (tests/distributed/train_command_ranks.py).
     run = torchrun("train_command_ranks.py", 2, str(tmp_path / "two"), "--", *FLAGS)
@@ -50,6 +54,7 @@ def test_the_command_under_torchrun_writes_once_and_matches_one_process(tmp_path
     assert all((tmp_path / "two" / name).stat().st_mtime_ns == stamp for name, stamp in stamps.items())
 
 
+@pytest.mark.slow
 def test_a_refused_out_stops_every_rank(tmp_path):
     (tmp_path / "notes.txt").write_text("a user's file")
     run = torchrun("train", 2, "--out", str(tmp_path), *FLAGS, module=True, timeout=300)
@@ -58,6 +63,7 @@ def test_a_refused_out_stops_every_rank(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "a user's file" and not (tmp_path / "run.json").exists()
 
 
+@pytest.mark.slow
 def test_the_sweep_under_torchrun(tmp_path):
     run = torchrun("train.sweep", 2, "--out", str(tmp_path), "--builtin-lines", "30", "--max-epochs", "1",
                    "--max-length", "10", "--seeds", "0", "--eps", "0.01", "--heads", "nmst", "va", "--quiet",

@@ -5,10 +5,12 @@
   shares and an empty one (tests/distributed/hf_step_ranks.py); the loss reads the output layer's
   weight inside that layer's own call, where FSDP2 has gathered it;
 * DDP and --fsdp training update the weights as one process does, the evaluation equals one
-  process's, rank 0 alone writes, and an FSDP run resumes under torchrun."""
+  process's, rank 0 alone writes, and an FSDP run resumes under torchrun (slow: the fast set runs the step
+  checks alone)."""
 
 import json
 
+import pytest
 import torch
 import transformers
 
@@ -29,6 +31,16 @@ def _results(run):
     return json.loads((run / "results.json").read_text())["st"]
 
 
+def test_the_training_step_over_ranks_equals_one_process():
+    """The fast set's run of the step checks alone (tests/distributed/hf_step_ranks.py): DDP and FSDP2
+    steps of every head equal one process's; the whole command under torchrun is the slow test below."""
+    proc = torchrun("hf_step_ranks.py", 2, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    for rank in (0, 1):
+        assert f"rank {rank}/2: DDP and FSDP2 steps equal one process" in proc.stdout
+
+
+@pytest.mark.slow
 def test_ddp_and_fsdp_train_as_one_process_and_fsdp_resumes(corpus, tmp_path):
     one = main(["--data-dir", str(corpus), "--out", str(tmp_path / "one"), *FLAGS])
     proc = torchrun("hf_train_ranks.py", 2, str(tmp_path), "--", "--data-dir", str(corpus), *FLAGS)

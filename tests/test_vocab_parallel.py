@@ -24,7 +24,7 @@ def test_vocab_parallel_equals_one_process():
 
 
 @pytest.mark.parametrize("flags, error", [(("--fail-rank", "1"), "weight contains NaN or inf"),
-                                          (("--overlap",), "must tile")])
+                                          pytest.param(("--overlap",), "must tile", marks=pytest.mark.slow)])
 def test_a_bad_rank_stops_every_rank_with_its_error(flags, error):
     run = _torchrun(3, *flags)
     assert run.returncode != 0

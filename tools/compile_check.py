@@ -13,6 +13,8 @@ types come from the real call sites; block sizes are then set to the CUDA launch
     python tools/compile_check.py --ptx DIR   # also write each variant's PTX, without debug lines, to
                                               # DIR: `diff -r` two trees to see whether a change
                                               # alters the generated code
+    python tools/compile_check.py --only "row draw V=512" --only split_lse  # the variants whose names
+                                              # contain any of these (each must match one at least)
 
 Must run without TRITON_INTERPRET (the kernels have to be JIT functions). A developer tool, not part
 of the installed package: it imports ``nmst_fast`` (install the checkout first).
@@ -291,15 +293,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
     parser.add_argument("--resources", action="store_true", help="also print registers / spills (ptxas -v)")
-    parser.add_argument("--only", default="", help="compile only the variants whose name contains this")
+    parser.add_argument("--only", action="append", default=[],
+                        help="compile only the variants whose name contains this (repeatable: any of them)")
     parser.add_argument("--ptx", type=Path, help="write each variant's PTX to this directory")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: compiling needs JIT kernels, not interpreted ones")
+    print(f"Triton {triton.__version__} ({Path(triton.__file__).parent})", flush=True)
+    variants = [launch for launch in launches() if not args.only or any(part in launch.name for part in args.only)]
+    unmatched = [part for part in args.only if not any(part in launch.name for launch in variants)]
+    if unmatched or not variants:  # a filter that selects nothing must not pass as "0 failed"
+        parser.error(f"no launch variant's name contains {unmatched or args.only}")
     failures = 0
-    for launch in launches():
-        if args.only not in launch.name:
-            continue
+    for launch in variants:
         try:
             compiled, seconds = compile_launch(launch, args.arch)
             extra = f"; {resources(compiled, args.arch)}" if args.resources else ""
