@@ -65,6 +65,8 @@ NOT_BUILT = {
     "zamba": "no tiny config found: the shared-transformer ties do not survive fewer layers",
     "dots3_note": "no tiny config found: the vision adapter's widths do not follow the text model's",
 }
+# Types that compute gradients in training mode only (their overrides turn dropout off).
+TRAIN_MODE = {"reformer"}
 # Types that run in float32 only (a float32 constant or buffer meets the float64 weights).
 FLOAT32 = {"xglm", "inkling2_text", "inkling2_loop_text"}
 
@@ -76,7 +78,11 @@ _OVERRIDES: dict[str, dict] = {
     "dory": dict(num_hidden_layers=6, n_input_layers=2, n_recurrent_layers=2, n_output_layers=2,
                  layer_types=["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention", "mlp"]),
     "gemma4_assistant": dict(hidden_size_per_layer_input=0),
-    "reformer": dict(is_decoder=True, axial_pos_shape=[8, 16], axial_pos_embds_dim=[32, 32]),
+    # Reformer backpropagates in training mode only: no dropout, and LSH buckets from a fixed seed.
+    "reformer": dict(is_decoder=True, axial_pos_shape=[2, 5], axial_pos_embds_dim=[32, 32], hash_seed=0,
+                     max_position_embeddings=10, local_attn_chunk_length=5, lsh_attn_chunk_length=5,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                     lsh_attention_probs_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0),
 }
 
 

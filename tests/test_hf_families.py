@@ -23,6 +23,7 @@ from hf_families import (
     EOS,
     NOT_BUILT,
     NOT_TEXT,
+    TRAIN_MODE,
     UNSHIFTED,
     causal_lm_types,
     probe_batch,
@@ -31,9 +32,10 @@ from hf_families import (
 )
 
 TABLE = Path(__file__).resolve().parents[1] / "docs" / "hf_families.md"
-# One of each kind: plain pre-norm, learned positions, softcap, output bias, unshifted labels (a decoder of an
-# encoder-decoder; XLNet), mixture of experts, a hybrid state-space stack, Llama 4 (decoder under .model), and refusals.
-FAST = {"llama", "gpt2", "gemma2", "gptj", "bart", "xlnet", "mixtral", "jamba", "llama4_text", "dory", "rembert"}
+# One of each kind: plain pre-norm, softcap (Gemma's key and RecurrentGemma's), output bias, unshifted labels (a
+# decoder of an encoder-decoder), mixture of experts, a hybrid state-space stack, Llama 4 (decoder under .model),
+# and refusals (an output layer with its own forward; a transform before the output layer).
+FAST = {"llama", "gemma2", "recurrent_gemma", "gptj", "bart", "mixtral", "jamba", "llama4_text", "dory", "rembert"}
 
 
 def listed_outcomes() -> dict[str, str]:
@@ -65,6 +67,8 @@ def check_exact(base, model_type: str, head: str) -> None:
     ids, labels = probe_batch()
     shifted = model_type not in UNSHIFTED
     plain, patched = copy.deepcopy(base), apply_nmst(copy.deepcopy(base), head=head, eps=0.05, eos_token_id=EOS)
+    if model_type in TRAIN_MODE:
+        plain.train(), patched.train()
     own = plain(input_ids=ids, labels=labels, use_cache=False)
     logits = own.logits[:, :-1] if shifted else own.logits
     targets, steps = targets_and_steps(labels, shifted)

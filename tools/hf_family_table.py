@@ -20,17 +20,25 @@ from hf_families import causal_lm_types  # noqa: E402
 from test_hf_families import TABLE, outcome  # noqa: E402
 
 
+def row(model_type: str) -> str:
+    result, reason = outcome(model_type)
+    reason = reason.split("): ", 1)[-1]  # the refusal names the class and type: the row does already
+    return f"| `{model_type}` | {result} | {reason.replace('|', '/')} |"
+
+
 def main() -> None:
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     rows = []
     for model_type in causal_lm_types():
-        result, reason = outcome(model_type)
-        reason = reason.split("): ", 1)[-1]  # the refusal names the class and type: the row does already
-        rows.append(f"| `{model_type}` | {result} | {reason.replace('|', '/')} |")
+        rows.append(row(model_type))
         print(rows[-1], flush=True)
+    write_table(rows)
+
+
+def write_table(rows: list[str]) -> None:
     kinds = ("patched", "refused", "not a text LM", "not built")
-    counts = {kind: sum(f"| {kind} |" in row for row in rows) for kind in kinds}
+    counts = {kind: sum(f"| {kind} |" in line for line in rows) for kind in kinds}
     TABLE.write_text(
         "# Hugging Face causal LMs under `apply_nmst`\n\n"
         f"Every model type that transformers {transformers.__version__} maps to `AutoModelForCausalLM`, built "
