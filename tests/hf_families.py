@@ -153,8 +153,8 @@ def tiny_config(model_type: str, **extra):
 
 
 def tiny_causal_lm(model_type: str, seed: int = 0, dtype=None, **extra):
-    """A random-init ``AutoModelForCausalLM`` of ``model_type``, tiny, in eval mode, its output layer's
-    logits spread (random init gives near-uniform ones) so that the heads differ."""
+    """A random-init ``AutoModelForCausalLM`` of ``model_type``, tiny, in eval mode, in float64 (float32
+    for the types in :data:`FLOAT32`) unless ``dtype`` is given."""
     torch.manual_seed(seed)
     config = tiny_config(model_type, **extra)
     dtype = dtype or (torch.float32 if model_type in FLOAT32 else torch.float64)
