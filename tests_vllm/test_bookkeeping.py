@@ -39,7 +39,10 @@ class _Reference:
         return T * zeta, dist.state
 
 
-def test_st_state_follows_requests_through_batch_changes():
+@pytest.mark.parametrize("host_scalars", [True, False], ids=["host-scalars", "device-tensors"])
+def test_st_state_follows_requests_through_batch_changes(host_scalars):
+    """Both ways of computing the head's scalars: as floats (the CPU's) and as tensors on the logits'
+    device (every other device's; run here on CPU tensors)."""
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
@@ -48,6 +51,8 @@ def test_st_state_follows_requests_through_batch_changes():
     rng = random.Random(0)
     torch.manual_seed(0)
     processor = NMSTLogitsProcessor(_config(), torch.device("cpu"), False)
+    assert processor.host_scalars  # the CPU's default
+    processor.host_scalars = host_scalars
     requests = []
     for i in range(6):
         head = "st" if i % 2 == 0 else "nmst"
@@ -175,3 +180,57 @@ def test_model_wide_settings_and_their_refusals():
         request_settings(SamplingParams(extra_args={"nmst_head": "nmst"}), plain)
     with pytest.raises(ValueError, match="without nmst_head"):
         request_settings(SamplingParams(extra_args={"nmst_eps": 0.1}), plain)
+
+
+_READ_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "_unique2", "unique_dim",
+             "unique_consecutive"}
+
+
+def test_the_device_path_reads_nothing_back():
+    """Off the CPU the step computes the head's scalars on the device: no op that reads a tensor's values
+    on the host (a device-to-host sync on a GPU) and no tolist / numpy, over NMST and ST rows, greedy and
+    tempered, through several steps and a banned eos; the eos column equals the host path's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from nmst_fast.integrations.vllm import NMSTLogitsProcessor
+
+    reads: list[str] = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in _READ_OPS:
+                reads.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    processors = [NMSTLogitsProcessor(_config(), torch.device("cpu"), False) for _ in range(2)]
+    processors[1].host_scalars = False
+    outputs = [[] for _ in range(4)]
+    added = [(i, SamplingParams(temperature=[0.0, 0.7][i % 2],
+                                extra_args={"nmst_head": ["nmst", "st"][i // 2], "nmst_eps": 0.01,
+                                            "nmst_eos_token_id": EOS}), None, outputs[i]) for i in range(4)]
+    for processor in processors:
+        processor.update_state(BatchUpdate(batch_size=4, removed=[], moved=[], added=added))
+    tolist, numpy = torch.Tensor.tolist, torch.Tensor.numpy
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the device path read a tensor back")
+
+    torch.manual_seed(1)
+    for step in range(5):
+        logits = torch.randn(4, V) * 3
+        if step == 2:
+            logits[3, EOS] = -math.inf  # an ST row with eos banned: unchanged, its sum skips the step
+        host = processors[0].apply(logits.clone())
+        torch.Tensor.tolist, torch.Tensor.numpy = refused, refused
+        try:
+            with Reads():
+                device = processors[1].apply(logits.clone())
+        finally:
+            torch.Tensor.tolist, torch.Tensor.numpy = tolist, numpy
+        torch.testing.assert_close(device, host, rtol=1e-6, atol=1e-5)
+        assert host[3, EOS] == -math.inf if step == 2 else torch.isfinite(host[:, EOS]).all()
+        for output in outputs:
+            output.append(1)
+    assert reads == []

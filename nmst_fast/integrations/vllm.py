@@ -31,6 +31,9 @@ the only finite logit is certain. ST, whose running sum needs every step's real 
 bans it cannot follow (min_tokens, bad_words, allowed_token_ids, structured outputs).
 Penalties run after the processor, on its output (the model's non-eos logits and eos's effective
 logit).
+
+Cost: one pass over the rows for L_T; the per-row scalars as Python floats on the CPU, as tensors on
+the logits' device elsewhere (no host sync; ST's running sums stay there as 0-d tensors per request).
 """
 
 from __future__ import annotations
@@ -215,6 +218,10 @@ class NMSTLogitsProcessor(LogitsProcessor):
         self.vllm_config_ref = weakref.ref(vllm_config) if _weakrefable(vllm_config) else (lambda: vllm_config)
         if not self.idle:
             self._instances[id(vllm_config)] = self
+        # On the CPU the head's per-row scalars are Python floats (reading a CPU tensor is no sync, and a
+        # few float operations per row cost less than a dozen small tensor launches); elsewhere they stay
+        # on the device, so a step makes no host sync.
+        self.host_scalars = self.device.type == "cpu"
         self.rows: dict[int, _Request] = {}
         # Requests that left the batch (finished, preempted or not scheduled), by id of their
         # SamplingParams, until those are freed: an ST request that re-enters finds its sum here.
@@ -290,6 +297,8 @@ class NMSTLogitsProcessor(LogitsProcessor):
                 request = _Request(settings, weakref.ref(params), output)
                 if settings.head == "st" and len(output) > 0:
                     request.lost = True
+                    self._warn("st-lost", "an ST request re-entered the batch with its running sum unknown: it "
+                               "decodes its logits unchanged from now on")
             rows[index] = request
         for a, b, direction in batch_update.moved:
             first, second = rows.pop(a, None), rows.pop(b, None)
@@ -313,23 +322,30 @@ class NMSTLogitsProcessor(LogitsProcessor):
         if self.idle or not self.rows:
             return logits
         B, V = logits.shape
-        groups: dict[int, list[tuple[int, _Request]]] = {}
+        groups: dict[HeadSettings, list[tuple[int, _Request]]] = {}
         for index, request in self.rows.items():
-            if index < B:
+            if index < B and not request.lost:
                 eos = request.settings.eos_token_id
                 if not 0 <= eos < V:
                     self._warn(f"eos{eos}", f"eos_token_id {eos} outside [0, V={V}): the request decodes plain softmax")
                     continue
-                groups.setdefault(eos, []).append((index, request))
-        for eos, members in groups.items():
-            self._apply_group(logits, eos, sorted(members, key=lambda m: m[0]))
+                groups.setdefault(request.settings, []).append((index, request))
+        for settings, members in groups.items():
+            self._apply_group(logits, settings, sorted(members, key=lambda m: m[0]))
         return logits
 
-    def _apply_group(self, logits: torch.Tensor, eos: int, members: list[tuple[int, _Request]]) -> None:
+    def _apply_group(self, logits: torch.Tensor, settings: HeadSettings,
+                     members: list[tuple[int, _Request]]) -> None:
+        """The eos column of the rows ``members`` (batch index, request), which share ``settings``.
+        Rows without a distribution (NaN, no finite non-eos logit), with eos banned by another control
+        (−inf: it stays banned, and ST's sum skips the step) or left as the only finite logit (it stays
+        certain) keep their logits."""
+        eos = settings.eos_token_id
         indices = [index for index, _ in members]
         contiguous = indices == list(range(indices[0], indices[0] + len(indices)))
-        rows = logits[indices[0]:indices[0] + len(indices)] if contiguous else \
-            logits.index_select(0, torch.tensor(indices, device=logits.device))
+        where = slice(indices[0], indices[0] + len(indices)) if contiguous else \
+            torch.tensor(indices, device=logits.device)
+        rows = logits[where]
         temperatures = []
         for _, request in members:
             params = request.params()
@@ -337,25 +353,26 @@ class NMSTLogitsProcessor(LogitsProcessor):
             temperatures.append(1.0 if temperature < GREEDY_TEMPERATURE else temperature)
         inverse = None if all(t == 1.0 for t in temperatures) else \
             torch.tensor([1.0 / t for t in temperatures], dtype=torch.float64, device=rows.device)
-        # The V-wide part: L_T = logsumexp over non-eos of z / T. Then one read back of (L_T, s) per row;
-        # the head's scalars are the library's float formulas, row by row.
-        lse_list = tempered_non_eos_lse(rows, eos, inverse).tolist()
-        s_list = rows[:, eos].tolist()
+        # The V-wide part: L_T = logsumexp over non-eos of z / T.
+        lse = tempered_non_eos_lse(rows, eos, inverse)
+        steps = [len(request.output) + 1 for _, request in members]
+        if self.host_scalars:
+            self._host_values(logits, settings, members, lse, rows[:, eos], steps, temperatures)
+        else:
+            logits[where, eos] = self._device_values(settings, members, lse, rows[:, eos], steps, temperatures)
+
+    @staticmethod
+    def _host_values(logits: torch.Tensor, settings: HeadSettings, members: list[tuple[int, _Request]],
+                     lse: torch.Tensor, eos_logits: torch.Tensor, steps: list[int], temperatures: list[float]) -> None:
+        """One read of (L_T, s) per row, the head's scalars by the library's float formulas row by row."""
         targets, values = [], []
-        for (index, request), temperature, L, s in zip(members, temperatures, lse_list, s_list):
-            if math.isnan(L) or math.isnan(s) or L == math.inf:
-                continue  # no distribution: left to vLLM as it is
-            settings = request.settings
-            if settings.head == "st" and (request.lost or s == -math.inf):
-                request.lost = True
-                self._warn("st-lost", "an ST request lost its running sum (eos banned by another control, or "
-                           "it re-entered the batch unseen): it decodes its logits unchanged from now on")
+        for (index, request), t, temperature, L, s in zip(members, steps, temperatures, lse.tolist(),
+                                                         eos_logits.tolist()):
+            if math.isnan(L) or math.isnan(s) or L == math.inf or s == -math.inf or L == -math.inf:
+                if settings.head == "st":  # the step adds nothing to the running sum
+                    request.sums[t] = request.sums.get(t - 1, 0.0)
+                    request.sums.pop(t - 2, None)
                 continue
-            # A banned eos (-inf) stays banned, the non-eos rest being the distribution; an eos that is the
-            # only finite logit stays certain.
-            if s == -math.inf or L == -math.inf:
-                continue
-            t = len(request.output) + 1
             if settings.head == "nmst":
                 log_survival = nmst_log_survival(s, t, settings.eps)
             else:
@@ -366,8 +383,32 @@ class NMSTLogitsProcessor(LogitsProcessor):
             targets.append(index)
             values.append(temperature * min(eos_zeta, L + MAX_EOS_LOGIT_GAP))
         if targets:
-            logits[torch.tensor(targets, device=logits.device), eos] = torch.tensor(
+            logits[torch.tensor(targets, device=logits.device), settings.eos_token_id] = torch.tensor(
                 values, dtype=torch.float64).to(device=logits.device, dtype=logits.dtype)
+
+    @staticmethod
+    def _device_values(settings: HeadSettings, members: list[tuple[int, _Request]], lse: torch.Tensor,
+                       eos_logits: torch.Tensor, steps: list[int], temperatures: list[float]) -> torch.Tensor:
+        """The new eos column (A,) in the logits' dtype, computed on their device with no read back: the
+        library's tensor formulas; ST's running sums stay on the device as 0-d tensors per request."""
+        device = lse.device
+        s = eos_logits.double()
+        t = torch.tensor(steps, device=device)
+        keep = torch.isnan(lse) | torch.isnan(s) | (lse == math.inf) | (s == -math.inf) | (lse == -math.inf)
+        if settings.head == "nmst":
+            log_survival = nmst_log_survival(s, t, settings.eps)
+        else:
+            zero = torch.zeros((), dtype=torch.float64, device=device)
+            before = torch.stack([request.sums.get(step - 1, zero) for (_, request), step in zip(members, steps)])
+            log_survival, after = st_step_survival(before, s, t, settings.eps)
+            after = torch.where(keep, before, after)  # a step without a distribution adds nothing
+            for k, ((_, request), step) in enumerate(zip(members, steps)):
+                request.sums[step] = after[k]  # a step that runs again (partial prefill) overwrites its own entry
+                request.sums.pop(step - 2, None)
+        _, eos_zeta, _ = head_terms(lse, log_survival)
+        temperature = torch.tensor(temperatures, dtype=torch.float64, device=device)
+        value = torch.minimum(eos_zeta, lse + MAX_EOS_LOGIT_GAP) * temperature
+        return torch.where(keep, s, value).to(eos_logits.dtype)
 
 
 def tempered_non_eos_lse(rows: torch.Tensor, eos: int, inverse: Optional[torch.Tensor] = None) -> torch.Tensor:
