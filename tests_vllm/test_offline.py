@@ -273,3 +273,75 @@ def test_controls_before_the_head(llm, reference, prompts, nmst_dir, bias, allow
             assert set(o.outputs[0].token_ids) <= set(allowed)
         if bad == ["</s>"]:
             assert len(o.outputs[0].token_ids) == 30 and EOS not in o.outputs[0].token_ids
+
+
+class _HeadThenPenalties:
+    """An HF logits processor standing for the head followed by vLLM's penalties (greedy rows): the
+    processor's output (non-eos logits as they are, eos at its effective logit ζ_eos), then vLLM's
+    repetition penalty on the tokens of prompt and output, then its frequency and presence penalties
+    on the output's counts."""
+
+    def __init__(self, prompt_length: int, repetition: float, frequency: float, presence: float):
+        self.prompt_length, self.repetition = prompt_length, repetition
+        self.frequency, self.presence = frequency, presence
+
+    def __call__(self, input_ids, scores):
+        from nmst_fast.decoding import effective_logits
+
+        t = input_ids.shape[1] - self.prompt_length + 1
+        row = scores.double()
+        dist = effective_logits(row, head="nmst", eos_index=EOS, eps=EPS, steps=t)
+        non_eos = torch.cat([row[:, :EOS], row[:, EOS + 1:]], dim=1)
+        row[:, EOS] = torch.minimum(dist.eos_zeta, torch.logsumexp(non_eos, dim=1) + 200.0)
+        row = row.float().double()  # vLLM's processor writes float32 logits
+        seen = torch.zeros_like(row, dtype=torch.bool)
+        seen[0, input_ids[0]] = True
+        penalty = torch.where(seen, self.repetition, 1.0)
+        row = torch.where(row > 0, row / penalty, row * penalty)
+        counts = torch.bincount(input_ids[0, self.prompt_length:], minlength=row.shape[1])[None].double()
+        return (row - self.frequency * counts - self.presence * (counts > 0)).float()
+
+
+def test_penalties_act_on_the_heads_output(llm, reference, prompts):
+    """Repetition, frequency and presence penalties run after the head, on its output: each greedy
+    generation equals the head, then vLLM's penalty formulas, then the argmax."""
+    from transformers import GenerationConfig
+    from vllm import SamplingParams
+
+    penalties = dict(repetition=1.3, frequency=0.4, presence=0.6)
+    params = SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=penalties["repetition"],
+                            frequency_penalty=penalties["frequency"], presence_penalty=penalties["presence"])
+    outs = llm.generate(_tokens(prompts[:6]), params, use_tqdm=False)
+    plain = llm.generate(_tokens(prompts[:6]), SamplingParams(temperature=0.0, max_tokens=30), use_tqdm=False)
+    config = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=EOS, pad_token_id=EOS)
+    for p, o in zip(prompts[:6], outs):
+        after = _HeadThenPenalties(len(p), **penalties)
+        hf = reference.generate(torch.tensor([p]), generation_config=config, logits_processor=[after])
+        assert list(o.outputs[0].token_ids) == hf[0, len(p):].tolist()
+    assert [o.outputs[0].token_ids for o in outs] != [o.outputs[0].token_ids for o in plain]  # they act
+
+
+def test_stop_strings_end_a_generation_and_leave_the_head_alone(llm, prompts, nmst_dir):
+    """A stop string ends a generation where its text appears (finish_reason "stop", the string as the
+    stop reason, the tokens a prefix of the generation without it); generations it does not occur in are
+    unchanged."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(nmst_dir)
+    free = llm.generate(_tokens(prompts), SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)
+    texts = [tokenizer.decode([t for t in o.outputs[0].token_ids if t < 256]) for o in free]
+    letters = Counter(ch for text in texts for ch in set(text) if ch.isascii() and ch.isalnum())
+    stop = letters.most_common(1)[0][0]
+    outs = llm.generate(_tokens(prompts), SamplingParams(temperature=0.0, max_tokens=40, stop=[stop]),
+                        use_tqdm=False)
+    stopped = 0
+    for f, text, o in zip(free, texts, outs):
+        tokens, full = list(o.outputs[0].token_ids), list(f.outputs[0].token_ids)
+        if stop in text:
+            stopped += 1
+            assert (o.outputs[0].finish_reason, o.outputs[0].stop_reason) == ("stop", stop), (text, o.outputs[0])
+            assert full[:len(tokens)] == tokens and stop not in o.outputs[0].text
+        else:
+            assert tokens == full
+    assert 0 < stopped < len(prompts)
