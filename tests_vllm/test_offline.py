@@ -345,3 +345,23 @@ def test_stop_strings_end_a_generation_and_leave_the_head_alone(llm, prompts, nm
         else:
             assert tokens == full
     assert 0 < stopped < len(prompts)
+
+
+def test_min_p_acts_on_the_heads_distribution(llm, reference):
+    """20,000 first tokens at temperature 1.3 with min_p 0.05: the head's distribution (temperature on the
+    non-eos logits), cut to the tokens of probability ≥ 0.05 × the largest, renormalized (G-test)."""
+    from vllm import SamplingParams
+
+    prompt = [73, 8, 228, 231, 190, 155, 112]
+    draws = 20_000
+    outs = llm.generate(_tokens([prompt] * draws), SamplingParams(temperature=1.3, min_p=0.05, max_tokens=1),
+                        use_tqdm=False)
+    first = Counter(o.outputs[0].token_ids[0] for o in outs)
+    with torch.no_grad():
+        logits = reference(input_ids=torch.tensor([prompt])).logits[:, -1].double()
+    probs = step_log_probs(logits, head="nmst", eos_index=EOS, eps=EPS, steps=1, temperature=1.3)[0][0].exp()
+    probs = torch.where(probs >= 0.05 * probs.max(), probs, 0.0)
+    probs = probs / probs.sum()
+    assert probs[EOS] > 0.01 and int((probs > 0).sum()) >= 10  # eos in play, a real cut
+    g, df = _g_test(first, probs)
+    assert chi2.sf(g, df) > 1e-4, (g, df)
