@@ -9,9 +9,9 @@
 
 Nothing here names a model family: the decoder stack is :func:`decoder_stack`, the output layer
 ``model.get_output_embeddings()`` (weight, and bias where the model has one), and the logits'
-post-processing comes from the config (``final_logit_softcapping``: Gemma 2/3; ``logit_scale``:
-Cohere; ``logits_scaling``: Granite). :func:`apply_nmst` checks on a probe input that this
-reproduces the model's own logits and refuses the model otherwise.
+post-processing comes from the config (a cap from :data:`SOFTCAP_KEYS`: Gemma 2/3, RecurrentGemma,
+xLSTM; ``logit_scale``: Cohere; ``logits_scaling``: Granite). :func:`apply_nmst` checks on a probe
+input, at two logit scales, that this reproduces the model's own logits and refuses the model otherwise.
 """
 
 from __future__ import annotations
@@ -249,8 +249,9 @@ _PROBE_SPAN = 50.0  # max |logit| of the second probe: a cap of 30 (Gemma's) mov
 def _own_call(model: Any, forward: Callable, **named: Any) -> Any:
     """The model's own forward on the probe's arguments, without a KV cache (where it takes one), as
     training calls it; a failure is a refusal that names the model."""
+    no_cache = _accepted(forward, {"use_cache": False})  # empty where the forward takes no use_cache
     try:
-        return forward(**_accepted(forward, {**named, "use_cache": False}) | named)
+        return forward(**named, **no_cache)
     except Exception as error:
         raise ValueError(f"{_model_name(model)}: its own forward fails on a probe batch of token ids with labels "
                          f"({type(error).__name__}: {error}); this model type is not supported") from error
