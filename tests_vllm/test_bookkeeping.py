@@ -7,36 +7,12 @@ from __future__ import annotations
 
 import math
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
-
-from nmst_fast.decoding import effective_logits
-
-V, EOS = 40, 7
-
-
-def _config(recorded=None, speculative=None):
-    hf_config = SimpleNamespace(nmst=recorded, eos_token_id=EOS)
-    return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config, get_vocab_size=lambda: V),
-                           speculative_config=speculative)
-
-
-class _Reference:
-    """One request's expected eos column, step by step, from the library's effective logits."""
-
-    def __init__(self, params, head: str, eps: float):
-        self.params, self.head, self.eps, self.output, self.state = params, head, eps, [], None
-
-    def expected(self, row: torch.Tensor) -> tuple[float, object]:
-        t = len(self.output) + 1
-        T = self.params.temperature if self.params.temperature >= 1e-5 else 1.0
-        dist = effective_logits(row[None].double(), head=self.head, eos_index=EOS, eps=self.eps, steps=t,
-                                state=self.state, temperature=T)
-        non_eos = torch.cat([row[:EOS], row[EOS + 1:]]).double() / T
-        zeta = min(float(dist.eos_zeta[0]), float(torch.logsumexp(non_eos, 0)) + 200.0)  # the processor's cap
-        return T * zeta, dist.state
+from head_reference import EOS, V
+from head_reference import Reference as _Reference
+from head_reference import engine_config as _config
 
 
 @pytest.mark.parametrize("host_scalars", [True, False], ids=["host-scalars", "device-tensors"])
@@ -51,8 +27,8 @@ def test_st_state_follows_requests_through_batch_changes(host_scalars):
     rng = random.Random(0)
     torch.manual_seed(0)
     processor = NMSTLogitsProcessor(_config(), torch.device("cpu"), False)
-    assert processor.host_scalars  # the CPU's default
-    processor.host_scalars = host_scalars
+    assert processor.head.host_scalars  # the CPU's default
+    processor.head.host_scalars = host_scalars
     requests = []
     for i in range(6):
         head = "st" if i % 2 == 0 else "nmst"
@@ -128,7 +104,7 @@ def test_rows_without_a_head_are_untouched_and_cost_no_copy():
     logits = torch.randn(2, V)
     before = logits.clone()
     assert processor.apply(logits) is logits and torch.equal(logits, before)
-    assert processor.rows == {}
+    assert processor.head.rows == {}
 
 
 def test_second_instance_of_one_engine_stays_idle():
@@ -152,10 +128,13 @@ def test_second_instance_of_one_engine_stays_idle():
 def test_speculative_decoding_is_refused():
     from vllm import SamplingParams
 
-    from nmst_fast.integrations.vllm import NMSTLogitsProcessor, _ModelInfo, request_settings
+    from nmst_fast.integrations.vllm import NMSTLogitsProcessor, request_settings
+    from nmst_fast.integrations.vllm.settings import _ModelInfo
 
-    with pytest.raises(ValueError, match="speculative"):
-        NMSTLogitsProcessor(_config(speculative=object()), torch.device("cpu"), False)
+    recorded = {"head": "nmst", "eps": 0.1, "context_length": None, "eos_token_id": EOS}
+    with pytest.raises(ValueError, match="speculative"):  # a model-wide head: the engine does not start
+        NMSTLogitsProcessor(_config(recorded, speculative=object()), torch.device("cpu"), False)
+    NMSTLogitsProcessor(_config(speculative=object()), torch.device("cpu"), False)  # a plain model starts
     model = _ModelInfo({"head": "nmst", "eps": 0.1}, EOS, V, speculative=True)
     with pytest.raises(ValueError, match="speculative"):
         request_settings(SamplingParams(), model)
@@ -166,7 +145,8 @@ def test_speculative_decoding_is_refused():
 def test_model_wide_settings_and_their_refusals():
     from vllm import SamplingParams
 
-    from nmst_fast.integrations.vllm import HeadSettings, _ModelInfo, request_settings
+    from nmst_fast.integrations.vllm import HeadSettings, request_settings
+    from nmst_fast.integrations.vllm.settings import _ModelInfo
 
     st_model = _ModelInfo({"head": "st", "eps": 0.1, "context_length": None, "eos_token_id": EOS}, EOS, V)
     assert request_settings(SamplingParams(), st_model) == HeadSettings("st", 0.1, EOS)
@@ -205,7 +185,7 @@ def test_the_device_path_reads_nothing_back():
             return func(*args, **(kwargs or {}))
 
     processors = [NMSTLogitsProcessor(_config(), torch.device("cpu"), False) for _ in range(2)]
-    processors[1].host_scalars = False
+    processors[1].head.host_scalars = False
     outputs = [[] for _ in range(4)]
     added = [(i, SamplingParams(temperature=[0.0, 0.7][i % 2],
                                 extra_args={"nmst_head": ["nmst", "st"][i // 2], "nmst_eps": 0.01,

@@ -1,0 +1,101 @@
+"""The one computation both vLLM runners share: the eos column a row of logits must carry so that
+vLLM's softmax (after its division by the row's temperature T) is the head's step distribution.
+
+q_T = softmax(ζ) with ζ_v = z_v / T (v ≠ eos) and ζ_eos the head's effective eos logit
+(:func:`nmst_fast.decoding.effective_logits`), so the row keeps its non-eos logits and gets
+eos = T·ζ_eos. The V-wide part is L_T = logsumexp over non-eos of z / T; the rest is per-row scalars.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ...decoding.distribution import exp_sum, head_terms, row_blocks
+from ...head_math import nmst_log_survival, st_step_survival
+from .settings import HeadSettings
+
+# vLLM samples greedily below this temperature (vllm.v1.sample.sampler._SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
+# ζ_eos − L is the logit of α_t; beyond this (α_t = 1 in float32) it is held here so that float32
+# stays finite and p(eos) rounds to 1.
+MAX_EOS_LOGIT_GAP = 200.0
+
+
+def row_temperature(temperature: float) -> float:
+    """The T a row's non-eos logits are divided by: vLLM's temperature, 1 for its greedy rows (T = 0)."""
+    return 1.0 if temperature < GREEDY_TEMPERATURE else float(temperature)
+
+
+def tempered_non_eos_lse(rows: torch.Tensor, eos: int, inverse: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(A,) float64 logsumexp over every column but ``eos`` of ``rows`` (A, V) times ``inverse`` (A,)
+    (1/T per row; None: 1), with no (A, V) copy of the scaled table: each side of eos by blocks of rows
+    (:func:`~nmst_fast.decoding.distribution.row_blocks`), max kept apart in float64, Σ 2^((z − max)·log2e/T)
+    (:func:`~nmst_fast.decoding.distribution.exp_sum` on the scaled differences)."""
+    def side(part: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+        shift = part.amax(dim=1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)  # −inf / NaN / +inf rows stay so
+        shifted = part - shift
+        if scale is not None:
+            shifted.mul_(scale.to(shifted.dtype)[:, None])
+        total = exp_sum(shifted).double().log_()
+        offset = shift.view(-1).double()
+        return total.add_(offset if scale is None else offset * scale)
+
+    out = []
+    for block in row_blocks(rows):
+        scale = None if inverse is None else inverse[block]
+        parts = [part for part in (rows[block, :eos], rows[block, eos + 1:]) if part.shape[1]]
+        sides = [side(part, scale) for part in parts]
+        out.append(sides[0] if len(sides) == 1 else torch.logaddexp(sides[0], sides[1]))
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def inverse_temperatures(temperatures: Sequence[float], device: torch.device) -> Optional[torch.Tensor]:
+    """(A,) float64 1/T per row, or None when every T is 1 (no scaling pass)."""
+    if all(t == 1.0 for t in temperatures):
+        return None
+    return torch.tensor([1.0 / t for t in temperatures], dtype=torch.float64, device=device)
+
+
+def host_eos_value(settings: HeadSettings, L: float, s: float, t: int, temperature: float,
+                   before: float = 0.0) -> tuple[Optional[float], float]:
+    """One row by the library's float formulas: (its new eos logit T·ζ_eos, or None when the row keeps
+    its logits; ST's running sum after step t, ``before`` passed on when the row keeps its logits).
+    A row keeps its logits when it has no distribution (NaN, no finite non-eos logit), when another
+    control banned eos (−inf: it stays banned) or left eos as the only finite logit (it stays certain)."""
+    if math.isnan(L) or math.isnan(s) or L == math.inf or s == -math.inf or L == -math.inf:
+        return None, before
+    if settings.head == "nmst":
+        log_survival, after = nmst_log_survival(s, t, settings.eps), before
+    else:
+        log_survival, after = st_step_survival(before, s, t, settings.eps)
+    _, eos_zeta, _ = head_terms(L, log_survival)
+    return temperature * min(eos_zeta, L + MAX_EOS_LOGIT_GAP), after
+
+
+def device_eos_values(settings: HeadSettings, lse: torch.Tensor, eos_logits: torch.Tensor,
+                      steps: Union[torch.Tensor, Sequence[int]], temperatures: Sequence[float],
+                      before: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The rows' new eos column (A,) in ``eos_logits``' dtype, computed on their device with no read
+    back, and ST's running sums after the step (A,) float64 (None for NMST). ``lse`` (A,) float64 L_T,
+    ``eos_logits`` (A,) the rows' eos logits s, ``steps`` t per row (a tensor on the device, or ints),
+    ``before`` ST's sums before the step (None: 0). Rows that keep their logits (see
+    :func:`host_eos_value`) get s back and pass ``before`` on."""
+    device = lse.device
+    s = eos_logits.double()
+    t = steps if isinstance(steps, torch.Tensor) else torch.tensor(list(steps), device=device)
+    keep = torch.isnan(lse) | torch.isnan(s) | (lse == math.inf) | (s == -math.inf) | (lse == -math.inf)
+    after = None
+    if settings.head == "nmst":
+        log_survival = nmst_log_survival(s, t, settings.eps)
+    else:
+        if before is None:
+            before = torch.zeros_like(s)
+        log_survival, after = st_step_survival(before, s, t, settings.eps)
+        after = torch.where(keep, before, after)  # a step without a distribution adds nothing
+    _, eos_zeta, _ = head_terms(lse, log_survival)
+    temperature = torch.tensor(list(temperatures), dtype=torch.float64, device=device)
+    value = torch.minimum(eos_zeta, lse + MAX_EOS_LOGIT_GAP) * temperature
+    return torch.where(keep, s, value).to(eos_logits.dtype), after

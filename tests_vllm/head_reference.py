@@ -1,0 +1,37 @@
+"""What the processor's tests compare against: an engine config without an engine, and one request's
+expected eos column step by step from the library's effective logits."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+
+from nmst_fast.decoding import effective_logits
+
+V, EOS = 40, 7
+
+
+def engine_config(recorded=None, speculative=None, runner_v2: bool = False):
+    """The parts of vLLM's ``VllmConfig`` the processor reads."""
+    hf_config = SimpleNamespace(nmst=recorded, eos_token_id=EOS)
+    return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config, get_vocab_size=lambda: V),
+                           speculative_config=speculative, use_v2_model_runner=runner_v2)
+
+
+class Reference:
+    """One request's expected eos column, step by step, from the library's effective logits."""
+
+    def __init__(self, params, head: str, eps: float):
+        self.params, self.head, self.eps, self.output, self.state = params, head, eps, [], None
+
+    def expected(self, row: torch.Tensor, t: Optional[int] = None) -> tuple[float, object]:
+        """(T·ζ_eos, ST's state after the step) for ``row`` (V,) at step ``t`` (None: after the output)."""
+        t = len(self.output) + 1 if t is None else t
+        T = self.params.temperature if self.params.temperature >= 1e-5 else 1.0
+        dist = effective_logits(row[None].double(), head=self.head, eos_index=EOS, eps=self.eps, steps=t,
+                                state=self.state, temperature=T)
+        non_eos = torch.cat([row[:EOS], row[EOS + 1:]]).double() / T
+        zeta = min(float(dist.eos_zeta[0]), float(torch.logsumexp(non_eos, 0)) + 200.0)  # the processor's cap
+        return T * zeta, dist.state
