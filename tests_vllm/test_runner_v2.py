@@ -260,3 +260,61 @@ def test_second_instance_stays_idle_under_v2():
     logits = torch.randn(1, V)
     once = first.apply(logits.clone(), _context([0], [4]))
     assert torch.equal(second.apply(once.clone(), _context([0], [4])), once) and not torch.equal(once, logits)
+
+
+@pytest.fixture
+def fresh_envs():
+    """vLLM's environment variables read afresh in the test (its env cache, if an engine turned it on,
+    is bypassed)."""
+    import vllm.envs as envs
+
+    cached = envs._is_envs_cache_enabled()
+    if cached:
+        envs.disable_envs_cache()
+    yield
+    if cached:
+        envs.enable_envs_cache()
+
+
+def test_v2_admission_in_vllms_input_processor(fresh_envs, monkeypatch, plain_dir, nmst_dir, tmp_path):
+    """vLLM's own request admission (``InputProcessor``) under ``VLLM_USE_V2_MODEL_RUNNER=1`` builds
+    V2's validator from the installed plugin: NMST is admitted; ST, a bad ε and an eos beyond the served
+    V (a check that needs the engine's config) are refused. On a model that records ST the V2 processor
+    refuses to start. (The configs are built before the variable is set: vLLM's config check refuses V2
+    without Triton, which its CPU build lacks; admission reads the variable when it runs.)"""
+    from conftest import ENGINE_ARGS
+    from tiny_model import EOS as MODEL_EOS
+    from tiny_model import VOCAB, save_model
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcRequestState
+
+    from nmst_fast.integrations.vllm import NMSTLogitsProcessor
+
+    config = EngineArgs(plain_dir, **ENGINE_ARGS).create_engine_config()
+    st_config = EngineArgs(save_model(str(tmp_path / "st"), head="st", eps=0.05), **ENGINE_ARGS).create_engine_config()
+    nmst_config = EngineArgs(nmst_dir, **ENGINE_ARGS).create_engine_config()
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert config.use_v2_model_runner
+    admission = InputProcessor(config)  # a V1-only plugin class made this raise
+    assert "build_custom_logits_processors_params_validator" in admission.validate_logits_processors_params.__qualname__
+
+    def admit(extra):
+        admission._validate_params(SamplingParams(extra_args=extra), ("generate",))
+
+    admit({"nmst_head": "nmst", "nmst_eps": 0.05, "nmst_eos_token_id": MODEL_EOS})
+    admit({"nmst_head": "va"})
+    with pytest.raises(VLLMValidationError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        admit({"nmst_head": "st", "nmst_eps": 0.05})
+    with pytest.raises(VLLMValidationError, match="nmst_eps"):
+        admit({"nmst_head": "nmst", "nmst_eps": 0.0})
+    with pytest.raises(VLLMValidationError, match=f"V={VOCAB}"):
+        admit({"nmst_head": "nmst", "nmst_eos_token_id": VOCAB})
+
+    states = LogitsProcRequestState(device=torch.device("cpu"), max_num_reqs=SLOTS, vocab_size=VOCAB,
+                                    all_token_ids=None, prompt_len=None, prefill_len=None, total_len=None)
+    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        NMSTLogitsProcessor(st_config, states)
+    assert NMSTLogitsProcessor(nmst_config, states).add_request(0, SamplingParams())
