@@ -13,7 +13,14 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-from .eos_column import device_eos_values, host_eos_value, inverse_temperatures, row_temperature, tempered_non_eos_lse
+from .eos_column import (
+    Workspace,
+    device_eos_values,
+    host_eos_value,
+    inverse_temperatures,
+    row_temperature,
+    tempered_non_eos_lse,
+)
 from .settings import HeadSettings, _ModelInfo, request_settings
 
 logger = logging.getLogger("nmst_fast.integrations.vllm")
@@ -44,6 +51,7 @@ class PersistentBatchHead:
         self.model = model
         self.host_scalars = device.type == "cpu"
         self.rows: dict[int, _Request] = {}
+        self.workspace = Workspace()
         # Requests that left the batch (finished, preempted or not scheduled), by id of their
         # SamplingParams, until those are freed: an ST request that re-enters finds its sum here.
         self._detached: dict[int, list[_Request]] = {}
@@ -150,39 +158,31 @@ class PersistentBatchHead:
         contiguous = indices == list(range(indices[0], indices[0] + len(indices)))
         where = slice(indices[0], indices[0] + len(indices)) if contiguous else \
             torch.tensor(indices, device=logits.device)
-        rows = logits[where]
+        rows = logits[where]  # a view when contiguous, else a copy
         temperatures = []
         for _, request in members:
             params = request.params()
             temperatures.append(row_temperature(1.0 if params is None else float(params.temperature)))
-        lse = tempered_non_eos_lse(rows, eos, inverse_temperatures(temperatures, rows.device))
         steps = [len(request.output) + 1 for _, request in members]
         if self.host_scalars:
-            self._host_values(logits, settings, members, lse, rows[:, eos], steps, temperatures)
+            eos_logits = rows[:, eos].tolist()  # read before the exp pass masks the column
+            lse = tempered_non_eos_lse(rows, eos, inverse_temperatures(temperatures, rows.device), self.workspace)
+            values = []
+            for (_, request), t, temperature, L, s in zip(members, steps, temperatures, lse.tolist(), eos_logits):
+                value, after = host_eos_value(settings, L, s, t, temperature, request.sums.get(t - 1, 0.0))
+                if settings.head == "st":
+                    request.sums[t] = after  # a step that runs again (partial prefill) overwrites its own entry
+                    request.sums.pop(t - 2, None)
+                values.append(s if value is None else value)
+            logits[where, eos] = torch.tensor(values, dtype=torch.float64).to(dtype=logits.dtype)
             return
+        eos_logits = rows[:, eos].clone()
+        lse = tempered_non_eos_lse(rows, eos, inverse_temperatures(temperatures, rows.device), self.workspace)
         zero = torch.zeros((), dtype=torch.float64, device=logits.device)
         before = None if settings.head != "st" else \
             torch.stack([request.sums.get(step - 1, zero) for (_, request), step in zip(members, steps)])
-        logits[where, eos], after = device_eos_values(settings, lse, rows[:, eos], steps, temperatures, before)
+        logits[where, eos], after = device_eos_values(settings, lse, eos_logits, steps, temperatures, before)
         if after is not None:
             for k, ((_, request), step) in enumerate(zip(members, steps)):
                 request.sums[step] = after[k]  # a step that runs again (partial prefill) overwrites its own entry
                 request.sums.pop(step - 2, None)
-
-    @staticmethod
-    def _host_values(logits: torch.Tensor, settings: HeadSettings, members: list[tuple[int, _Request]],
-                     lse: torch.Tensor, eos_logits: torch.Tensor, steps: list[int], temperatures: list[float]) -> None:
-        """One read of (L_T, s) per row, the head's scalars by the library's float formulas row by row."""
-        targets, values = [], []
-        for (index, request), t, temperature, L, s in zip(members, steps, temperatures, lse.tolist(),
-                                                         eos_logits.tolist()):
-            value, after = host_eos_value(settings, L, s, t, temperature, request.sums.get(t - 1, 0.0))
-            if settings.head == "st":
-                request.sums[t] = after  # a step that runs again (partial prefill) overwrites its own entry
-                request.sums.pop(t - 2, None)
-            if value is not None:
-                targets.append(index)
-                values.append(value)
-        if targets:
-            logits[torch.tensor(targets, device=logits.device), settings.eos_token_id] = torch.tensor(
-                values, dtype=torch.float64).to(device=logits.device, dtype=logits.dtype)

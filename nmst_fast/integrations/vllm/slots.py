@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from vllm import SamplingParams
 
-from .eos_column import device_eos_values, inverse_temperatures, row_temperature, tempered_non_eos_lse
+from .eos_column import Workspace, device_eos_values, inverse_temperatures, row_temperature, tempered_non_eos_lse
 from .settings import HeadSettings, _ModelInfo, request_settings
 
 logger = logging.getLogger("nmst_fast.integrations.vllm")
@@ -32,6 +32,7 @@ class SlotHead:
         self.model = model
         self.prompt_len = req_states.prompt_len
         self.slots: dict[int, tuple[HeadSettings, float]] = {}
+        self.workspace = Workspace()
         self._warned: set[str] = set()
 
     def add_request(self, slot: int, params: SamplingParams) -> bool:
@@ -82,9 +83,10 @@ class SlotHead:
         eos = settings.eos_token_id
         contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
         where = slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, device=logits.device)
-        block = logits[where]
-        lse = tempered_non_eos_lse(block, eos, inverse_temperatures(temperatures, block.device))
+        block = logits[where]  # a view when contiguous, else a copy
+        eos_logits = block[:, eos].clone()  # read before the exp pass masks the column
+        lse = tempered_non_eos_lse(block, eos, inverse_temperatures(temperatures, block.device), self.workspace)
         prompt_len = self.prompt_len.gpu[ctx.idx_mapping[where]]
         steps = ctx.pos[where].to(torch.int64) + 2 - prompt_len.to(torch.int64)
-        logits[where, eos], _ = device_eos_values(settings, lse, block[:, eos], steps, temperatures)
+        logits[where, eos], _ = device_eos_values(settings, lse, eos_logits, steps, temperatures)
 
