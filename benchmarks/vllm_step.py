@@ -11,7 +11,7 @@
    and small ops then take milliseconds).
 2. End to end: vLLM's offline tokens/s on the tiny Llama of ``tests_vllm`` with the NMST head on every
    request (model-wide) against the same weights served plain (the processor loaded, idle), greedy
-   and sampled.
+   and sampled; both engines alive, their runs alternated (best of ``--rounds`` each).
 """
 
 from __future__ import annotations
@@ -107,7 +107,9 @@ def step_table(repeats: int, head: str) -> list[dict]:
     return rows
 
 
-def end_to_end(requests: int, max_tokens: int) -> list[dict]:
+def end_to_end(requests: int, max_tokens: int, rounds: int) -> list[dict]:
+    """Both engines alive at once, their runs alternated ``rounds`` times per sampling (best of each):
+    the machine's drift over a run falls on both alike."""
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests_vllm"))
@@ -116,25 +118,32 @@ def end_to_end(requests: int, max_tokens: int) -> list[dict]:
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     prompts = [{"prompt_token_ids": [(7 * i + j) % 256 for j in range(8 + i % 8)]} for i in range(requests)]
+    samplings = (("greedy", SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)),
+                 ("top-p 0.9, T 0.7", SamplingParams(temperature=0.7, top_p=0.9, max_tokens=max_tokens,
+                                                     ignore_eos=True)))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
+        engines = {}
         for label, head in (("plain (processor idle)", None), ("NMST head, model-wide", "nmst")):
             directory = save_model(os.path.join(tmp, label.split()[0]), head=head, eps=1e-5)
-            llm = LLM(directory, dtype="float32", gpu_memory_utilization=0.1, max_model_len=1024, enforce_eager=True,
-                      seed=0)
-            for kind, params in (("greedy", SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)),
-                                 ("top-p 0.9, T 0.7", SamplingParams(temperature=0.7, top_p=0.9,
-                                                                     max_tokens=max_tokens, ignore_eos=True))):
+            engines[label] = LLM(directory, dtype="float32", gpu_memory_utilization=0.1, max_model_len=1024,
+                                 enforce_eager=True, seed=0)
+        for kind, params in samplings:
+            best = dict.fromkeys(engines, 0.0)
+            for llm in engines.values():
                 llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
-                best = 0.0
-                for _ in range(3):
+            for _ in range(rounds):
+                for label, llm in engines.items():
                     start = time.perf_counter()
                     outs = llm.generate(prompts, params, use_tqdm=False)
                     elapsed = time.perf_counter() - start
-                    best = max(best, sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
-                results.append(dict(model=label, sampling=kind, tokens_per_s=best))
-                print(f"{label:24s} {kind:18s} {best:9.0f} tokens/s", flush=True)
-            del llm
+                    best[label] = max(best[label], sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+            for label, tokens_per_s in best.items():
+                results.append(dict(model=label, sampling=kind, tokens_per_s=tokens_per_s))
+                print(f"{label:24s} {kind:18s} {tokens_per_s:9.0f} tokens/s", flush=True)
+            plain, nmst = best.values()
+            print(f"{kind}: NMST / plain = {nmst / plain:.3f}", flush=True)
+        del engines
     return results
 
 
@@ -144,6 +153,7 @@ def main() -> None:
     parser.add_argument("--head", default="nmst", choices=("nmst", "st"))
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5, help="alternated end-to-end runs per engine")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the step table")
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--skip-steps", action="store_true")
@@ -155,7 +165,7 @@ def main() -> None:
         step_table(args.repeats, args.head)
     torch.set_num_threads(threads)
     if not args.skip_e2e:
-        end_to_end(args.requests, args.max_tokens)
+        end_to_end(args.requests, args.max_tokens, args.rounds)
 
 
 if __name__ == "__main__":
