@@ -1,10 +1,11 @@
-"""What the processor's tests compare against: an engine config without an engine, and one request's
-expected eos column step by step from the library's effective logits."""
+"""What the processor's tests compare against: an engine config without an engine, one request's
+expected eos column step by step from the library's effective logits, and a watch for values read back."""
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -35,3 +36,34 @@ class Reference:
         non_eos = torch.cat([row[:EOS], row[EOS + 1:]]).double() / T
         zeta = min(float(dist.eos_zeta[0]), float(torch.logsumexp(non_eos, 0)) + 200.0)  # the processor's cap
         return T * zeta, dist.state
+
+
+# Ops that read a tensor's values on the host: a device-to-host sync on a GPU.
+READ_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "_unique2", "unique_dim",
+            "unique_consecutive"}
+
+
+@contextlib.contextmanager
+def no_values_read() -> Iterator[list]:
+    """Within: ``Tensor.tolist`` / ``numpy`` raise, and every op of READ_OPS is recorded in the list
+    yielded (a test asserts it stays empty)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads: list[str] = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in READ_OPS:
+                reads.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a tensor's values were read back")
+
+    tolist, numpy = torch.Tensor.tolist, torch.Tensor.numpy
+    torch.Tensor.tolist, torch.Tensor.numpy = refused, refused
+    try:
+        with Reads():
+            yield reads
+    finally:
+        torch.Tensor.tolist, torch.Tensor.numpy = tolist, numpy
