@@ -102,7 +102,6 @@ class NMSTLogitsProcessor(*_BASES):
             request_settings(SamplingParams(), self.model)  # the model-wide head, checked once at start
         except ValueError as err:
             raise ValueError(f"NMSTLogitsProcessor: the served model's recorded head: {err}") from None
-        self.runner_v2 = runner_v2
         self.head = SlotHead(self.model, runner_args[0]) if runner_v2 else \
             PersistentBatchHead(self.model, torch.device(runner_args[0]))
         # A second instance in the same engine (the plugin plus an explicit --logits-processors) stays idle.

@@ -71,11 +71,23 @@ class Workspace:
         return buffer[:rows]
 
 
+def host_to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A step's small host list (row indices, temperatures, steps) as a tensor on ``device``. On CUDA it
+    goes through pinned memory with a non-blocking copy: a copy from pageable memory waits for all the
+    device's queued work, a host sync every step."""
+    host = torch.tensor(list(values), dtype=dtype)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def inverse_temperatures(temperatures: Sequence[float], device: torch.device) -> Optional[torch.Tensor]:
     """(A,) float64 1/T per row, or None when every T is 1 (no scaling pass)."""
     if all(t == 1.0 for t in temperatures):
         return None
-    return torch.tensor([1.0 / t for t in temperatures], dtype=torch.float64, device=device)
+    return host_to_device([1.0 / t for t in temperatures], torch.float64, device)
 
 
 def host_eos_value(settings: HeadSettings, L: float, s: float, t: int, temperature: float,
@@ -104,7 +116,7 @@ def device_eos_values(settings: HeadSettings, lse: torch.Tensor, eos_logits: tor
     :func:`host_eos_value`) get s back and pass ``before`` on."""
     device = lse.device
     s = eos_logits.double()
-    t = steps if isinstance(steps, torch.Tensor) else torch.tensor(list(steps), device=device)
+    t = steps if isinstance(steps, torch.Tensor) else host_to_device(steps, torch.int64, device)
     keep = torch.isnan(lse) | torch.isnan(s) | (lse == math.inf) | (s == -math.inf) | (lse == -math.inf)
     after = None
     if settings.head == "nmst":
@@ -115,6 +127,6 @@ def device_eos_values(settings: HeadSettings, lse: torch.Tensor, eos_logits: tor
         log_survival, after = st_step_survival(before, s, t, settings.eps)
         after = torch.where(keep, before, after)  # a step without a distribution adds nothing
     _, eos_zeta, _ = head_terms(lse, log_survival)
-    temperature = torch.tensor(list(temperatures), dtype=torch.float64, device=device)
+    temperature = host_to_device(temperatures, torch.float64, device)
     value = torch.minimum(eos_zeta, lse + MAX_EOS_LOGIT_GAP) * temperature
     return torch.where(keep, s, value).to(eos_logits.dtype), after

@@ -17,6 +17,7 @@ from .eos_column import (
     Workspace,
     device_eos_values,
     host_eos_value,
+    host_to_device,
     inverse_temperatures,
     row_temperature,
     tempered_non_eos_lse,
@@ -157,7 +158,7 @@ class PersistentBatchHead:
         indices = [index for index, _ in members]
         contiguous = indices == list(range(indices[0], indices[0] + len(indices)))
         where = slice(indices[0], indices[0] + len(indices)) if contiguous else \
-            torch.tensor(indices, device=logits.device)
+            host_to_device(indices, torch.int64, logits.device)
         rows = logits[where]  # a view when contiguous, else a copy
         temperatures = []
         for _, request in members:

@@ -17,7 +17,14 @@ from typing import Any
 import torch
 from vllm import SamplingParams
 
-from .eos_column import Workspace, device_eos_values, inverse_temperatures, row_temperature, tempered_non_eos_lse
+from .eos_column import (
+    Workspace,
+    device_eos_values,
+    host_to_device,
+    inverse_temperatures,
+    row_temperature,
+    tempered_non_eos_lse,
+)
 from .settings import HeadSettings, _ModelInfo, request_settings
 
 logger = logging.getLogger("nmst_fast.integrations.vllm")
@@ -82,7 +89,7 @@ class SlotHead:
                      temperatures: list[float], ctx: Any) -> None:
         eos = settings.eos_token_id
         contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-        where = slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, device=logits.device)
+        where = slice(rows[0], rows[0] + len(rows)) if contiguous else host_to_device(rows, torch.int64, logits.device)
         block = logits[where]  # a view when contiguous, else a copy
         eos_logits = block[:, eos].clone()  # read before the exp pass masks the column
         lse = tempered_non_eos_lse(block, eos, inverse_temperatures(temperatures, block.device), self.workspace)
