@@ -220,13 +220,33 @@ def _row_logsumexp(values: torch.Tensor, without: Optional[int] = None) -> torch
 LOG2E = 1.4426950408889634
 
 
-def exp_sum(shifted: torch.Tensor) -> torch.Tensor:
-    """(B,) Σ e^d over each row of ``shifted`` d = x − max (B, n), overwritten. On CPU as Σ 2^(d·log2 e):
-    its exp2 costs a third of its exp (fp32, 50k entries, AVX-512: 15 against 42 µs) at the same ~1e-7
-    relative error (d is formed first: x·log2 e − max·log2 e would cancel)."""
-    if shifted.device.type != "cpu":
-        return shifted.exp_().sum(dim=1)
-    return shifted.mul_(LOG2E).exp2_().sum(dim=1)
+def exp_sum(shifted: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(B,) Σ e^(c·d) over each row of ``shifted`` d = x − max (B, n), overwritten; ``scale`` c (B,) per
+    row (None: 1), in the pass that forms the exponent. On CPU as Σ 2^(c·d·log2 e): its exp2 costs a
+    third of its exp (fp32, 50k entries, AVX-512: 15 against 42 µs) at the same ~1e-7 relative error
+    (d is formed first: x·log2 e − max·log2 e would cancel)."""
+    on_cpu = shifted.device.type == "cpu"
+    if scale is not None:
+        shifted.mul_((scale * LOG2E if on_cpu else scale).to(shifted.dtype)[:, None])
+    elif on_cpu:
+        shifted.mul_(LOG2E)
+    return (shifted.exp2_() if on_cpu else shifted.exp_()).sum(dim=1)
+
+
+class RowBuffer:
+    """One (rows, n) buffer reused across calls: grown when a call needs more rows, made anew when the
+    width, dtype or device changes."""
+
+    def __init__(self) -> None:
+        self._buffer: Optional[torch.Tensor] = None
+
+    def get(self, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A (rows, width) buffer (its contents undefined)."""
+        buffer = self._buffer
+        if (buffer is None or buffer.shape[0] < rows or buffer.shape[1] != width or buffer.dtype != dtype
+                or buffer.device != device):
+            buffer = self._buffer = torch.empty(rows, width, dtype=dtype, device=device)
+        return buffer if buffer.shape[0] == rows else buffer.narrow(0, 0, rows)
 
 
 # CPU work on (B, V) tensors goes by blocks of rows of about this many entries: a float64 temporary

@@ -21,6 +21,7 @@ import torch
 from ..head_math import nmst_log_survival, st_step_survival
 from .distribution import (
     BLOCK_ENTRIES,
+    RowBuffer,
     Steps,
     check_state,
     exp_sum,
@@ -47,7 +48,7 @@ class HostRows:
                  top_p: Optional[float]):
         self.head, self.eos_index, self.eps, self.temperature, self.top_k = head, eos_index, eps, temperature, top_k
         self.cut = None if top_p is None or top_p >= 1.0 else top_p - TOP_P_SLACK
-        self._buffer: Optional[torch.Tensor] = None
+        self._buffer = RowBuffer()
 
     def __call__(self, logits: torch.Tensor, steps: Steps, state: Optional[torch.Tensor],
                  generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -75,12 +76,7 @@ class HostRows:
         R, V = logits.shape
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         last = V - 1 if self.head != "va" and self.eos_index == V - 1 else V  # eos last: ζ is a view of the rest
-        buffer = self._buffer
-        if (buffer is None or buffer.shape[0] < R or buffer.shape[1] != last or buffer.dtype != dtype
-                or buffer.device != logits.device):
-            buffer = self._buffer = torch.empty(R, last, dtype=dtype, device=logits.device)
-        elif buffer.shape[0] > R:
-            buffer = buffer.narrow(0, 0, R)
+        buffer = self._buffer.get(R, last, dtype, logits.device)
         head = logits if last == V else logits.narrow(1, 0, last)
         masked = self.head != "va" and last == V  # eos inside the row: its column goes to −inf
         if self.temperature == 1.0 and logits.dtype == dtype and logits.stride(1) == 1 and not masked:

@@ -8,14 +8,17 @@ eos = T·ζ_eos. The V-wide part is L_T = logsumexp over non-eos of z / T; the r
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Optional, Sequence, Union
 
 import torch
 
-from ...decoding.distribution import LOG2E, head_terms, row_blocks
+from ...decoding.distribution import RowBuffer, exp_sum, head_terms, row_blocks
 from ...head_math import nmst_log_survival, st_step_survival
 from .settings import HeadSettings
+
+logger = logging.getLogger("nmst_fast.integrations.vllm")
 
 # vLLM samples greedily below this temperature (vllm.v1.sample.sampler._SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
@@ -30,45 +33,38 @@ def row_temperature(temperature: float) -> float:
 
 
 def tempered_non_eos_lse(rows: torch.Tensor, eos: int, inverse: Optional[torch.Tensor] = None,
-                         workspace: Optional["Workspace"] = None) -> torch.Tensor:
+                         buffer: Optional[RowBuffer] = None) -> torch.Tensor:
     """(A,) float64 logsumexp over every column but ``eos`` of ``rows`` (A, V) times ``inverse`` (A,)
     (1/T per row; None: 1). **Overwrites ``rows``' eos column with −inf** (the caller writes that column
     afterwards; read it first). By blocks of rows (:func:`~nmst_fast.decoding.distribution.row_blocks`):
-    the max kept apart in float64, then Σ e^((z − max)/T) in one reused buffer (``workspace``; None: a
-    fresh one), as Σ 2^((z − max)·log2e/T) on the CPU, whose exp2 costs a third of its exp."""
+    the max kept apart in float64, then Σ e^((z − max)/T) (:func:`~nmst_fast.decoding.distribution.exp_sum`)
+    in one reused ``buffer`` (None: a fresh one)."""
     rows.select(1, eos).fill_(-math.inf)
-    workspace = workspace if workspace is not None else Workspace()
-    on_cpu = rows.device.type == "cpu"
+    buffer = buffer if buffer is not None else RowBuffer()
     out = []
     for block in row_blocks(rows):
         part = rows[block]
         shift = part.amax(dim=1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)  # −inf / NaN / +inf rows stay so
-        shifted = torch.sub(part, shift, out=workspace.get(part))
-        if inverse is None:
-            total = (shifted.mul_(LOG2E).exp2_() if on_cpu else shifted.exp_()).sum(dim=1)
-        else:
-            scale = inverse[block] * LOG2E if on_cpu else inverse[block]
-            shifted.mul_(scale.to(shifted.dtype)[:, None])
-            total = (shifted.exp2_() if on_cpu else shifted.exp_()).sum(dim=1)
+        shifted = torch.sub(part, shift, out=buffer.get(*part.shape, part.dtype, part.device))
+        scale = None if inverse is None else inverse[block]
         offset = shift.view(-1).double()
-        out.append(total.double().log_().add_(offset if inverse is None else offset * inverse[block]))
+        out.append(exp_sum(shifted, scale).double().log_().add_(offset if scale is None else offset * scale))
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
-class Workspace:
-    """One buffer reused across steps for the (rows, V) exp pass (grown when a step needs more)."""
+def row_selection(rows: list[int], device: torch.device) -> Union[slice, torch.Tensor]:
+    """Batch rows ``rows`` (ascending) as an index of the logits: a slice when they are contiguous (the
+    rows are then a view), else an index tensor on ``device`` (a copy)."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return host_to_device(rows, torch.int64, device)
 
-    def __init__(self) -> None:
-        self._buffer: Optional[torch.Tensor] = None
 
-    def get(self, like: torch.Tensor) -> torch.Tensor:
-        """A (rows, V) buffer of ``like``'s shape, dtype and device (its contents undefined)."""
-        rows, width = like.shape
-        buffer = self._buffer
-        if buffer is None or buffer.shape[0] < rows or buffer.shape[1] != width or buffer.dtype != like.dtype \
-                or buffer.device != like.device:
-            buffer = self._buffer = torch.empty(max(rows, 1), width, dtype=like.dtype, device=like.device)
-        return buffer[:rows]
+def log_once(seen: set, key: str, message: str) -> None:
+    """Log ``message`` as an error the first time ``key`` is met (``seen`` holds the keys met)."""
+    if key not in seen:
+        seen.add(key)
+        logger.error("NMSTLogitsProcessor: %s", message)
 
 
 def host_to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

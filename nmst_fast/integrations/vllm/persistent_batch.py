@@ -4,7 +4,6 @@ kept per request through moves, reused slots, preemption and re-entry."""
 
 from __future__ import annotations
 
-import logging
 import weakref
 from dataclasses import dataclass, field
 from typing import Optional
@@ -14,17 +13,16 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
 from .eos_column import (
-    Workspace,
+    RowBuffer,
     device_eos_values,
     host_eos_value,
-    host_to_device,
     inverse_temperatures,
+    log_once,
+    row_selection,
     row_temperature,
     tempered_non_eos_lse,
 )
 from .settings import HeadSettings, _ModelInfo, request_settings
-
-logger = logging.getLogger("nmst_fast.integrations.vllm")
 
 
 @dataclass
@@ -52,16 +50,11 @@ class PersistentBatchHead:
         self.model = model
         self.host_scalars = device.type == "cpu"
         self.rows: dict[int, _Request] = {}
-        self.workspace = Workspace()
+        self.buffer = RowBuffer()
         # Requests that left the batch (finished, preempted or not scheduled), by id of their
         # SamplingParams, until those are freed: an ST request that re-enters finds its sum here.
         self._detached: dict[int, list[_Request]] = {}
         self._warned: set[str] = set()
-
-    def _warn(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.error("NMSTLogitsProcessor: %s", message)
 
     def _detach(self, request: _Request) -> None:
         params = request.params()
@@ -107,7 +100,7 @@ class PersistentBatchHead:
             try:
                 settings = request_settings(params, self.model)
             except ValueError as err:  # admission checks these; reaching here means they were bypassed
-                self._warn(str(err), f"{err}; the request decodes plain softmax")
+                log_once(self._warned, str(err), f"{err}; the request decodes plain softmax")
                 continue
             if settings is None:
                 continue
@@ -116,8 +109,8 @@ class PersistentBatchHead:
                 request = _Request(settings, weakref.ref(params), output)
                 if settings.head == "st" and len(output) > 0:
                     request.lost = True
-                    self._warn("st-lost", "an ST request re-entered the batch with its running sum unknown: it "
-                               "decodes its logits unchanged from now on")
+                    log_once(self._warned, "st-lost", "an ST request re-entered the batch with its running sum "
+                             "unknown: it decodes its logits unchanged from now on")
             rows[index] = request
         for a, b, direction in batch_update.moved:
             first, second = rows.pop(a, None), rows.pop(b, None)
@@ -144,7 +137,8 @@ class PersistentBatchHead:
             if index < B and not request.lost:
                 eos = request.settings.eos_token_id
                 if not 0 <= eos < V:
-                    self._warn(f"eos{eos}", f"eos_token_id {eos} outside [0, V={V}): the request decodes plain softmax")
+                    log_once(self._warned, f"eos{eos}",
+                             f"eos_token_id {eos} outside [0, V={V}): the request decodes plain softmax")
                     continue
                 groups.setdefault(request.settings, []).append((index, request))
         for settings, members in groups.items():
@@ -155,21 +149,19 @@ class PersistentBatchHead:
                      members: list[tuple[int, _Request]]) -> None:
         """The eos column of the rows ``members`` (batch index, request), which share ``settings``."""
         eos = settings.eos_token_id
-        indices = [index for index, _ in members]
-        contiguous = indices == list(range(indices[0], indices[0] + len(indices)))
-        where = slice(indices[0], indices[0] + len(indices)) if contiguous else \
-            host_to_device(indices, torch.int64, logits.device)
+        where = row_selection([index for index, _ in members], logits.device)
         rows = logits[where]  # a view when contiguous, else a copy
         temperatures = []
         for _, request in members:
             params = request.params()
             temperatures.append(row_temperature(1.0 if params is None else float(params.temperature)))
         steps = [len(request.output) + 1 for _, request in members]
+        eos_logits = rows[:, eos].clone()  # read before the exp pass masks the column
+        lse = tempered_non_eos_lse(rows, eos, inverse_temperatures(temperatures, rows.device), self.buffer)
         if self.host_scalars:
-            eos_logits = rows[:, eos].tolist()  # read before the exp pass masks the column
-            lse = tempered_non_eos_lse(rows, eos, inverse_temperatures(temperatures, rows.device), self.workspace)
             values = []
-            for (_, request), t, temperature, L, s in zip(members, steps, temperatures, lse.tolist(), eos_logits):
+            for (_, request), t, temperature, L, s in zip(members, steps, temperatures, lse.tolist(),
+                                                         eos_logits.tolist()):
                 value, after = host_eos_value(settings, L, s, t, temperature, request.sums.get(t - 1, 0.0))
                 if settings.head == "st":
                     request.sums[t] = after  # a step that runs again (partial prefill) overwrites its own entry
@@ -177,8 +169,6 @@ class PersistentBatchHead:
                 values.append(s if value is None else value)
             logits[where, eos] = torch.tensor(values, dtype=torch.float64).to(dtype=logits.dtype)
             return
-        eos_logits = rows[:, eos].clone()
-        lse = tempered_non_eos_lse(rows, eos, inverse_temperatures(temperatures, rows.device), self.workspace)
         zero = torch.zeros((), dtype=torch.float64, device=logits.device)
         before = None if settings.head != "st" else \
             torch.stack([request.sums.get(step - 1, zero) for (_, request), step in zip(members, steps)])

@@ -11,23 +11,21 @@ across preemption, so ST is refused here (see ``settings.ST_NEEDS_V1``).
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 from vllm import SamplingParams
 
 from .eos_column import (
-    Workspace,
+    RowBuffer,
     device_eos_values,
-    host_to_device,
     inverse_temperatures,
+    log_once,
+    row_selection,
     row_temperature,
     tempered_non_eos_lse,
 )
 from .settings import HeadSettings, _ModelInfo, request_settings
-
-logger = logging.getLogger("nmst_fast.integrations.vllm")
 
 
 class SlotHead:
@@ -39,7 +37,7 @@ class SlotHead:
         self.model = model
         self.prompt_len = req_states.prompt_len
         self.slots: dict[int, tuple[HeadSettings, float]] = {}
-        self.workspace = Workspace()
+        self.buffer = RowBuffer()
         self._warned: set[str] = set()
 
     def add_request(self, slot: int, params: SamplingParams) -> bool:
@@ -49,9 +47,7 @@ class SlotHead:
         try:
             settings = request_settings(params, self.model)
         except ValueError as err:  # admission checks these; reaching here means they were bypassed
-            if str(err) not in self._warned:
-                self._warned.add(str(err))
-                logger.error("NMSTLogitsProcessor: %s; the request decodes plain softmax", err)
+            log_once(self._warned, str(err), f"{err}; the request decodes plain softmax")
             return False
         if settings is None:
             return False
@@ -74,12 +70,10 @@ class SlotHead:
             if entry is not None:
                 groups.setdefault(entry[0], []).append(row)
         for settings, rows in groups.items():
-            if not 0 <= settings.eos_token_id < V:
-                key = f"eos{settings.eos_token_id}"
-                if key not in self._warned:
-                    self._warned.add(key)
-                    logger.error("NMSTLogitsProcessor: eos_token_id %d outside [0, V=%d): the request decodes "
-                                 "plain softmax", settings.eos_token_id, V)
+            eos = settings.eos_token_id
+            if not 0 <= eos < V:
+                log_once(self._warned, f"eos{eos}", f"eos_token_id {eos} outside [0, V={V}): the request decodes "
+                         "plain softmax")
                 continue
             temperatures = [self.slots[slot][1] for slot in slots[rows].tolist()]
             self._apply_group(logits, settings, rows, temperatures, ctx)
@@ -88,11 +82,10 @@ class SlotHead:
     def _apply_group(self, logits: torch.Tensor, settings: HeadSettings, rows: list[int],
                      temperatures: list[float], ctx: Any) -> None:
         eos = settings.eos_token_id
-        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-        where = slice(rows[0], rows[0] + len(rows)) if contiguous else host_to_device(rows, torch.int64, logits.device)
+        where = row_selection(rows, logits.device)
         block = logits[where]  # a view when contiguous, else a copy
         eos_logits = block[:, eos].clone()  # read before the exp pass masks the column
-        lse = tempered_non_eos_lse(block, eos, inverse_temperatures(temperatures, block.device), self.workspace)
+        lse = tempered_non_eos_lse(block, eos, inverse_temperatures(temperatures, block.device), self.buffer)
         prompt_len = self.prompt_len.gpu[ctx.idx_mapping[where]]
         steps = ctx.pos[where].to(torch.int64) + 2 - prompt_len.to(torch.int64)
         logits[where, eos], _ = device_eos_values(settings, lse, eos_logits, steps, temperatures)
