@@ -65,7 +65,6 @@ def corpus(tmp_path):
     return data
 
 
-
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """Exit status 5 (no tests ran), e.g. every test asked for is slow and deselected by pyproject.toml's
     `-m 'not slow'`: say which marker expression chose nothing and how to run the slow tests."""

@@ -26,6 +26,8 @@ FAST_DRAWS = 20_000
 def slow(*values, **kwargs):
     """A parametrize case behind the ``slow`` marker (deselected unless ``-m slow``)."""
     return pytest.param(*values, marks=pytest.mark.slow, **kwargs)
+
+
 FAST_IMPLS = ("chunked", "triton")
 
 
