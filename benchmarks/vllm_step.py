@@ -11,7 +11,9 @@
    and small ops then take milliseconds).
 2. End to end: vLLM's offline tokens/s on the tiny Llama of ``tests_vllm`` with the NMST head on every
    request (model-wide) against the same weights served plain (the processor loaded, idle), greedy
-   and sampled; both engines alive, their runs alternated (best of ``--rounds`` each).
+   and sampled, and a second plain engine as a control; all alive in one process, their runs
+   rotated, the median over ``--rounds`` of each round's ratio; beside it the share of the time spent
+   in the processor's ``apply``.
 """
 
 from __future__ import annotations
@@ -107,43 +109,72 @@ def step_table(repeats: int, head: str) -> list[dict]:
     return rows
 
 
+ENGINES = (("plain (processor idle)", None), ("plain, a second engine (control)", None),
+           ("NMST head, model-wide", "nmst"))
+
+
 def end_to_end(requests: int, max_tokens: int, rounds: int) -> list[dict]:
-    """Both engines alive at once, their runs alternated ``rounds`` times per sampling (best of each):
-    the machine's drift over a run falls on both alike."""
+    """Three engines alive at once in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so that the
+    processor's own time in the engine can be read): the weights saved plain, the same again (a control:
+    two plain engines differ by the measurement's own error), and with the NMST head model-wide. Each
+    round runs every engine once, in an order rotated from round to round; each engine's tokens/s is
+    divided by the first plain engine's in the same round, and the median over rounds is reported."""
     import sys
 
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests_vllm"))
     from tiny_model import save_model
     from vllm import LLM, SamplingParams
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from nmst_fast.integrations.vllm import NMSTLogitsProcessor
+
+    in_apply = [0.0]
+    apply = NMSTLogitsProcessor.apply
+
+    def timed_apply(self, logits, ctx=None):
+        start = time.perf_counter()
+        out = apply(self, logits, ctx)
+        in_apply[0] += time.perf_counter() - start
+        return out
+
+    NMSTLogitsProcessor.apply = timed_apply
     prompts = [{"prompt_token_ids": [(7 * i + j) % 256 for j in range(8 + i % 8)]} for i in range(requests)]
     samplings = (("greedy", SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)),
                  ("top-p 0.9, T 0.7", SamplingParams(temperature=0.7, top_p=0.9, max_tokens=max_tokens,
                                                      ignore_eos=True)))
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        engines = {}
-        for label, head in (("plain (processor idle)", None), ("NMST head, model-wide", "nmst")):
-            directory = save_model(os.path.join(tmp, label.split()[0]), head=head, eps=1e-5)
-            engines[label] = LLM(directory, dtype="float32", gpu_memory_utilization=0.1, max_model_len=1024,
-                                 enforce_eager=True, seed=0)
-        for kind, params in samplings:
-            best = dict.fromkeys(engines, 0.0)
-            for llm in engines.values():
-                llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
-            for _ in range(rounds):
-                for label, llm in engines.items():
-                    start = time.perf_counter()
-                    outs = llm.generate(prompts, params, use_tqdm=False)
-                    elapsed = time.perf_counter() - start
-                    best[label] = max(best[label], sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
-            for label, tokens_per_s in best.items():
-                results.append(dict(model=label, sampling=kind, tokens_per_s=tokens_per_s))
-                print(f"{label:24s} {kind:18s} {tokens_per_s:9.0f} tokens/s", flush=True)
-            plain, nmst = best.values()
-            print(f"{kind}: NMST / plain = {nmst / plain:.3f}", flush=True)
-        del engines
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            engines = {}
+            for k, (label, head) in enumerate(ENGINES):
+                directory = save_model(os.path.join(tmp, str(k)), head=head, eps=1e-5)
+                engines[label] = LLM(directory, dtype="float32", gpu_memory_utilization=0.1, max_model_len=1024,
+                                     enforce_eager=True, seed=0)
+            labels = list(engines)
+            for kind, params in samplings:
+                for llm in engines.values():
+                    llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
+                speed = {label: [] for label in labels}
+                share = {label: [] for label in labels}
+                for r in range(rounds):
+                    for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+                        in_apply[0] = 0.0
+                        start = time.perf_counter()
+                        outs = engines[label].generate(prompts, params, use_tqdm=False)
+                        elapsed = time.perf_counter() - start
+                        speed[label].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+                        share[label].append(in_apply[0] / elapsed)
+                for label in labels:
+                    ratio = statistics.median(a / b for a, b in zip(speed[label], speed[labels[0]]))
+                    row = dict(model=label, sampling=kind, tokens_per_s=statistics.median(speed[label]),
+                               ratio=ratio, processor_share=statistics.median(share[label]))
+                    results.append(row)
+                    print(f"{label:33s} {kind:17s} {row['tokens_per_s']:8.0f} tokens/s  / plain {ratio:5.3f}"
+                          f"  processor {100 * row['processor_share']:4.1f}% of the time", flush=True)
+            del engines
+    finally:
+        NMSTLogitsProcessor.apply = apply
     return results
 
 
@@ -153,7 +184,7 @@ def main() -> None:
     parser.add_argument("--head", default="nmst", choices=("nmst", "st"))
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=5, help="alternated end-to-end runs per engine")
+    parser.add_argument("--rounds", type=int, default=9, help="end-to-end runs per engine (rotated)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the step table")
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--skip-steps", action="store_true")

@@ -15,20 +15,29 @@ from head_reference import Reference as _Reference
 from head_reference import engine_config as _config
 
 
-@pytest.mark.parametrize("host_scalars", [True, False], ids=["host-scalars", "device-tensors"])
-def test_st_state_follows_requests_through_batch_changes(host_scalars):
-    """Both ways of computing the head's scalars: as floats (the CPU's) and as tensors on the logits'
+@pytest.mark.parametrize("scalars", ["host", "mixed", "device"])
+def test_st_state_follows_requests_through_batch_changes(scalars, monkeypatch):
+    """Every way of computing the head's scalars: as floats (the CPU's, small groups), as CPU tensors
+    with the sums kept as floats (the CPU's, large groups; "mixed" switches the size limit every step,
+    so that each step's sums are made one way and read the other), and as tensors on the logits'
     device (every other device's; run here on CPU tensors)."""
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-    from nmst_fast.integrations.vllm import NMSTLogitsProcessor
+    from nmst_fast.integrations.vllm import NMSTLogitsProcessor, persistent_batch
 
     rng = random.Random(0)
     torch.manual_seed(0)
     processor = NMSTLogitsProcessor(_config(), torch.device("cpu"), False)
     assert processor.head.host_scalars  # the CPU's default
-    processor.head.host_scalars = host_scalars
+    processor.head.host_scalars = scalars != "device"
+    ways = {"host": 0, "tensors": 0}
+    if scalars == "mixed":
+        for name, way in (("host_eos_value", "host"), ("device_eos_values", "tensors")):
+            def counted(*args, _way=way, _function=getattr(persistent_batch, name)):
+                ways[_way] += 1
+                return _function(*args)
+            monkeypatch.setattr(persistent_batch, name, counted)
     requests = []
     for i in range(6):
         head = "st" if i % 2 == 0 else "nmst"
@@ -44,6 +53,8 @@ def test_st_state_follows_requests_through_batch_changes(host_scalars):
 
     checked = 0
     for step in range(40):
+        if scalars == "mixed":
+            monkeypatch.setattr(persistent_batch, "HOST_SCALAR_ROWS", [0, 6][step % 2])
         removed, added, moved = [], [], []
         # Requests leave (preemption / not scheduled) and re-enter; a slot may be reused without a removal.
         if step % 5 == 3:
@@ -90,6 +101,8 @@ def test_st_state_follows_requests_through_batch_changes(host_scalars):
             if request is not None:
                 request.output.append(rng.randrange(V))
     assert checked > 150
+    if scalars == "mixed":
+        assert ways["host"] > 100 and ways["tensors"] > 50, ways
 
 
 def test_rows_without_a_head_are_untouched_and_cost_no_copy():
@@ -194,3 +207,44 @@ def test_the_device_path_reads_nothing_back():
         for output in outputs:
             output.append(1)
     assert reads == []
+
+
+@pytest.mark.parametrize("scalars", ["host", "tensors", "device"])
+def test_rows_without_a_distribution_keep_their_logits(scalars, monkeypatch):
+    """A row with a NaN logit (eos or not), a +inf logit, no finite non-eos logit (eos then certain) or
+    eos banned by another control keeps its logits, eos column included, in every way of computing the scalars,
+    and ST's running sum skips that step; the rows beside them are not disturbed."""
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from nmst_fast.integrations.vllm import NMSTLogitsProcessor, persistent_batch
+
+    processor = NMSTLogitsProcessor(_config(), torch.device("cpu"), False)
+    processor.head.host_scalars = scalars != "device"
+    if scalars == "tensors":
+        monkeypatch.setattr(persistent_batch, "HOST_SCALAR_ROWS", 0)
+    requests = [_Reference(SamplingParams(temperature=[0.0, 0.7][i % 2],
+                                          extra_args={"nmst_head": ["st", "nmst"][i // 6], "nmst_eps": 0.05,
+                                                      "nmst_eos_token_id": EOS}), ["st", "nmst"][i // 6], 0.05)
+                for i in range(12)]
+    processor.update_state(BatchUpdate(batch_size=12, removed=[], moved=[],
+                                       added=[(i, r.params, None, r.output) for i, r in enumerate(requests)]))
+    torch.manual_seed(2)
+    for step in range(4):
+        logits = torch.randn(12, V) * 3
+        if step == 1:  # rows 0-4 (ST) and 6-10 (NMST) have no distribution this step; rows 5 and 11 do
+            for first in (0, 6):
+                logits[first, 3] = math.nan
+                logits[first + 1, 3] = math.inf
+                logits[first + 2, :EOS] = logits[first + 2, EOS + 1:] = -math.inf
+                logits[first + 3, EOS] = -math.inf
+                logits[first + 4, EOS] = math.nan
+        before = logits.clone()
+        out = processor.apply(logits)
+        for index, request in enumerate(requests):
+            if step == 1 and index % 6 != 5:
+                torch.testing.assert_close(out[index], before[index], rtol=0, atol=0, equal_nan=True)
+            else:
+                value, request.state = request.expected(before[index])
+                assert math.isclose(float(out[index, EOS]), value, rel_tol=1e-5, abs_tol=1e-4), (step, index)
+            request.output.append(1)

@@ -113,7 +113,7 @@ def device_eos_values(settings: HeadSettings, lse: torch.Tensor, eos_logits: tor
     device = lse.device
     s = eos_logits.double()
     t = steps if isinstance(steps, torch.Tensor) else host_to_device(steps, torch.int64, device)
-    keep = torch.isnan(lse) | torch.isnan(s) | (lse == math.inf) | (s == -math.inf) | (lse == -math.inf)
+    keep = ~(torch.isfinite(lse) & (s > -math.inf))  # (s > −inf) is False for NaN and −inf
     after = None
     if settings.head == "nmst":
         log_survival = nmst_log_survival(s, t, settings.eps)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from vllm import SamplingParams
@@ -38,12 +38,32 @@ class _Request:
     lost: bool = False
 
 
+# On the CPU a group of up to this many rows gets the head's scalars as Python floats (~1.6 µs a row),
+# a larger one as float64 tensors (~80 µs whatever the size; about 25 small ops): measured with
+# torch 2.13 on one thread, equal near 50 rows.
+HOST_SCALAR_ROWS = 48
+
+
+@dataclass
+class _Group:
+    """The rows of one head setting in the batch (ascending batch index), as the batch's layout fixes
+    them until it next changes: their requests, their index of the logits, T and 1/T per row."""
+
+    settings: HeadSettings
+    requests: list[_Request]
+    where: Union[slice, torch.Tensor]
+    temperatures: list[float]
+    inverse: Optional[torch.Tensor]
+
+
 class PersistentBatchHead:
     """The V1 runner's side of :class:`~nmst_fast.integrations.vllm.NMSTLogitsProcessor`.
 
-    On the CPU the head's per-row scalars are Python floats (reading a CPU tensor is no sync, and a few
-    float operations per row cost less than a dozen small tensor launches); elsewhere they stay on the
-    device (``host_scalars`` False), so a step makes no host sync.
+    On the CPU (``host_scalars``) values may be read (no sync): the head's per-row scalars are Python
+    floats for groups of up to ``HOST_SCALAR_ROWS`` rows (a few float operations per row cost less than
+    some 25 small tensor ops), float64 tensors beyond, and ST's sums are floats. Elsewhere scalars and
+    sums stay on the device, so a step makes no host sync. The grouping of rows is kept from one step
+    to the next until the batch changes.
     """
 
     def __init__(self, model: _ModelInfo, device: torch.device) -> None:
@@ -51,6 +71,8 @@ class PersistentBatchHead:
         self.host_scalars = device.type == "cpu"
         self.rows: dict[int, _Request] = {}
         self.buffer = RowBuffer()
+        self._layout: Optional[tuple[torch.Size, list[_Group]]] = None  # (logits' shape, groups)
+        self._zero_sum: Optional[torch.Tensor] = None
         # Requests that left the batch (finished, preempted or not scheduled), by id of their
         # SamplingParams, until those are freed: an ST request that re-enters finds its sum here.
         self._detached: dict[int, list[_Request]] = {}
@@ -88,6 +110,7 @@ class PersistentBatchHead:
         """Follow the batch: removed, then added, then moved (one-way or swapped) rows."""
         if batch_update is None:
             return
+        self._layout = None
         rows = self.rows
         for index in batch_update.removed:
             gone = rows.pop(index, None)
@@ -131,8 +154,15 @@ class PersistentBatchHead:
         """Write T·ζ_eos into the eos column of every NMST/ST row of ``logits`` (B, V) float32, in place."""
         if not self.rows:
             return logits
-        B, V = logits.shape
-        groups: dict[HeadSettings, list[tuple[int, _Request]]] = {}
+        if self._layout is None or self._layout[0] != logits.shape:
+            self._layout = (logits.shape, self._groups(*logits.shape, logits.device))
+        for group in self._layout[1]:
+            self._apply_group(logits, group)
+        return logits
+
+    def _groups(self, B: int, V: int, device: torch.device) -> list[_Group]:
+        """The batch's NMST/ST rows by head setting, and what the batch's layout fixes for them."""
+        members: dict[HeadSettings, list[tuple[int, _Request]]] = {}
         for index, request in self.rows.items():
             if index < B and not request.lost:
                 eos = request.settings.eos_token_id
@@ -140,40 +170,57 @@ class PersistentBatchHead:
                     log_once(self._warned, f"eos{eos}",
                              f"eos_token_id {eos} outside [0, V={V}): the request decodes plain softmax")
                     continue
-                groups.setdefault(request.settings, []).append((index, request))
-        for settings, members in groups.items():
-            self._apply_group(logits, settings, sorted(members, key=lambda m: m[0]))
-        return logits
+                members.setdefault(request.settings, []).append((index, request))
+        groups = []
+        for settings, rows in members.items():
+            rows.sort(key=lambda row: row[0])
+            temperatures = []
+            for _, request in rows:
+                params = request.params()
+                temperatures.append(row_temperature(1.0 if params is None else float(params.temperature)))
+            groups.append(_Group(settings, [request for _, request in rows],
+                                 row_selection([index for index, _ in rows], device), temperatures,
+                                 inverse_temperatures(temperatures, device)))
+        return groups
 
-    def _apply_group(self, logits: torch.Tensor, settings: HeadSettings,
-                     members: list[tuple[int, _Request]]) -> None:
-        """The eos column of the rows ``members`` (batch index, request), which share ``settings``."""
+    def _apply_group(self, logits: torch.Tensor, group: _Group) -> None:
+        """The eos column of one group's rows."""
+        settings, requests, where, temperatures = group.settings, group.requests, group.where, group.temperatures
         eos = settings.eos_token_id
-        where = row_selection([index for index, _ in members], logits.device)
         rows = logits[where]  # a view when contiguous, else a copy
-        temperatures = []
-        for _, request in members:
-            params = request.params()
-            temperatures.append(row_temperature(1.0 if params is None else float(params.temperature)))
-        steps = [len(request.output) + 1 for _, request in members]
+        steps = [len(request.output) + 1 for request in requests]
         eos_logits = rows[:, eos].clone()  # read before the exp pass masks the column
-        lse = tempered_non_eos_lse(rows, eos, inverse_temperatures(temperatures, rows.device), self.buffer)
-        if self.host_scalars:
+        lse = tempered_non_eos_lse(rows, eos, group.inverse, self.buffer)
+        st = settings.head == "st"
+        if self.host_scalars and len(requests) <= HOST_SCALAR_ROWS:
             values = []
-            for (_, request), t, temperature, L, s in zip(members, steps, temperatures, lse.tolist(),
-                                                         eos_logits.tolist()):
-                value, after = host_eos_value(settings, L, s, t, temperature, request.sums.get(t - 1, 0.0))
-                if settings.head == "st":
-                    request.sums[t] = after  # a step that runs again (partial prefill) overwrites its own entry
-                    request.sums.pop(t - 2, None)
+            for request, t, temperature, L, s in zip(requests, steps, temperatures, lse.tolist(),
+                                                     eos_logits.tolist()):
+                value, after = host_eos_value(settings, L, s, t, temperature,
+                                              request.sums.get(t - 1, 0.0) if st else 0.0)
+                if st:
+                    _record_sum(request, t, after)
                 values.append(s if value is None else value)
             logits[where, eos] = torch.tensor(values, dtype=torch.float64).to(dtype=logits.dtype)
             return
-        zero = torch.zeros((), dtype=torch.float64, device=logits.device)
-        before = None if settings.head != "st" else \
-            torch.stack([request.sums.get(step - 1, zero) for (_, request), step in zip(members, steps)])
+        before = None
+        if st:  # sums are floats where values may be read (the CPU), else 0-d tensors on the device
+            before = torch.tensor([request.sums.get(t - 1, 0.0) for request, t in zip(requests, steps)],
+                                  dtype=torch.float64) if self.host_scalars else \
+                torch.stack([request.sums.get(t - 1, self._zero(logits.device)) for request, t in zip(requests, steps)])
         logits[where, eos], after = device_eos_values(settings, lse, eos_logits, steps, temperatures, before)
         if after is not None:
-            for k, ((_, request), step) in enumerate(zip(members, steps)):
-                request.sums[step] = after[k]  # a step that runs again (partial prefill) overwrites its own entry
-                request.sums.pop(step - 2, None)
+            for request, t, value in zip(requests, steps, after.tolist() if self.host_scalars else after):
+                _record_sum(request, t, value)
+
+    def _zero(self, device: torch.device) -> torch.Tensor:
+        if self._zero_sum is None:
+            self._zero_sum = torch.zeros((), dtype=torch.float64, device=device)
+        return self._zero_sum
+
+
+def _record_sum(request: _Request, t: int, value) -> None:
+    """ST's running sum after step t; a step that runs again (a partial prefill) overwrites its own
+    entry, and only the entry before it is still needed."""
+    request.sums[t] = value
+    request.sums.pop(t - 2, None)
