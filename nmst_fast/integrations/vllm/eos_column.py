@@ -113,7 +113,7 @@ def device_eos_values(settings: HeadSettings, lse: torch.Tensor, eos_logits: tor
     device = lse.device
     s = eos_logits.double()
     t = steps if isinstance(steps, torch.Tensor) else host_to_device(steps, torch.int64, device)
-    keep = ~(torch.isfinite(lse) & (s > -math.inf))  # (s > −inf) is False for NaN and −inf
+    live = (lse.abs() < math.inf) & (s > -math.inf)  # False for NaN, ±inf L and s = NaN or −inf
     after = None
     if settings.head == "nmst":
         log_survival = nmst_log_survival(s, t, settings.eps)
@@ -121,8 +121,8 @@ def device_eos_values(settings: HeadSettings, lse: torch.Tensor, eos_logits: tor
         if before is None:
             before = torch.zeros_like(s)
         log_survival, after = st_step_survival(before, s, t, settings.eps)
-        after = torch.where(keep, before, after)  # a step without a distribution adds nothing
+        after = torch.where(live, after, before)  # a step without a distribution adds nothing
     _, eos_zeta, _ = head_terms(lse, log_survival)
     temperature = host_to_device(temperatures, torch.float64, device)
     value = torch.minimum(eos_zeta, lse + MAX_EOS_LOGIT_GAP) * temperature
-    return torch.where(keep, s, value).to(eos_logits.dtype), after
+    return torch.where(live, value, s).to(eos_logits.dtype), after
