@@ -184,7 +184,7 @@ def main() -> None:
     parser.add_argument("--head", default="nmst", choices=("nmst", "st"))
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=9, help="end-to-end runs per engine (rotated)")
+    parser.add_argument("--rounds", type=int, default=15, help="end-to-end runs per engine (rotated)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the step table")
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--skip-steps", action="store_true")
