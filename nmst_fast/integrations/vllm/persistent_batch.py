@@ -38,9 +38,9 @@ class _Request:
     lost: bool = False
 
 
-# On the CPU a group of up to this many rows gets the head's scalars as Python floats (~1.6 µs a row),
-# a larger one as float64 tensors (~80 µs whatever the size; about 25 small ops): measured with
-# torch 2.13 on one thread, equal near 50 rows.
+# On the CPU a group of up to this many rows gets the head's scalars as Python floats (~1.5 µs a row),
+# a larger one as float64 tensors (65–100 µs from 1 to 256 rows: some 30 small ops), measured with
+# torch 2.13 on one thread under inference mode: equal near 45 rows.
 HOST_SCALAR_ROWS = 48
 
 
@@ -61,7 +61,7 @@ class PersistentBatchHead:
 
     On the CPU (``host_scalars``) values may be read (no sync): the head's per-row scalars are Python
     floats for groups of up to ``HOST_SCALAR_ROWS`` rows (a few float operations per row cost less than
-    some 25 small tensor ops), float64 tensors beyond, and ST's sums are floats. Elsewhere scalars and
+    some 30 small tensor ops), float64 tensors beyond, and ST's sums are floats. Elsewhere scalars and
     sums stay on the device, so a step makes no host sync. The grouping of rows is kept from one step
     to the next until the batch changes.
     """
