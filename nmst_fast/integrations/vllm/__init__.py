@@ -38,8 +38,9 @@ whose running sum needs every step's real eos logit, refuses bans it cannot foll
 bad_words, allowed_token_ids, structured outputs). Under V1 penalties run after the processor, on its
 output (the model's non-eos logits and eos's effective logit).
 
-Cost: one pass over the head's rows for L_T; the per-row scalars as Python floats on the CPU (V1), as
-tensors on the logits' device elsewhere (no host sync).
+Cost: one pass over the head's rows for L_T; the per-row scalars as Python floats on the CPU (V1;
+float64 tensors for groups of more than 48 rows), as tensors on the logits' device elsewhere (no host
+sync).
 """
 
 from __future__ import annotations

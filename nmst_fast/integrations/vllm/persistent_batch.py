@@ -72,7 +72,6 @@ class PersistentBatchHead:
         self.rows: dict[int, _Request] = {}
         self.buffer = RowBuffer()
         self._layout: Optional[tuple[torch.Size, list[_Group]]] = None  # (logits' shape, groups)
-        self._zero_sum: Optional[torch.Tensor] = None
         # Requests that left the batch (finished, preempted or not scheduled), by id of their
         # SamplingParams, until those are freed: an ST request that re-enters finds its sum here.
         self._detached: dict[int, list[_Request]] = {}
@@ -204,19 +203,16 @@ class PersistentBatchHead:
             logits[where, eos] = torch.tensor(values, dtype=torch.float64).to(dtype=logits.dtype)
             return
         before = None
-        if st:  # sums are floats where values may be read (the CPU), else 0-d tensors on the device
+        if st and self.host_scalars:  # the sums are floats where values may be read (the CPU)
             before = torch.tensor([request.sums.get(t - 1, 0.0) for request, t in zip(requests, steps)],
-                                  dtype=torch.float64) if self.host_scalars else \
-                torch.stack([request.sums.get(t - 1, self._zero(logits.device)) for request, t in zip(requests, steps)])
+                                  dtype=torch.float64)
+        elif st:  # else 0-d tensors on the device
+            zero = torch.zeros((), dtype=torch.float64, device=logits.device)
+            before = torch.stack([request.sums.get(t - 1, zero) for request, t in zip(requests, steps)])
         logits[where, eos], after = device_eos_values(settings, lse, eos_logits, steps, temperatures, before)
         if after is not None:
             for request, t, value in zip(requests, steps, after.tolist() if self.host_scalars else after):
                 _record_sum(request, t, value)
-
-    def _zero(self, device: torch.device) -> torch.Tensor:
-        if self._zero_sum is None:
-            self._zero_sum = torch.zeros((), dtype=torch.float64, device=device)
-        return self._zero_sum
 
 
 def _record_sum(request: _Request, t: int, value) -> None:
