@@ -15,7 +15,9 @@ eos gradients before the V-wide pass starts.
 With a logit softcap c (``HeadConfig.softcap``; Gemma 2/3) the heads see y = c · tanh(z / c): the
 chunk buffer still receives the raw z from the GEMM, the row pass caps it (L, z_target, dy on y)
 and leaves dz = dy · sech²(z / c) for the two gradient GEMMs, and s is the capped eos logit.
-A logit scale is not seen here: the public entry point folds it into hidden and bias.
+A logit scale is not seen here: the public entry point folds it into hidden and bias. Neither is a
+temperature, but for ``HeadConfig.eos_scale``: the entry point folds 1/T into the logits and the cap, and
+the NMST/ST heads read eos's logit back at T times the folded one.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ class HeadConfig:
     ignore_index: int
     seq_len: int  # T of the (B, T) layout the flat rows come from; "st" sums along it
     softcap: Optional[float] = None  # c > 0: the heads see c·tanh(z / c) instead of z
+    # The eos logit the head reads is eos_scale times the one in the chunk's logits. A temperature T of
+    # "nmst"/"st" divides the non-eos logits only: the entry point folds 1/T into every logit, and
+    # eos_scale = T takes eos's back (s = T·s', and dℓ/ds' = T·dℓ/ds goes in the eos column).
+    eos_scale: float = 1.0
 
 
 def default_chunk_rows(
@@ -89,6 +95,18 @@ def eos_logits(
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     return s if shard is None else shard.sum_(s)
+
+
+def _head_eos_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: HeadConfig,
+                     shard: VocabShard) -> torch.Tensor:
+    """The eos logit s the head reads per row (N,): the chunk's own, times ``cfg.eos_scale``."""
+    s = eos_logits(hidden, weight, bias, cfg.eos_index, cfg.softcap, shard)
+    return s if cfg.eos_scale == 1.0 else s * cfg.eos_scale
+
+
+def _eos_column_grads(eos_grads: torch.Tensor, cfg: HeadConfig) -> torch.Tensor:
+    """dℓ/ds per row as the eos column of the chunk's logits takes it: × ``cfg.eos_scale`` (s = scale · column)."""
+    return eos_grads if cfg.eos_scale == 1.0 else eos_grads * cfg.eos_scale
 
 
 @dataclass
@@ -275,7 +293,7 @@ def fused_forward(
         # row pass, i.e. after the first chunk's GEMM is queued: on a GPU those kernels are
         # launched while that GEMM runs instead of holding it back.
         rows = _RowTargets.build(targets, cfg)
-        s = eos_logits(hidden, weight, bias, cfg.eos_index, cfg.softcap, shard)
+        s = _head_eos_logits(hidden, weight, bias, cfg, shard)
         log_surv = None if cfg.head == "va" else head_math.log_survival(cfg.head, s, steps, cfg.eps, cfg.seq_len)
         # Unit row weights for every reduction: "mean" forms the gradients of the sum and backward
         # divides by the row count with the upstream gradient, in fp32 or wider: dz = p_v / N in fp16
@@ -285,6 +303,7 @@ def fused_forward(
         eos_grads = None
         if want_grad and cfg.head != "va":
             eos_grads = head_math.eos_logit_grads(cfg.head, s, log_surv, rows.is_eos, row_weight, steps, cfg.seq_len)
+            eos_grads = _eos_column_grads(eos_grads, cfg)
         return _HeadPrep(rows, s, log_surv, row_weight, eos_grads)
 
     N = hidden.shape[0]
@@ -364,12 +383,13 @@ def fused_backward_from_lse(
     ``lse`` is the forward's (global) L; ``shard`` as in :func:`fused_forward`."""
     shard = shard or VocabShard(0, weight.shape[0])
     rows = _RowTargets.build(targets, cfg)
-    s = eos_logits(hidden, weight, bias, cfg.eos_index, cfg.softcap, shard)
+    s = _head_eos_logits(hidden, weight, bias, cfg, shard)
     row_weight = torch.where(rows.active, grad_rows.to(torch.float64), 0.0)
     eos_grads = None
     if cfg.head != "va":
         log_surv = head_math.log_survival(cfg.head, s, steps, cfg.eps, cfg.seq_len)
         eos_grads = head_math.eos_logit_grads(cfg.head, s, log_surv, rows.is_eos, row_weight, steps, cfg.seq_len)
+        eos_grads = _eos_column_grads(eos_grads, cfg)
     coefs = head_math.grad_coefficients(cfg.head, lse, s, rows.is_eos, row_weight, eos_grads)
     # The row pass normalizes by the global L here, so a shard only keeps grad_target to the owner.
     coefs = _local_coefficients(coefs, shard, lse, lse, rows.safe)

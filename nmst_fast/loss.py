@@ -12,6 +12,7 @@ import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.nmst_fast.*)
 from .backends import triton_available
+from .decoding.distribution import check_temperature
 from .fused import default_chunk_rows, dw_accumulator_dtype
 from .reference import reference_linear_nmst_loss
 from .validation import (
@@ -181,6 +182,7 @@ def linear_nmst_loss(
     process_group: Optional["torch.distributed.ProcessGroup"] = None,
     vocab_start: Optional[int] = None,
     dw_dtype: Optional[torch.dtype] = None,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """NLL of ``targets`` under the NMST / ST / VA head on the logits
 
@@ -233,6 +235,11 @@ def linear_nmst_loss(
             bf16 / fp16 (opt-in) halves that (V, H) accumulator and rounds once per chunk (error
             against float64: ``python -m benchmarks.dw_dtype``). ``impl="reference"`` ignores it
             (autograd's dW is in the weight's dtype).
+        temperature: T > 0 (default 1), the sampling temperature of :func:`nmst_fast.decoding.sample`: the
+            NLL of the distribution decoding draws from at T. For "nmst"/"st" it divides the non-eos y only,
+            so p(eos) does not depend on it; for "va" it divides every y (plain softmax of y / T). The fused
+            backends fold 1/T into the logit scale and the cap (c·tanh(y / c) / T is (c/T)·tanh(·/(c/T)) of
+            y / T) and read eos's logit back at T times the folded one: no extra pass.
     Returns:
         Scalar loss (or per-position losses) in ``hidden``'s dtype; under ``torch.autocast`` in
         float32 (as AMP's losses; float64 unchanged), with the op itself in autocast's dtype.
@@ -249,8 +256,10 @@ def linear_nmst_loss(
     _check_structure(hidden, weight, targets, bias, head, eps, eos_index, reduction, impl, ignore_index,
                      softcap, logit_scale, vocab_size)
     _check_dw_dtype(dw_dtype, weight)
+    check_temperature(temperature)
     softcap = None if softcap is None else float(softcap)  # a numpy float as a plain one: the op's schema
     logit_scale = None if logit_scale is None else float(logit_scale)
+    temperature = float(temperature)
     # One integer dtype from here on: in uint8, `targets != -100` compares with -100 wrapped to 156.
     targets = targets.long()
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
@@ -276,9 +285,16 @@ def linear_nmst_loss(
                 hidden, weight, targets, eos_index=eos_index, eps=eps, head=head, steps=full_steps,
                 bias=bias, ignore_index=ignore_index, reduction=reduction,
                 logits_dtype=torch.promote_types(hidden.dtype, torch.float32) if autocasting else None,
-                softcap=softcap, logit_scale=logit_scale,
+                softcap=softcap, logit_scale=logit_scale, temperature=temperature,
             )
 
+    eos_scale = 1.0
+    if temperature != 1.0:
+        # y / T for every logit: 1/T joins the scale, and the cap c becomes c / T, since
+        # c·tanh(x / c) / T = (c/T)·tanh((x/T) / (c/T)). NMST/ST read eos's logit back at T times that.
+        logit_scale = (1.0 if logit_scale is None else logit_scale) / temperature
+        softcap = None if softcap is None else softcap / temperature
+        eos_scale = 1.0 if head == "va" else temperature
     if logit_scale is not None and logit_scale != 1.0:
         # c·tanh(a·z / c) = c·tanh(z' / c) with z' = (a·h) Wᵀ + a·b: the op needs only the cap, and
         # autograd carries the scale to dh and db (dW comes from the op with a·h already in it).
@@ -316,6 +332,7 @@ def linear_nmst_loss(
         None if process_group is None else group_name_of(process_group),
         0 if process_group is None else int(vocab_start),
         None if dw_dtype == dw_accumulator_dtype(weight.dtype) else dw_dtype,
+        eos_scale,
     )
     # The op's loss is at least fp32. Under autocast it stays so (AMP's losses are fp32: a GradScaler's
     # 65536 would be inf as an fp16 upstream gradient); otherwise it takes hidden's dtype, as F.cross_entropy.

@@ -11,6 +11,8 @@ inside an ordinary autograd formula:
 * reduction "none": the upstream gradient is per row, so backward recomputes
   each chunk's logits from the saved per-row L (one extra GEMM per chunk).
 
+``eos_scale`` (default 1): the NMST/ST heads read eos's logit at that multiple of the one computed (a
+temperature, see :class:`nmst_fast.fused.HeadConfig`).
 ``softcap`` (default None): the heads see c·tanh(z / c) (see :mod:`nmst_fast.fused`); the gradients
 returned are still with respect to hidden, weight and bias. ``vocab_group`` (a process group's name,
 default None) and ``vocab_start``: ``weight`` holds that group's vocabulary rows from ``vocab_start``
@@ -55,12 +57,13 @@ def linear_loss(
     vocab_group: Optional[str] = None,
     vocab_start: int = 0,
     dw_dtype: Optional[torch.dtype] = None,
+    eos_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (loss in at least fp32, lse (N,) float64, dh, dW, db); grads are empty unless computed in this pass.
 
     dW and db come in at least fp32 (the accumulators; dW in ``dw_dtype`` when given): backward scales
     and casts them."""
-    cfg = HeadConfig(head, eos_index, eps, ignore_index, seq_len, softcap)
+    cfg = HeadConfig(head, eos_index, eps, ignore_index, seq_len, softcap, eos_scale)
     need = (need_grad_hidden, need_grad_weight, need_grad_bias and bias is not None)  # as the fake kernel
     if reduction == "none":
         need = (False, False, False)  # per-row upstream grads are only known in backward
@@ -77,7 +80,7 @@ def linear_loss(
 @linear_loss.register_fake
 def _(hidden, weight, bias, targets, steps, seq_len, head, eos_index, eps, ignore_index, reduction, backend,
       chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap=None, vocab_group=None, vocab_start=0,
-      dw_dtype=None):
+      dw_dtype=None, eos_scale=1.0):
     N = hidden.shape[0]
     in_forward = reduction != "none"
     loss = hidden.new_empty((N,) if reduction == "none" else (), dtype=torch.promote_types(hidden.dtype, torch.float32))
@@ -113,8 +116,9 @@ def linear_loss_backward(
     vocab_group: Optional[str] = None,
     vocab_start: int = 0,
     dw_dtype: Optional[torch.dtype] = None,
+    eos_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    cfg = HeadConfig(head, eos_index, eps, ignore_index, seq_len, softcap)
+    cfg = HeadConfig(head, eos_index, eps, ignore_index, seq_len, softcap, eos_scale)
     with torch.autocast(hidden.device.type, enabled=False):  # as in linear_loss
         dh, dw, db = fused_backward_from_lse(
             grad_rows, hidden, weight, bias, targets, steps, lse, cfg,
@@ -128,7 +132,7 @@ def linear_loss_backward(
 @linear_loss_backward.register_fake
 def _(grad_rows, hidden, weight, bias, targets, steps, lse, seq_len, head, eos_index, eps, ignore_index, backend,
       chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap=None, vocab_group=None, vocab_start=0,
-      dw_dtype=None):
+      dw_dtype=None, eos_scale=1.0):
     dh = torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty(0)
     dw = torch.empty_like(weight) if need_grad_weight else weight.new_empty(0)
     db = torch.empty_like(bias) if (need_grad_bias and bias is not None) else weight.new_empty(0)
@@ -137,7 +141,7 @@ def _(grad_rows, hidden, weight, bias, targets, steps, lse, seq_len, head, eos_i
 
 _STATIC_ARGS = ("seq_len", "head", "eos_index", "eps", "ignore_index", "backend", "chunk_rows",
                 "need_grad_hidden", "need_grad_weight", "need_grad_bias", "softcap", "vocab_group", "vocab_start",
-                "dw_dtype")
+                "dw_dtype", "eos_scale")
 
 
 @torch.library.custom_op("nmst_fast::scale_cast", mutates_args=())
@@ -164,7 +168,7 @@ def _(acc, scale, dtype, backend):
 def _setup_context(ctx, inputs, output):
     (hidden, weight, bias, targets, steps, seq_len, head, eos_index, eps, ignore_index, reduction, backend,
      chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap, vocab_group, vocab_start,
-     dw_dtype) = inputs
+     dw_dtype, eos_scale) = inputs
     loss, lse, dh, dw, db = output
     # Only the loss is differentiable. Without these two calls autograd would hand
     # backward zero-filled gradients for lse/dh/dW/db: a V×H allocation for nothing.
@@ -173,7 +177,7 @@ def _setup_context(ctx, inputs, output):
     ctx.reduction = reduction
     ctx.static = dict(zip(_STATIC_ARGS, (seq_len, head, eos_index, eps, ignore_index, backend, chunk_rows,
                                          need_grad_hidden, need_grad_weight, need_grad_bias, softcap, vocab_group,
-                                         vocab_start, dw_dtype)))
+                                         vocab_start, dw_dtype, eos_scale)))
     ctx.has_bias = bias is not None
     ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
     if reduction == "none":
@@ -187,7 +191,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db):
     st = ctx.static
     if grad_loss is None:  # grads are not materialized: None means the loss got no gradient
-        return (None,) * 20
+        return (None,) * 21
     if torch.is_grad_enabled():
         # create_graph=True: the gradients come from the forward (or a recomputation) as constants,
         # so their own derivatives would be silently zero. Refuse rather than give wrong Hessians.
@@ -214,7 +218,7 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db):
         dw if st["need_grad_weight"] else None,
         db if (st["need_grad_bias"] and ctx.has_bias) else None,
     )
-    return grads + (None,) * 17
+    return grads + (None,) * 18
 
 
 linear_loss.register_autograd(_backward, setup_context=_setup_context)

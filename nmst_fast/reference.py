@@ -51,6 +51,7 @@ def nmst_log_probs(
     eps: float = 1e-5,
     head: str = "nmst",
     steps: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """Full log-distribution log p(v) of the chosen head, shape (…, V), dtype of ``logits``.
 
@@ -62,10 +63,14 @@ def nmst_log_probs(
         steps: integer t per position, broadcastable to ``logits.shape[:-1]``.
             Default for (B, T, V): 1..T along T. Flat logits need it for "nmst";
             "st" needs the (B, T, V) layout (its running sum goes along T).
+        temperature: T > 0, with the sampling semantics of :func:`nmst_fast.decoding.sample`: it divides
+            the non-eos logits only for "nmst"/"st" (p(eos) does not depend on it), every logit for "va".
     """
+    from .decoding.distribution import check_temperature
     from .validation import HEADS, check_choice, check_eps, check_float_tensor, check_index, expand_steps
 
     check_choice("head", head, HEADS)
+    check_temperature(temperature)
     check_float_tensor("logits", logits)
     if logits.dim() not in (2, 3):
         raise ValueError(f"logits must be (B, T, V) or (N, V), got shape {tuple(logits.shape)}")
@@ -73,13 +78,13 @@ def nmst_log_probs(
     V = logits.shape[-1]
     check_index("eos_index", eos_index, V, "V")
     if head == "va":
-        return torch.log_softmax(logits, dim=-1)
+        return torch.log_softmax(logits / temperature, dim=-1)
     if head == "st" and logits.dim() != 3:
         raise ValueError("head='st' needs (B, T, V) logits: its running sum goes along T")
     steps = expand_steps(steps, logits[..., 0], head, layout_3d=logits.dim() == 3)
 
     is_eos = torch.arange(V, device=logits.device) == eos_index
-    non_eos_logits = logits.masked_fill(is_eos, float("-inf"))
+    non_eos_logits = (logits / temperature).masked_fill(is_eos, float("-inf"))
     non_eos_log_softmax = non_eos_logits - torch.logsumexp(non_eos_logits, dim=-1, keepdim=True)
     log_survival = reference_log_survival(logits[..., eos_index], steps, eps=eps, head=head)
     log_p = log_survival.unsqueeze(-1) + non_eos_log_softmax
@@ -102,9 +107,11 @@ def reference_linear_nmst_loss(
     logits_dtype: Optional[torch.dtype] = None,
     softcap: Optional[float] = None,
     logit_scale: Optional[float] = None,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """NLL of ``targets`` under :func:`nmst_log_probs` of y = softcap·tanh(logit_scale·z / softcap),
-    z = ``hidden @ weight.T + bias`` (y = logit_scale·z without a softcap; a missing scale is 1).
+    """NLL of ``targets`` under :func:`nmst_log_probs` (at ``temperature``) of
+    y = softcap·tanh(logit_scale·z / softcap), z = ``hidden @ weight.T + bias`` (y = logit_scale·z without a
+    softcap; a missing scale is 1).
 
     Arguments are already validated by the public entry point. ``logits_dtype``: the dtype the
     log-probabilities are computed in (default: the projection's own; autocast's caller takes fp32).
@@ -116,7 +123,7 @@ def reference_linear_nmst_loss(
         logits = logits * logit_scale
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
-    log_p = nmst_log_probs(logits, eos_index=eos_index, eps=eps, head=head, steps=steps)
+    log_p = nmst_log_probs(logits, eos_index=eos_index, eps=eps, head=head, steps=steps, temperature=temperature)
     active = targets != ignore_index
     # gather takes int64 indices; targets may come in any integer dtype.
     safe_targets = torch.where(active, targets, torch.zeros_like(targets)).long()
