@@ -16,11 +16,13 @@ input, at two logit scales, that this reproduces the model's own logits and refu
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import numbers
+import threading
 import types
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -32,6 +34,7 @@ from ..decoding import step_log_probs
 from ..head import NMSTHead
 from ..loss import linear_nmst_loss
 from ..validation import HEADS, IMPLS, check_choice, check_eps, check_int_tensor
+from .trl import watch_trl
 
 _DEFAULTS = dict(head="nmst", eps=1e-5, context_length=None)
 
@@ -428,6 +431,40 @@ def default_steps(labels: torch.Tensor, settings: dict, *, attention_mask: Optio
 
 # --- the patch ----------------------------------------------------------------------------------
 
+_CALLS = threading.local()  # how deep this thread is inside a patched model's own forward
+
+
+@contextlib.contextmanager
+def patched_call() -> Iterator[None]:
+    """Marks a call of the patched forward (or of TRL's head outputs): the decoder stack's guard lets
+    training calls through only inside one."""
+    _CALLS.depth = getattr(_CALLS, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _CALLS.depth -= 1
+
+
+def _guard_the_stack(model: Any) -> None:
+    """A forward pre-hook on the decoder stack: a training step (stack in training mode, grad on) that reaches
+    the stack other than through the patched forward comes from a forward that replaced it after
+    :func:`apply_nmst` — Liger's fused linear cross-entropy, a trainer's own fused LM head — whose loss is
+    not the head's. It raises before the step runs, instead of training another loss in silence."""
+    stack = decoder_stack(model)
+    if getattr(stack, "_nmst_guarded", False):
+        return
+    name = _model_name(model)
+
+    def guard(module, args, kwargs):
+        if module.training and torch.is_grad_enabled() and not getattr(_CALLS, "depth", 0):
+            raise ValueError(f"NMST head: {name}'s decoder stack is training outside the patched forward: something "
+                             "replaced model.forward after apply_nmst (Liger's fused linear cross-entropy, a hub "
+                             "kernel's or a trainer's own fused LM head), and its loss would not be the head's. Turn "
+                             "that fused loss off, or apply the kernels before apply_nmst and let it patch the result")
+
+    stack.register_forward_pre_hook(guard, with_kwargs=True)
+    stack._nmst_guarded = True
+
 def _in_output_layer(layer: nn.Module, hidden: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor]):
     """``compute(hidden)`` run as the output layer's own forward, so its module hooks fire around it:
     FSDP2 / ZeRO-3 gather the layer's full weight in its pre-forward hook, and the loss reads it there."""
@@ -540,33 +577,41 @@ def apply_nmst(model: Any, *, head: Optional[str] = None, eps: Optional[float] =
     model.config.nmst = {k: settings[k] for k in ("head", "eps", "context_length", "eos_token_id")}
     signature = inspect.signature(original_forward)  # bound: without self
     eos = settings["eos_token_id"]
-    prompt = {}  # length of the prompt of the generation in progress (set at its prefill call)
+    prompt = {}  # the generation in progress: its prompt's length (set at its prefill call), ST's state
 
-    def step_distribution(out, cache, new_tokens: int):
+    def step_distribution(out, cache, new_tokens: int, temperature: float):
         # A call without a cache scores the token after its input (t = 1), as a prefill does;
         # with one, the cache already holds this call's tokens.
         total = new_tokens if cache is None else cache.get_seq_length()
         if total == new_tokens:  # prefill: a new generation starts
-            prompt["length"] = total
+            prompt["length"], prompt["state"] = total, None
         t = total - prompt["length"] + 1
-        log_p, _ = step_log_probs(out.logits[:, -1], head=settings["head"], eos_index=eos, eps=settings["eps"],
-                                  steps=t)
-        out.logits[:, -1] = log_p.to(out.logits.dtype)
+        log_p, prompt["state"] = step_log_probs(out.logits[:, -1], head=settings["head"], eos_index=eos,
+                                                eps=settings["eps"], steps=t, state=prompt["state"],
+                                                temperature=temperature)
+        # HF's sampling divides these by its temperature T: T · log p_T gives back the head's p_T.
+        out.logits[:, -1] = (log_p * temperature).to(out.logits.dtype)
         return out
 
     def forward(self, *args, num_items_in_batch=None, nmst_steps=None, **kwargs):
         named = _named_arguments(signature, args, kwargs)
         labels = named.pop("labels", None)
         if labels is not None:
-            return _fused_loss(self, settings, impl, named, labels, shifted, nmst_steps, num_items_in_batch)
+            with patched_call():
+                return _fused_loss(self, settings, impl, named, labels, shifted, nmst_steps, num_items_in_batch)
         if nmst_steps is not None:
             raise ValueError("nmst_steps is given without labels: it is the t of each label")
-        out = original_forward(**named)
-        if not generation_logits:
+        # Through the instance (not the closure's bound method), so a deep copy of the model (TRL's
+        # reference models) runs its own weights.
+        with patched_call():
+            out = self._nmst_original_forward(**named)
+        temperature = self._nmst_generation_temperature
+        if temperature is None:
             return out
         cache = named.get("cache", named.get("past_key_values"))
         ids = named.get("input_ids")
-        return step_distribution(out, cache, (ids if ids is not None else named["inputs_embeds"]).shape[1])
+        return step_distribution(out, cache, (ids if ids is not None else named["inputs_embeds"]).shape[1],
+                                 temperature)
 
     # HF generate() reads the forward's signature to decide whether to pass attention_mask and
     # position_ids (left-padded prompts need both): advertise the original's, plus ours.
@@ -574,7 +619,13 @@ def apply_nmst(model: Any, *, head: Optional[str] = None, eps: Optional[float] =
     model.forward = types.MethodType(forward, model)
     model._nmst_original_forward = original_forward
     model._nmst_shifts_labels = shifted
+    model._nmst_impl = impl
+    # The temperature T of HF's sampling whose division the emitted step log-probs anticipate; None: the
+    # model's own logits. TRL's GRPO / RLOO set their T (nmst_fast.integrations.trl).
+    model._nmst_generation_temperature = 1.0 if generation_logits else None
     model.accepts_loss_kwargs = True  # HF Trainer then passes num_items_in_batch (one divisor per accumulated batch)
+    _guard_the_stack(model)
+    watch_trl()  # TRL's trainers then score the head (nmst_fast.integrations.trl), imported or not yet
     return model
 
 
