@@ -14,11 +14,11 @@ from nmst_fast.decoding import effective_logits
 V, EOS = 40, 7
 
 
-def engine_config(recorded=None, speculative=None, runner_v2: bool = False):
+def engine_config(recorded=None, speculative=None, runner_v2: bool = False, logprobs_mode: str = "raw_logprobs"):
     """The parts of vLLM's ``VllmConfig`` the processor reads."""
     hf_config = SimpleNamespace(nmst=recorded, eos_token_id=EOS)
-    return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config, get_vocab_size=lambda: V),
-                           speculative_config=speculative, use_v2_model_runner=runner_v2)
+    model_config = SimpleNamespace(hf_config=hf_config, get_vocab_size=lambda: V, logprobs_mode=logprobs_mode)
+    return SimpleNamespace(model_config=model_config, speculative_config=speculative, use_v2_model_runner=runner_v2)
 
 
 class Reference:

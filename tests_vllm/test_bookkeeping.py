@@ -248,3 +248,58 @@ def test_rows_without_a_distribution_keep_their_logits(scalars, monkeypatch):
                 value, request.state = request.expected(before[index])
                 assert math.isclose(float(out[index, EOS]), value, rel_tol=1e-5, abs_tol=1e-4), (step, index)
             request.output.append(1)
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_that_are_not_the_heads_are_refused(mode, caplog):
+    """Admission (validate_params, the engine's config held by its caller as vLLM's InputProcessor holds
+    it) under every logprobs_mode: under a head (model-wide or per request) prompt log-probs are refused
+    always, sampled-token log-probs under the raw modes, each with the fix; "va" requests, plain models
+    and requests without log-probs are admitted. A request that reached the runner anyway is logged."""
+    from vllm import SamplingParams
+
+    from nmst_fast.integrations.vllm import NMSTLogitsProcessor
+
+    recorded = {"head": "nmst", "eps": 0.1, "context_length": None, "eos_token_id": EOS}
+    nmst = {"nmst_head": "nmst", "nmst_eps": 0.1, "nmst_eos_token_id": EOS}
+    st = {"nmst_head": "st", "nmst_eps": 0.1, "nmst_eos_token_id": EOS}
+
+    class Frontend:  # what vLLM's InputProcessor holds when it runs validate_params
+        def __init__(self, model_recorded):
+            self.vllm_config = _config(model_recorded, logprobs_mode=mode)
+
+        def admit(self, **params):
+            NMSTLogitsProcessor.validate_params(SamplingParams(**params))
+
+    raw = mode.startswith("raw")
+    for frontend, head in ((Frontend(recorded), None), (Frontend(None), nmst), (Frontend(recorded), st)):
+        extra = {"extra_args": head} if head else {}
+        frontend.admit(**extra)
+        frontend.admit(logprobs=2, extra_args={"nmst_head": "va"}, prompt_logprobs=1)
+        for asked in (dict(prompt_logprobs=0), dict(prompt_logprobs=3, logprobs=2)):
+            with pytest.raises(ValueError, match="prompt_logprobs would be the model's plain softmax.*nmst_head='va'"):
+                frontend.admit(**asked, **extra)
+        for asked in (dict(logprobs=0), dict(logprobs=5), dict(logprob_token_ids=[1, 2])):
+            if raw:
+                with pytest.raises(ValueError, match=f"logprobs_mode='{mode}'.*--logprobs-mode processed_logprobs"):
+                    frontend.admit(**asked, **extra)
+            else:
+                frontend.admit(**asked, **extra)
+    Frontend(None).admit(logprobs=2, prompt_logprobs=2)  # a plain model: vLLM's own log-probs
+    with pytest.raises(ValueError, match="prompt_logprobs"):  # no engine config found: the request's head alone
+        NMSTLogitsProcessor.validate_params(SamplingParams(prompt_logprobs=1, extra_args=nmst))
+
+    # In the runner (admission bypassed): the request decodes its head, and its log-probs are logged as not the head's.
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="nmst_fast.integrations.vllm"):  # a model-wide head starts, with a warning
+        NMSTLogitsProcessor(_config(recorded, logprobs_mode=mode), torch.device("cpu"), False)
+    assert ("requests for log-probs are refused" in caplog.text) is raw
+    processor = NMSTLogitsProcessor(_config(logprobs_mode=mode), torch.device("cpu"), False)
+    caplog.clear()
+    with caplog.at_level("ERROR", logger="nmst_fast.integrations.vllm"):
+        params = SamplingParams(logprobs=1, extra_args=nmst)
+        processor.update_state(BatchUpdate(batch_size=1, removed=[], added=[(0, params, None, [])], moved=[]))
+    assert 0 in processor.head.rows
+    assert ("admission did not refuse" in caplog.text) is raw

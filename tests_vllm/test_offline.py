@@ -214,6 +214,10 @@ def test_min_tokens_and_ignore_eos(llm, reference, prompts):
     ({"nmst_epsilon": 0.1}, {}, "unknown"),
     ({"nmst_head": "st"}, {"min_tokens": 3}, "min_tokens"),
     ({"nmst_head": "st"}, {"allowed_token_ids": [1, 2, EOS]}, "allowed_token_ids"),
+    # Log-probs vLLM would take from the model's logits (this engine runs the default raw_logprobs).
+    ({}, {"logprobs": 2}, "logprobs would be the model's plain softmax.*--logprobs-mode processed_logprobs"),
+    (ST, {"logprobs": 0}, "head 'st': logprobs would be the model's plain softmax"),
+    ({}, {"prompt_logprobs": 1}, "prompt_logprobs would be the model's plain softmax"),
 ])
 def test_bad_settings_are_refused(llm, prompts, extra, others, message):
     from vllm import SamplingParams
@@ -223,6 +227,25 @@ def test_bad_settings_are_refused(llm, prompts, extra, others, message):
     assert isinstance(info.value.__cause__, ValueError) or isinstance(info.value, ValueError)
     out = llm.generate(_tokens(prompts[:1]), SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) >= 1
+
+
+def test_va_requests_get_the_plain_softmax_log_probs(llm, reference, prompts):
+    """On a model that records a head, nmst_head "va" decodes plain softmax and gets vLLM's log-probs, sampled
+    and prompt, which are then the decoded distribution's: log_softmax of the model's logits."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, prompt_logprobs=2,
+                            extra_args={"nmst_head": "va"})
+    outs = llm.generate(_tokens(prompts[:3]), params, use_tqdm=False)
+    for p, o in zip(prompts[:3], outs):
+        tokens = list(o.outputs[0].token_ids)
+        with torch.no_grad():
+            log_p = reference(input_ids=torch.tensor([p + tokens])).logits[0].double().log_softmax(-1)
+        returned = [None] + list(o.prompt_logprobs[1:]) + list(o.outputs[0].logprobs)  # row i scores token i
+        assert len(returned) == len(p) + len(tokens)
+        for i in range(1, len(returned)):
+            for candidate, logprob in returned[i].items():
+                assert abs(logprob.logprob - float(log_p[i - 1, candidate])) < 2e-4, (i, candidate)
 
 
 class _Before:

@@ -107,6 +107,22 @@ def test_st_is_refused_under_v2():
     assert processor.add_request(0, params) is False
 
 
+def test_unrefused_logprobs_are_logged_under_v2(caplog):
+    """A request whose log-probs admission should have refused (raw_logprobs) that reaches a V2 slot anyway
+    decodes its head, and is logged: its log-probs are not the head's. Under processed_logprobs nothing is."""
+    from vllm import SamplingParams
+
+    from nmst_fast.integrations.vllm import NMSTLogitsProcessor
+
+    params = SamplingParams(logprobs=2, extra_args={"nmst_head": "nmst", "nmst_eps": 0.1, "nmst_eos_token_id": EOS})
+    for mode, logged in (("processed_logprobs", False), ("raw_logprobs", True)):
+        processor = NMSTLogitsProcessor(engine_config(runner_v2=True, logprobs_mode=mode), _req_states())
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="nmst_fast.integrations.vllm"):
+            assert processor.add_request(0, params)
+        assert ("admission did not refuse" in caplog.text) is logged
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_slots_follow_requests_through_a_v2_schedule(seed):
     """A simulated V2 schedule: requests of random prompt lengths (NMST with two ε, plain, and "va")
@@ -260,9 +276,12 @@ def fresh_envs():
 def test_v2_admission_in_vllms_input_processor(fresh_envs, monkeypatch, plain_dir, nmst_dir, tmp_path):
     """vLLM's own request admission (``InputProcessor``) under ``VLLM_USE_V2_MODEL_RUNNER=1`` builds
     V2's validator from the installed plugin: NMST is admitted; ST, a bad ε and an eos beyond the served
-    V (a check that needs the engine's config) are refused. On a model that records ST the V2 processor
-    refuses to start. (The configs are built before the variable is set: vLLM's config check refuses V2
-    without Triton, which its CPU build lacks; admission reads the variable when it runs.)"""
+    V (a check that needs the engine's config) are refused, and so are log-probs that would be the plain
+    softmax (prompt log-probs; sampled-token ones under the default raw_logprobs, admitted under
+    processed_logprobs), on a plain model with the head per request and on a model that records it. On a
+    model that records ST the V2 processor refuses to start. (The configs are built before the variable is
+    set: vLLM's config check refuses V2 without Triton, which its CPU build lacks; admission reads the
+    variable when it runs.)"""
     from conftest import ENGINE_ARGS
     from tiny_model import EOS as MODEL_EOS
     from tiny_model import VOCAB, save_model
@@ -277,13 +296,15 @@ def test_v2_admission_in_vllms_input_processor(fresh_envs, monkeypatch, plain_di
     config = EngineArgs(plain_dir, **ENGINE_ARGS).create_engine_config()
     st_config = EngineArgs(save_model(str(tmp_path / "st"), head="st", eps=0.05), **ENGINE_ARGS).create_engine_config()
     nmst_config = EngineArgs(nmst_dir, **ENGINE_ARGS).create_engine_config()
+    processed_config = EngineArgs(nmst_dir, **{**ENGINE_ARGS, "logprobs_mode": "processed_logprobs"}
+                                  ).create_engine_config()
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     assert config.use_v2_model_runner
     admission = InputProcessor(config)  # a V1-only plugin class made this raise
     assert "build_custom_logits_processors_params_validator" in admission.validate_logits_processors_params.__qualname__
 
-    def admit(extra):
-        admission._validate_params(SamplingParams(extra_args=extra), ("generate",))
+    def admit(extra, processor=admission, **params):
+        processor._validate_params(SamplingParams(extra_args=extra, **params), ("generate",))
 
     admit({"nmst_head": "nmst", "nmst_eps": 0.05, "nmst_eos_token_id": MODEL_EOS})
     admit({"nmst_head": "va"})
@@ -293,6 +314,23 @@ def test_v2_admission_in_vllms_input_processor(fresh_envs, monkeypatch, plain_di
         admit({"nmst_head": "nmst", "nmst_eps": 0.0})
     with pytest.raises(VLLMValidationError, match=f"V={VOCAB}"):
         admit({"nmst_head": "nmst", "nmst_eos_token_id": VOCAB})
+
+    nmst = {"nmst_head": "nmst", "nmst_eps": 0.05}
+    admit(None, logprobs=2, prompt_logprobs=2)  # a plain request on a plain model: vLLM's own log-probs
+    admit({"nmst_head": "va"}, logprobs=2, prompt_logprobs=2)
+    with pytest.raises(VLLMValidationError, match="logprobs_mode='raw_logprobs'.*--logprobs-mode processed_logprobs"):
+        admit(nmst, logprobs=2)
+    with pytest.raises(VLLMValidationError, match="prompt_logprobs would be the model's plain softmax"):
+        admit(nmst, prompt_logprobs=1)
+    recorded, processed = InputProcessor(nmst_config), InputProcessor(processed_config)
+    assert recorded.vllm_config.use_v2_model_runner and processed.vllm_config.use_v2_model_runner
+    with pytest.raises(VLLMValidationError, match="head 'nmst': logprobs would be the model's plain softmax"):
+        admit(None, recorded, logprobs=2)
+    admit(None, recorded)
+    admit({"nmst_head": "va"}, recorded, logprobs=2)
+    admit(None, processed, logprobs=2)
+    with pytest.raises(VLLMValidationError, match="prompt_logprobs"):
+        admit(None, processed, prompt_logprobs=1)
 
     states = LogitsProcRequestState(device=torch.device("cpu"), max_num_reqs=SLOTS, vocab_size=VOCAB,
                                     all_token_ids=None, prompt_len=None, prefill_len=None, total_len=None)

@@ -112,3 +112,38 @@ def test_bad_setting_is_http_400(server, xargs):
     assert "nmst" in r.text
     r = _complete(server, prompt=[1, 2, 3], max_tokens=4, temperature=0.0, vllm_xargs=NMST)
     assert r.status_code == 200, r.text
+
+
+def test_logprobs_are_the_plain_models_or_refused_under_a_head(server, reference):
+    """The server runs vLLM's default logprobs_mode (raw_logprobs): a request that decodes NMST and asks for
+    log-probs (sampled tokens, prompt tokens, or both through echo) gets HTTP 400 with the fix, and the
+    server goes on serving; the plain model's requests, and "va" ones, get vLLM's log-probs: log_softmax of
+    the model's logits."""
+    prompt = [72, 101, 108, 108, 111, 33, 7]
+    refusals = [(dict(logprobs=2), "--logprobs-mode processed_logprobs"),
+                (dict(prompt_logprobs=1), "prompt_logprobs would be the model's plain softmax"),
+                (dict(echo=True, logprobs=1), "prompt_logprobs would be the model's plain softmax")]
+    for body, message in refusals:
+        r = _complete(server, prompt=prompt, max_tokens=4, temperature=0.0, vllm_xargs=NMST, **body)
+        assert r.status_code == 400, (body, r.status_code, r.text)
+        assert message in r.text, r.text
+    for xargs in ({}, {"vllm_xargs": {"nmst_head": "va"}}):
+        r = _complete(server, prompt=prompt, max_tokens=6, temperature=0.0, logprobs=3, prompt_logprobs=2,
+                      return_token_ids=True, **xargs)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        tokens = choice["token_ids"]
+        with torch.no_grad():
+            log_p = reference(input_ids=torch.tensor([prompt + tokens])).logits[0].double().log_softmax(-1)
+        sampled = choice["logprobs"]["token_logprobs"]
+        assert len(sampled) == len(tokens) == 6
+        for i, (token, value) in enumerate(zip(tokens, sampled)):
+            assert abs(value - float(log_p[len(prompt) - 1 + i, token])) < 2e-4, (i, token)
+        scored = choice["prompt_logprobs"]
+        assert scored[0] is None and len(scored) == len(prompt)
+        for i in range(1, len(prompt)):
+            assert str(prompt[i]) in scored[i] and len(scored[i]) >= 2
+            for token, entry in scored[i].items():
+                assert abs(entry["logprob"] - float(log_p[i - 1, int(token)])) < 2e-4, (i, token)
+    r = _complete(server, prompt=prompt, max_tokens=4, temperature=0.0, vllm_xargs=NMST)
+    assert r.status_code == 200, r.text

@@ -28,7 +28,10 @@ logit (:func:`nmst_fast.decoding.effective_logits`). vLLM divides the processor'
 its min-p / top-k / top-p and draw, and every one of those is shift invariant, so the processor leaves
 the non-eos logits as they are and writes one column: eos = T·ζ_eos. Greedy rows (vLLM's temperature
 0) take T = 1: their argmax is the head's argmax. With ``logprobs_mode="processed_logprobs"`` vLLM then
-returns log q_T (after its top-k / top-p on V1); the default ``raw_logprobs`` returns the model's softmax.
+returns log q_T (after its penalties and top-k / top-p). vLLM takes every other log-probs (prompt
+log-probs always, sampled-token ones under its default ``raw_logprobs``) from the model's own logits, the
+plain softmax: a request that decodes a head and asks for them is refused at admission with the fix
+(:mod:`.logprobs`).
 
 vLLM's controls that run before the processor change the logits the head reads: allowed_token_ids,
 bad_words, min_tokens and logit_bias under both runners, and penalties and structured outputs under
@@ -62,7 +65,8 @@ try:
 except ImportError:  # a vLLM without Model Runner V2: the V1 interface only
     V2LogitsProcessor, LogitsProcRequestState = (), None
 
-from .eos_column import GREEDY_TEMPERATURE, MAX_EOS_LOGIT_GAP, tempered_non_eos_lse
+from .eos_column import GREEDY_TEMPERATURE, MAX_EOS_LOGIT_GAP, logger, tempered_non_eos_lse
+from .logprobs import DEFAULT_MODE, PROCESSED_MODES, logprobs_refusal
 from .persistent_batch import PersistentBatchHead
 from .settings import HeadSettings, _model_info, frontend_model, request_settings
 from .slots import SlotHead
@@ -87,7 +91,8 @@ class NMSTLogitsProcessor(*_BASES):
         ValueError: a model-wide head the engine cannot decode (a bad recorded setting, ST under V2, any
             head under speculative decoding, whose draft rows the head's step does not follow). On a
             plain model the processor stays idle under any config; a request asking for a head there is
-            refused at admission.
+            refused at admission. A model-wide head under a raw ``logprobs_mode`` starts (with a warning):
+            its requests for log-probs are refused at admission.
     """
 
     _instances: "weakref.WeakValueDictionary[int, NMSTLogitsProcessor]" = weakref.WeakValueDictionary()
@@ -100,7 +105,7 @@ class NMSTLogitsProcessor(*_BASES):
                             f"(vllm_config, req_states) under Model Runner V2; got {len(runner_args) + 1} arguments")
         self.model = _model_info(vllm_config, runner_v2=runner_v2)
         try:
-            request_settings(SamplingParams(), self.model)  # the model-wide head, checked once at start
+            model_wide = request_settings(SamplingParams(), self.model)  # the model-wide head, checked at start
         except ValueError as err:
             raise ValueError(f"NMSTLogitsProcessor: the served model's recorded head: {err}") from None
         self.head = SlotHead(self.model, runner_args[0]) if runner_v2 else \
@@ -111,11 +116,21 @@ class NMSTLogitsProcessor(*_BASES):
         self.vllm_config_ref = weakref.ref(vllm_config) if _weakrefable(vllm_config) else (lambda: vllm_config)
         if not self.idle:
             self._instances[id(vllm_config)] = self
+            if model_wide is not None and self.model.logprobs_mode not in PROCESSED_MODES:
+                logger.warning("NMSTLogitsProcessor: the served model records head %r and the engine runs "
+                               "logprobs_mode=%r: requests for log-probs are refused (prompt_logprobs always; "
+                               "logprobs until the engine runs --logprobs-mode processed_logprobs)",
+                               model_wide.head, self.model.logprobs_mode or DEFAULT_MODE)
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        """Refuse bad NMST settings at admission (``ValueError``; HTTP 400 on the server)."""
-        request_settings(sampling_params, frontend_model())
+        """Refuse bad NMST settings, and log-probs that would not be the head's (:mod:`.logprobs`), at
+        admission (``ValueError``; HTTP 400 on the server)."""
+        model = frontend_model()
+        refusal = logprobs_refusal(sampling_params, request_settings(sampling_params, model),
+                                   None if model is None else model.logprobs_mode)
+        if refusal is not None:
+            raise ValueError(refusal)
 
     # --- V1 runner -------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from .eos_column import (
     row_temperature,
     tempered_non_eos_lse,
 )
+from .logprobs import warn_unrefused_logprobs
 from .settings import HeadSettings, _ModelInfo, request_settings
 
 
@@ -126,6 +127,7 @@ class PersistentBatchHead:
                 continue
             if settings is None:
                 continue
+            warn_unrefused_logprobs(self._warned, params, settings, self.model.logprobs_mode)
             request = self._reattach(index, params, output) if settings.head == "st" and output else None
             if request is None:
                 request = _Request(settings, weakref.ref(params), output)

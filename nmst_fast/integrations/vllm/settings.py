@@ -29,13 +29,14 @@ class HeadSettings:
 class _ModelInfo:
     """What the served engine says: the model config's recorded ``nmst`` entry, its single eos id (None
     when it has none or several), its vocabulary size (None when unknown), whether a speculative config
-    is set and whether vLLM runs its Model Runner V2."""
+    is set, whether vLLM runs its Model Runner V2, and its ``logprobs_mode`` (None when unknown)."""
 
     recorded: dict
     eos_token_id: Optional[int]
     vocab_size: Optional[int]
     speculative: bool = False
     runner_v2: bool = False
+    logprobs_mode: Optional[str] = None
 
 
 def _model_info(vllm_config: Any, runner_v2: Optional[bool] = None) -> _ModelInfo:
@@ -60,7 +61,9 @@ def _model_info(vllm_config: Any, runner_v2: Optional[bool] = None) -> _ModelInf
             runner_v2 = bool(getattr(vllm_config, "use_v2_model_runner", False))
         except Exception:  # noqa: BLE001 - the property refuses some configs; those run V1
             runner_v2 = False
-    return _ModelInfo(dict(recorded), None if eos is None else int(eos), vocab, speculative, runner_v2)
+    mode = getattr(model_config, "logprobs_mode", None)
+    return _ModelInfo(dict(recorded), None if eos is None else int(eos), vocab, speculative, runner_v2,
+                      None if mode is None else str(mode))
 
 
 def _is_int(value: object) -> bool:

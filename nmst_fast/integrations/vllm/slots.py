@@ -25,6 +25,7 @@ from .eos_column import (
     row_temperature,
     tempered_non_eos_lse,
 )
+from .logprobs import warn_unrefused_logprobs
 from .settings import HeadSettings, _ModelInfo, request_settings
 
 
@@ -51,6 +52,7 @@ class SlotHead:
             return False
         if settings is None:
             return False
+        warn_unrefused_logprobs(self._warned, params, settings, self.model.logprobs_mode)
         self.slots[slot] = (settings, row_temperature(float(params.temperature)))
         return True
 
