@@ -50,8 +50,12 @@ def test_ddp_and_fsdp_train_as_one_process_and_fsdp_resumes(corpus, tmp_path):
     assert proc.stdout.count("cut after epoch 1") == 2  # both ranks saw the interrupted run's state
     assert proc.stdout.count("results:") == 3  # rank 0 alone reports, once per finished run
     ddp, fsdp, cut = (tmp_path / name for name in ("ddp", "fsdp", "cut"))
-    # Rank 0 trained the BPE and handed it to rank 1: the vocabulary one process trains.
-    assert (ddp / "tokenizer" / "tokenizer.json").read_text() == (one / "tokenizer" / "tokenizer.json").read_text()
+    # Rank 0 trained the BPE and handed it to rank 1: the vocabulary one process trains, saved beside
+    # each model, with nothing left over from a swap.
+    for run in (ddp, fsdp, cut):
+        for name in ("model", "last"):
+            assert (run / name / "tokenizer.json").read_text() == (one / "model" / "tokenizer.json").read_text()
+        assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["last", "model"]
     want = _weights(one)
     for run in (ddp, fsdp):
         for name, value in _weights(run).items():

@@ -7,18 +7,20 @@
 The model is ``from_pretrained(--model-dir)`` (local files, no hub access) or a random-init
 ``--config FAMILY`` (any transformers ``model_type``) of ``--size`` tiny or small. The tokenizer is
 ``--tokenizer-dir`` (else the model directory's), or a byte-level BPE trained on the training lines
-with the ``tokenizers`` library (saved to ``--out/tokenizer``). Each line becomes " " + line + eos;
-the first ``--context-length`` tokens are context (t <= 0, p(eos) = 0), t = 1 at the next. The
-loss is the fused one (:func:`nmst_fast.integrations.hf.apply_nmst`), so the (B, T, V) logits are
-never formed. Recipe (the paper's GPT-2 one): AdamW, lr decaying linearly to 0, gradient clipping 1.0,
-length-bucketed batches of at most ``--max-tokens`` tokens; the best model by validation perplexity
-is saved (atomically) to ``--out/model`` with its head settings in the config; after every epoch
-the latest weights and the optimizer / schedule / RNG state are saved too, and rerunning with the
-same ``--out`` resumes (``run.json`` binds the directory to this command, its data and model shape:
-another run there is refused; a non-finite loss, gradient or validation perplexity stops with an
-error). Evaluation and report as ``python -m train``: perplexity after the context, r_nt(L) for
-every decoder, teacher-forced p(eos) vs t, continuation lengths and greedy examples, in
-``results.json`` and ``report.md``, with ``r_nt.png``, ``p_eos.png`` and ``lengths.png``.
+with the ``tokenizers`` library. Each line becomes " " + line + eos; the first ``--context-length``
+tokens are context (t <= 0, p(eos) = 0), t = 1 at the next. The loss is the fused one
+(:func:`nmst_fast.integrations.hf.apply_nmst`), so the (B, T, V) logits are never formed. Recipe
+(the paper's GPT-2 one): AdamW, lr decaying linearly to 0, gradient clipping 1.0, length-bucketed
+batches of at most ``--max-tokens`` tokens; the best model by validation perplexity is saved
+(atomically) to ``--out/model`` with its head settings in the config and the tokenizer beside it:
+one directory that ``from_pretrained`` (model and tokenizer), ``vllm serve`` and lm-eval take as it
+is. After every epoch the latest weights (``--out/last``, laid out alike) and the optimizer /
+schedule / RNG state are saved too, and rerunning with the same ``--out`` resumes (``run.json``
+binds the directory to this command, its data and model shape: another run there is refused; a
+non-finite loss, gradient or validation perplexity stops with an error). Evaluation and report as
+``python -m train``: perplexity after the context, r_nt(L) for every decoder, teacher-forced p(eos)
+vs t, continuation lengths and greedy examples, in ``results.json`` and ``report.md``, with
+``r_nt.png``, ``p_eos.png`` and ``lengths.png``.
 
 Under ``torchrun`` (:mod:`train.distributed`) every rank takes its share of each global batch and
 the model is replicated with DDP, or sharded with FSDP2 (``--fsdp``); the update and the evaluation
@@ -37,7 +39,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -65,7 +67,9 @@ MAX_POSITIONS = 1024  # position table of a random-init model: context + the lar
 def parser(prog: str = "python -m train.hf", doc: str = __doc__, *, preset: bool = False) -> argparse.ArgumentParser:
     """The command's flags; ``preset`` (GPT-2's): a model and tokenizer directory are required."""
     p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-dir", type=Path, required=preset, help="a from_pretrained directory (weights + config)")
+    p.add_argument("--model-dir", type=Path, required=preset,
+                   help="a from_pretrained directory (weights + config, and the tokenizer unless --tokenizer-dir), "
+                        "e.g. a run's OUT/model")
     p.add_argument("--tokenizer-dir", type=Path, required=preset,
                    help="tokenizer files (tokenizer.json, or vocab.json + merges.txt); default: the model "
                         "directory's, or a byte-level BPE trained on the training lines")
@@ -167,19 +171,74 @@ def recover_model_dir(path: Path) -> None:
         os.replace(old, path)
 
 
-def save_model_atomic(model, path: Path, state_dict: Optional[dict] = None) -> None:
-    """save_pretrained (of ``state_dict``, default the model's own) into a fresh directory, then swap it
-    in: a crash never leaves half a model (at worst the previous one as ``path.old``, which
-    :func:`recover_model_dir` puts back)."""
+def holds_tokenizer(path: Path) -> bool:
+    """Whether the directory ``path`` has the files :func:`load_tokenizer` reads (tokenizer.json or
+    tokenizer_config.json, or GPT-2's vocab.json + merges.txt)."""
+    return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")) or all(
+        (path / name).is_file() for name in ("vocab.json", "merges.txt"))
+
+
+def _fsync(path: Path) -> None:
+    """Flush the file or directory ``path`` to disk (directories: POSIX only, where a rename is made durable so)."""
+    if path.is_dir() and os.name != "posix":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(path: Path, write: Callable[[Path], None]) -> None:
+    """Fill a fresh directory with ``write(tmp)``, flush it to disk, then swap it in for ``path``: a
+    crash or an error never leaves half a directory at ``path`` (at worst the previous one as
+    ``path.old``, which :func:`recover_model_dir` puts back), and a failed ``write`` leaves nothing."""
     recover_model_dir(path)
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=None if state_dict is None else dict(state_dict))  # it pops entries
+    try:
+        write(tmp)
+        for file in sorted(tmp.rglob("*")):
+            _fsync(file)
+        _fsync(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(old, ignore_errors=True)
     if path.exists():
         os.replace(path, old)
     os.replace(tmp, path)
+    _fsync(path.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def save_model_atomic(model, path: Path, state_dict: Optional[dict] = None, *, tokenizer) -> None:
+    """save_pretrained of the model (of ``state_dict``, default the model's own) and of ``tokenizer`` into
+    one directory, swapped in whole at ``path`` (:func:`_publish`): config.json (with its "nmst" head
+    settings), weights and tokenizer files, which ``from_pretrained``, ``vllm serve`` and lm-eval read
+    from that one path."""
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp, state_dict=None if state_dict is None else dict(state_dict))  # it pops entries
+        tokenizer.save_pretrained(tmp)
+
+    _publish(path, write)
+
+
+def add_tokenizer(path: Path, tokenizer) -> None:
+    """Put ``tokenizer``'s files beside a saved model that lacks them (a run directory written when the
+    tokenizer had a directory of its own), swapped in whole as :func:`save_model_atomic` does: the
+    model's files are hard-linked (copied where links fail) into the new directory, not rewritten."""
+    def link_or_copy(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    def write(tmp: Path) -> None:
+        shutil.copytree(path, tmp, copy_function=link_or_copy)
+        tokenizer.save_pretrained(tmp)
+
+    _publish(path, write)
 
 
 # The flags that define a run: resuming its state under other values would continue another run.
@@ -210,10 +269,26 @@ MODEL_DEFINING = ("model_type", "hidden_size", "num_hidden_layers", "num_attenti
 
 def _tokenizer(args, lines: list[str]):
     """--tokenizer-dir, else the model directory's, else a byte-level BPE trained on ``lines``."""
-    source = args.tokenizer_dir or args.model_dir
-    if source is not None:
-        return load_tokenizer(source)
+    if args.tokenizer_dir is not None:
+        return load_tokenizer(args.tokenizer_dir)
+    if args.model_dir is not None:
+        return load_tokenizer(model_dirs_tokenizer(args.model_dir))
     return train_byte_level_bpe(lines, vocab_size=args.vocab_size)
+
+
+def model_dirs_tokenizer(model_dir: Path) -> Path:
+    """Where the tokenizer of ``--model-dir`` is: the directory itself, or, for a run's ``model`` /
+    ``last`` written when the tokenizer was kept apart, the run's ``tokenizer`` directory beside it
+    (a run directory: one holding ``run.json``). FileNotFoundError naming --tokenizer-dir otherwise."""
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist")
+    if holds_tokenizer(model_dir):
+        return model_dir
+    beside = model_dir.parent / "tokenizer"
+    if (model_dir.parent / "run.json").is_file() and holds_tokenizer(beside):
+        return beside
+    raise FileNotFoundError(f"--model-dir {str(model_dir)!r} holds no tokenizer (tokenizer.json, "
+                            "tokenizer_config.json, or vocab.json + merges.txt): pass --tokenizer-dir")
 
 
 def _random_model(family: str, size: str, tokenizer):
@@ -297,12 +372,12 @@ def backward(step, batch, tokens: int, world: World, device: str, where: str = "
 
 
 def _train_epochs(args, model, step, optimizer, schedule, seqs, pad, steps_per_epoch, out, settings, best, history,
-                  start_epoch, world: World):
+                  start_epoch, world: World, tokenizer):
     """The epochs from ``start_epoch``: AdamW steps through ``step`` (``model`` itself, or DDP over it),
     then the validation perplexity, the best model and the resumable state, each saved atomically by
-    rank 0. Returns (best valid perplexity, history, whether every epoch ran: False when
-    ``--stop-after`` interrupted). Raises Diverged on a non-finite loss, gradient norm or validation
-    perplexity (on every rank alike), before anything non-finite is saved."""
+    rank 0 (the models with ``tokenizer`` beside them). Returns (best valid perplexity, history, whether
+    every epoch ran: False when ``--stop-after`` interrupted). Raises Diverged on a non-finite loss,
+    gradient norm or validation perplexity (on every rank alike), before anything non-finite is saved."""
     for epoch in range(start_epoch, args.epochs):
         if args.stop_after is not None and epoch - start_epoch >= args.stop_after:
             return best, history, False
@@ -329,11 +404,11 @@ def _train_epochs(args, model, step, optimizer, schedule, seqs, pad, steps_per_e
         weights, optimizer_state = full_state(model, optimizer)
         if world.is_main:
             if valid < best:
-                save_model_atomic(model, out / "model", weights)
+                save_model_atomic(model, out / "model", weights, tokenizer=tokenizer)
             save_atomic(dict(epoch=epoch + 1, best=min(best, valid), history=history, settings=settings,
                              model=weights, optimizer=optimizer_state, schedule=schedule.state_dict()),
                         out / "train_state.pt")
-            save_model_atomic(model, out / "last", weights)  # the latest weights, loadable with from_pretrained
+            save_model_atomic(model, out / "last", weights, tokenizer=tokenizer)  # the latest, as model/ is
         best = min(best, valid)
         barrier(world)  # no rank reads the files (to resume or evaluate) before they are written
     return best, history, True
@@ -384,10 +459,13 @@ def _run(command: argparse.ArgumentParser, args: argparse.Namespace, entry: str,
         shape = {k: getattr(model.config, k) for k in MODEL_DEFINING}
         claim_directory(out, dict(entry=entry, data=data_id, model=shape),
                         record=dict(world_size=world.size, fsdp=args.fsdp))
-        if args.tokenizer_dir is None and args.model_dir is None:  # the trained BPE: kept with the run
-            tokenizer.save_pretrained(out / "tokenizer")
-        recover_model_dir(out / "model")
-        recover_model_dir(out / "last")
+        for saved in (out / "model", out / "last"):
+            recover_model_dir(saved)
+            # A run resumed from the layout that kept its tokenizer apart (in out/tokenizer, or not at
+            # all with --model-dir): its models get this run's tokenizer, which encodes its data as
+            # run.json records (claim_directory checked), so each is servable as it is.
+            if saved.is_dir() and not holds_tokenizer(saved):
+                add_tokenizer(saved, tokenizer)
         return out
 
     try:
@@ -422,7 +500,7 @@ def _run(command: argparse.ArgumentParser, args: argparse.Namespace, entry: str,
         best, history, start_epoch = state["best"], state["history"], state["epoch"]
     try:
         best, history, finished = _train_epochs(args, model, step, optimizer, schedule, seqs, pad, steps_per_epoch,
-                                                out, settings, best, history, start_epoch, world)
+                                                out, settings, best, history, start_epoch, world, tokenizer)
     except Diverged as err:  # not a usage error: the run itself failed (on every rank alike)
         sys.exit(f"{command.prog}: {err}")
     if not finished:  # --stop-after (tests)
