@@ -393,3 +393,21 @@ def test_ligers_fused_linear_cross_entropy_is_refused_before_it_trains():
     model.train()
     with pytest.raises(ValueError, match="NMST head: .*Liger's fused linear cross-entropy"):
         model(input_ids=ids, labels=labels)
+
+
+@pytest.mark.parametrize("head", ["nmst", "st"])
+def test_hf_generation_at_the_trainers_temperature_emits_the_heads_steps(head):
+    """HF generate on the policy after TRL's hook decodes the head step by step (ST's running state included):
+    every step's scores are T · log p_T of the head at that step (float64 reference on the unpatched model)."""
+    temperature, eps, steps = 0.7, 0.02, 10
+    plain, model = _patched(head, dtype=torch.float64, eps=eps)
+    trl_utils.add_fused_lm_head(model, temperature=temperature)
+    prompts = chat_batch(seed=17)[0][:, :4]
+    with torch.no_grad():
+        out = model.generate(prompts, do_sample=False, max_new_tokens=steps, min_new_tokens=steps, pad_token_id=0,
+                             eos_token_id=None, output_scores=True, return_dict_in_generate=True)
+        logits = plain(input_ids=out.sequences[:, :-1], use_cache=False).logits[:, 3:]
+    t = torch.arange(1, steps + 1).expand(prompts.shape[0], steps)
+    expected = nmst_fast.nmst_log_probs(logits, eos_index=EOS, eps=eps, head=head, steps=t, temperature=temperature)
+    scores = torch.stack(out.scores, dim=1)
+    _close(scores, temperature * expected, 2e-6)  # HF hands processors float32 logits
