@@ -285,6 +285,23 @@ def test_dpo_scores_chosen_and_rejected_with_the_head(tmp_path, head):
 
 
 @pytest.mark.slow
+def test_dpo_with_lora_scores_its_reference_with_the_adapters_disabled(tmp_path):
+    """Without a ref_model, DPO under PEFT scores the reference as the base model with its adapters disabled:
+    those calls, and the policy's, are the head's (LoRA's B is zero at init: both are the base model)."""
+    from peft import LoraConfig
+    from trl import DPOConfig, DPOTrainer
+
+    plain, model = _patched("nmst", dtype=torch.float32)
+    trainer = DPOTrainer(model=model, args=_config(DPOConfig, tmp_path), train_dataset=Dataset.from_dict(preferences()),
+                         processing_class=tokenizer(),
+                         peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    calls = record_fused_calls(trainer.model.get_base_model())
+    trainer.train()
+    assert len(calls) >= 2  # the policy's and the adapter-disabled reference's
+    _check_calls(calls, plain, "nmst")
+
+
+@pytest.mark.slow
 def test_kto_scores_with_the_head(tmp_path):
     from trl import KTOConfig, KTOTrainer
 
