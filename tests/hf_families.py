@@ -8,6 +8,7 @@ fields a config derives in its constructor (layer types, head dims) follow the s
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import transformers
@@ -187,3 +188,33 @@ def targets_and_steps(labels: torch.Tensor, shifted: bool) -> tuple[torch.Tensor
     index = torch.arange(targets.shape[1]).expand(targets.shape)
     first = torch.where(targets != -100, index, targets.shape[1]).amin(dim=1, keepdim=True)
     return targets, (index - first + 1).clamp(min=0)
+
+
+def spread_logits(model, span: float, *, train: bool = False, tries: int = 8) -> float:
+    """Scale ``model``'s output layer in place (weight, and bias where it has one) so that its own
+    logits on :func:`probe_batch` reach max |logit| ≈ ``span`` (within 2%); returns the max |logit|
+    reached. Logits need not follow the scale linearly: a tied input embedding scales with the weight
+    (LFM3's logits grow ×3.2 when it doubles near 12) and a cap bends them, so each step is a secant on
+    log max |logit| against log scale. ``train``: measure in training mode (the types of
+    :data:`TRAIN_MODE` compute their logits there); the model is left in eval mode."""
+    ids, _ = probe_batch()
+    layer = model.get_output_embeddings()
+    params = [p for p in (layer.weight, getattr(layer, "bias", None)) if p is not None]
+    model.train(train)
+    log_scale, slope, previous = 0.0, 1.0, None  # log of the scale applied so far; d log|z| / d log scale
+    try:
+        with torch.no_grad():
+            for attempt in range(tries + 1):
+                reached = float(model(input_ids=ids, use_cache=False).logits.abs().max())
+                if abs(reached - span) <= 0.02 * span or attempt == tries:
+                    break
+                if previous is not None:
+                    slope = min(max((math.log(reached) - previous[1]) / (log_scale - previous[0]), 0.25), 4.0)
+                previous = (log_scale, math.log(reached))
+                step = math.log(span / reached) / slope
+                for p in params:
+                    p.mul_(math.exp(step))
+                log_scale += step
+    finally:
+        model.eval()
+    return reached

@@ -5,8 +5,9 @@ Exact means the patched loss, for the nmst, st and va heads, equals a float64 re
 from the unpatched model's own logits under the class's own label convention, and every parameter's
 gradient equals the reference's (a parameter the fused path leaves without its gradient fails).
 The outcome of each type is the row docs/hf_families.md lists for it (``python
-tools/hf_family_table.py`` writes the table). A few types of each kind run in the default test
-command, the whole sweep under ``-m slow``.
+tools/hf_family_table.py`` writes the table). Every patched type is checked again at large logits
+(the output layer scaled so that max |logit| ≈ 12), one case per type and head. A few types of each
+kind run in the default test command, the whole sweep under ``-m slow``.
 """
 
 import copy
@@ -27,6 +28,7 @@ from hf_families import (
     UNSHIFTED,
     causal_lm_types,
     probe_batch,
+    spread_logits,
     targets_and_steps,
     tiny_causal_lm,
 )
@@ -36,6 +38,17 @@ TABLE = Path(__file__).resolve().parents[1] / "docs" / "hf_families.md"
 # decoder of an encoder-decoder), mixture of experts, a hybrid state-space stack, Llama 4 (decoder under .model),
 # and refusals (an output layer with its own forward; a transform before the output layer).
 FAST = {"llama", "gemma2", "recurrent_gemma", "gptj", "bart", "mixtral", "jamba", "llama4_text", "dory", "rembert"}
+HEADS = ("nmst", "st", "va")
+
+# The large-logit case: random init gives max |logit| ≈ 0.5 on the probe batch, near-uniform distributions whose
+# loss and gradients barely see an error in the logits' tail or in the eos terms; at 12 the probabilities span
+# e^±24 and the eos logit drives p(eos) towards 0 or 1, where a logit computed differently from the model's
+# (another cap, scale or hidden state) or a dtype lost on the way shows.
+LARGE_SPAN = 12.0
+# The default command runs three cheap (type, head) pairs of the fast subset, one per head: plain pre-norm, a
+# softcap and an output bias (the unshifted kind: BigBird-Pegasus's own test below, under every head); -m slow
+# runs every patched type under every head.
+FAST_LARGE = {"llama": "nmst", "gemma2": "st", "gptj": "va"}
 
 
 def listed_outcomes() -> dict[str, str]:
@@ -58,7 +71,7 @@ def outcome(model_type: str) -> tuple[str, str]:
     except ValueError as error:
         assert model_type in str(error), f"the refusal does not name the model type: {error}"
         return "refused", str(error)
-    for head in ("nmst", "st", "va"):
+    for head in HEADS:
         check_exact(base, model_type, head)
     return "patched", "labels shifted" if model_type not in UNSHIFTED else "labels not shifted"
 
@@ -81,6 +94,9 @@ def check_exact(base, model_type: str, head: str) -> None:
     loss.backward()
     # A model whose own logits come out in float32 (a float64 layer's output upcast: xLSTM, mllama) is
     # exact to float32's precision; the others to float64's.
+    # The same tolerances hold at large logits (the large-logit case), for every patched type: float64's error
+    # grows with the logits' magnitude (≈ 1e-16·12 on each), far inside rtol; float32's own logits are rounded
+    # to within 6e-8·12 ≈ 7e-7, which moves a loss of about 12 by ≈ 1e-6 (rtol 2e-5 · 12 = 2.4e-4 allowed).
     rtol, atol = (1e-9, 1e-9) if own.logits.dtype == torch.float64 else (2e-5, 1e-6)
     torch.testing.assert_close(loss.double(), want, rtol=rtol, atol=atol,
                                msg=lambda m: f"{model_type} {head}: loss: {m}")
@@ -107,6 +123,58 @@ def test_every_causal_lm_is_patched_exactly_or_refused_clearly(model_type):
                               "run python tools/hf_family_table.py")
 
 
+def large_logit_cases() -> list:
+    """(model_type, head) of every type docs/hf_families.md lists as patched, under each head; the
+    pairs of :data:`FAST_LARGE` in the default command, the others under ``-m slow``."""
+    patched = sorted(t for t, result in listed_outcomes().items() if result == "patched")
+    return [pytest.param(t, head, marks=() if FAST_LARGE.get(t) == head else pytest.mark.slow)
+            for t in patched for head in HEADS]
+
+
+def spread(model_type: str):
+    """A tiny ``model_type`` with its output layer scaled so that max |logit| ≈ :data:`LARGE_SPAN`."""
+    base = tiny_causal_lm(model_type)
+    reached = spread_logits(base, LARGE_SPAN, train=model_type in TRAIN_MODE)
+    assert abs(reached - LARGE_SPAN) <= 0.02 * LARGE_SPAN, (
+        f"{model_type}: scaling the output layer reaches max |logit| {reached:.3g}, not {LARGE_SPAN}")
+    return base
+
+
+@pytest.mark.parametrize("model_type,head", large_logit_cases())
+def test_every_patched_causal_lm_is_exact_at_large_logits(model_type, head):
+    check_exact(spread(model_type), model_type, head)
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_bigbird_pegasus_at_large_logits_in_float64_and_float32(head):
+    """BigBirdPegasusForCausalLM (an unshifted decoder; its decoder's attention is full, not block-sparse) at
+    max |logit| ≈ 12: the patched float64 model equals the float64 reference on the unpatched model's own
+    logits, loss and every gradient (check_exact); the patched float32 model equals the patched float64
+    one to float32's precision."""
+    base = spread("bigbird_pegasus")
+    check_exact(base, "bigbird_pegasus", head)
+    ids, labels = probe_batch()
+    runs = []
+    for dtype in (torch.float64, torch.float32):
+        model = apply_nmst(copy.deepcopy(base).to(dtype), head=head, eps=0.05, eos_token_id=EOS)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        runs.append((loss, dict(model.named_parameters())))
+    (loss64, params64), (loss32, params32) = runs
+    torch.testing.assert_close(loss32.double(), loss64, rtol=1e-6, atol=0)
+    # Float32's unit roundoff is 6e-8; the forward and backward through two layers round each 64- or 96-wide
+    # sum about a dozen times, so an entry is off by ~1e-6 of the gradient's largest (at most 8.1e-7 measured
+    # over every parameter and head): 5e-6 of it leaves a 6x margin, and a 1e-3 error fails it 200 times over.
+    for name, p in params64.items():
+        if p.grad is None:  # the cross-attention, without encoder states (check_exact checks who gets one)
+            assert params32[name].grad is None, f"{head}: float32: {name} gets a gradient float64 does not"
+            continue
+        torch.testing.assert_close(params32[name].grad.double(), p.grad, rtol=0, atol=5e-6 * float(p.grad.abs().max()),
+                                   msg=lambda m: f"{head}: float32 against float64: gradient of {name}: {m}")
+
+
 def test_the_fast_subset_and_the_table_cover_every_type():
     assert FAST <= set(causal_lm_types())
+    assert set(FAST_LARGE) <= FAST and set(FAST_LARGE.values()) == set(HEADS)
+    assert all(listed_outcomes()[t] == "patched" for t in FAST_LARGE), "FAST_LARGE holds patched types only"
     assert set(listed_outcomes()) == set(causal_lm_types()), "run python tools/hf_family_table.py"
