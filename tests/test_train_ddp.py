@@ -65,6 +65,17 @@ def test_a_refused_out_stops_every_rank(tmp_path):
 
 @pytest.mark.slow
 def test_the_sweep_under_torchrun(tmp_path):
+    """The sweep's run ends with rc 0 after writing its results: no rank aborts at the group's teardown.
+
+    Teardown loop, two at once (each in a copy of the checkout, 100 runs):
+
+        for i in $(seq 100); do python -m pytest tests/test_train_ddp.py -q -n 0 -m "slow or not slow" \
+            -k test_the_sweep_under_torchrun >/dev/null 2>&1 || echo failed; done | grep -c failed
+
+    With the first import of train/distributed.py: 0 failures in 200 runs. Without it: 0 in 180, as this abort
+    (SIGABRT, "terminate called without an active exception") is rarer here than that;
+    its cause, gloo threads outliving the group, is checked on every run of tests/distributed/train_ranks.py, and
+    tests/distributed/teardown_ranks.py widens its window (torch 2.13, Python 3.11, 2 shared cores)."""
     run = torchrun("train.sweep", 2, "--out", str(tmp_path), "--builtin-lines", "30", "--max-epochs", "1",
                    "--max-length", "10", "--seeds", "0", "--eps", "0.01", "--heads", "nmst", "va", "--quiet",
                    module=True)

@@ -23,6 +23,19 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
+if dist.is_available():
+    # Imported before any process group exists, on purpose. torch.distributed.nn.functional binds
+    # ``group.WORLD`` as a default argument of its functions when it is first imported, and
+    # torch._dynamo imports it (DDP's constructor and the chunked loss import torch._dynamo). Imported
+    # after init_process_group, those defaults keep the default group alive for the whole process:
+    # destroy_process_group then no longer ends gloo's worker threads, and a worker still releasing
+    # the last collective's tensors takes the GIL while the interpreter shuts down. Python ends such a
+    # thread with pthread_exit, whose unwinding through gloo's noexcept work destructor calls
+    # std::terminate ("terminate called without an active exception"): an abort (exit code -6) of a
+    # run that had already written its results. Imported first, the defaults hold None, and leaving
+    # the group joins its threads (:func:`close`).
+    import torch.distributed.nn.functional  # noqa: F401
+
 T = TypeVar("T")
 DEFAULT_TIMEOUT_MINUTES = 30.0
 
@@ -78,7 +91,8 @@ def launch(parser: argparse.ArgumentParser, args: argparse.Namespace, check: Cal
 
 
 def close() -> None:
-    """Leave the process group (if this process joined one)."""
+    """Leave the process group (if this process joined one). Unless something else holds the group,
+    its gloo threads end here, before the interpreter shuts down (see the import at the top)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

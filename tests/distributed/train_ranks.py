@@ -14,6 +14,7 @@ import argparse
 from pathlib import Path
 
 import torch
+from gloo_threads import gloo_threads  # this script's folder leads sys.path
 
 from nmst_fast.data.wikitext import Vocabulary, encode_lines
 from train import distributed
@@ -73,6 +74,10 @@ def main() -> None:
         print(f"rank {world.rank}/{world.size}: training and evaluation equal one process", flush=True)
     finally:
         distributed.close()
+    # Leaving the group ended gloo's threads (its workers and its TCP loop): none is left to run while
+    # the interpreter shuts down (tests/distributed/gloo_threads.py).
+    left = gloo_threads()
+    assert not left, f"rank {world.rank}: gloo threads outlived the process group: {left}"
 
 
 if __name__ == "__main__":

@@ -15,12 +15,12 @@ the last rank claims its neighbour's first row too, which every rank must refuse
 
 import argparse
 import os
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from nmst_fast import linear_nmst_loss
+from train import distributed
 
 V, H, B, T = 37, 8, 3, 7
 
@@ -89,8 +89,9 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true")
     args = parser.parse_args()
     # A rank that raises must not leave the others waiting: collectives time out instead of hanging.
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    # Joined and left as the training commands do (train.distributed: its teardown ends gloo's threads).
+    me, _ = distributed.init("cpu", timeout_minutes=1.0)
+    rank, world = me.rank, me.size
     group = dist.new_group(list(range(world)))
     try:
         if args.fail_rank is not None or args.overlap:
@@ -113,7 +114,7 @@ def main() -> None:
             cases = check(rank, 2, pair)
             print(f"rank {rank}/2: {cases} cases equal to one process", flush=True)
     finally:
-        dist.destroy_process_group()
+        distributed.close()
 
 
 if __name__ == "__main__":

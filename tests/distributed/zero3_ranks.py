@@ -179,6 +179,8 @@ def main() -> None:
     # DeepSpeed's CPU backend compiles a shared-memory all-reduce op at init (about 2 minutes on 2 cores,
     # a C++ toolchain needed) that only its inference all-reduce uses: ZeRO's collectives are gloo's.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    import train.distributed  # noqa: F401  (before the group exists: see that module's first import)
+
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
