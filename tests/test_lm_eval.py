@@ -34,7 +34,8 @@ REPO = Path(__file__).parents[1]
 
 # --- builders: a BPE, tiny Llamas saved with their head, a local WikiText task --------------------
 
-WIKITEXT = Path("/work/shared/data/wikitext-2")
+# The real WikiText-2 valid / test files of the checkout's sibling shared/ folder (README: ../shared/data).
+WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"
 SPREAD = 16.0  # the output layer's scale over its random init
 POSITIONS = 512  # the random Llamas' max_position_embeddings: lm-eval's max_length unless a test sets one
 TASK = "nmst_wikitext_lines"
