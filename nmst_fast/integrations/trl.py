@@ -29,6 +29,7 @@ Where that is not possible the trainer's construction raises ``ValueError`` nami
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import importlib.machinery
@@ -270,7 +271,7 @@ def head_outputs(model: Any, *, labels: Optional[torch.Tensor], shift_labels: Op
         if cast_lm_head_to_fp32:
             h, weight = h.float(), weight.float()
             bias = None if bias is None else bias.float()
-        context = torch.autocast(h.device.type, enabled=False) if cast_lm_head_to_fp32 else _no_context()
+        context = torch.autocast(h.device.type, enabled=False) if cast_lm_head_to_fp32 else contextlib.nullcontext()
         with context:
             common = dict(eos_index=eos, eps=eps, head=head, bias=bias, softcap=softcap, logit_scale=scale,
                           temperature=temperature, impl=getattr(model, "_nmst_impl", "auto"))
@@ -299,12 +300,6 @@ def head_outputs(model: Any, *, labels: Optional[torch.Tensor], shift_labels: Op
         loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
     return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, log_sum_sq_probs=log_sum_sq_probs,
                                mean_logits=mean_logits, is_top1=is_top1, label_mask=mask, aux_loss=aux_loss)
-
-
-def _no_context():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def _load_balancing_loss(out: Any, text_config: Any, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
