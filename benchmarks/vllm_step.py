@@ -5,10 +5,13 @@
    V ∈ {50257, 128256}: greedy, temperature 0.7, and temperature 0.7 with top-k 50 and top-p 0.9 (no
    per-request seeds: vLLM's usual path).
    Beside them, the floor of any exact head: one exp per logit (``torch.exp2`` into a buffer), which the
-   normaliser L of every NMST / ST step needs, greedy included, where vLLM's greedy is one argmax.
-   Median of repeated calls (each call on fresh logits for the sampler, which works in place), on
-   ``--threads`` torch threads (default 1: on a shared 2-core VM a 2-thread region waits for a busy core,
-   and small ops then take milliseconds).
+   normaliser L of every NMST / ST step needs, greedy included, where vLLM's greedy is one argmax; and
+   the processor's V-wide part alone (``tempered_non_eos_lse``, the row pass), so that the processor's
+   time splits into the row pass and the rest (its per-call cost: the batch's rows, the head's scalars,
+   the column write). Floor, row pass and processor are timed interleaved, call by call; medians of
+   repeated calls (each call on fresh logits for the sampler, which works in place), on ``--threads``
+   torch threads (default 1: on a shared 2-core VM a 2-thread region waits for a busy core, and small
+   ops then take milliseconds). ``--json PATH`` writes the step table.
 2. End to end: vLLM's offline tokens/s on the tiny Llama of ``tests_vllm`` with the NMST head on every
    request (model-wide) against the same weights served plain (the processor loaded, idle), greedy
    and sampled, and a second plain engine as a control; all alive in one process, their runs
@@ -19,6 +22,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
 import statistics
 import tempfile
@@ -49,6 +54,19 @@ def _median_ms(fn, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def _interleaved_ms(fns: dict, repeats: int) -> dict:
+    """Median ms per call of each function, their calls interleaved (so the VM's drift hits them alike)."""
+    times = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()  # warm-up
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(values) for name, values in times.items()}
+
+
 def _metadata(B: int, temperature: float, top_k, top_p):
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -72,9 +90,14 @@ def step_table(repeats: int, head: str) -> list[dict]:
     from vllm.v1.sample.logits_processor import BatchUpdate
     from vllm.v1.sample.sampler import Sampler
 
+    from nmst_fast.decoding.distribution import RowBuffer
     from nmst_fast.integrations.vllm import NMSTLogitsProcessor
+    from nmst_fast.integrations.vllm.eos_column import inverse_temperatures, row_temperature, tempered_non_eos_lse
 
     torch.manual_seed(0)
+    processor_buffer = RowBuffer()
+    # Each processor of the table warns that the fake engine's logprobs_mode is raw: said once is enough.
+    logging.getLogger("nmst_fast.integrations.vllm").setLevel(logging.ERROR)
     rows = []
     sampler = Sampler()
     for V in VOCABS:
@@ -85,7 +108,6 @@ def step_table(repeats: int, head: str) -> list[dict]:
             # The floor of any exact head: one exp per logit (the normaliser L needs them all; vLLM's
             # greedy needs one compare per logit), into a buffer allocated once.
             buffer = torch.empty_like(logits)
-            floor_ms = _median_ms(lambda: torch.exp2(logits, out=buffer), n)
             for label, temperature, top_k, top_p in SAMPLINGS:
                 params = SamplingParams(temperature=temperature, top_k=top_k or 0, top_p=top_p or 1.0)
                 processor = NMSTLogitsProcessor(_fake_config(V, eos, head), torch.device("cpu"), False)
@@ -94,14 +116,22 @@ def step_table(repeats: int, head: str) -> list[dict]:
                     batch_size=B, removed=[], moved=[],
                     added=[(i, params, None, [] if head == "st" else [0] * (i % 7)) for i in range(B)]))
                 work = logits.clone()
-                processor_ms = _median_ms(lambda: processor.apply(work), n)
+                inverse = inverse_temperatures([row_temperature(temperature)] * B, work.device)
+                # The processor's V-wide part alone (L_T of every row), beside the processor and the floor.
+                ms = _interleaved_ms({"floor": lambda: torch.exp2(logits, out=buffer),
+                                      "pass": lambda: tempered_non_eos_lse(work, eos, inverse, processor_buffer),
+                                      "processor": lambda: processor.apply(work)}, max(n, repeats))
                 metadata = _metadata(B, temperature, top_k, top_p)
                 copies = [logits.clone() for _ in range(n + 1)]
                 sampler_ms = _median_ms(lambda: sampler(copies.pop(), metadata), n)
-                rows.append(dict(V=V, B=B, sampling=label, processor_ms=processor_ms, sampler_ms=sampler_ms,
-                                 exp_pass_ms=floor_ms))
-                print(f"V={V:6d} B={B:3d} {label:27s} processor {processor_ms:8.3f} ms  sampler {sampler_ms:9.3f} ms"
-                      f"  ratio {processor_ms / sampler_ms:5.2f}  exp pass {floor_ms:8.3f} ms", flush=True)
+                row = dict(V=V, B=B, sampling=label, processor_ms=ms["processor"], sampler_ms=sampler_ms,
+                           exp_pass_ms=ms["floor"], row_pass_ms=ms["pass"])
+                rows.append(row)
+                print(f"V={V:6d} B={B:3d} {label:27s} processor {ms['processor']:8.3f} ms  sampler {sampler_ms:9.3f} ms"
+                      f"  ratio {ms['processor'] / sampler_ms:5.2f}  exp pass {ms['floor']:8.3f} ms"
+                      f"  processor / exp pass {ms['processor'] / ms['floor']:5.2f}"
+                      f"  (row pass {ms['pass'] / ms['floor']:4.2f}, rest {ms['processor'] - ms['pass']:6.3f} ms)",
+                      flush=True)
             # A batch without NMST/ST rows: the processor returns at once.
             idle = NMSTLogitsProcessor(_fake_config(V, eos, head), torch.device("cpu"), False)
             print(f"V={V:6d} B={B:3d} no NMST row: processor {1e3 * _median_ms(lambda: idle.apply(work), n):.2f} us",
@@ -188,12 +218,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the step table")
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--skip-steps", action="store_true")
+    parser.add_argument("--json", help="write the step table here")
     args = parser.parse_args()
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, step table on {torch.get_num_threads()} thread(s)")
     if not args.skip_steps:
-        step_table(args.repeats, args.head)
+        table = step_table(args.repeats, args.head)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(torch=torch.__version__, threads=args.threads, head=args.head, rows=table), f, indent=1)
     torch.set_num_threads(threads)
     if not args.skip_e2e:
         end_to_end(args.requests, args.max_tokens, args.rounds)

@@ -29,7 +29,7 @@ def _imported_names(tree: ast.AST):
 
 
 def test_kernels_import_nothing_from_the_library_and_no_autograd():
-    sources = sorted(KERNEL_DIR.glob("*.py"))
+    sources = sorted(KERNEL_DIR.rglob("*.py"))
     assert len(sources) > 5, sources  # the glob found the kernel modules
     for path in sources:
         tree = ast.parse(path.read_text(), filename=str(path))
@@ -41,3 +41,19 @@ def test_kernels_import_nothing_from_the_library_and_no_autograd():
             assert not name.startswith("torch.autograd"), where
         # nor reaches it as an attribute (torch.autograd.Function)
         assert not any(isinstance(node, ast.Attribute) and node.attr == "autograd" for node in ast.walk(tree)), path
+
+
+def test_the_wheel_carries_the_cpu_kernels_source(tmp_path):
+    # The CPU row kernels are built from their C++ source on the user's machine: a wheel without it
+    # would leave every user on the torch-op path.
+    import subprocess
+    import sys
+    import zipfile
+
+    root = KERNEL_DIR.parents[1]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(root)], check=True, timeout=300)
+    (wheel,) = tmp_path.glob("nmst_fast-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "nmst_fast/kernels/cpu/row_lse.cpp" in names and "nmst_fast/kernels/cpu/__init__.py" in names
+    assert not any(name.startswith(("tests/", "train/", "benchmarks/")) for name in names)

@@ -67,3 +67,29 @@ def no_values_read() -> Iterator[list]:
             yield reads
     finally:
         torch.Tensor.tolist, torch.Tensor.numpy = tolist, numpy
+
+
+def row_path(kernel: bool, monkeypatch) -> list:
+    """Send the processor's CPU work through the CPU row kernels (``kernel``; they must have built) or
+    through torch ops and Python floats (the kernels off). The list returned records each kernel op
+    called, by name."""
+    from nmst_fast.integrations.vllm import eos_column
+
+    calls: list[str] = []
+    if not kernel:
+        monkeypatch.setattr(eos_column, "row_kernels", lambda: None)
+        return calls
+    kernels = eos_column.row_kernels()
+    assert kernels is not None, "the CPU row kernels did not build (see the warning logged)"
+
+    class Recorded:
+        def __getattr__(self, name):
+            op = getattr(kernels, name)
+
+            def call(*args):
+                calls.append(name)
+                return op(*args)
+            return call
+
+    monkeypatch.setattr(eos_column, "row_kernels", lambda: Recorded())
+    return calls

@@ -10,22 +10,24 @@ import random
 
 import pytest
 import torch
-from head_reference import EOS, V, no_values_read
+from head_reference import EOS, V, no_values_read, row_path
 from head_reference import Reference as _Reference
 from head_reference import engine_config as _config
 
 
-@pytest.mark.parametrize("scalars", ["host", "mixed", "device"])
+@pytest.mark.parametrize("scalars", ["kernel", "host", "mixed", "device"])
 def test_st_state_follows_requests_through_batch_changes(scalars, monkeypatch):
-    """Every way of computing the head's scalars: as floats (the CPU's, small groups), as CPU tensors
-    with the sums kept as floats (the CPU's, large groups; "mixed" switches the size limit every step,
-    so that each step's sums are made one way and read the other), and as tensors on the logits'
-    device (every other device's; run here on CPU tensors)."""
+    """Every way of computing the head's scalars: in the CPU row kernel with the row pass (the CPU's
+    where the kernel is built), and without it as floats (small groups), as CPU tensors with the sums
+    kept as floats (large groups; "mixed" switches the size limit every step, so that each step's sums
+    are made one way and read the other), and as tensors on the logits' device (every other device's;
+    run here on CPU tensors)."""
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
     from nmst_fast.integrations.vllm import NMSTLogitsProcessor, persistent_batch
 
+    kernel_calls = row_path(scalars == "kernel", monkeypatch)
     rng = random.Random(0)
     torch.manual_seed(0)
     processor = NMSTLogitsProcessor(_config(), torch.device("cpu"), False)
@@ -101,6 +103,7 @@ def test_st_state_follows_requests_through_batch_changes(scalars, monkeypatch):
             if request is not None:
                 request.output.append(rng.randrange(V))
     assert checked > 150
+    assert ("write_eos_column" in kernel_calls) == (scalars == "kernel")
     if scalars == "mixed":
         assert ways["host"] > 100 and ways["tensors"] > 50, ways
 
@@ -209,7 +212,7 @@ def test_the_device_path_reads_nothing_back():
     assert reads == []
 
 
-@pytest.mark.parametrize("scalars", ["host", "tensors", "device"])
+@pytest.mark.parametrize("scalars", ["kernel", "host", "tensors", "device"])
 def test_rows_without_a_distribution_keep_their_logits(scalars, monkeypatch):
     """A row with a NaN logit (eos or not), a +inf logit, no finite non-eos logit (eos then certain) or
     eos banned by another control keeps its logits, eos column included, in every way of computing the scalars,
@@ -219,6 +222,7 @@ def test_rows_without_a_distribution_keep_their_logits(scalars, monkeypatch):
 
     from nmst_fast.integrations.vllm import NMSTLogitsProcessor, persistent_batch
 
+    kernel_calls = row_path(scalars == "kernel", monkeypatch)
     processor = NMSTLogitsProcessor(_config(), torch.device("cpu"), False)
     processor.head.host_scalars = scalars != "device"
     if scalars == "tensors":
@@ -248,6 +252,7 @@ def test_rows_without_a_distribution_keep_their_logits(scalars, monkeypatch):
                 value, request.state = request.expected(before[index])
                 assert math.isclose(float(out[index, EOS]), value, rel_tol=1e-5, abs_tol=1e-4), (step, index)
             request.output.append(1)
+    assert ("write_eos_column" in kernel_calls) == (scalars == "kernel")
 
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])

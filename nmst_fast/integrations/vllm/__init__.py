@@ -41,9 +41,11 @@ whose running sum needs every step's real eos logit, refuses bans it cannot foll
 bad_words, allowed_token_ids, structured outputs). Under V1 penalties run after the processor, on its
 output (the model's non-eos logits and eos's effective logit).
 
-Cost: one pass over the head's rows for L_T; the per-row scalars as Python floats on the CPU (V1;
-float64 tensors for groups of more than 48 rows), as tensors on the logits' device elsewhere (no host
-sync).
+Cost: one pass over the head's rows for L_T (on the CPU the C++ row kernel of
+:mod:`nmst_fast.kernels.cpu`, built at the first engine start that serves a head, once per machine;
+torch ops where it cannot be built and on other devices); the per-row scalars as Python floats on the
+CPU (V1; float64 tensors for groups of more than 48 rows), as tensors on the logits' device elsewhere
+(no host sync).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ try:
 except ImportError:  # a vLLM without Model Runner V2: the V1 interface only
     V2LogitsProcessor, LogitsProcRequestState = (), None
 
+from ...kernels.cpu import row_kernels
 from .eos_column import GREEDY_TEMPERATURE, MAX_EOS_LOGIT_GAP, logger, tempered_non_eos_lse
 from .logprobs import DEFAULT_MODE, PROCESSED_MODES, logprobs_refusal
 from .persistent_batch import PersistentBatchHead
@@ -116,6 +119,8 @@ class NMSTLogitsProcessor(*_BASES):
         self.vllm_config_ref = weakref.ref(vllm_config) if _weakrefable(vllm_config) else (lambda: vllm_config)
         if not self.idle:
             self._instances[id(vllm_config)] = self
+            if model_wide is not None and not runner_v2 and self.head.host_scalars:
+                row_kernels()  # built (or loaded) at engine start rather than in the first step
             if model_wide is not None and self.model.logprobs_mode not in PROCESSED_MODES:
                 logger.warning("NMSTLogitsProcessor: the served model records head %r and the engine runs "
                                "logprobs_mode=%r: requests for log-probs are refused (prompt_logprobs always; "

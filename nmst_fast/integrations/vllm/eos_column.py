@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
 from ...decoding.distribution import RowBuffer, exp_sum, head_terms, row_blocks
 from ...head_math import nmst_log_survival, st_step_survival
+from ...kernels.cpu import row_kernels
 from .settings import HeadSettings
 
 logger = logging.getLogger("nmst_fast.integrations.vllm")
@@ -32,13 +33,29 @@ def row_temperature(temperature: float) -> float:
     return 1.0 if temperature < GREEDY_TEMPERATURE else float(temperature)
 
 
+def cpu_kernels(rows: torch.Tensor) -> Optional[Any]:
+    """The CPU row kernels (:mod:`nmst_fast.kernels.cpu`) where they take ``rows`` (float32 CPU with unit
+    column stride) and could be built, else None."""
+    if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.stride(1) == 1:
+        return row_kernels()
+    return None
+
+
 def tempered_non_eos_lse(rows: torch.Tensor, eos: int, inverse: Optional[torch.Tensor] = None,
                          buffer: Optional[RowBuffer] = None) -> torch.Tensor:
     """(A,) float64 logsumexp over every column but ``eos`` of ``rows`` (A, V) times ``inverse`` (A,)
-    (1/T per row; None: 1). **Overwrites ``rows``' eos column with −inf** (the caller writes that column
-    afterwards; read it first). By blocks of rows (:func:`~nmst_fast.decoding.distribution.row_blocks`):
-    the max kept apart in float64, then Σ e^((z − max)/T) (:func:`~nmst_fast.decoding.distribution.exp_sum`)
-    in one reused ``buffer`` (None: a fresh one)."""
+    (1/T per row, float64; None: 1). **May overwrite ``rows``' eos column** (the caller writes that column
+    afterwards; read it first).
+
+    Float32 CPU rows with unit column stride go to the CPU row kernel
+    (:mod:`nmst_fast.kernels.cpu`: per row its max, then Σ 2^((z − max)·log₂e/T), nothing written).
+    Elsewhere, or where that kernel could not be built, torch ops compute the same by blocks of rows
+    (:func:`~nmst_fast.decoding.distribution.row_blocks`), the eos column set to −inf: the max kept apart
+    in float64, then Σ e^((z − max)/T) (:func:`~nmst_fast.decoding.distribution.exp_sum`) in one reused
+    ``buffer`` (None: a fresh one)."""
+    kernels = cpu_kernels(rows)
+    if kernels is not None:
+        return kernels.non_eos_lse(rows, eos, None if inverse is None else inverse.double().contiguous())
     rows.select(1, eos).fill_(-math.inf)
     buffer = buffer if buffer is not None else RowBuffer()
     out = []

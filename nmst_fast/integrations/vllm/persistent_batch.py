@@ -13,7 +13,9 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
 from .eos_column import (
+    MAX_EOS_LOGIT_GAP,
     RowBuffer,
+    cpu_kernels,
     device_eos_values,
     host_eos_value,
     inverse_temperatures,
@@ -55,6 +57,9 @@ class _Group:
     where: Union[slice, torch.Tensor]
     temperatures: list[float]
     inverse: Optional[torch.Tensor]
+    # For the CPU row kernels: the rows' indices (int64) and T per row (float64), CPU tensors.
+    indices: torch.Tensor
+    temperature_values: torch.Tensor
 
 
 class PersistentBatchHead:
@@ -181,29 +186,42 @@ class PersistentBatchHead:
                 temperatures.append(row_temperature(1.0 if params is None else float(params.temperature)))
             groups.append(_Group(settings, [request for _, request in rows],
                                  row_selection([index for index, _ in rows], device), temperatures,
-                                 inverse_temperatures(temperatures, device)))
+                                 inverse_temperatures(temperatures, device),
+                                 torch.tensor([index for index, _ in rows], dtype=torch.int64),
+                                 torch.tensor(temperatures, dtype=torch.float64)))
         return groups
 
     def _apply_group(self, logits: torch.Tensor, group: _Group) -> None:
         """The eos column of one group's rows."""
         settings, requests, where, temperatures = group.settings, group.requests, group.where, group.temperatures
         eos = settings.eos_token_id
-        rows = logits[where]  # a view when contiguous, else a copy
         steps = [len(request.output) + 1 for request in requests]
-        eos_logits = rows[:, eos].clone()  # read before the exp pass masks the column
-        lse = tempered_non_eos_lse(rows, eos, group.inverse, self.buffer)
         st = settings.head == "st"
+        kernels = cpu_kernels(logits) if self.host_scalars else None
+        if kernels is not None:  # the CPU row kernels: L_T, the head's scalars and the write in one call
+            before = torch.tensor([request.sums.get(t - 1, 0.0) for request, t in zip(requests, steps)],
+                                  dtype=torch.float64) if st else None
+            after = kernels.write_eos_column(logits, group.indices, eos, group.temperature_values, torch.tensor(steps),
+                                             before, settings.eps, MAX_EOS_LOGIT_GAP)
+            if st:
+                for request, t, value in zip(requests, steps, after.tolist()):
+                    _record_sum(request, t, value)
+            return
+        rows = logits[where]  # a view when contiguous, else a copy
         if self.host_scalars and len(requests) <= HOST_SCALAR_ROWS:
+            eos_logits = rows[:, eos].tolist()  # read before the exp pass may overwrite the column
+            lse = tempered_non_eos_lse(rows, eos, group.inverse, self.buffer).tolist()
             values = []
-            for request, t, temperature, L, s in zip(requests, steps, temperatures, lse.tolist(),
-                                                     eos_logits.tolist()):
+            for request, t, temperature, L, s in zip(requests, steps, temperatures, lse, eos_logits):
                 value, after = host_eos_value(settings, L, s, t, temperature,
                                               request.sums.get(t - 1, 0.0) if st else 0.0)
                 if st:
                     _record_sum(request, t, after)
                 values.append(s if value is None else value)
-            logits[where, eos] = torch.tensor(values, dtype=torch.float64).to(dtype=logits.dtype)
+            _write_column(logits, where, eos, torch.tensor(values, dtype=logits.dtype))
             return
+        eos_logits = rows[:, eos].clone()  # read before the exp pass may overwrite the column
+        lse = tempered_non_eos_lse(rows, eos, group.inverse, self.buffer)
         before = None
         if st and self.host_scalars:  # the sums are floats where values may be read (the CPU)
             before = torch.tensor([request.sums.get(t - 1, 0.0) for request, t in zip(requests, steps)],
@@ -215,6 +233,14 @@ class PersistentBatchHead:
         if after is not None:
             for request, t, value in zip(requests, steps, after.tolist() if self.host_scalars else after):
                 _record_sum(request, t, value)
+
+
+def _write_column(logits: torch.Tensor, where: Union[slice, torch.Tensor], eos: int, column: torch.Tensor) -> None:
+    """logits[where, eos] = column, through a view when ``where`` is a slice."""
+    if isinstance(where, slice):
+        logits.select(1, eos)[where].copy_(column)
+    else:
+        logits[where, eos] = column
 
 
 def _record_sum(request: _Request, t: int, value) -> None:

@@ -1,0 +1,101 @@
+"""CPU row kernels in C++ over ATen's vectorized math (``row_lse.cpp``), registered as the torch ops
+``torch.ops.nmst_fast_cpu.*``.
+
+They are built on first use by torch's JIT extension builder (a C++ compiler and ninja; a few
+seconds, once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``) for the CPU capability torch itself dispatches to (AVX-512, AVX2, or
+portable code). Where the build fails, or ``NMST_FAST_CPU_KERNELS=0`` is set, :func:`row_kernels`
+returns None (logged once) and callers compute the same values with torch ops.
+
+Ops, on float32 CPU tables with unit column stride (any row stride), float64 and int64 (A,) CPU
+vectors:
+    ``non_eos_lse(rows, skip, inverse) -> Tensor``: (A,) float64 log Σ_{v ≠ skip} exp(rows[a, v]·inverse[a])
+    of ``rows`` (A, V) (``inverse`` None: 1), two passes over each row (max, then Σ exp2), nothing
+    written but the result. A row whose max is not finite gets max·inverse (+inf; −inf with no finite
+    entry), NaN with any NaN entry.
+    ``write_eos_column(logits, rows, eos, temperatures, steps, before, eps, max_gap) -> Tensor``: writes
+    the vLLM processor's eos column into rows ``rows`` (int64 indices) of ``logits`` in place, NMST
+    (``before`` None) or ST rows at one step (``steps`` t per row), as
+    ``nmst_fast.integrations.vllm.eos_column.host_eos_value`` computes it from the row pass's L_T
+    (rows without a distribution keep theirs); returns ST's running sums after the step (A,) float64
+    (empty for NMST).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+logger = logging.getLogger("nmst_fast")
+
+SOURCE = Path(__file__).with_name("row_lse.cpp")
+DISABLE_ENV = "NMST_FAST_CPU_KERNELS"
+
+# The compiler flags of torch's own kernels for each CPU capability it dispatches to; ATen's vector
+# headers pick their implementation from the CPU_CAPABILITY_* macro.
+CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+
+
+def build_flags(capability: str) -> list[str]:
+    """The C++ flags for ``capability`` (torch's name: "AVX512", "AVX2"; any other builds portable code)."""
+    # -ffp-contract=off: no fused multiply-adds the source does not write, so the head's float64 scalars
+    # round as the library's Python formulas do.
+    common = ["-O3", "-ffp-contract=off"]
+    if capability not in CAPABILITY_FLAGS:
+        return [*common, "-DCPU_CAPABILITY=DEFAULT"]
+    return [*common, f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", *CAPABILITY_FLAGS[capability]]
+
+
+def build(capability: Optional[str] = None) -> Any:
+    """Build (or load the cached build of) the kernels for ``capability`` (default: torch's own) and
+    return ``torch.ops.nmst_fast_cpu``; raises what the build raises."""
+    from torch.utils import cpp_extension
+
+    capability = capability or torch.backends.cpu.get_cpu_capability()
+    name = re.sub(r"\W", "_", f"nmst_fast_cpu_{capability}_torch{torch.__version__}").lower()
+    path = os.environ.get("PATH", "")
+    try:
+        os.environ["PATH"] = _with_ninja(path)
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=build_flags(capability),
+                           is_python_module=False, verbose=False)
+    finally:
+        os.environ["PATH"] = path
+    return torch.ops.nmst_fast_cpu
+
+
+@functools.lru_cache(maxsize=None)
+def row_kernels() -> Optional[Any]:
+    """``torch.ops.nmst_fast_cpu`` for torch's CPU capability, built on the first call; None (logged
+    once) when ``NMST_FAST_CPU_KERNELS=0`` or the build fails."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        logger.info("%s=0: the CPU row kernels are off; torch ops compute their values", DISABLE_ENV)
+        return None
+    try:
+        return build()
+    except Exception as err:  # no compiler, no ninja, no Python headers: torch ops do the same work
+        logger.warning("nmst_fast: the CPU row kernels could not be built (%s: %s); torch ops compute the same "
+                       "values, more slowly (set %s=0 to skip the build)", type(err).__name__,
+                       str(err).strip().splitlines()[-1] if str(err).strip() else "", DISABLE_ENV)
+        return None
+
+
+def _with_ninja(path: str) -> str:
+    """PATH for torch's builder, which runs ``ninja`` from it: with the pip package's binary added when
+    PATH has none (its virtualenv not activated)."""
+    if shutil.which("ninja", path=path) is not None:
+        return path
+    try:
+        import ninja
+    except ImportError:
+        return path
+    return os.pathsep.join([ninja.BIN_DIR, path])

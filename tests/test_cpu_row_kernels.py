@@ -1,0 +1,165 @@
+"""The C++ CPU row kernel (nmst_fast/kernels/cpu) against a float64 reference: the tempered logsumexp
+over every column but one, on odd widths, any skipped column, per-row temperatures, extreme and
+non-finite logits, strided rows; its build, and what happens when the build fails."""
+
+from __future__ import annotations
+
+import logging
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from nmst_fast.kernels import cpu
+
+from helpers import slow
+
+# The kernel's error on L: its float32 steps (z − max, the scale, exp2, the partial sums) on the terms
+# that carry the sum, a few float32 ulps of the order-one quantities (the reference is exact to 1e-15).
+ATOL = 4e-6
+
+
+def kernels():
+    ops = cpu.row_kernels()
+    assert ops is not None, "the CPU row kernels did not build (see the warning logged above)"
+    return ops
+
+
+def reference(rows: torch.Tensor, skip: int, inverse) -> torch.Tensor:
+    """float64 logsumexp over every column but ``skip`` of rows · inverse (per row)."""
+    z = rows.double()
+    if inverse is not None:
+        z = z * inverse.double()[:, None]
+    z = torch.cat([z[:, :skip], z[:, skip + 1:]], dim=1)
+    return torch.logsumexp(z, dim=1)
+
+
+def check(rows: torch.Tensor, skip: int, inverse=None) -> None:
+    got = kernels().non_eos_lse(rows, skip, inverse)
+    want = reference(rows, skip, inverse)
+    assert got.dtype == torch.float64 and got.shape == want.shape
+    finite = want.isfinite()
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~finite].nan_to_num(), want[~finite].nan_to_num())
+    torch.testing.assert_close(got[finite], want[finite], atol=ATOL, rtol=1e-7)
+
+
+@pytest.mark.parametrize("V", [2, 3, 15, 16, 17, 63, 64, 65, 127, 1000, 4099, 50257])
+def test_every_width_and_skipped_column(V):
+    gen = torch.Generator().manual_seed(V)
+    rows = torch.randn(5, V, generator=gen) * 4
+    for skip in sorted({0, 1 % V, V // 2, V - 2, V - 1}):
+        check(rows, skip)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_per_row_temperatures(seed):
+    gen = torch.Generator().manual_seed(100 + seed)
+    A, V = 7, int(torch.randint(100, 3000, (), generator=gen))
+    rows = torch.randn(A, V, generator=gen) * 5
+    temperatures = torch.rand(A, generator=gen, dtype=torch.float64) * 3 + 0.05
+    check(rows, int(torch.randint(0, V, (), generator=gen)), 1.0 / temperatures)
+
+
+@pytest.mark.parametrize("scale,offset", [(1.0, 1e4), (1.0, -1e4), (1e3, 0.0), (30.0, 80.0), (1e-6, 0.0)])
+def test_extreme_logits(scale, offset):
+    gen = torch.Generator().manual_seed(7)
+    rows = torch.randn(4, 3001, generator=gen) * scale + offset
+    check(rows, 5)
+    check(rows, 5, torch.tensor([1.0, 10.0, 0.1, 3.0], dtype=torch.float64))
+
+
+def test_non_finite_logits():
+    V = 200
+    rows = torch.randn(8, V)
+    rows[0, 10:] = -math.inf  # banned tokens: the rest renormalise
+    rows[1, :] = -math.inf  # no finite non-eos logit: -inf
+    rows[2, :] = -math.inf
+    rows[2, 3] = 5.0  # the only finite logit is the skipped one: -inf
+    rows[3, 150] = math.inf  # +inf
+    rows[4, 1] = math.nan  # NaN before the skipped column
+    rows[5, 190] = math.nan  # NaN after it
+    rows[6, 3] = math.nan  # NaN in the skipped column is not read
+    rows[7, 4] = -math.inf
+    got = kernels().non_eos_lse(rows, 3, None)
+    assert got[1] == -math.inf and got[2] == -math.inf and got[3] == math.inf
+    assert got[4].isnan() and got[5].isnan() and not got[6].isnan()
+    check(rows, 3)
+
+
+def test_strided_rows_and_an_empty_table():
+    table = torch.randn(9, 700) * 3
+    check(table[::3], 11)  # row stride 3 × 700
+    check(table[:, 50:650], 0)  # a column slice: row stride 700, width 600
+    assert kernels().non_eos_lse(torch.empty(0, 10), 2, None).shape == (0,)
+
+
+def test_bad_arguments_are_refused():
+    ops = kernels()
+    with pytest.raises(RuntimeError, match="unit column stride"):
+        ops.non_eos_lse(torch.randn(10, 4).t(), 0, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.non_eos_lse(torch.randn(3, 4, dtype=torch.float64), 0, None)
+    with pytest.raises(RuntimeError, match="skip"):
+        ops.non_eos_lse(torch.randn(3, 4), 4, None)
+    with pytest.raises(RuntimeError, match="inverse"):
+        ops.non_eos_lse(torch.randn(3, 4), 0, torch.ones(3))
+    logits = torch.randn(3, 4)
+    before = logits.clone()
+    args = (torch.ones(2, dtype=torch.float64), torch.ones(2, dtype=torch.int64), None, 1e-5, 200.0)
+    with pytest.raises(RuntimeError, match="row index 3 outside"):
+        ops.write_eos_column(logits, torch.tensor([0, 3]), 1, *args)
+    with pytest.raises(RuntimeError, match="steps"):
+        ops.write_eos_column(logits, torch.tensor([0, 1]), 1, args[0], torch.ones(2, dtype=torch.int32), None, 0.1, 1.0)
+    assert torch.equal(logits, before)  # refused before anything is written
+
+
+def test_a_failed_build_is_logged_and_leaves_torch_ops(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def no_compiler(**kwargs):
+        raise RuntimeError("Error building extension 'nmst_fast_cpu': c++: not found")
+
+    cpu.row_kernels.cache_clear()
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="nmst_fast"):
+            assert cpu.row_kernels() is None
+        assert "could not be built" in caplog.text and "c++: not found" in caplog.text
+        monkeypatch.setenv(cpu.DISABLE_ENV, "0")
+        cpu.row_kernels.cache_clear()
+        assert cpu.row_kernels() is None
+    finally:
+        cpu.row_kernels.cache_clear()
+
+
+def test_the_build_flags_follow_torchs_capability():
+    assert "-mavx512f" in cpu.build_flags("AVX512") and "-DCPU_CAPABILITY_AVX512" in cpu.build_flags("AVX512")
+    assert "-mavx2" in cpu.build_flags("AVX2") and not any("avx512" in f for f in cpu.build_flags("AVX2"))
+    assert cpu.build_flags("SVE256") == ["-O3", "-ffp-contract=off", "-DCPU_CAPABILITY=DEFAULT"]
+
+
+# Each build registers the same op namespace, so every other capability is built in its own process.
+@pytest.mark.parametrize("capability", [slow("AVX2"), slow("DEFAULT")])
+def test_the_other_capabilities_build_and_agree(capability):
+    if capability == "AVX2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.fail("this machine cannot run the AVX2 build; run this test where torch reports AVX2 or AVX512")
+    script = textwrap.dedent(f"""
+        import math, torch
+        from nmst_fast.kernels import cpu
+        ops = cpu.build({capability!r})
+        gen = torch.Generator().manual_seed(3)
+        for V in (5, 17, 1000, 50257):
+            rows = torch.randn(6, V, generator=gen) * 4
+            rows[0, 1] = -math.inf
+            inverse = torch.rand(6, generator=gen, dtype=torch.float64) + 0.2
+            for skip in (0, V // 2, V - 1):
+                z = rows.double() * inverse[:, None]
+                want = torch.logsumexp(torch.cat([z[:, :skip], z[:, skip + 1:]], 1), 1)
+                torch.testing.assert_close(ops.non_eos_lse(rows, skip, inverse), want, atol={ATOL}, rtol=1e-7)
+        print("agree")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "agree" in done.stdout, done.stdout + done.stderr
