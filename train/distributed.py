@@ -15,7 +15,11 @@ and every collective has a timeout, so a failed rank ends the run instead of lea
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
+import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence, TypeVar
@@ -70,8 +74,19 @@ def init(device: str, timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> tuple
     else:
         backend = "gloo"
     if not dist.is_initialized():
+        _import_world_defaults()
         dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
     return World(dist.get_rank(), dist.get_world_size()), device
+
+
+def _import_world_defaults() -> None:
+    """Import, before the process group exists, the installed libraries that bind ``group.WORLD`` as a
+    default argument when first imported (as torch.distributed.nn.functional, imported at the top, does):
+    DeepSpeed's communication module, which accelerate imports inside ``save_pretrained`` (rank 0's
+    save, after the group exists). Imported later, such defaults keep the group, and its gloo threads,
+    alive past :func:`close`."""
+    if importlib.util.find_spec("deepspeed") is not None:
+        import deepspeed.comm  # noqa: F401
 
 
 def launch(parser: argparse.ArgumentParser, args: argparse.Namespace, check: Callable[[argparse.Namespace], None],
@@ -91,10 +106,39 @@ def launch(parser: argparse.ArgumentParser, args: argparse.Namespace, check: Cal
 
 
 def close() -> None:
-    """Leave the process group (if this process joined one). Unless something else holds the group,
-    its gloo threads end here, before the interpreter shuts down (see the import at the top)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the process group (if this process joined one), so that its gloo threads end here, before
+    the interpreter shuts down (see the import at the top). What still holds the group is let go first:
+    DTensor's caches (:func:`drop_device_mesh_caches`), then the run's own objects that only reference
+    cycles keep (a model under FSDP2 and its device meshes), which a garbage collection frees."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    drop_device_mesh_caches()
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def drop_device_mesh_caches() -> None:
+    """Empty the caches of torch.distributed that keep device meshes, each of which keeps its process
+    group, so that leaving the group frees it (and ends its gloo threads). DTensor, which FSDP2's
+    ``fully_shard`` runs on, caches per op and mesh: its sharding propagation (in Python, and in C++ on
+    its fast path), the ops' output metadata, the mesh's topology for redistribution costs, and its
+    redistribution planners (keyed by a weak reference to the mesh, but holding the mesh). The
+    ``functools.lru_cache`` ones are found among the live objects of torch.distributed's modules, so
+    that such a cache a later torch adds is emptied too; the C++ cache and the planners' have their own
+    calls. ``tests/distributed/hf_train_ranks.py`` checks that no gloo thread outlives an FSDP2 run."""
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor ran: nothing cached
+        return
+    for obj in gc.get_objects():
+        # type(), not isinstance(): the latter reads __class__, which deprecated proxies (dist.reduce_op) warn on
+        if type(obj) is functools._lru_cache_wrapper and \
+                str(getattr(obj, "__module__", "")).startswith("torch.distributed"):
+            obj.cache_clear()
+    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_fast_path is not None:
+        clear_fast_path()
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    if hasattr(redistribute, "clear_redistribute_planner_cache"):
+        redistribute.clear_redistribute_planner_cache()
 
 
 def replicate(module: torch.nn.Module, world: World) -> torch.nn.Module:

@@ -10,10 +10,12 @@ the output layer and on the root), :func:`train.hf._batches` (each rank's share 
 ragged rows: the shares hold different token counts, and one global batch holds a single row, so one
 rank's share is empty) and :func:`train.hf.backward`. Under FSDP2 the fused loss reads the output
 layer's weight inside that layer's own call, where it is gathered (outside, it is a sharded DTensor).
+Leaving the process group afterwards must end gloo's threads (gloo_threads.py).
 """
 
 import torch
 import transformers
+from gloo_threads import gloo_threads  # this script's folder leads sys.path
 
 from nmst_fast.integrations.hf import apply_nmst
 from train import distributed
@@ -66,6 +68,9 @@ def main() -> None:
         check_steps(world)
     finally:
         distributed.close()
+    # Leaving the group after the FSDP2 steps ended gloo's threads (train.distributed.drop_device_mesh_caches).
+    left = gloo_threads()
+    assert not left, f"rank {world.rank}: gloo threads outlived the process group: {left}"
 
 
 if __name__ == "__main__":

@@ -6,14 +6,16 @@ four times, in one process group, as the test of data-parallel and sharded train
 
 The runs, each ``train.hf.main`` as the command runs it, write to OUT/ddp (data-parallel), OUT/fsdp
 (``--fsdp``) and OUT/cut (``--fsdp``, stopped after its first epoch, then resumed by a second run).
-The process group the step checks join is kept for the runs (kept_group.py).
+The process group the step checks join is kept for the runs (kept_group.py); leaving it at the end
+must end gloo's threads (gloo_threads.py).
 """
 
 import sys
 from pathlib import Path
 
 import torch
-from hf_step_ranks import check_steps  # this script's folder leads sys.path
+from gloo_threads import gloo_threads  # this script's folder leads sys.path
+from hf_step_ranks import check_steps
 from kept_group import kept_group
 
 from train import distributed
@@ -31,6 +33,10 @@ def main() -> None:
         epoch = torch.load(out / "cut" / "train_state.pt", weights_only=False)["epoch"]
         print(f"cut after epoch {epoch}", flush=True)
         train_hf(["--out", str(out / "cut"), *flags, "--fsdp"])
+    # Leaving the group after FSDP2 runs ended gloo's threads: DTensor's caches, which keep the device
+    # mesh and through it the group, were emptied first (train.distributed.drop_device_mesh_caches).
+    left = gloo_threads()
+    assert not left, f"rank {world.rank}: gloo threads outlived the process group: {left}"
 
 
 if __name__ == "__main__":

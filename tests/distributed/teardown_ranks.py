@@ -2,7 +2,7 @@
 the process leaves the group, so that a gloo worker is still releasing their tensors as the
 interpreter shuts down.
 
-    PYTHONPATH=. torchrun --standalone --nproc_per_node 2 tests/distributed/teardown_ranks.py [--in-flight K]
+    PYTHONPATH=. torchrun --standalone --nproc_per_node 2 tests/distributed/teardown_ranks.py [--in-flight K] [--fsdp]
 
 It joins the group as the commands do (train.distributed.init), runs a DDP step (DDP's constructor
 imports torch._dynamo, which imports torch.distributed.nn.functional) and waited-for collectives,
@@ -22,6 +22,12 @@ after the group) the three gloo threads outlived the group on every rank of ever
 runs aborted; with it, 0 of 10, and no gloo thread outlived the group (torch 2.13, Python 3.11,
 2 shared cores). ``--barrier`` without that import: 0 of 8 aborted, as gloo's barrier waits for the
 queued all-reduces, but the threads still outlived the group in every run.
+
+``--fsdp`` runs an FSDP2 step first, and rank 0 unwraps the model as ``save_pretrained`` does. Without
+train.distributed's emptying of DTensor's caches (they keep the device mesh, which keeps the group)
+and its import of DeepSpeed's communication module before the group (imported after it, by that
+unwrap, its ``group.WORLD`` defaults keep the group), the group and its threads outlive the group's
+destruction again; the counts of the loop with ``--fsdp`` are in benchmarks/RESULTS.md.
 """
 
 import argparse
@@ -44,12 +50,30 @@ def step(world: distributed.World, in_flight: int) -> None:
         dist.all_reduce(torch.ones(1000), async_op=True)
 
 
+def sharded_step(world: distributed.World) -> None:
+    """An FSDP2 step (fully_shard, AdamW), then rank 0 unwraps the model as ``save_pretrained`` does
+    (accelerate's extract_model_from_parallel, which imports DeepSpeed where it is installed)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    if world.is_main:
+        from accelerate.utils import extract_model_from_parallel
+
+        extract_model_from_parallel(model)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--in-flight", type=int, default=50)
     parser.add_argument("--barrier", action="store_true", help="a barrier before leaving the group")
+    parser.add_argument("--fsdp", action="store_true", help="an FSDP2 step and rank 0's unwrap first")
     args = parser.parse_args()
     world, _ = distributed.init("cpu", timeout_minutes=1.0)
+    if args.fsdp:
+        sharded_step(world)
     step(world, args.in_flight)
     if args.barrier:
         distributed.barrier(world)
