@@ -41,9 +41,9 @@ class _Request:
     lost: bool = False
 
 
-# On the CPU a group of up to this many rows gets the head's scalars as Python floats (~1.5 µs a row),
-# a larger one as float64 tensors (65–100 µs from 1 to 256 rows: some 30 small ops), measured with
-# torch 2.13 on one thread under inference mode: equal near 45 rows.
+# On the CPU without the row kernels, a group of up to this many rows gets the head's scalars as Python
+# floats (~1.5 µs a row), a larger one as float64 tensors (65–100 µs from 1 to 256 rows: some 30 small
+# ops), measured with torch 2.13 on one thread under inference mode: equal near 45 rows.
 HOST_SCALAR_ROWS = 48
 
 
@@ -65,11 +65,12 @@ class _Group:
 class PersistentBatchHead:
     """The V1 runner's side of :class:`~nmst_fast.integrations.vllm.NMSTLogitsProcessor`.
 
-    On the CPU (``host_scalars``) values may be read (no sync): the head's per-row scalars are Python
-    floats for groups of up to ``HOST_SCALAR_ROWS`` rows (a few float operations per row cost less than
-    some 30 small tensor ops), float64 tensors beyond, and ST's sums are floats. Elsewhere scalars and
-    sums stay on the device, so a step makes no host sync. The grouping of rows is kept from one step
-    to the next until the batch changes.
+    On the CPU (``host_scalars``) values may be read (no sync) and ST's sums are floats: a group's L_T,
+    per-row scalars and eos column are one call of the CPU row kernels (:mod:`nmst_fast.kernels.cpu`),
+    or, where those are not built, torch ops for L_T and Python floats for the scalars of groups of up
+    to ``HOST_SCALAR_ROWS`` rows (a few float operations per row cost less than some 30 small tensor
+    ops), float64 tensors beyond. Elsewhere scalars and sums stay on the device, so a step makes no host
+    sync. The grouping of rows is kept from one step to the next until the batch changes.
     """
 
     def __init__(self, model: _ModelInfo, device: torch.device) -> None:
