@@ -41,11 +41,11 @@ whose running sum needs every step's real eos logit, refuses bans it cannot foll
 bad_words, allowed_token_ids, structured outputs). Under V1 penalties run after the processor, on its
 output (the model's non-eos logits and eos's effective logit).
 
-Cost: one pass over the head's rows for L_T (on the CPU the C++ row kernel of
-:mod:`nmst_fast.kernels.cpu`, built at the first engine start that serves a head, once per machine;
-torch ops where it cannot be built and on other devices); the per-row scalars as Python floats on the
-CPU (V1; float64 tensors for groups of more than 48 rows), as tensors on the logits' device elsewhere
-(no host sync).
+Cost: one pass over the head's rows for L_T. On the CPU (V1) that pass, the per-row scalars and the
+column write are one call of the C++ row kernels of :mod:`nmst_fast.kernels.cpu` (built at the first
+engine start that serves a head, once per machine); where they cannot be built, torch ops for L_T and
+the scalars as Python floats (float64 tensors for groups of more than 48 rows). Elsewhere torch ops and
+tensors on the logits' device (no host sync).
 """
 
 from __future__ import annotations

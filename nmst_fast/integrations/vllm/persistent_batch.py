@@ -200,8 +200,7 @@ class PersistentBatchHead:
         st = settings.head == "st"
         kernels = cpu_kernels(logits) if self.host_scalars else None
         if kernels is not None:  # the CPU row kernels: L_T, the head's scalars and the write in one call
-            before = torch.tensor([request.sums.get(t - 1, 0.0) for request, t in zip(requests, steps)],
-                                  dtype=torch.float64) if st else None
+            before = _host_sums_before(requests, steps) if st else None
             after = kernels.write_eos_column(logits, group.indices, eos, group.temperature_values, torch.tensor(steps),
                                              before, settings.eps, MAX_EOS_LOGIT_GAP)
             if st:
@@ -225,8 +224,7 @@ class PersistentBatchHead:
         lse = tempered_non_eos_lse(rows, eos, group.inverse, self.buffer)
         before = None
         if st and self.host_scalars:  # the sums are floats where values may be read (the CPU)
-            before = torch.tensor([request.sums.get(t - 1, 0.0) for request, t in zip(requests, steps)],
-                                  dtype=torch.float64)
+            before = _host_sums_before(requests, steps)
         elif st:  # else 0-d tensors on the device
             zero = torch.zeros((), dtype=torch.float64, device=logits.device)
             before = torch.stack([request.sums.get(t - 1, zero) for request, t in zip(requests, steps)])
@@ -234,6 +232,11 @@ class PersistentBatchHead:
         if after is not None:
             for request, t, value in zip(requests, steps, after.tolist() if self.host_scalars else after):
                 _record_sum(request, t, value)
+
+
+def _host_sums_before(requests: list[_Request], steps: list[int]) -> torch.Tensor:
+    """(A,) float64 CPU tensor of ST's running sums (kept as floats) before each request's step t."""
+    return torch.tensor([request.sums.get(t - 1, 0.0) for request, t in zip(requests, steps)], dtype=torch.float64)
 
 
 def _write_column(logits: torch.Tensor, where: Union[slice, torch.Tensor], eos: int, column: torch.Tensor) -> None:
