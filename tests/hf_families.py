@@ -79,6 +79,13 @@ _OVERRIDES: dict[str, dict] = {
     "dory": dict(num_hidden_layers=6, n_input_layers=2, n_recurrent_layers=2, n_output_layers=2,
                  layer_types=["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention", "mlp"]),
     "gemma4_assistant": dict(hidden_size_per_layer_input=0),
+    # One layer of each kind: sliding window with a dense MLP, an indexer, a reindexer reading the indexer's keys
+    # and values, sliding window with experts; pools and windows small enough that the sparse paths run at T = 10.
+    "kolibri1_1": dict(num_hidden_layers=4, layer_types=["sliding_attention", "indexed_attention", "indexed_attention",
+                                                         "sliding_attention"],
+                       index_layers=[1], kv_source_layers=[0, 1, 1, 3], mlp_only_layers=[0],
+                       mlp_only_intermediate_size=96, index_num_heads=2, index_topk=2, index_pool_size=4,
+                       index_compression=2, index_num_local_tokens=2, index_num_sink_tokens=1, sliding_window=4),
     # Reformer backpropagates in training mode only: no dropout, and LSH buckets from a fixed seed.
     "reformer": dict(is_decoder=True, axial_pos_shape=[2, 5], axial_pos_embds_dim=[32, 32], hash_seed=0,
                      max_position_embeddings=10, local_attn_chunk_length=5, lsh_attn_chunk_length=5,

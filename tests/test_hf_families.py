@@ -178,3 +178,107 @@ def test_the_fast_subset_and_the_table_cover_every_type():
     assert set(FAST_LARGE) <= FAST and set(FAST_LARGE.values()) == set(HEADS)
     assert all(listed_outcomes()[t] == "patched" for t in FAST_LARGE), "FAST_LARGE holds patched types only"
     assert set(listed_outcomes()) == set(causal_lm_types()), "run python tools/hf_family_table.py"
+
+
+# --- a model type the library has never seen ------------------------------------------------------------------------
+
+class _UnseenGate(torch.nn.Module):
+    """A learned gate on the decoder stack's output: a component no transformers type has."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gate = torch.nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden * torch.sigmoid(self.gate) * 2
+
+
+def _register_unseen_types():
+    """Two model types registered the way a third-party package registers its own (``AutoConfig.register``,
+    ``AutoModelForCausalLM.register``), as a newer transformers would bring new ones: ``nmst_unseen_exact``,
+    whose logits are W h of its stack's gated last hidden state, and ``nmst_unseen_capped``, whose forward
+    caps its logits with a key of its own (``unseen_cap``) that no probe rule knows. The first one's class derives
+    from no transformers causal LM class: only its registration makes it one."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        GenerationMixin,
+        LlamaConfig,
+        LlamaForCausalLM,
+        LlamaModel,
+        LlamaPreTrainedModel,
+    )
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    class UnseenExactConfig(LlamaConfig):
+        model_type = "nmst_unseen_exact"
+
+    class UnseenExactModel(LlamaModel):
+        config_class = UnseenExactConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.unseen_gate = _UnseenGate(config.hidden_size)
+
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.last_hidden_state = self.unseen_gate(out.last_hidden_state)
+            return out
+
+    class UnseenExactForCausalLM(LlamaPreTrainedModel, GenerationMixin):
+        """Its own causal LM class (no transformers …ForCausalLM among its bases): stack, output layer, the
+        shifted cross-entropy."""
+        config_class = UnseenExactConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = UnseenExactModel(config)
+            self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.post_init()
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            out = self.model(input_ids=input_ids, **kwargs)
+            logits = self.lm_head(out.last_hidden_state)
+            loss = None if labels is None else self.loss_function(logits, labels, vocab_size=self.config.vocab_size)
+            return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+
+    class UnseenCappedConfig(LlamaConfig):
+        model_type = "nmst_unseen_capped"
+
+        def __init__(self, unseen_cap: float = 2.0, **kwargs):
+            self.unseen_cap = unseen_cap
+            super().__init__(**kwargs)
+
+    class UnseenCappedForCausalLM(LlamaForCausalLM):
+        config_class = UnseenCappedConfig
+
+        def forward(self, *args, labels=None, **kwargs):
+            out = super().forward(*args, **kwargs)
+            cap = self.config.unseen_cap
+            out.logits = cap * torch.tanh(out.logits / cap)
+            if labels is not None:
+                out.loss = self.loss_function(out.logits, labels, vocab_size=self.config.vocab_size)
+            return out
+
+    for config, model in ((UnseenExactConfig, UnseenExactForCausalLM), (UnseenCappedConfig, UnseenCappedForCausalLM)):
+        AutoConfig.register(config.model_type, config, exist_ok=True)
+        AutoModelForCausalLM.register(config, model, exist_ok=True)
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_a_type_the_library_has_never_seen_goes_through_the_probe(head):
+    """A type outside transformers' own mapping (registered in this test, as a newer transformers or a third-party
+    package brings one) is patched exactly when the probe finds its logits (check_exact, the sweep's own check, at
+    the model's logits and at large ones), and refused, naming the type, when its logits are post-processed in a way
+    no rule knows."""
+    _register_unseen_types()
+    assert "nmst_unseen_exact" not in causal_lm_types()
+    check_exact(tiny_causal_lm("nmst_unseen_exact"), "nmst_unseen_exact", head)
+    check_exact(spread("nmst_unseen_exact"), "nmst_unseen_exact", head)
+    capped = tiny_causal_lm("nmst_unseen_capped")
+    spread_logits(capped, LARGE_SPAN)  # the cap bends logits only where they are large
+    with pytest.raises(ValueError, match="nmst_unseen_capped.*would not see the model's own logits"):
+        apply_nmst(capped, head=head, eps=0.05, eos_token_id=EOS)

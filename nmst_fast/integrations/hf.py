@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from transformers import LogitsProcessor, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ..decoding import step_log_probs
 from ..head import NMSTHead
@@ -41,11 +41,20 @@ _DEFAULTS = dict(head="nmst", eps=1e-5, context_length=None)
 
 # --- what a model's output layer is -----------------------------------------------------------
 
-def _causal_lm_class_names() -> set[str]:
+def _is_causal_lm(model: Any) -> bool:
+    """Whether ``model``'s class is (a subclass of) one that ``AutoModelForCausalLM`` maps a model type to:
+    transformers' own, by name, or one registered with ``AutoModelForCausalLM.register`` for its config class."""
     names: set[str] = set()
     for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
         names.update([value] if isinstance(value, str) else value)
-    return names
+    mro = type(model).__mro__
+    if any(cls.__name__ in names for cls in mro):
+        return True
+    try:  # only this config class's entry: reading every value would import every model module
+        registered = MODEL_FOR_CAUSAL_LM_MAPPING[type(model.config)]
+    except (KeyError, ValueError, AttributeError):
+        return False
+    return any(cls in mro for cls in (registered if isinstance(registered, (list, tuple)) else [registered]))
 
 
 def _model_name(model: Any) -> str:
@@ -130,8 +139,7 @@ def _check_causal_lm(model: Any) -> nn.Module:
     """The model's output layer, after checking that ``model`` is a causal LM this module can patch."""
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel (a …ForCausalLM), got {type(model).__name__}")
-    causal = _causal_lm_class_names()
-    if not any(cls.__name__ in causal for cls in type(model).__mro__) or model.config.is_encoder_decoder:
+    if not _is_causal_lm(model) or model.config.is_encoder_decoder:
         raise ValueError(f"model must be a causal LM (AutoModelForCausalLM), got {_model_name(model)}")
     layer = _output_layer(model)
     decoder_stack(model)
