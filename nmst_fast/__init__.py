@@ -9,7 +9,7 @@ Public API:
     decoding, metrics  per-step selection; non-termination ratio and friends
 """
 
-from . import decoding, metrics
+from . import decoding, integrations, metrics
 from .generation import GenerationOutput, generate
 from .head import NMSTHead
 from .logmath import termination_bound
@@ -18,5 +18,7 @@ from .reference import nmst_log_probs
 
 __all__ = ["GenerationOutput", "NMSTHead", "decoding", "generate", "linear_nmst_loss", "metrics", "nmst_log_probs",
            "termination_bound"]
+integrations.install_hooks()
+
 # The one version source: pyproject.toml reads this literal without importing the package (keep it a literal).
 __version__ = "0.1.0"

@@ -28,8 +28,9 @@ from typing import Callable, Optional
 
 import torch
 
-from . import head_math
+from . import head_math, logits
 from .row_ops import TorchRowOps, TritonRowOps
+from .settings import HeadSettings
 from .vocab_shard import VocabShard
 
 _CHUNK_BYTES = {"cpu": 192 * 2**20, "cuda": 1024 * 2**20}
@@ -37,9 +38,10 @@ _CHUNK_BYTES = {"cpu": 192 * 2**20, "cuda": 1024 * 2**20}
 
 @dataclass(frozen=True)
 class HeadConfig:
-    head: str
-    eos_index: int
-    eps: float
+    """One call's configuration: the head (:class:`~nmst_fast.settings.HeadSettings`) and how the call lays
+    out and post-processes its rows."""
+
+    settings: HeadSettings
     ignore_index: int
     seq_len: int  # T of the (B, T) layout the flat rows come from; "st" sums along it
     softcap: Optional[float] = None  # c > 0: the heads see c·tanh(z / c) instead of z
@@ -47,6 +49,18 @@ class HeadConfig:
     # "nmst"/"st" divides the non-eos logits only: the entry point folds 1/T into every logit, and
     # eos_scale = T takes eos's back (s = T·s', and dℓ/ds' = T·dℓ/ds goes in the eos column).
     eos_scale: float = 1.0
+
+    @property
+    def head(self) -> str:
+        return self.settings.head
+
+    @property
+    def eos_index(self) -> int:
+        return self.settings.eos_index
+
+    @property
+    def eps(self) -> float:
+        return self.settings.eps
 
 
 def default_chunk_rows(
@@ -85,15 +99,10 @@ def eos_logits(
 ) -> torch.Tensor:
     """s = h · W[eos] (+ b[eos]) for every row, in at least float32; c · tanh(s / c) with a softcap c.
     ``eos_index`` is global; with a vocabulary ``shard``, eos's owner computes s and every rank gets it."""
-    dtype = torch.promote_types(hidden.dtype, torch.float32)
     local = eos_index if shard is None else shard.local(eos_index)
     if local < 0:
-        return shard.sum_(hidden.new_zeros(hidden.shape[0], dtype=dtype))
-    s = hidden.to(dtype) @ weight[local].to(dtype)
-    if bias is not None:
-        s = s + bias[local].to(dtype)
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
+        return shard.sum_(hidden.new_zeros(hidden.shape[0], dtype=torch.promote_types(hidden.dtype, torch.float32)))
+    s = logits.eos_logits(hidden, weight, bias, local, softcap=softcap)
     return s if shard is None else shard.sum_(s)
 
 

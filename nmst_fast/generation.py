@@ -19,12 +19,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .decoding.beam import beam_step
-from .decoding.distribution import check_temperature, effective_logits
+from .decoding.distribution import effective_logits
 from .decoding.step import DecodingStep, check_impl
 from .decoding.truncation import check_truncation
 from .head import NMSTHead
 from .logmath import termination_bound
-from .validation import check_int, check_int_tensor
+from .validation import check_int, check_int_tensor, check_temperature
 
 STRATEGIES = ("greedy", "top_k", "nucleus", "beam")
 

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .logits import postprocess_logits
 from .loss import check_logit_option, linear_nmst_loss
 from .reference import nmst_log_probs
 from .validation import HEADS, IMPLS, check_choice, check_eps, check_index
@@ -112,12 +113,7 @@ class NMSTHead(nn.Module):
         """The head's logits y = softcap · tanh(logit_scale · z / softcap), z = W h (+ b) (z itself
         without softcap / logit_scale): (…, V) for ``hidden`` (…, H), in the weight's dtype (as
         ``F.linear`` gives it; under autocast, autocast's). Materializes them: use :meth:`loss` to train."""
-        logits = nn.functional.linear(hidden, self.weight, self.bias)
-        if self.logit_scale is not None:
-            logits = logits * self.logit_scale
-        if self.softcap is not None:
-            logits = self.softcap * torch.tanh(logits / self.softcap)
-        return logits
+        return postprocess_logits(nn.functional.linear(hidden, self.weight, self.bias), self.softcap, self.logit_scale)
 
     def loss(
         self,

@@ -12,7 +12,6 @@ import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.nmst_fast.*)
 from .backends import triton_available
-from .decoding.distribution import check_temperature
 from .fused import default_chunk_rows, dw_accumulator_dtype
 from .reference import reference_linear_nmst_loss
 from .validation import (
@@ -27,6 +26,7 @@ from .validation import (
     check_int_tensor,
     check_not_dtensor,
     check_same_device,
+    check_temperature,
     expand_steps,
     should_check_data,
 )

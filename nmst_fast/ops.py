@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .fused import HeadConfig, fused_backward_from_lse, fused_forward, mean_divisor
+from .settings import HeadSettings
 from .vocab_shard import VocabShard
 
 
@@ -63,7 +64,7 @@ def linear_loss(
 
     dW and db come in at least fp32 (the accumulators; dW in ``dw_dtype`` when given): backward scales
     and casts them."""
-    cfg = HeadConfig(head, eos_index, eps, ignore_index, seq_len, softcap, eos_scale)
+    cfg = HeadConfig(HeadSettings(head, eps, eos_index), ignore_index, seq_len, softcap, eos_scale)
     need = (need_grad_hidden, need_grad_weight, need_grad_bias and bias is not None)  # as the fake kernel
     if reduction == "none":
         need = (False, False, False)  # per-row upstream grads are only known in backward
@@ -118,7 +119,7 @@ def linear_loss_backward(
     dw_dtype: Optional[torch.dtype] = None,
     eos_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    cfg = HeadConfig(head, eos_index, eps, ignore_index, seq_len, softcap, eos_scale)
+    cfg = HeadConfig(HeadSettings(head, eps, eos_index), ignore_index, seq_len, softcap, eos_scale)
     with torch.autocast(hidden.device.type, enabled=False):  # as in linear_loss
         dh, dw, db = fused_backward_from_lse(
             grad_rows, hidden, weight, bias, targets, steps, lse, cfg,

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .logits import postprocess_logits
 from .logmath import log1mexp, segmented_cumsum
 
 
@@ -66,8 +67,15 @@ def nmst_log_probs(
         temperature: T > 0, with the sampling semantics of :func:`nmst_fast.decoding.sample`: it divides
             the non-eos logits only for "nmst"/"st" (p(eos) does not depend on it), every logit for "va".
     """
-    from .decoding.distribution import check_temperature
-    from .validation import HEADS, check_choice, check_eps, check_float_tensor, check_index, expand_steps
+    from .validation import (
+        HEADS,
+        check_choice,
+        check_eps,
+        check_float_tensor,
+        check_index,
+        check_temperature,
+        expand_steps,
+    )
 
     check_choice("head", head, HEADS)
     check_temperature(temperature)
@@ -119,10 +127,7 @@ def reference_linear_nmst_loss(
     logits = F.linear(hidden, weight, bias)
     if logits_dtype is not None:
         logits = logits.to(logits_dtype)
-    if logit_scale is not None:
-        logits = logits * logit_scale
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
+    logits = postprocess_logits(logits, softcap, logit_scale)
     log_p = nmst_log_probs(logits, eos_index=eos_index, eps=eps, head=head, steps=steps, temperature=temperature)
     active = targets != ignore_index
     # gather takes int64 indices; targets may come in any integer dtype.

@@ -10,6 +10,7 @@ would break the graph.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Optional
 
@@ -31,6 +32,12 @@ def check_eps(eps: object) -> None:
         raise TypeError(f"eps must be a float in (0, 1), got {type(eps).__name__}")
     if not (0.0 < float(eps) < 1.0):
         raise ValueError(f"eps must lie in the open interval (0, 1), got {eps!r}")
+
+
+def check_temperature(temperature: object) -> None:
+    if (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature > 0
+            or not math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a positive finite float, got {temperature!r}")
 
 
 def check_int(name: str, value: object, minimum: int, *, optional: bool = False) -> None:

@@ -144,8 +144,8 @@ def test_gpt2_command_resumes_only_its_own_run_and_survives_a_cut_swap(tokenizer
 
     import transformers
 
+    from train.checkpoint import recover_model_dir
     from train.gpt2 import main
-    from train.hf import recover_model_dir
 
     common = _gpt2_run_files(tokenizer_dir, tmp_path) + ["--max-tokens", "256", "--eps", "0.05"]
     out = main(common + ["--head", "nmst", "--out", str(tmp_path / "run"), "--stop-after", "1", "--epochs", "2"])
@@ -166,9 +166,9 @@ def test_gpt2_command_stops_on_divergence_and_resumes_only_on_its_data(tokenizer
     before its state was saved), a NaN went on into the weights, and a rerun on other data resumed."""
     import types
 
-    import train.hf
+    import train.loop
     from train.gpt2 import main
-    from train.hf import perplexity
+    from train.loop import token_perplexity as perplexity
 
     class Huge(torch.nn.Module):  # a patched model whose summed NLL overflows exp
         _nmst_shifts_labels = True  # what apply_nmst records of a class that shifts its labels
@@ -185,7 +185,7 @@ def test_gpt2_command_stops_on_divergence_and_resumes_only_on_its_data(tokenizer
         main(common + ["--out", str(out)])
     assert exit_info.value.code == 2
     assert "data=" in capsys.readouterr().err
-    monkeypatch.setattr(train.hf, "perplexity", lambda *args: float("nan"))
+    monkeypatch.setattr(train.loop, "token_perplexity", lambda *args: float("nan"))
     with pytest.raises(SystemExit) as exit_info:
         main(common + ["--out", str(tmp_path / "nan")])
     message = str(exit_info.value.code)

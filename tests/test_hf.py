@@ -17,6 +17,7 @@ from nmst_fast.integrations.hf import (
     steps_from_labels,
     steps_from_positions,
 )
+from nmst_fast.settings import HeadSettings
 
 from hf_models import EOS, FAMILIES, GQA, V, chat_batch, reference_loss, tiny_model
 
@@ -89,7 +90,7 @@ def test_step_rules():
     assert steps_from_positions(positions, 2).tolist() == [[0, 0, 1, 2, 0, 0, 1, 2]]
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
     assert steps_from_attention_mask(mask, 1).tolist() == [[0, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 0, 0]]
-    settings = dict(context_length=1)
+    settings = HeadSettings("nmst", 1e-5, None, context_length=1)
     assert default_steps(labels[:1], settings).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]
     left_padded = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]])
     assert default_steps(labels[:1], settings, attention_mask=left_padded).tolist() == [[0, 0, 0, 1, 2, 3, 4, 5]]

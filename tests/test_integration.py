@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import nmst_fast
 from nmst_fast.fused import HeadConfig, fused_backward_from_lse, fused_forward
+from nmst_fast.settings import HeadSettings
 
 from helpers import DEVICE, LargestTensor
 
@@ -94,7 +95,7 @@ def test_chunked_driver_never_allocates_n_by_v():
     h, W, b = torch.randn(N, H), torch.randn(V, H), torch.randn(V)
     y, steps = torch.randint(0, V, (N,)), torch.randint(1, 50, (N,))
     for head in ("nmst", "st", "va"):
-        cfg = HeadConfig(head, 7, 1e-3, -100, seq_len=N // 10)
+        cfg = HeadConfig(HeadSettings(head, 1e-3, 7), -100, seq_len=N // 10)
         with LargestTensor() as mode:
             _, lse, *_ = fused_forward(h, W, b, y, steps, cfg, reduction="mean", backend="chunked",
                                        chunk_rows=chunk, need=(True, True, True))
@@ -191,8 +192,8 @@ def test_first_chunk_gemm_is_issued_before_the_head_math():
     steps = torch.arange(1, 10).repeat(2)
     log = _OpLog()  # the public op is opaque to dispatch modes: log the driver it runs
     with log:
-        fused_forward(h, W, None, y, steps, HeadConfig("st", 7, 1e-3, -100, 9), reduction="mean", backend="chunked",
-                      chunk_rows=5, need=(True, True, False))
+        fused_forward(h, W, None, y, steps, HeadConfig(HeadSettings("st", 1e-3, 7), -100, 9), reduction="mean",
+                      backend="chunked", chunk_rows=5, need=(True, True, False))
     first_gemm = next(i for i, op in enumerate(log.ops) if op.startswith(("mm", "addmm")))
     assert "mv.default" in log.ops and first_gemm < log.ops.index("mv.default"), log.ops[:first_gemm + 3]
 

@@ -27,6 +27,7 @@ from nmst_fast.data.bpe import EOS_TOKEN, encode_bpe_lines, train_byte_level_bpe
 from nmst_fast.data.wikitext import find_split_file, read_lines
 from nmst_fast.integrations.hf import apply_nmst
 from nmst_fast.integrations.lm_eval import NMSTLM
+from nmst_fast.settings import HeadSettings
 
 from hf_models import GQA
 from wikitext_text import generated_lines, real_wikitext_dir
@@ -234,7 +235,7 @@ def test_nmst_is_a_registered_lm_eval_model():
 
 def test_settings_come_from_config_and_model_args_only_fill_in(saved):
     lm = nmst_lm(saved["st"], head="st", eps=5e-3)  # agreeing with the record is fine
-    assert lm.nmst == dict(head="st", eps=5e-3, eos_token_id=lm.tokenizer.eos_token_id)
+    assert lm.nmst == HeadSettings(head="st", eps=5e-3, eos_token_id=lm.tokenizer.eos_token_id)
     for clash in (dict(head="nmst"), dict(eps=1e-3), dict(eos_token_id=5)):
         with pytest.raises(ValueError, match="trained with"):
             nmst_lm(saved["st"], **clash)
@@ -243,8 +244,8 @@ def test_settings_come_from_config_and_model_args_only_fill_in(saved):
     with pytest.raises(ValueError, match="eps"):
         nmst_lm(saved[None], head="nmst")
     lm = nmst_lm(saved[None], head="nmst", eps=1e-3)
-    assert lm.nmst == dict(head="nmst", eps=1e-3, eos_token_id=lm.tokenizer.eos_token_id)
-    assert nmst_lm(saved[None], head="va").nmst["head"] == "va"
+    assert lm.nmst == HeadSettings(head="nmst", eps=1e-3, eos_token_id=lm.tokenizer.eos_token_id)
+    assert nmst_lm(saved[None], head="va").nmst.head == "va"
 
 
 # --- loglikelihood --------------------------------------------------------------------------------
@@ -381,7 +382,7 @@ def test_head_va_gives_hflms_own_numbers(saved):
 # --- a WikiText task: word perplexity = the project's own evaluation ------------------------------
 
 def project_word_perplexity(directory: Path, tokenizer, lines: list[str], documents: list[str]) -> float:
-    """exp(summed NLL / words) with the NLL from the project's own evaluation, ``train.hf.perplexity``
+    """exp(summed NLL / words) with the NLL from the project's own evaluation, ``train.loop.token_perplexity``
     (the fused loss of the model as ``apply_nmst`` loads it with its recorded head).
 
     Like with like: the project scores a line as ``encode_bpe_lines`` tokenizes it (" " + line, eos)
@@ -390,7 +391,7 @@ def project_word_perplexity(directory: Path, tokenizer, lines: list[str], docume
     context (t = 1 at the line's first token, as the model's recorded context_length = 1 says). The
     project has no word count of its own (its perplexity is per token); the words are lm-eval's:
     whitespace-separated fields of the document (the empty one before its leading space included)."""
-    from train.hf import perplexity
+    from train.loop import token_perplexity as perplexity
 
     eos = tokenizer.eos_token_id
     sequences = [[eos] + seq for seq in encode_bpe_lines(lines, tokenizer, min_tokens=1, max_tokens=POSITIONS)]

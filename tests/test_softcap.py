@@ -224,11 +224,12 @@ def test_the_memory_bound_holds_with_a_softcap():
     """The torch row pass's second (chunk, V) buffer is the only extra one, and the default chunk
     halves so the two share the usual byte budget."""
     from nmst_fast.fused import HeadConfig, default_chunk_rows, fused_backward_from_lse, fused_forward
+    from nmst_fast.settings import HeadSettings
 
     N, H, V, chunk = 300, 8, 400, 32
     h, W, b = torch.randn(N, H), torch.randn(V, H), torch.randn(V)
     y, steps = torch.randint(0, V, (N,)), torch.randint(1, 50, (N,))
-    cfg = HeadConfig("nmst", 7, 1e-3, -100, 1, softcap=3.0)
+    cfg = HeadConfig(HeadSettings("nmst", 1e-3, 7), -100, 1, softcap=3.0)
     with LargestTensor() as mode:
         _, lse, *_ = fused_forward(h, W, b, y, steps, cfg, reduction="mean", backend="chunked", chunk_rows=chunk,
                                    need=(True, True, True))

@@ -10,7 +10,8 @@ import torch
 import transformers
 
 from nmst_fast.data.bpe import train_byte_level_bpe
-from train.hf import add_tokenizer, main, model_dirs_tokenizer, save_model_atomic
+from train.checkpoint import add_tokenizer, save_model_atomic
+from train.hf import main, model_dirs_tokenizer
 
 from hf_models import tiny_model
 

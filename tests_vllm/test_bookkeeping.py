@@ -145,33 +145,33 @@ def test_speculative_decoding_is_refused():
     from vllm import SamplingParams
 
     from nmst_fast.integrations.vllm import NMSTLogitsProcessor, request_settings
-    from nmst_fast.integrations.vllm.settings import _ModelInfo
+    from nmst_fast.integrations.vllm.settings import ModelInfo
 
     recorded = {"head": "nmst", "eps": 0.1, "context_length": None, "eos_token_id": EOS}
     with pytest.raises(ValueError, match="speculative"):  # a model-wide head: the engine does not start
         NMSTLogitsProcessor(_config(recorded, speculative=object()), torch.device("cpu"), False)
     NMSTLogitsProcessor(_config(speculative=object()), torch.device("cpu"), False)  # a plain model starts
-    model = _ModelInfo({"head": "nmst", "eps": 0.1}, EOS, V, speculative=True)
+    model = ModelInfo({"head": "nmst", "eps": 0.1}, EOS, V, speculative=True)
     with pytest.raises(ValueError, match="speculative"):
         request_settings(SamplingParams(), model)
     # A plain request on a plain model is not the processor's business, speculative or not.
-    assert request_settings(SamplingParams(), _ModelInfo({}, EOS, V, speculative=True)) is None
+    assert request_settings(SamplingParams(), ModelInfo({}, EOS, V, speculative=True)) is None
 
 
 def test_model_wide_settings_and_their_refusals():
     from vllm import SamplingParams
 
     from nmst_fast.integrations.vllm import HeadSettings, request_settings
-    from nmst_fast.integrations.vllm.settings import _ModelInfo
+    from nmst_fast.integrations.vllm.settings import ModelInfo
 
-    st_model = _ModelInfo({"head": "st", "eps": 0.1, "context_length": None, "eos_token_id": EOS}, EOS, V)
+    st_model = ModelInfo({"head": "st", "eps": 0.1, "context_length": None, "eos_token_id": EOS}, EOS, V)
     assert request_settings(SamplingParams(), st_model) == HeadSettings("st", 0.1, EOS)
     with pytest.raises(ValueError, match="min_tokens"):  # a model-wide ST head refuses bans too
         request_settings(SamplingParams(min_tokens=2), st_model)
     assert request_settings(SamplingParams(min_tokens=2, extra_args={"nmst_head": "nmst"}), st_model) == \
         HeadSettings("nmst", 0.1, EOS)
     assert request_settings(SamplingParams(extra_args={"nmst_head": "va"}), st_model) is None
-    plain = _ModelInfo({}, None, V)  # a plain model whose config names several eos ids
+    plain = ModelInfo({}, None, V)  # a plain model whose config names several eos ids
     with pytest.raises(ValueError, match="nmst_eos_token_id"):
         request_settings(SamplingParams(extra_args={"nmst_head": "nmst"}), plain)
     with pytest.raises(ValueError, match="without nmst_head"):

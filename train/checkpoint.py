@@ -12,8 +12,9 @@ import itertools
 import json
 import math
 import os
+import shutil
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -43,6 +44,86 @@ def save_atomic(obj: Any, path: str | Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+# --- directories swapped in whole (Hugging Face models: config, weights, tokenizer) ---------------------
+
+def recover_model_dir(path: Path) -> None:
+    """Undo a swap :func:`save_model_atomic` did not finish: a crash between its two renames leaves
+    ``path.old`` (the previous model, complete) and no ``path``."""
+    old = path.with_name(path.name + ".old")
+    if not path.exists() and old.exists():
+        os.replace(old, path)
+
+
+def holds_tokenizer(path: Path) -> bool:
+    """Whether the directory ``path`` has the files :func:`load_tokenizer` reads (tokenizer.json or
+    tokenizer_config.json, or GPT-2's vocab.json + merges.txt)."""
+    return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")) or all(
+        (path / name).is_file() for name in ("vocab.json", "merges.txt"))
+
+
+def fsync_path(path: Path) -> None:
+    """Flush the file or directory ``path`` to disk (directories: POSIX only, where a rename is made durable so)."""
+    if path.is_dir() and os.name != "posix":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish_directory(path: Path, write: Callable[[Path], None]) -> None:
+    """Fill a fresh directory with ``write(tmp)``, flush it to disk, then swap it in for ``path``: a
+    crash or an error never leaves half a directory at ``path`` (at worst the previous one as
+    ``path.old``, which :func:`recover_model_dir` puts back), and a failed ``write`` leaves nothing."""
+    recover_model_dir(path)
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+        for file in sorted(tmp.rglob("*")):
+            fsync_path(file)
+        fsync_path(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_model_atomic(model, path: Path, state_dict: Optional[dict] = None, *, tokenizer) -> None:
+    """save_pretrained of the model (of ``state_dict``, default the model's own) and of ``tokenizer`` into
+    one directory, swapped in whole at ``path`` (:func:`publish_directory`): config.json (with its "nmst" head
+    settings), weights and tokenizer files, which ``from_pretrained``, ``vllm serve`` and lm-eval read
+    from that one path."""
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp, state_dict=None if state_dict is None else dict(state_dict))  # it pops entries
+        tokenizer.save_pretrained(tmp)
+
+    publish_directory(path, write)
+
+
+def add_tokenizer(path: Path, tokenizer) -> None:
+    """Put ``tokenizer``'s files beside a saved model that lacks them (a run directory written when the
+    tokenizer had a directory of its own), swapped in whole as :func:`save_model_atomic` does: the
+    model's files are hard-linked (copied where links fail) into the new directory, not rewritten."""
+    def link_or_copy(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    def write(tmp: Path) -> None:
+        shutil.copytree(path, tmp, copy_function=link_or_copy)
+        tokenizer.save_pretrained(tmp)
+
+    publish_directory(path, write)
 
 
 class Diverged(RuntimeError):

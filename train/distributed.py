@@ -201,3 +201,36 @@ def barrier(world: World) -> None:
     """Wait for every rank (e.g. for rank 0's files)."""
     if world.size > 1:
         dist.barrier()
+
+
+def shard(model, world: World, fsdp: bool):
+    """The module a training step calls: ``model`` itself with one process; under torchrun DDP over it,
+    or (``fsdp``) ``model`` sharded in place with FSDP2: ``fully_shard`` on every decoder block (the
+    classes the model lists in ``_no_split_modules``), on an untied output layer, and on the root."""
+    if world.size == 1 or not fsdp:
+        return replicate(model, world)
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    for module in list(model.modules()):
+        if type(module).__name__ in blocks:
+            fully_shard(module)
+    output = model.get_output_embeddings()
+    if output.weight is not model.get_input_embeddings().weight:  # a tied one belongs to the root's unit
+        fully_shard(output)
+    fully_shard(model)
+    return model
+
+
+def full_state_options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def full_state(model, optimizer) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts whole and on the CPU, whether the model is plain, under DDP or
+    sharded (a collective then: every rank calls it; rank 0 receives them)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(model, optimizer, options=full_state_options(cpu_offload=True))

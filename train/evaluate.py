@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from nmst_fast import generate, head_math, metrics
+from nmst_fast import generate, head_math, metrics, nmst_log_probs
 from nmst_fast.data.wikitext import CONTEXT_LENGTH, Vocabulary
+from nmst_fast.integrations.hf import HFDecoder, decoder_hidden, steps_from_attention_mask
+from nmst_fast.logits import eos_logits
 from nmst_fast.logmath import log1mexp
 
 from .distributed import World, all_sum, gather, share
-from .loop import batches, perplexity
+from .loop import batches, perplexity, token_batches
 
 # Contexts decoded together. Block b draws from a generator seeded by (seed, b), so sampled
 # continuations do not depend on which rank decodes the block; small enough that a few hundred
@@ -86,9 +88,8 @@ def eos_log_probs(model, inputs: torch.Tensor, steps: torch.Tensor) -> torch.Ten
     head = model.nmst_head
     hidden, _ = model(inputs)
     B, T, _ = hidden.shape
-    s = hidden.double() @ head.weight[head.eos_index].double()
-    if head.bias is not None:
-        s = s + head.bias[head.eos_index].double()
+    s = eos_logits(hidden, head.weight, head.bias, head.eos_index, softcap=head.softcap, logit_scale=head.logit_scale,
+                   dtype=torch.float64)
     if head.head == "va":
         logits = head(hidden)
         return s - torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1).double()
@@ -165,3 +166,35 @@ def evaluate(model, vocab: Vocabulary, *, valid: list[list[int]], test: list[lis
         p_eos=eos_probability_by_step(model, test, vocab, device=device, world=world),
         examples=examples(model, test, vocab, device=device) if world.is_main else [],
     )
+
+
+# --- Hugging Face models (python -m train.hf) -------------------------------------------------------------
+
+@torch.no_grad()
+def token_eos_probability_by_step(model, seqs: list[list[int]], context_length: int, max_tokens: int, pad_id: int,
+                            device: str, max_t: int = 100, world: World = World()) -> dict:
+    """Teacher-forced mean p(eos) at continuation step t under the model's head, next to the data's
+    eos rate at t (``python -m train``'s p_eos curve)."""
+    head = HFDecoder(model).nmst_head
+    rate = EosRateByStep(max_t)
+    for batch, _ in token_batches(share(seqs, world), max_tokens, 0, pad_id, shuffle=False):
+        ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+        hidden = decoder_hidden(model, input_ids=ids, attention_mask=mask)[1][:, :-1]
+        steps = steps_from_attention_mask(mask, context_length)[:, 1:]  # t of the token each position predicts
+        log_p = nmst_log_probs(head(hidden).double(), eos_index=head.eos_index, eps=head.eps, head=head.head,
+                               steps=None if head.head == "va" else steps)
+        targets = batch.labels[:, 1:].to(device)
+        rate.add(steps, log_p[..., head.eos_index].exp(), targets == head.eos_index, targets != -100)
+    return rate.result(world)
+
+
+@torch.no_grad()
+def greedy_examples(model, tokenizer, seqs: list[list[int]], context_length: int, device: str, count: int = 3,
+             max_length: int = 40) -> list[dict]:
+    """Greedy continuations of the first ``count`` contexts, as text."""
+    picked = seqs[:count]
+    contexts = torch.tensor([s[:context_length] for s in picked], dtype=torch.long, device=device)
+    out = generate(HFDecoder(model), contexts, strategy="greedy", max_length=max_length)
+    return [dict(context=tokenizer.decode(s[:context_length]), reference=tokenizer.decode(s[context_length:]),
+                 greedy=tokenizer.decode(tokens[:length]))
+            for s, tokens, length in zip(picked, out.tokens.tolist(), out.lengths.tolist())]

@@ -34,25 +34,30 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
-from tqdm.auto import tqdm
 
-from nmst_fast import generate, metrics, nmst_log_probs
-from nmst_fast.data.bpe import bucket_batches, collate_bpe, encode_bpe_lines, load_tokenizer, train_byte_level_bpe
+from nmst_fast.data.bpe import bucket_batches, encode_bpe_lines, load_tokenizer, train_byte_level_bpe
 from nmst_fast.data.wikitext import find_split_file, read_lines
-from nmst_fast.integrations.hf import HFDecoder, apply_nmst, class_labels, decoder_hidden, steps_from_attention_mask
+from nmst_fast.integrations.hf import HFDecoder, apply_nmst
 from nmst_fast.validation import HEADS
 
-from .checkpoint import Diverged, claim_directory, data_fingerprint, refuse_another_run, require_finite, save_atomic
-from .distributed import World, all_sum, barrier, launch, on_main, replicate, share
-from .evaluate import EosRateByStep, non_termination
+from .checkpoint import (
+    Diverged,
+    add_tokenizer,
+    claim_directory,
+    data_fingerprint,
+    holds_tokenizer,
+    recover_model_dir,
+    refuse_another_run,
+)
+from .distributed import World, full_state_options, launch, on_main, shard
+from .evaluate import greedy_examples, non_termination, token_eos_probability_by_step
+from .loop import token_perplexity, train_epochs
 from .report import write_report
 from .runner import add_distributed_arguments, check_device, check_dist_timeout
 
@@ -100,145 +105,6 @@ def parser(prog: str = "python -m train.hf", doc: str = __doc__, *, preset: bool
     add_distributed_arguments(p)
     p.add_argument("--stop-after", type=int, help=argparse.SUPPRESS)  # tests: interrupt after N epochs
     return p
-
-
-def _batches(seqs: list[list[int]], max_tokens: int, seed: int, pad_id: int, shuffle: bool = True,
-             world: World = World()):
-    """(this rank's share of each length-bucketed global batch, the global batch's count of predicted
-    tokens). A rank whose share is empty gets the batch's first row with every label ignored, so every
-    rank runs every step (DDP's and FSDP's collectives need them all) and adds nothing to it."""
-    for index in bucket_batches([len(s) for s in seqs], max_tokens=max_tokens, seed=seed, shuffle=shuffle):
-        mine = share(index, world)
-        batch = collate_bpe([seqs[i] for i in (mine or index[:1])], pad_id)
-        if not mine:
-            batch.labels.fill_(-100)
-        yield batch, sum(len(seqs[i]) - 1 for i in index)  # HF shifts labels: the first token is not predicted
-
-
-@torch.no_grad()
-def perplexity(model, seqs: list[list[int]], context_length: int, max_tokens: int, pad_id: int, device: str,
-               world: World = World()) -> float:
-    """exp(mean NLL) of the tokens after the context (eos included); with several ranks each scores its
-    share of every batch (in step, as a sharded model needs) and the sums are reduced."""
-    model.eval()
-    total, count = 0.0, 0
-    for batch, _ in _batches(seqs, max_tokens, 0, pad_id, shuffle=False, world=world):
-        labels = batch.labels.clone()
-        labels[:, :context_length] = -100  # the context is given, not predicted
-        out = model(batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-                    labels=class_labels(model, labels).to(device), num_items_in_batch=1)  # = the summed NLL
-        total += float(out.loss)
-        count += int((labels[:, 1:] != -100).sum())
-    total, count = all_sum([total, count], world).tolist()
-    return metrics.perplexity(total, count)  # inf, not OverflowError, past a mean NLL of ~709.8
-
-
-@torch.no_grad()
-def eos_probability_by_step(model, seqs: list[list[int]], context_length: int, max_tokens: int, pad_id: int,
-                            device: str, max_t: int = 100, world: World = World()) -> dict:
-    """Teacher-forced mean p(eos) at continuation step t under the model's head, next to the data's
-    eos rate at t (``python -m train``'s p_eos curve)."""
-    head = HFDecoder(model).nmst_head
-    rate = EosRateByStep(max_t)
-    for batch, _ in _batches(share(seqs, world), max_tokens, 0, pad_id, shuffle=False):
-        ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-        hidden = decoder_hidden(model, input_ids=ids, attention_mask=mask)[1][:, :-1]
-        steps = steps_from_attention_mask(mask, context_length)[:, 1:]  # t of the token each position predicts
-        log_p = nmst_log_probs(head(hidden).double(), eos_index=head.eos_index, eps=head.eps, head=head.head,
-                               steps=None if head.head == "va" else steps)
-        targets = batch.labels[:, 1:].to(device)
-        rate.add(steps, log_p[..., head.eos_index].exp(), targets == head.eos_index, targets != -100)
-    return rate.result(world)
-
-
-@torch.no_grad()
-def examples(model, tokenizer, seqs: list[list[int]], context_length: int, device: str, count: int = 3,
-             max_length: int = 40) -> list[dict]:
-    """Greedy continuations of the first ``count`` contexts, as text."""
-    picked = seqs[:count]
-    contexts = torch.tensor([s[:context_length] for s in picked], dtype=torch.long, device=device)
-    out = generate(HFDecoder(model), contexts, strategy="greedy", max_length=max_length)
-    return [dict(context=tokenizer.decode(s[:context_length]), reference=tokenizer.decode(s[context_length:]),
-                 greedy=tokenizer.decode(tokens[:length]))
-            for s, tokens, length in zip(picked, out.tokens.tolist(), out.lengths.tolist())]
-
-
-def recover_model_dir(path: Path) -> None:
-    """Undo a swap :func:`save_model_atomic` did not finish: a crash between its two renames leaves
-    ``path.old`` (the previous model, complete) and no ``path``."""
-    old = path.with_name(path.name + ".old")
-    if not path.exists() and old.exists():
-        os.replace(old, path)
-
-
-def holds_tokenizer(path: Path) -> bool:
-    """Whether the directory ``path`` has the files :func:`load_tokenizer` reads (tokenizer.json or
-    tokenizer_config.json, or GPT-2's vocab.json + merges.txt)."""
-    return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")) or all(
-        (path / name).is_file() for name in ("vocab.json", "merges.txt"))
-
-
-def _fsync(path: Path) -> None:
-    """Flush the file or directory ``path`` to disk (directories: POSIX only, where a rename is made durable so)."""
-    if path.is_dir() and os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _publish(path: Path, write: Callable[[Path], None]) -> None:
-    """Fill a fresh directory with ``write(tmp)``, flush it to disk, then swap it in for ``path``: a
-    crash or an error never leaves half a directory at ``path`` (at worst the previous one as
-    ``path.old``, which :func:`recover_model_dir` puts back), and a failed ``write`` leaves nothing."""
-    recover_model_dir(path)
-    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        write(tmp)
-        for file in sorted(tmp.rglob("*")):
-            _fsync(file)
-        _fsync(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    _fsync(path.parent)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def save_model_atomic(model, path: Path, state_dict: Optional[dict] = None, *, tokenizer) -> None:
-    """save_pretrained of the model (of ``state_dict``, default the model's own) and of ``tokenizer`` into
-    one directory, swapped in whole at ``path`` (:func:`_publish`): config.json (with its "nmst" head
-    settings), weights and tokenizer files, which ``from_pretrained``, ``vllm serve`` and lm-eval read
-    from that one path."""
-    def write(tmp: Path) -> None:
-        model.save_pretrained(tmp, state_dict=None if state_dict is None else dict(state_dict))  # it pops entries
-        tokenizer.save_pretrained(tmp)
-
-    _publish(path, write)
-
-
-def add_tokenizer(path: Path, tokenizer) -> None:
-    """Put ``tokenizer``'s files beside a saved model that lacks them (a run directory written when the
-    tokenizer had a directory of its own), swapped in whole as :func:`save_model_atomic` does: the
-    model's files are hard-linked (copied where links fail) into the new directory, not rewritten."""
-    def link_or_copy(src: str, dst: str) -> None:
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-
-    def write(tmp: Path) -> None:
-        shutil.copytree(path, tmp, copy_function=link_or_copy)
-        tokenizer.save_pretrained(tmp)
-
-    _publish(path, write)
 
 
 # The flags that define a run: resuming its state under other values would continue another run.
@@ -324,96 +190,6 @@ def load_model(args, tokenizer):
                       eos_token_id=tokenizer.eos_token_id)
 
 
-def shard(model, world: World, fsdp: bool):
-    """The module a training step calls: ``model`` itself with one process; under torchrun DDP over it,
-    or (``fsdp``) ``model`` sharded in place with FSDP2: ``fully_shard`` on every decoder block (the
-    classes the model lists in ``_no_split_modules``), on an untied output layer, and on the root."""
-    if world.size == 1 or not fsdp:
-        return replicate(model, world)
-    from torch.distributed.fsdp import fully_shard
-
-    blocks = set(getattr(model, "_no_split_modules", None) or ())
-    for module in list(model.modules()):
-        if type(module).__name__ in blocks:
-            fully_shard(module)
-    output = model.get_output_embeddings()
-    if output.weight is not model.get_input_embeddings().weight:  # a tied one belongs to the root's unit
-        fully_shard(output)
-    fully_shard(model)
-    return model
-
-
-def _full(**kw):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, **kw)
-
-
-def full_state(model, optimizer) -> tuple[dict, dict]:
-    """(model, optimizer) state dicts whole and on the CPU, whether the model is plain, under DDP or
-    sharded (a collective then: every rank calls it; rank 0 receives them)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    return get_state_dict(model, optimizer, options=_full(cpu_offload=True))
-
-
-def backward(step, batch, tokens: int, world: World, device: str, where: str = "") -> float:
-    """Forward and backward of this rank's share ``batch`` of a global batch with ``tokens`` predicted
-    tokens, through ``step`` (:func:`shard`). The rank's summed loss is divided by ``tokens``, so the
-    ranks' losses add up to the global mean; DDP and FSDP average the ranks' gradients, so it is
-    multiplied by the world size before backward: the gradient is one process's on the global batch.
-    Returns the global mean loss (the same on every rank); Diverged, before backward, if it is not finite."""
-    labels = class_labels(getattr(step, "module", step), batch.labels)  # DDP wraps the model as .module
-    loss = step(batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-                labels=labels.to(device), num_items_in_batch=tokens).loss
-    value = require_finite(float(all_sum([loss.item()], world)), f"the training loss ({where})")
-    (loss * world.size).backward()
-    return value
-
-
-def _train_epochs(args, model, step, optimizer, schedule, seqs, pad, steps_per_epoch, out, settings, best, history,
-                  start_epoch, world: World, tokenizer):
-    """The epochs from ``start_epoch``: AdamW steps through ``step`` (``model`` itself, or DDP over it),
-    then the validation perplexity, the best model and the resumable state, each saved atomically by
-    rank 0 (the models with ``tokenizer`` beside them). Returns (best valid perplexity, history, whether
-    every epoch ran: False when ``--stop-after`` interrupted). Raises Diverged on a non-finite loss,
-    gradient norm or validation perplexity (on every rank alike), before anything non-finite is saved."""
-    for epoch in range(start_epoch, args.epochs):
-        if args.stop_after is not None and epoch - start_epoch >= args.stop_after:
-            return best, history, False
-        model.train()
-        # Dropout draws from a generator seeded per (epoch, rank): a resumed run continues exactly,
-        # and ranks draw independent masks.
-        torch.manual_seed((args.seed * 1_000_003 + epoch) * 4099 + world.rank)
-        bar = tqdm(_batches(seqs["train"], args.max_tokens, args.seed * 1_000_003 + epoch, pad, world=world),
-                   total=steps_per_epoch, disable=args.quiet or not world.is_main,
-                   desc=f"{args.head} epoch {epoch + 1}")
-        for batch_no, (batch, tokens) in enumerate(bar, start=1):
-            where = f"epoch {epoch + 1}, batch {batch_no}"
-            optimizer.zero_grad(set_to_none=True)
-            value = backward(step, batch, tokens, world, args.device, where)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-            require_finite(grad_norm, f"the gradient norm ({where})")
-            optimizer.step()
-            schedule.step()
-            bar.set_postfix(loss=f"{value:.3f}")
-        valid = require_finite(perplexity(model, seqs["valid"], args.context_length, args.max_tokens, pad, args.device,
-                                          world),
-                               f"the validation perplexity (epoch {epoch + 1})")
-        history.append(dict(epoch=epoch + 1, valid_perplexity=valid))
-        weights, optimizer_state = full_state(model, optimizer)
-        if world.is_main:
-            if valid < best:
-                save_model_atomic(model, out / "model", weights, tokenizer=tokenizer)
-            save_atomic(dict(epoch=epoch + 1, best=min(best, valid), history=history, settings=settings,
-                             model=weights, optimizer=optimizer_state, schedule=schedule.state_dict()),
-                        out / "train_state.pt")
-            save_model_atomic(model, out / "last", weights, tokenizer=tokenizer)  # the latest, as model/ is
-        best = min(best, valid)
-        barrier(world)  # no rank reads the files (to resume or evaluate) before they are written
-    return best, history, True
-
-
 def _size(model) -> str:
     count = sum(p.numel() for p in model.parameters())
     return f"{count / 1e6:.2f}M" if count >= 1e5 else str(count)
@@ -485,7 +261,8 @@ def _run(command: argparse.ArgumentParser, args: argparse.Namespace, entry: str,
         # another's optimizer.
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        set_model_state_dict(model, state["model"], options=_full())  # the form full_state saved (ties once)
+        # The form full_state saved (ties once).
+        set_model_state_dict(model, state["model"], options=full_state_options())
     step = shard(model, world, args.fsdp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     steps_per_epoch = len(bucket_batches([len(s) for s in seqs["train"]], max_tokens=args.max_tokens))
@@ -495,11 +272,11 @@ def _run(command: argparse.ArgumentParser, args: argparse.Namespace, entry: str,
     if state is not None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=_full())
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full_state_options())
         schedule.load_state_dict(state["schedule"])
         best, history, start_epoch = state["best"], state["history"], state["epoch"]
     try:
-        best, history, finished = _train_epochs(args, model, step, optimizer, schedule, seqs, pad, steps_per_epoch,
+        best, history, finished = train_epochs(args, model, step, optimizer, schedule, seqs, pad, steps_per_epoch,
                                                 out, settings, best, history, start_epoch, world, tokenizer)
     except Diverged as err:  # not a usage error: the run itself failed (on every rank alike)
         sys.exit(f"{command.prog}: {err}")
@@ -514,14 +291,14 @@ def _run(command: argparse.ArgumentParser, args: argparse.Namespace, entry: str,
     decoding = non_termination(HFDecoder(model), contexts, args.max_length, seed=args.seed, device=args.device,
                                world=world)
     evaluation = dict(
-        perplexity=perplexity(model, seqs["eval"], args.context_length, args.max_tokens, pad, args.device, world),
+        perplexity=token_perplexity(model, seqs["eval"], args.context_length, args.max_tokens, pad, args.device, world),
         valid_perplexity=best, r_nt={name: d["r_nt"] for name, d in decoding.items()}, history=history,
         eps=args.eps, generated_lengths={name: d["lengths"] for name, d in decoding.items()},
         data_lengths=[len(s) - args.context_length for s in decoded], world_size=world.size,
-        p_eos=eos_probability_by_step(model, seqs["eval"], args.context_length, args.max_tokens, pad, args.device,
+        p_eos=token_eos_probability_by_step(model, seqs["eval"], args.context_length, args.max_tokens, pad, args.device,
                                       world=world))
     if world.is_main:
-        evaluation["examples"] = examples(model, tokenizer, seqs["eval"], args.context_length, args.device)
+        evaluation["examples"] = greedy_examples(model, tokenizer, seqs["eval"], args.context_length, args.device)
         notes = [f"`{command.prog}`: {model.config.model_type} ({_size(model)} parameters), head {args.head}, "
                  f"ε = {args.eps}, {args.context_length}-token context, r_nt over {len(decoded)} contexts; "
                  f"{world.size} process(es){' (FSDP2)' if args.fsdp and world.size > 1 else ''}."]

@@ -17,11 +17,21 @@ import torch
 from tqdm.auto import tqdm
 
 from nmst_fast import metrics
+from nmst_fast.data.bpe import bucket_batches, collate_bpe
 from nmst_fast.data.wikitext import CONTEXT_LENGTH, Vocabulary, collate
+from nmst_fast.integrations.hf import class_labels
 
-from .checkpoint import FORMAT, build_model, load_checkpoint, refuse_another_run, require_finite, save_atomic
+from .checkpoint import (
+    FORMAT,
+    build_model,
+    load_checkpoint,
+    refuse_another_run,
+    require_finite,
+    save_atomic,
+    save_model_atomic,
+)
 from .config import TrainConfig
-from .distributed import World, all_sum, barrier, replicate, share
+from .distributed import World, all_sum, barrier, full_state, replicate, share
 
 
 @dataclass
@@ -237,3 +247,92 @@ def train(
         barrier(world)  # no rank leaves (and resumes) before the checkpoint it would read is written
     model.load_state_dict(best_weights)
     return model, state
+
+
+# --- Hugging Face models (python -m train.hf): token batches, the global-batch step, the epochs -------------
+
+def token_batches(seqs: list[list[int]], max_tokens: int, seed: int, pad_id: int, shuffle: bool = True,
+             world: World = World()):
+    """(this rank's share of each length-bucketed global batch, the global batch's count of predicted
+    tokens). A rank whose share is empty gets the batch's first row with every label ignored, so every
+    rank runs every step (DDP's and FSDP's collectives need them all) and adds nothing to it."""
+    for index in bucket_batches([len(s) for s in seqs], max_tokens=max_tokens, seed=seed, shuffle=shuffle):
+        mine = share(index, world)
+        batch = collate_bpe([seqs[i] for i in (mine or index[:1])], pad_id)
+        if not mine:
+            batch.labels.fill_(-100)
+        yield batch, sum(len(seqs[i]) - 1 for i in index)  # HF shifts labels: the first token is not predicted
+
+
+@torch.no_grad()
+def token_perplexity(model, seqs: list[list[int]], context_length: int, max_tokens: int, pad_id: int, device: str,
+               world: World = World()) -> float:
+    """exp(mean NLL) of the tokens after the context (eos included); with several ranks each scores its
+    share of every batch (in step, as a sharded model needs) and the sums are reduced."""
+    model.eval()
+    total, count = 0.0, 0
+    for batch, _ in token_batches(seqs, max_tokens, 0, pad_id, shuffle=False, world=world):
+        labels = batch.labels.clone()
+        labels[:, :context_length] = -100  # the context is given, not predicted
+        out = model(batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                    labels=class_labels(model, labels).to(device), num_items_in_batch=1)  # = the summed NLL
+        total += float(out.loss)
+        count += int((labels[:, 1:] != -100).sum())
+    total, count = all_sum([total, count], world).tolist()
+    return metrics.perplexity(total, count)  # inf, not OverflowError, past a mean NLL of ~709.8
+
+
+def backward(step, batch, tokens: int, world: World, device: str, where: str = "") -> float:
+    """Forward and backward of this rank's share ``batch`` of a global batch with ``tokens`` predicted
+    tokens, through ``step`` (:func:`~train.distributed.shard`). The rank's summed loss is divided by ``tokens``, so the
+    ranks' losses add up to the global mean; DDP and FSDP average the ranks' gradients, so it is
+    multiplied by the world size before backward: the gradient is one process's on the global batch.
+    Returns the global mean loss (the same on every rank); Diverged, before backward, if it is not finite."""
+    labels = class_labels(getattr(step, "module", step), batch.labels)  # DDP wraps the model as .module
+    loss = step(batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                labels=labels.to(device), num_items_in_batch=tokens).loss
+    value = require_finite(float(all_sum([loss.item()], world)), f"the training loss ({where})")
+    (loss * world.size).backward()
+    return value
+
+
+def train_epochs(args, model, step, optimizer, schedule, seqs, pad, steps_per_epoch, out, settings, best, history,
+                  start_epoch, world: World, tokenizer):
+    """The epochs from ``start_epoch``: AdamW steps through ``step`` (``model`` itself, or DDP over it),
+    then the validation perplexity, the best model and the resumable state, each saved atomically by
+    rank 0 (the models with ``tokenizer`` beside them). Returns (best valid perplexity, history, whether
+    every epoch ran: False when ``--stop-after`` interrupted). Raises Diverged on a non-finite loss,
+    gradient norm or validation perplexity (on every rank alike), before anything non-finite is saved."""
+    for epoch in range(start_epoch, args.epochs):
+        if args.stop_after is not None and epoch - start_epoch >= args.stop_after:
+            return best, history, False
+        model.train()
+        # Dropout draws from a generator seeded per (epoch, rank): a resumed run continues exactly,
+        # and ranks draw independent masks.
+        torch.manual_seed((args.seed * 1_000_003 + epoch) * 4099 + world.rank)
+        bar = tqdm(token_batches(seqs["train"], args.max_tokens, args.seed * 1_000_003 + epoch, pad, world=world),
+                   total=steps_per_epoch, disable=args.quiet or not world.is_main,
+                   desc=f"{args.head} epoch {epoch + 1}")
+        for batch_no, (batch, tokens) in enumerate(bar, start=1):
+            where = f"epoch {epoch + 1}, batch {batch_no}"
+            optimizer.zero_grad(set_to_none=True)
+            value = backward(step, batch, tokens, world, args.device, where)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+            require_finite(grad_norm, f"the gradient norm ({where})")
+            optimizer.step()
+            schedule.step()
+            bar.set_postfix(loss=f"{value:.3f}")
+        valid = token_perplexity(model, seqs["valid"], args.context_length, args.max_tokens, pad, args.device, world)
+        require_finite(valid, f"the validation perplexity (epoch {epoch + 1})")
+        history.append(dict(epoch=epoch + 1, valid_perplexity=valid))
+        weights, optimizer_state = full_state(model, optimizer)
+        if world.is_main:
+            if valid < best:
+                save_model_atomic(model, out / "model", weights, tokenizer=tokenizer)
+            save_atomic(dict(epoch=epoch + 1, best=min(best, valid), history=history, settings=settings,
+                             model=weights, optimizer=optimizer_state, schedule=schedule.state_dict()),
+                        out / "train_state.pt")
+            save_model_atomic(model, out / "last", weights, tokenizer=tokenizer)  # the latest, as model/ is
+        best = min(best, valid)
+        barrier(world)  # no rank reads the files (to resume or evaluate) before they are written
+    return best, history, True

@@ -38,8 +38,9 @@ from nmst_fast import termination_bound
 from nmst_fast.generation import generate
 from nmst_fast.integrations.hf import HFDecoder, apply_nmst
 
+from .checkpoint import save_model_atomic
 from .corpus import CONTEXT_WORDS, builtin_splits
-from .hf import perplexity, save_model_atomic
+from .loop import token_perplexity
 
 
 def parser() -> argparse.ArgumentParser:
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> dict:
     completion_tokens = sum(len(seq) - CONTEXT_WORDS for seq in sequences)
     # The same completions scored by the project's own evaluation (the patched model's fused loss, t = 1 at the
     # completion's first token): lm-eval's numbers are the head's, so the two agree.
-    own = perplexity(model, sequences, CONTEXT_WORDS, 4096, tokenizer.pad_token_id, device)
+    own = token_perplexity(model, sequences, CONTEXT_WORDS, 4096, tokenizer.pad_token_id, device)
     scores = {"is_greedy": evaluated["results"][task]["acc,none"],
               "completion_perplexity": math.exp(-log_likelihood / completion_tokens),
               "completion_perplexity_fused_loss": own}

@@ -21,7 +21,7 @@ import torch
 
 from ..head_math import nmst_log_survival, st_step_survival
 from ..logmath import log1mexp
-from ..validation import HEADS, check_choice, check_eps, check_float_tensor, check_index
+from ..validation import HEADS, check_choice, check_eps, check_float_tensor, check_index, check_temperature
 
 Steps = Union[int, torch.Tensor]
 
@@ -86,12 +86,6 @@ def check_head_args(head: object, eos_index: object, vocab_size: int, eps: objec
     check_temperature(temperature)
 
 
-def check_temperature(temperature: object) -> None:
-    if (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature > 0
-            or not math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a positive finite float, got {temperature!r}")
-
-
 def check_state(state: object, batch: int, device: torch.device, *, values: bool = True) -> torch.Tensor:
     """ST's state as every path accepts it: a floating (B,) tensor (moved to ``device``) of
     log(1 − α) ≤ 0 (−inf: eos certain). ``values=False``: no NaN / positive check (the kernels flag
@@ -134,9 +128,11 @@ def eos_terms(
 
 def head_terms(non_eos_lse, log_surv):
     """(log_norm = L − a, ζ_eos = L + log(1 − e^a) − a, log p(eos) = log(1 − e^a)) from L and
-    a = log(1 − α_t): (B,) float64 tensors, or one row's floats."""
-    floored = log_surv.clamp(min=LOG_SURVIVAL_FLOOR) if isinstance(log_surv, torch.Tensor) else \
-        max(log_surv, LOG_SURVIVAL_FLOOR)
+    a = log(1 − α_t): (B,) float64 tensors (float32 ones: the floor is float32's lowest), or one row's floats."""
+    if isinstance(log_surv, torch.Tensor):
+        floored = log_surv.clamp(min=max(LOG_SURVIVAL_FLOOR, torch.finfo(log_surv.dtype).min))
+    else:
+        floored = max(log_surv, LOG_SURVIVAL_FLOOR)
     eos_log_prob = log1mexp(log_surv)
     return non_eos_lse - floored, non_eos_lse + eos_log_prob - floored, eos_log_prob
 

@@ -3,10 +3,10 @@
 Every TRL trainer that scores tokens calls ``trl.trainer.utils.add_fused_lm_head(model, temperature=…,
 cast_lm_head_to_fp32=…, outputs=…)`` at construction (on the base model under PEFT, and on DPO's, KTO's
 and RLOO's reference model), which replaces ``model.forward`` with a fused log-softmax over the output
-layer's raw logits: the patched loss would never run. :func:`watch_trl` (called by
-:func:`nmst_fast.integrations.hf.apply_nmst`) wraps that function, when ``trl.trainer.utils`` is imported
-or at once if it already is: for a model patched by ``apply_nmst`` — or one whose config records a head,
-which is patched first — it installs :func:`add_head_outputs` instead; every other model gets TRL's own.
+layer's raw logits: the patched loss would never run. :func:`wrap_trl_utils` wraps that function when
+``trl.trainer.utils`` is imported (``import nmst_fast`` installs the hook, :mod:`nmst_fast.integrations.hooks`;
+this module itself is imported only then): for a model patched by ``apply_nmst`` — or one whose config records a
+head, which is patched first — it installs :func:`add_head_outputs` instead; every other model gets TRL's own.
 The user's trainer classes stay unchanged: no subclass, no flag.
 
 What the trainers then see (``model(..., labels=…, fused_lm_head=True)`` → ``FusedCausalLMOutput``):
@@ -19,7 +19,8 @@ What the trainers then see (``model(..., labels=…, fused_lm_head=True)`` → `
   policy's HF ``generate`` samples the same distribution (its step log-probs are emitted for that T);
 * ``entropy``, ``is_top1``, ``log_sum_sq_probs`` and ``mean_logits`` of the head's distribution (the mean
   of its effective logits ζ, whose softmax it is: the raw logits / T for VA), from a second chunked pass
-  over the supervised rows; ``entropy`` is differentiable (GRPO's entropy bonus);
+  over the supervised rows (:mod:`nmst_fast.integrations.hf.statistics`); ``entropy`` is differentiable
+  (GRPO's entropy bonus);
 * ``loss``: −Σ log_probs / (``num_items_in_batch`` or the label count), plus the MoE load-balancing term
   when the config asks for router logits, as TRL's own.
 
@@ -29,61 +30,28 @@ Where that is not possible the trainer's construction raises ``ValueError`` nami
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import importlib.abc
-import importlib.machinery
 import inspect
 import sys
 import types
 from typing import Any, Optional
 
 import torch
+from trl.trainer.utils import FusedCausalLMOutput
+
+from ..settings import HeadSettings
+from ..validation import check_temperature
+from .hf import STATISTICS, apply_nmst, decoder_hidden, patched_call, score_labels
+from .hf.patch import signature_with
 
 SUPPORTED_TRL = ("1.16.0", "1.17.0")  # [lowest, first unsupported): the releases these hooks are tested with
 _UTILS = "trl.trainer.utils"
 _WRAPPED = "_nmst_wraps"
-OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
 # --- finding TRL's call -----------------------------------------------------------------------------
 
-def watch_trl() -> None:
-    """Make TRL's ``add_fused_lm_head`` serve patched models with the head: now, where TRL's utils are
-    imported, else when they are (an import hook; TRL itself is not imported here). Idempotent."""
-    module = sys.modules.get(_UTILS)
-    if module is not None:
-        _wrap(module)
-    elif not any(isinstance(finder, _TRLUtilsFinder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _TRLUtilsFinder())
-
-
-class _TRLUtilsFinder(importlib.abc.MetaPathFinder):
-    """Finds ``trl.trainer.utils`` as the path finder does, and wraps its function once it has run
-    (before any trainer module's ``from .utils import add_fused_lm_head`` reads it)."""
-
-    def find_spec(self, name, path, target=None):
-        if name != _UTILS:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _WrappingLoader(spec.loader)
-        return spec
-
-
-class _WrappingLoader(importlib.abc.Loader):
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self._loader.exec_module(module)
-        _wrap(module)
-
-
-def _wrap(utils: types.ModuleType) -> None:
+def wrap_trl_utils(utils: types.ModuleType) -> None:
     """Replace ``add_fused_lm_head`` in TRL's utils and in every loaded TRL module that imported it."""
     original = getattr(utils, "add_fused_lm_head", None)
     if original is None:
@@ -164,8 +132,6 @@ def _has_head(model: Any) -> bool:
     config = getattr(model, "config", None)
     if not getattr(config, "nmst", None) or isinstance(model, str):
         return False
-    from .hf import apply_nmst
-
     apply_nmst(model)
     return True
 
@@ -180,10 +146,8 @@ def add_head_outputs(model: Any, temperature: float = 1.0, cast_lm_head_to_fp32:
     ``FusedCausalLMOutput`` (per-token fields (B, T − 1), or (B, T) with ``shift_labels``, zero where the
     label is −100); without ``fused_lm_head`` the call goes to the patched forward. ``temperature`` also
     sets the policy's HF generation to sample the head at T (see the module docstring)."""
-    from ..decoding.distribution import check_temperature
-
     check_temperature(temperature)
-    unknown = set(outputs) - {"log_probs", *OPTIONAL_OUTPUTS}
+    unknown = set(outputs) - {"log_probs", *STATISTICS}
     if unknown:
         raise ValueError(f"outputs: unknown field(s) {sorted(unknown)} for the NMST head")
     previous = model.__dict__.get("_nmst_unfused_forward") or model.forward
@@ -203,15 +167,11 @@ def add_head_outputs(model: Any, temperature: float = 1.0, cast_lm_head_to_fp32:
             return self._nmst_unfused_forward(*args, **kwargs)
         if args:
             raise TypeError("NMST head: fused_lm_head=True takes keyword arguments only (input_ids=…, labels=…)")
-        from .hf import patched_call
-
         with patched_call():
             return head_outputs(self, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
                                 **self._nmst_trl, **kwargs)
 
-    from .hf import _with_self_and
-
-    forward.__signature__ = _with_self_and(inspect.signature(previous),
+    forward.__signature__ = signature_with(inspect.signature(previous),
                                            ("fused_lm_head", "shift_labels", "num_items_in_batch"))
     model.forward = types.MethodType(forward, model)
 
@@ -223,83 +183,31 @@ def head_outputs(model: Any, *, labels: Optional[torch.Tensor], shift_labels: Op
 
     ``labels`` (B, T) aligned with ``input_ids`` (position i scores ``labels[:, i + 1]``), or ``shift_labels``
     (B, T) already shifted (position i scores ``shift_labels[:, i]``); ``named``: the model's other forward
-    arguments (input_ids, attention_mask, position_ids, …)."""
-    from trl.trainer.utils import FusedCausalLMOutput
-
-    from ..loss import linear_nmst_loss
-    from .hf import (
-        _as_shifted,
-        _check_output_weight,
-        _in_output_layer,
-        _linear_of,
-        _output_layer,
-        decoder_hidden,
-        default_steps,
-        logit_postprocessing,
-    )
-
+    arguments (input_ids, attention_mask, position_ids, …). Scored by
+    :func:`~nmst_fast.integrations.hf.score_labels`."""
     if (labels is None) == (shift_labels is None):
         raise ValueError("NMST head: fused_lm_head=True needs exactly one of labels= and shift_labels=")
-    settings = dict(model.config.nmst)
+    settings = HeadSettings.from_recorded(model.config.nmst)
     text_config = model.config.get_text_config()
     router = bool(getattr(text_config, "output_router_logits", False))
     if router:
         named.setdefault("output_router_logits", True)
     named.pop("nmst_steps", None)
     out, hidden = decoder_hidden(model, **named)
-    mask_in, positions = named.get("attention_mask"), named.get("position_ids")
-    layer = _output_layer(model, check_weight=False)
-    if shift_labels is None:
-        labels = labels.to(hidden.device)
-        steps = default_steps(labels, settings, attention_mask=mask_in, position_ids=positions)[:, 1:]
-        hidden, targets = hidden[:, :-1], labels[:, 1:]
-    else:
-        targets = shift_labels.to(hidden.device)
-        aligned, mask_in, positions = _as_shifted(targets, mask_in, positions)
-        steps = default_steps(aligned, settings, attention_mask=mask_in, position_ids=positions)[:, 1:]
-    if targets.shape != hidden.shape[:2]:
-        raise ValueError(f"labels must give (B, T)={tuple(hidden.shape[:2])} targets, got {tuple(targets.shape)}")
-    mask = targets != -100
-    softcap, scale = logit_postprocessing(model.config)
-    head, eos, eps = settings["head"], settings["eos_token_id"], settings["eps"]
-    wanted = tuple(name for name in OPTIONAL_OUTPUTS if name in outputs)
-
-    def compute(h: torch.Tensor):
-        linear = _linear_of(layer)
-        _check_output_weight(model, linear)
-        weight, bias = linear.weight, linear.bias
-        if cast_lm_head_to_fp32:
-            h, weight = h.float(), weight.float()
-            bias = None if bias is None else bias.float()
-        context = torch.autocast(h.device.type, enabled=False) if cast_lm_head_to_fp32 else contextlib.nullcontext()
-        with context:
-            common = dict(eos_index=eos, eps=eps, head=head, bias=bias, softcap=softcap, logit_scale=scale,
-                          temperature=temperature, impl=getattr(model, "_nmst_impl", "auto"))
-            if head == "st":  # the running sum goes along T: every row of the (B, T) layout
-                nll = linear_nmst_loss(h, weight, targets, steps=steps, reduction="none", **common)
-                log_probs = -nll.to(torch.promote_types(nll.dtype, torch.float32))
-            else:  # the supervised rows alone
-                nll = linear_nmst_loss(h[mask], weight, targets[mask], steps=None if head == "va" else steps[mask],
-                                       reduction="none", **common)
-                nll = nll.to(torch.promote_types(nll.dtype, torch.float32))
-                log_probs = nll.new_zeros(mask.shape).masked_scatter(mask, -nll)
-            stats = {}
-            if wanted:
-                from .trl_statistics import head_statistics
-
-                stats = head_statistics(h, weight, bias, targets, steps, mask, head=head, eos_index=eos, eps=eps,
-                                        temperature=temperature, softcap=softcap, logit_scale=scale, outputs=wanted)
-        return (log_probs, *(stats.get(name) for name in OPTIONAL_OUTPUTS))
-
-    log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1 = _in_output_layer(layer, hidden, compute)
+    scores = score_labels(model, hidden, shift_labels if labels is None else labels, settings,
+                          shifted=labels is not None, attention_mask=named.get("attention_mask"),
+                          position_ids=named.get("position_ids"), temperature=temperature,
+                          dtype=torch.float32 if cast_lm_head_to_fp32 else None,
+                          statistics=tuple(name for name in STATISTICS if name in outputs))
+    log_probs, mask = -scores.nll, scores.mask
     divisor = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     loss = -log_probs.sum() / divisor
     aux_loss = None
     if router:
         aux_loss = _load_balancing_loss(out, text_config, named.get("attention_mask"))
         loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
-    return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, log_sum_sq_probs=log_sum_sq_probs,
-                               mean_logits=mean_logits, is_top1=is_top1, label_mask=mask, aux_loss=aux_loss)
+    return FusedCausalLMOutput(loss=loss, log_probs=log_probs, label_mask=mask, aux_loss=aux_loss,
+                               **{name: scores.statistics.get(name) for name in STATISTICS})
 
 
 def _load_balancing_loss(out: Any, text_config: Any, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -308,3 +216,6 @@ def _load_balancing_loss(out: Any, text_config: Any, attention_mask: Optional[to
 
     return load_balancing_loss_func(out.router_logits, text_config.num_experts, text_config.num_experts_per_tok,
                                     attention_mask)
+
+
+wrap_trl_utils(sys.modules[_UTILS])  # TRL is imported by now (above); idempotent

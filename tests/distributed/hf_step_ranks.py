@@ -5,10 +5,10 @@ loss and gradients, data-parallel (DDP) and sharded (FSDP2), for every head.
 
 (tests/test_train_hf_ddp.py runs :func:`check_steps` inside the launch of hf_train_ranks.py.)
 
-The step is the command's own: :func:`train.hf.shard` (DDP, or ``fully_shard`` per decoder layer, on
-the output layer and on the root), :func:`train.hf._batches` (each rank's share of a global batch of
+The step is the command's own: :func:`train.distributed.shard` (DDP, or ``fully_shard`` per decoder layer, on
+the output layer and on the root), :func:`train.loop.token_batches` (each rank's share of a global batch of
 ragged rows: the shares hold different token counts, and one global batch holds a single row, so one
-rank's share is empty) and :func:`train.hf.backward`. Under FSDP2 the fused loss reads the output
+rank's share is empty) and :func:`train.loop.backward`. Under FSDP2 the fused loss reads the output
 layer's weight inside that layer's own call, where it is gathered (outside, it is a sharded DTensor).
 Leaving the process group afterwards must end gloo's threads (gloo_threads.py).
 """
@@ -19,7 +19,8 @@ from gloo_threads import gloo_threads  # this script's folder leads sys.path
 
 from nmst_fast.integrations.hf import apply_nmst
 from train import distributed
-from train.hf import _batches, backward, shard
+from train.distributed import shard
+from train.loop import backward, token_batches
 
 V, EOS = 61, 60
 
@@ -40,7 +41,7 @@ def sequences():
 def gradients(net, world, fsdp: bool):
     step = shard(net, world, fsdp)
     losses = [backward(step, batch, tokens, world, "cpu")
-              for batch, tokens in _batches(sequences(), 64, 0, EOS, shuffle=False, world=world)]
+              for batch, tokens in token_batches(sequences(), 64, 0, EOS, shuffle=False, world=world)]
     grads = {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
              for name, p in net.named_parameters()}
     return losses, grads

@@ -143,8 +143,8 @@ def check_outside(tied: bool, rank: int, world: int) -> None:
     where the loss reads it, but for the module that runs (the whole model), from the next forward
     on before the decoder stack: the check above sees that."""
     what = "tied" if tied else "untied"
-    inside = nmst_hf._in_output_layer
-    nmst_hf._in_output_layer = lambda layer, hidden, compute: compute(hidden)
+    inside = nmst_hf.scoring.in_output_layer
+    nmst_hf.scoring.in_output_layer = lambda layer, hidden, compute: compute(hidden)
     try:
         engine, at_norm = zero3("nmst", tied)
         ids, labels, n = batch()
@@ -154,7 +154,7 @@ def check_outside(tied: bool, rank: int, world: int) -> None:
         with torch.no_grad():
             engine(input_ids=ids[share], labels=labels[share], num_items_in_batch=n)
     finally:
-        nmst_hf._in_output_layer = inside
+        nmst_hf.scoring.in_output_layer = inside
     assert at_norm == [ZeroParamStatus.NOT_AVAILABLE, ZeroParamStatus.AVAILABLE], f"{what}: {at_norm}"
     print(f"rank {rank}/{world}: ZeRO-3 {what}, the loss outside the output layer's call: the weight is gathered "
           "through the decoder stack", flush=True)

@@ -71,7 +71,7 @@ from ...kernels.cpu import row_kernels
 from .eos_column import GREEDY_TEMPERATURE, MAX_EOS_LOGIT_GAP, logger, tempered_non_eos_lse
 from .logprobs import DEFAULT_MODE, PROCESSED_MODES, logprobs_refusal
 from .persistent_batch import PersistentBatchHead
-from .settings import HeadSettings, _model_info, frontend_model, request_settings
+from .settings import HeadSettings, frontend_model, model_info, request_settings
 from .slots import SlotHead
 
 __all__ = ["GREEDY_TEMPERATURE", "MAX_EOS_LOGIT_GAP", "HeadSettings", "NMSTLogitsProcessor", "request_settings",
@@ -106,7 +106,7 @@ class NMSTLogitsProcessor(*_BASES):
         if not runner_v2 and len(runner_args) != 2:
             raise TypeError("NMSTLogitsProcessor(vllm_config, device, is_pin_memory) under vLLM's V1 runner, "
                             f"(vllm_config, req_states) under Model Runner V2; got {len(runner_args) + 1} arguments")
-        self.model = _model_info(vllm_config, runner_v2=runner_v2)
+        self.model = model_info(vllm_config, runner_v2=runner_v2)
         try:
             model_wide = request_settings(SamplingParams(), self.model)  # the model-wide head, checked at start
         except ValueError as err:

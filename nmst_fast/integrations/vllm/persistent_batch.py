@@ -25,7 +25,7 @@ from .eos_column import (
     tempered_non_eos_lse,
 )
 from .logprobs import warn_unrefused_logprobs
-from .settings import HeadSettings, _ModelInfo, request_settings
+from .settings import HeadSettings, ModelInfo, request_settings
 
 
 @dataclass
@@ -73,7 +73,7 @@ class PersistentBatchHead:
     sync. The grouping of rows is kept from one step to the next until the batch changes.
     """
 
-    def __init__(self, model: _ModelInfo, device: torch.device) -> None:
+    def __init__(self, model: ModelInfo, device: torch.device) -> None:
         self.model = model
         self.host_scalars = device.type == "cpu"
         self.rows: dict[int, _Request] = {}
@@ -173,7 +173,7 @@ class PersistentBatchHead:
         for index, request in self.rows.items():
             if index < B and not request.lost:
                 eos = request.settings.eos_token_id
-                if not 0 <= eos < V:
+                if eos is None or not 0 <= eos < V:
                     log_once(self._warned, f"eos{eos}",
                              f"eos_token_id {eos} outside [0, V={V}): the request decodes plain softmax")
                     continue

@@ -10,23 +10,15 @@ from typing import Any, Optional
 
 from vllm import SamplingParams
 
+from ...settings import HeadSettings
 from ...validation import HEADS
 
 EXTRA_KEYS = ("nmst_head", "nmst_eps", "nmst_eos_token_id")
 DEFAULT_EPS = 1e-5
 
 
-@dataclass(frozen=True)
-class HeadSettings:
-    """The head one request decodes: ``head`` "nmst" or "st", ``eps`` in (0, 1), ``eos_token_id`` in [0, V)."""
-
-    head: str
-    eps: float
-    eos_token_id: int
-
-
 @dataclass
-class _ModelInfo:
+class ModelInfo:
     """What the served engine says: the model config's recorded ``nmst`` entry, its single eos id (None
     when it has none or several), its vocabulary size (None when unknown), whether a speculative config
     is set, whether vLLM runs its Model Runner V2, and its ``logprobs_mode`` (None when unknown)."""
@@ -39,7 +31,7 @@ class _ModelInfo:
     logprobs_mode: Optional[str] = None
 
 
-def _model_info(vllm_config: Any, runner_v2: Optional[bool] = None) -> _ModelInfo:
+def model_info(vllm_config: Any, runner_v2: Optional[bool] = None) -> ModelInfo:
     """The served engine's settings from its ``VllmConfig``; ``runner_v2`` None: read from the config
     (``use_v2_model_runner``, False where the config has no such property)."""
     model_config = vllm_config.model_config
@@ -62,7 +54,7 @@ def _model_info(vllm_config: Any, runner_v2: Optional[bool] = None) -> _ModelInf
         except Exception:  # noqa: BLE001 - the property refuses some configs; those run V1
             runner_v2 = False
     mode = getattr(model_config, "logprobs_mode", None)
-    return _ModelInfo(dict(recorded), None if eos is None else int(eos), vocab, speculative, runner_v2,
+    return ModelInfo(dict(recorded), None if eos is None else int(eos), vocab, speculative, runner_v2,
                       None if mode is None else str(mode))
 
 
@@ -70,10 +62,10 @@ def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def request_settings(params: SamplingParams, model: Optional[_ModelInfo] = None) -> Optional[HeadSettings]:
-    """The head a request decodes, or None for plain softmax (no ``nmst_head`` and no recorded head,
-    or ``nmst_head="va"``). ``model``: the served engine's settings (None: unknown, the checks that need
-    them are skipped).
+def request_settings(params: SamplingParams, model: Optional[ModelInfo] = None) -> Optional[HeadSettings]:
+    """The head a request decodes ("nmst" or "st"; ``eos_token_id`` None where ``model`` is unknown), or None
+    for plain softmax (no ``nmst_head`` and no recorded head, or ``nmst_head="va"``). ``model``: the served
+    engine's settings (None: unknown, the checks that need them are skipped).
 
     Raises:
         ValueError: an unknown ``nmst_*`` key, a bad head / ε / eos, or a combination the head cannot
@@ -121,7 +113,7 @@ def request_settings(params: SamplingParams, model: Optional[_ModelInfo] = None)
         if bans:
             raise ValueError(f"head 'st' cannot follow {', '.join(bans)}: they may ban eos, and ST's running sum "
                              "needs every step's real eos logit; drop them, or decode with nmst_head='nmst'")
-    return HeadSettings(head, float(eps), -1 if eos is None else int(eos))
+    return HeadSettings(head, float(eps), None if eos is None else int(eos))
 
 
 ST_NEEDS_V1 = ("head 'st' runs on vLLM's V1 model runner only (set VLLM_USE_V2_MODEL_RUNNER=0): Model Runner V2 "
@@ -129,7 +121,7 @@ ST_NEEDS_V1 = ("head 'st' runs on vLLM's V1 model runner only (set VLLM_USE_V2_M
                "rebuilt from its tokens; decode with nmst_head='nmst', whose step needs no history")
 
 
-def frontend_model() -> Optional[_ModelInfo]:
+def frontend_model() -> Optional[ModelInfo]:
     """The served engine's settings as vLLM's request admission sees them: ``validate_params`` gets only
     the SamplingParams, so look for the caller that holds the engine's config (vLLM 0.32's
     ``InputProcessor``, under either model runner); None when not found (then only the request's own
@@ -141,7 +133,7 @@ def frontend_model() -> Optional[_ModelInfo]:
             owner = frame.f_locals.get("self")
             config = getattr(owner, "vllm_config", None)
             if config is not None and getattr(config, "model_config", None) is not None:
-                return _model_info(config)
+                return model_info(config)
             frame, depth = frame.f_back, depth + 1
     finally:
         del frame

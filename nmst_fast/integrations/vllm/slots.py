@@ -26,7 +26,7 @@ from .eos_column import (
     tempered_non_eos_lse,
 )
 from .logprobs import warn_unrefused_logprobs
-from .settings import HeadSettings, _ModelInfo, request_settings
+from .settings import HeadSettings, ModelInfo, request_settings
 
 
 class SlotHead:
@@ -34,7 +34,7 @@ class SlotHead:
     head's settings and the row's temperature (host), set in ``add_request``; ``apply`` reads the
     prompt lengths from vLLM's per-slot buffers on the device."""
 
-    def __init__(self, model: _ModelInfo, req_states: Any) -> None:
+    def __init__(self, model: ModelInfo, req_states: Any) -> None:
         self.model = model
         self.prompt_len = req_states.prompt_len
         self.slots: dict[int, tuple[HeadSettings, float]] = {}
@@ -73,7 +73,7 @@ class SlotHead:
                 groups.setdefault(entry[0], []).append(row)
         for settings, rows in groups.items():
             eos = settings.eos_token_id
-            if not 0 <= eos < V:
+            if eos is None or not 0 <= eos < V:
                 log_once(self._warned, f"eos{eos}", f"eos_token_id {eos} outside [0, V={V}): the request decodes "
                          "plain softmax")
                 continue

@@ -17,24 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..logmath import log1mexp
-from ..reference import reference_log_survival
+from ...decoding.distribution import head_terms
+from ...head_math import log_survival
+from ...logits import eos_logits, postprocess_logits
 
 _CHUNK_ENTRIES = 1 << 24  # a chunk's (rows, V) table: 64 MiB in float32
-
-
-def _post(z: torch.Tensor, softcap: Optional[float], logit_scale: Optional[float]) -> torch.Tensor:
-    if logit_scale is not None:
-        z = z * logit_scale
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    return z
 
 
 def _chunk_statistics(h: torch.Tensor, a: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
                       bias: Optional[torch.Tensor], head: str, eos_index: int, temperature: float,
                       softcap: Optional[float], logit_scale: Optional[float], dtype: torch.dtype):
-    z = _post(F.linear(h, weight, bias).to(dtype), softcap, logit_scale)
+    z = postprocess_logits(F.linear(h, weight, bias).to(dtype), softcap, logit_scale)
     y = z / temperature
     if head == "va":
         zeta = y
@@ -42,12 +35,12 @@ def _chunk_statistics(h: torch.Tensor, a: torch.Tensor, targets: torch.Tensor, w
         no_eos_mass = torch.zeros_like(a, dtype=torch.bool)
     else:
         is_eos = torch.arange(y.shape[-1], device=y.device) == eos_index
-        lse = torch.logsumexp(y.masked_fill(is_eos, float("-inf")), dim=-1, keepdim=True)
-        a = a.to(dtype).unsqueeze(-1)
-        log_p_eos = log1mexp(a)  # −inf where t <= 0 (no eos mass)
-        log_p = torch.where(is_eos, log_p_eos, a + y - lse)
-        zeta = torch.where(is_eos, lse + log_p_eos - a, y)
-        no_eos_mass = a.squeeze(-1) == 0
+        lse = torch.logsumexp(y.masked_fill(is_eos, float("-inf")), dim=-1)
+        a = a.to(dtype)
+        log_norm, eos_zeta, log_p_eos = head_terms(lse, a)  # log p(eos) −inf where t <= 0 (no eos mass)
+        log_p = torch.where(is_eos, log_p_eos[:, None], y - log_norm[:, None])
+        zeta = torch.where(is_eos, eos_zeta[:, None], y)
+        no_eos_mass = a == 0
     finite_log_p = torch.where(torch.isneginf(log_p), 0.0, log_p)  # p log p = 0 at p = 0, with a finite gradient
     entropy = -(log_p.exp() * finite_log_p).sum(dim=-1)
     with torch.no_grad():
@@ -81,10 +74,9 @@ def head_statistics(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     a_all = None
     if head != "va":
-        s = _post(F.linear(hidden, weight[eos_index:eos_index + 1],
-                           None if bias is None else bias[eos_index:eos_index + 1]).squeeze(-1).to(dtype),
-                  softcap, logit_scale)
-        a_all = reference_log_survival(s, steps, eps=eps, head=head)
+        s = eos_logits(hidden, weight, bias, eos_index, softcap=softcap, logit_scale=logit_scale, dtype=dtype)
+        B, T = steps.shape
+        a_all = log_survival(head, s.reshape(-1), steps.reshape(-1), eps, T).view(B, T)
     rows, row_targets = hidden[mask], targets[mask]
     a_rows = a_all[mask] if a_all is not None else rows.new_zeros(rows.shape[0], dtype=dtype)
     per_chunk = max(1, _CHUNK_ENTRIES // weight.shape[0])
