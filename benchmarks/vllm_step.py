@@ -91,8 +91,9 @@ def step_table(repeats: int, head: str) -> list[dict]:
     from vllm.v1.sample.sampler import Sampler
 
     from nmst_fast.decoding.distribution import RowBuffer
+    from nmst_fast.decoding.eos_column import inverse_temperatures, tempered_non_eos_lse
     from nmst_fast.integrations.vllm import NMSTLogitsProcessor
-    from nmst_fast.integrations.vllm.eos_column import inverse_temperatures, row_temperature, tempered_non_eos_lse
+    from nmst_fast.integrations.vllm.eos_column import row_temperature
 
     torch.manual_seed(0)
     processor_buffer = RowBuffer()

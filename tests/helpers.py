@@ -132,3 +132,26 @@ class LargestTensor(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
         return out
+
+
+def g_test(counts, probs: torch.Tensor) -> tuple[float, int]:
+    """G statistic and degrees of freedom of token ``counts`` (a Counter, or a (V,) tensor of counts) against
+    ``probs`` (V,): cells of expected count below 5 pooled; a draw of a token of probability 0 fails at once.
+    Sum the statistics of independent tests, then ``scipy.stats.chi2.sf(g, df)``."""
+    import math
+
+    if isinstance(counts, torch.Tensor):
+        counts = {token: int(c) for token, c in enumerate(counts.tolist()) if c}
+    n = sum(counts.values())
+    impossible = [token for token, c in counts.items() if c and probs[token] == 0]
+    assert not impossible, f"drew tokens of probability 0: {impossible}"
+    expected = probs.double() * n
+    big = (expected >= 5).nonzero().view(-1).tolist()
+    observed = [counts.get(token, 0) for token in big]
+    cells = [float(expected[token]) for token in big]
+    rest_observed, rest_expected = n - sum(observed), n - sum(cells)
+    if rest_expected > 1e-9:
+        observed.append(rest_observed)
+        cells.append(rest_expected)
+    g = 2 * sum(o * math.log(o / e) for o, e in zip(observed, cells) if o > 0)
+    return g, len(observed) - 1

@@ -10,7 +10,6 @@ from nmst_fast import nmst_log_probs
 from nmst_fast.generation import generate
 from nmst_fast.integrations.hf import (
     HFDecoder,
-    NMSTLogitsProcessor,
     apply_nmst,
     default_steps,
     steps_from_attention_mask,
@@ -113,37 +112,6 @@ def test_packed_rows_restart_t_and_sts_running_sum(head):
     plain = tiny_model("llama")(ids, position_ids=positions, use_cache=False)
     want = reference_loss(plain.logits, labels, steps, head, 0.05)
     torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-10)
-
-
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_greedy_through_hf_generate_equals_ours(family):
-    model = tiny_model(family)
-    contexts = torch.randint(1, V - 1, (3, 4), generator=torch.Generator().manual_seed(1))
-    processor = NMSTLogitsProcessor(eos_token_id=EOS, head="nmst", eps=0.2)
-    with torch.no_grad():
-        hf = model.generate(contexts, attention_mask=torch.ones_like(contexts), do_sample=False, max_new_tokens=12,
-                            eos_token_id=EOS, pad_token_id=0, logits_processor=[processor])
-    ours = generate(HFDecoder(model, head="nmst", eps=0.2), contexts, strategy="greedy", max_length=12)
-    for b in range(3):
-        cont = hf[b, 4:].tolist()
-        cont = cont[: cont.index(EOS) + 1] if EOS in cont else cont
-        assert ours.tokens[b, : ours.lengths[b]].tolist() == cont, f"item {b}"
-    assert ours.terminated.all()  # t½ = 4 at ε = 0.2
-
-
-@pytest.mark.parametrize("family", ["llama", "gemma2", "gptj", "opt", "cohere"])
-def test_hf_beam_search_with_generation_logits_equals_ours(family):
-    model = apply_nmst(tiny_model(family), head="nmst", eps=0.1, generation_logits=True)
-    contexts = torch.randint(1, V - 1, (2, 4), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        hf = model.generate(contexts, attention_mask=torch.ones_like(contexts), num_beams=3, do_sample=False,
-                            max_new_tokens=10, eos_token_id=EOS, pad_token_id=0, length_penalty=0.0)
-    ours = generate(HFDecoder(tiny_model(family), head="nmst", eps=0.1), contexts, strategy="beam", num_beams=3,
-                    max_length=10)
-    for b in range(2):
-        cont = hf[b, 4:].tolist()
-        cont = cont[: cont.index(EOS) + 1] if EOS in cont else cont
-        assert ours.tokens[b, : ours.lengths[b]].tolist() == cont, f"item {b}"
 
 
 def test_settings_survive_save_pretrained(tmp_path):

@@ -85,7 +85,7 @@ def test_greedy_agrees_with_hf():
 
 from nmst_fast import linear_nmst_loss  # noqa: E402
 from nmst_fast.integrations.hf import steps_from_positions  # noqa: E402
-from nmst_fast.integrations.hf_gpt2 import NMSTLogitsProcessor, apply_nmst_to_gpt2  # noqa: E402
+from nmst_fast.integrations.hf_gpt2 import apply_nmst_to_gpt2  # noqa: E402
 
 
 def _train_batch(seed=0, B=3, T=14):
@@ -140,14 +140,13 @@ def test_settings_survive_save_pretrained_and_conflicts_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("head", ["nmst", "st", "va"])
-def test_processor_greedy_equals_our_generate(head):
-    model = _model(7)
+def test_hf_greedy_of_the_head_equals_our_generate(head):
+    model = apply_nmst_to_gpt2(_model(7), head=head, eps=0.05)
     contexts = torch.randint(0, 49, (4, 6), generator=torch.Generator().manual_seed(7))
-    processor = NMSTLogitsProcessor(eos_token_id=49, head=head, eps=0.05)
     with torch.no_grad():
         hf = model.generate(contexts, attention_mask=torch.ones_like(contexts), do_sample=False, max_new_tokens=20,
-                            eos_token_id=49, pad_token_id=49, logits_processor=[processor])
-    ours = generate(GPT2Decoder(model, head=head, eps=0.05), contexts, strategy="greedy", max_length=20)
+                            eos_token_id=49, pad_token_id=49)
+    ours = generate(GPT2Decoder(model), contexts, strategy="greedy", max_length=20)
     for b in range(4):
         hf_cont = hf[b, 6:].tolist()
         if 49 in hf_cont:
@@ -155,59 +154,11 @@ def test_processor_greedy_equals_our_generate(head):
         assert ours.tokens[b, : ours.lengths[b]].tolist() == hf_cont, f"row {b}"
 
 
-def test_processor_outputs_the_step_distribution_and_refuses_beam_scores():
-    z = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
-    ids = torch.zeros(3, 5, dtype=torch.long)
-    processor = NMSTLogitsProcessor(eos_token_id=49, head="nmst", eps=0.1)
-    first = processor(ids, z)
-    from nmst_fast.decoding import step_log_probs
-
-    torch.testing.assert_close(first.double(), step_log_probs(z, head="nmst", eos_index=49, eps=0.1, steps=1)[0])
-    second = processor(torch.zeros(3, 6, dtype=torch.long), z)  # one token later: t = 2
-    torch.testing.assert_close(second.double(), step_log_probs(z, head="nmst", eos_index=49, eps=0.1, steps=2)[0])
-    with pytest.raises(ValueError, match="beam"):
-        processor(torch.zeros(3, 7, dtype=torch.long), torch.log_softmax(z, dim=-1))
-
-
-@pytest.mark.parametrize("head", ["nmst", "st"])
-def test_a_reused_processor_starts_each_generate_call_at_t_1(head):
-    """A second generate() call through the same processor (a longer, a shorter prompt, another batch
-    size) decodes as a fresh processor does; the one ambiguous shape raises until reset()."""
-    model = _model(5)
-    reused = NMSTLogitsProcessor(eos_token_id=49, head=head, eps=0.05)
-
-    def run(contexts, processor):
-        with torch.no_grad():
-            out = model.generate(contexts, attention_mask=torch.ones_like(contexts), do_sample=False,
-                                 max_new_tokens=6, eos_token_id=49, pad_token_id=49, logits_processor=[processor],
-                                 output_scores=True, return_dict_in_generate=True)
-        return out.sequences, torch.stack(out.scores)
-
-    for shape in ((2, 4), (2, 9), (3, 3), (2, 5)):
-        contexts = torch.randint(0, 49, shape, generator=torch.Generator().manual_seed(sum(shape)))
-        got, got_scores = run(contexts, reused)
-        want, want_scores = run(contexts, NMSTLogitsProcessor(eos_token_id=49, head=head, eps=0.05))
-        assert torch.equal(got, want), shape
-        torch.testing.assert_close(got_scores, want_scores)
-
-    # Same batch size, prompts one token longer than the last sequences: continuing or new?
-    last = reused._previous
-    longer = torch.randint(0, 49, (last.shape[0], last.shape[1] + 1), generator=torch.Generator().manual_seed(9))
-    z = torch.randn(last.shape[0], 50, generator=torch.Generator().manual_seed(9))
-    with pytest.raises(ValueError, match="reset"):
-        reused(longer, z)
-    reused.reset()
-    from nmst_fast.decoding import step_log_probs
-
-    torch.testing.assert_close(reused(longer, z).double(),
-                               step_log_probs(z, head=head, eos_index=49, eps=0.05, steps=1)[0])
-
-
 @pytest.mark.parametrize("num_beams", [2, 4])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_hf_beam_search_on_the_nmst_distribution_agrees_with_ours(num_beams, seed):
-    """generation_logits=True: HF's own beam search decodes NMST (no processor) — equal to ours."""
-    model = apply_nmst_to_gpt2(_model(seed), head="nmst", eps=0.05, generation_logits=True)
+    """HF's own beam search (and greedy) of the model with the head decodes NMST — equal to ours."""
+    model = apply_nmst_to_gpt2(_model(seed), head="nmst", eps=0.05)
     contexts = torch.randint(0, 49, (3, 5), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         # early_stopping left at HF's default
@@ -225,8 +176,6 @@ def test_hf_beam_search_on_the_nmst_distribution_agrees_with_ours(num_beams, see
             if 49 in cont:
                 cont = cont[: cont.index(49) + 1]
             assert mine.tokens[b, : mine.lengths[b]].tolist() == cont, f"item {b}"
-    with pytest.raises(ValueError, match="ST"):
-        apply_nmst_to_gpt2(_model(seed), head="st", generation_logits=True)
 
 
 @pytest.mark.parametrize("strategy", ["greedy", "beam"])
@@ -248,101 +197,6 @@ def test_generate_refuses_more_positions_than_gpt2_has(strategy):
     if strategy == "greedy":  # greedy NMST is over by t½ = 7 at ε = 0.1: any max_length fits
         nmst = generate(GPT2Decoder(model, head="nmst", eps=0.1), contexts, max_length=10**5)
         assert nmst.terminated.all() and int(nmst.lengths.max()) <= 7
-
-
-def _left_padded(seed: int, lengths=(3, 6, 9)):
-    """Prompts of different lengths, left-padded with eos, with their attention mask."""
-    gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, 49, (n,), generator=gen) for n in lengths]
-    width = max(lengths)
-    ids = torch.full((len(prompts), width), 49)
-    mask = torch.zeros_like(ids)
-    for b, prompt in enumerate(prompts):
-        ids[b, width - len(prompt):], mask[b, width - len(prompt):] = prompt, 1
-    return prompts, ids, mask
-
-
-@pytest.mark.parametrize("generation_logits", [False, True])
-def test_patched_model_generates_left_padded_prompts_as_each_alone(generation_logits):
-    """HF generate() passes attention_mask and position_ids only to a forward whose signature lists
-    them: the patched forward advertises the original's, so a left-padded batch decodes each prompt
-    exactly as it would alone (it was off by ~0.5 in log p)."""
-    from nmst_fast.decoding import step_log_probs
-
-    model = apply_nmst_to_gpt2(_model(3, scale=4.0, eos_tilt=1.0), head="nmst", eps=0.05,
-                               generation_logits=generation_logits)
-    plain = _model(3, scale=4.0, eos_tilt=1.0)
-    prompts, ids, mask = _left_padded(3)
-    processors = [] if generation_logits else [NMSTLogitsProcessor(eos_token_id=49, head="nmst", eps=0.05)]
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4, eos_token_id=49,
-                             pad_token_id=49, logits_processor=processors, output_scores=True,
-                             return_dict_in_generate=True)
-        for b, prompt in enumerate(prompts):
-            sequence = prompt
-            for t, scores in enumerate(out.scores, start=1):
-                want, _ = step_log_probs(plain(sequence[None]).logits[:, -1], head="nmst", eos_index=49, eps=0.05,
-                                         steps=t)
-                torch.testing.assert_close(scores[b].double(), want[0], rtol=0, atol=2e-5, msg=f"row {b} t {t}")
-                token = out.sequences[b, ids.shape[1] + t - 1]
-                if int(token) == 49:
-                    break
-                sequence = torch.cat([sequence, token[None]])
-    # Positional calls bind as the original forward's do (input_ids, cache, attention_mask, ...).
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids, None, mask).logits[:, :-1], plain(ids, None, mask).logits[:, :-1])
-
-
-def test_generation_logits_score_a_plain_forward_as_the_first_step():
-    """Without a cache object, model(ids) scores the token after ids (t = 1), as HF's prefill."""
-    from nmst_fast.decoding import step_log_probs
-
-    model = apply_nmst_to_gpt2(_model(2), head="nmst", eps=0.05, generation_logits=True)
-    ids = torch.randint(0, 49, (2, 5), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        for kwargs in ({}, dict(use_cache=False)):
-            got = model(ids, **kwargs).logits[:, -1]
-            want, _ = step_log_probs(_model(2)(ids).logits[:, -1], head="nmst", eos_index=49, eps=0.05, steps=1)
-            torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
-
-
-@pytest.mark.parametrize("head", ["nmst", "va"])
-def test_processor_keeps_hf_eos_bans_and_forced_eos(head):
-    """HF's own processors run first: min_new_tokens bans eos (score −inf), which the head read as a
-    logit (NMST: p(eos) = α_t > 0 at step 1); forced_eos_token_id leaves eos the only finite score
-    (it was refused as beam scores). A ban renormalizes the non-eos tokens; a force emits eos."""
-    from nmst_fast.decoding import step_log_probs
-
-    model = _model(5, eos_tilt=-3.0)  # decisive, eos unlikely: the rows run until the force ends them
-    contexts = torch.randint(0, 49, (2, 5), generator=torch.Generator().manual_seed(5))
-    processor = NMSTLogitsProcessor(eos_token_id=49, head=head, eps=0.02)
-    with torch.no_grad():
-        out = model.generate(contexts, attention_mask=torch.ones_like(contexts), do_sample=False, max_new_tokens=6,
-                             min_new_tokens=3, forced_eos_token_id=49, eos_token_id=49, pad_token_id=49,
-                             logits_processor=[processor], output_scores=True, return_dict_in_generate=True)
-        scores = torch.stack(out.scores).double()  # (steps, B, V)
-        assert scores.shape[0] == 6 and (out.sequences[:, -1] == 49).all()  # the forced eos at the last step
-        for t in range(1, 4):  # min_new_tokens: eos at 0, the rest the non-eos softmax
-            assert (scores[t - 1, :, 49] == float("-inf")).all()
-            sequence = out.sequences[:, : 5 + t - 1]
-            z = model(sequence).logits[:, -1].double()
-            want = torch.log_softmax(z[:, :49], dim=-1)
-            torch.testing.assert_close(scores[t - 1, :, :49], want, rtol=0, atol=2e-5)
-        for t in (4, 5):  # free steps: the head's own distribution
-            z = model(out.sequences[:, : 5 + t - 1]).logits[:, -1]
-            want, _ = step_log_probs(z, head=head, eos_index=49, eps=0.02, steps=t)
-            torch.testing.assert_close(scores[t - 1], want, rtol=0, atol=2e-5)
-        assert scores[5, :, 49].tolist() == [0.0, 0.0] and (scores[5, :, :49] == float("-inf")).all()
-
-
-def test_processor_refuses_an_eos_ban_for_st():
-    """ST's running sum needs the real eos logit at every step: a ban cannot be served."""
-    model = _model(5)
-    contexts = torch.randint(0, 49, (2, 5), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad(), pytest.raises(ValueError, match="min_new_tokens"):
-        model.generate(contexts, attention_mask=torch.ones_like(contexts), do_sample=False, max_new_tokens=4,
-                       min_new_tokens=2, eos_token_id=49, pad_token_id=49,
-                       logits_processor=[NMSTLogitsProcessor(eos_token_id=49, head="st", eps=0.3)])
 
 
 def test_decoder_takes_the_head_the_model_recorded(tmp_path):

@@ -19,6 +19,8 @@ from hf_models import tiny_model
 # else in a saved model directory (a training state, an adapter or params.json, a sub-directory, a
 # temporary file) is a file a server could take for part of the model.
 MODEL_FILES = {"config.json", "generation_config.json", "model.safetensors"}
+# A model with a head: the NMST checkpoint type's nmst_checkpoint.py, which config.json's auto_map names.
+HEAD_FILES = {"nmst_checkpoint.py"}
 TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "chat_template.jinja"}
 
@@ -33,7 +35,8 @@ def _assert_servable(run, name):
     directory = run / name
     entries = {p.name: p for p in directory.iterdir()}
     assert all(p.is_file() for p in entries.values()), sorted(entries)
-    assert MODEL_FILES | {"tokenizer.json", "tokenizer_config.json"} <= set(entries) <= MODEL_FILES | TOKENIZER_FILES
+    allowed = MODEL_FILES | HEAD_FILES | TOKENIZER_FILES
+    assert MODEL_FILES | {"tokenizer.json", "tokenizer_config.json"} <= set(entries) <= allowed
     assert not any((run / f"{name}{suffix}").exists() for suffix in (".tmp", ".old"))  # no swap left over
 
 
@@ -57,7 +60,9 @@ def test_random_init_family_with_a_trained_bpe(corpus, tmp_path, family):
         _assert_servable(out, name)
         tokenizer = transformers.AutoTokenizer.from_pretrained(out / name)
         saved = transformers.AutoModelForCausalLM.from_pretrained(out / name)
-        assert saved.config.model_type == family and saved.config.vocab_size == len(tokenizer) <= 300
+        assert (saved.config.model_type, saved.config.base_model_type) == ("nmst", family)  # the NMST checkpoint type
+        assert (out / name / "nmst_checkpoint.py").is_file()
+        assert saved.config.vocab_size == len(tokenizer) <= 300
         eos = tokenizer.eos_token_id
         assert saved.config.eos_token_id == eos is not None
         assert saved.config.nmst == dict(head="nmst", eps=0.05, context_length=10, eos_token_id=eos)

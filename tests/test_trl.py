@@ -401,30 +401,43 @@ def test_a_forward_that_replaces_the_patched_one_is_refused_before_it_trains():
 
 
 def test_ligers_fused_linear_cross_entropy_is_refused_before_it_trains():
+    """Liger's instance patching (what HF Trainer's and TRL's use_liger_kernel run) finds no kernels for a model
+    with a head (its type is "nmst"), which keeps training the head's loss; Liger's Llama forward put on it by
+    hand is refused before it trains."""
+    import types
+
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from liger_kernel.transformers.model.llama import lce_forward
 
     _, model = _patched("nmst", dtype=torch.float32)
+    ids, labels = chat_batch()
+    before = model(input_ids=ids, labels=labels).loss
     _apply_liger_kernel_to_instance(model=model, fused_linear_cross_entropy=True, rms_norm=False, swiglu=False,
                                     rope=False)
-    ids, labels = chat_batch()
+    assert "forward" not in model.__dict__
+    torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, before)
+    model.forward = types.MethodType(lce_forward, model)
     model.train()
     with pytest.raises(ValueError, match="NMST head: .*Liger's fused linear cross-entropy"):
         model(input_ids=ids, labels=labels)
 
 
 @pytest.mark.parametrize("head", ["nmst", "st"])
-def test_hf_generation_at_the_trainers_temperature_emits_the_heads_steps(head):
-    """HF generate on the policy after TRL's hook decodes the head step by step (ST's running state included):
-    every step's scores are T · log p_T of the head at that step (float64 reference on the unpatched model)."""
+def test_hf_sampling_at_the_trainers_temperature_draws_the_heads_steps(head):
+    """HF generate on the policy after TRL's hook, sampling at the trainer's temperature T as GRPO / RLOO do,
+    draws the head step by step (ST's running state included): every step's logits divided by T give the head's
+    log p_T at that step (float64 reference on the unpatched model)."""
     temperature, eps, steps = 0.7, 0.02, 10
     plain, model = _patched(head, dtype=torch.float64, eps=eps)
     trl_utils.add_fused_lm_head(model, temperature=temperature)
     prompts = chat_batch(seed=17)[0][:, :4]
+    torch.manual_seed(0)
     with torch.no_grad():
-        out = model.generate(prompts, do_sample=False, max_new_tokens=steps, min_new_tokens=steps, pad_token_id=0,
-                             eos_token_id=None, output_scores=True, return_dict_in_generate=True)
+        out = model.generate(prompts, do_sample=True, temperature=temperature, top_k=0, max_new_tokens=steps,
+                             min_new_tokens=steps, pad_token_id=0, eos_token_id=None, output_logits=True,
+                             return_dict_in_generate=True)
         logits = plain(input_ids=out.sequences[:, :-1], use_cache=False).logits[:, 3:]
     t = torch.arange(1, steps + 1).expand(prompts.shape[0], steps)
     expected = nmst_fast.nmst_log_probs(logits, eos_index=EOS, eps=eps, head=head, steps=t, temperature=temperature)
-    scores = torch.stack(out.scores, dim=1)
-    _close(scores, temperature * expected, 2e-6)  # HF hands processors float32 logits
+    got = torch.log_softmax(torch.stack(out.logits, dim=1).double() / temperature, dim=-1)
+    _close(got, expected, 2e-6)

@@ -38,6 +38,26 @@ class Reference:
         return T * zeta, dist.state
 
 
+class HeadEosColumn:
+    """An HF logits processor standing for the vLLM processor on greedy rows, for an HF model without a head:
+    each row's eos entry becomes the head's effective eos logit ζ_eos of the scores it is handed (the library's
+    float64 effective logits, held at L + 200 as the processor holds it), at t = 1 at the first generated
+    token; a row whose eos another control set to −inf keeps it. Put after the processors standing for vLLM's
+    controls that run before the head."""
+
+    def __init__(self, prompt_length: int, *, eos: int, eps: float, head: str = "nmst"):
+        self.prompt_length, self.eos, self.eps, self.head = prompt_length, eos, eps, head
+
+    def __call__(self, input_ids, scores):
+        t = input_ids.shape[1] - self.prompt_length + 1
+        row = scores.double()
+        dist = effective_logits(row, head=self.head, eos_index=self.eos, eps=self.eps, steps=t)
+        non_eos = torch.cat([row[:, :self.eos], row[:, self.eos + 1:]], dim=1)
+        column = torch.minimum(dist.eos_zeta, torch.logsumexp(non_eos, dim=1) + 200.0)
+        row[:, self.eos] = torch.where(row[:, self.eos] == float("-inf"), row[:, self.eos], column)
+        return row.float()  # vLLM's processor writes float32 logits
+
+
 # Ops that read a tensor's values on the host: a device-to-host sync on a GPU.
 READ_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "_unique2", "unique_dim",
             "unique_consecutive"}
@@ -73,7 +93,7 @@ def row_path(kernel: bool, monkeypatch) -> list:
     """Send the processor's CPU work through the CPU row kernels (``kernel``; they must have built) or
     through torch ops and Python floats (the kernels off). The list returned records each kernel op
     called, by name."""
-    from nmst_fast.integrations.vllm import eos_column
+    from nmst_fast.decoding import eos_column
 
     calls: list[str] = []
     if not kernel:

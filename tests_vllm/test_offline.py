@@ -9,12 +9,13 @@ from collections import Counter
 import pytest
 import torch
 from conftest import EPS
+from head_reference import HeadEosColumn
 from scipy.stats import chi2
 from tiny_model import EOS, ST_EOS, VOCAB
 
 import nmst_fast
 from nmst_fast.decoding import step_log_probs
-from nmst_fast.integrations.hf import HFDecoder, NMSTLogitsProcessor
+from nmst_fast.integrations.hf import HFDecoder, apply_nmst
 
 T_HALF = nmst_fast.termination_bound(EPS)
 ST = {"nmst_head": "st", "nmst_eps": 1e-3, "nmst_eos_token_id": ST_EOS}
@@ -184,17 +185,20 @@ def test_mixed_batch_plain_rows_untouched(llm, reference, prompts):
 
 def test_min_tokens_and_ignore_eos(llm, reference, prompts):
     """min_tokens bans eos for its first steps: eos stays at 0 and the rest is the head's non-eos
-    distribution (HF's processor follows the same rule); ignore_eos decodes the head to max_tokens."""
+    distribution (HF generation of the model with the head follows the same rule); ignore_eos decodes the head
+    to max_tokens."""
+    import copy
+
     from transformers import GenerationConfig
     from vllm import SamplingParams
 
     outs = llm.generate(_tokens(prompts[:6]), SamplingParams(temperature=0.0, max_tokens=40, min_tokens=5),
                         use_tqdm=False)
+    with_head = apply_nmst(copy.deepcopy(reference), head="nmst", eps=EPS, eos_token_id=EOS)
     for p, o in zip(prompts[:6], outs):
-        processor = NMSTLogitsProcessor(eos_token_id=EOS, head="nmst", eps=EPS)
         config = GenerationConfig(do_sample=False, max_new_tokens=40, min_new_tokens=5, eos_token_id=EOS,
                                   pad_token_id=EOS)
-        hf = reference.generate(torch.tensor([p]), generation_config=config, logits_processor=[processor])
+        hf = with_head.generate(torch.tensor([p]), generation_config=config)
         assert list(o.outputs[0].token_ids) == hf[0, len(p):].tolist()
         assert len(o.outputs[0].token_ids) >= 5
     outs = llm.generate(_tokens(prompts[:2]), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
@@ -288,7 +292,7 @@ def test_controls_before_the_head(llm, reference, prompts, nmst_dir, bias, allow
     outs = llm.generate(_tokens(prompts[:6]), params, use_tqdm=False)
     config = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=EOS, pad_token_id=EOS)
     for p, o in zip(prompts[:6], outs):
-        processor = NMSTLogitsProcessor(eos_token_id=EOS, head="nmst", eps=EPS)
+        processor = HeadEosColumn(len(p), eos=EOS, eps=EPS)
         before = _Before(bias, allowed, [t for word in bad or () for t in token_of[word]])
         hf = reference.generate(torch.tensor([p]), generation_config=config, logits_processor=[before, processor])
         assert list(o.outputs[0].token_ids) == hf[0, len(p):].tolist()
@@ -307,16 +311,10 @@ class _HeadThenPenalties:
     def __init__(self, prompt_length: int, repetition: float, frequency: float, presence: float):
         self.prompt_length, self.repetition = prompt_length, repetition
         self.frequency, self.presence = frequency, presence
+        self.head = HeadEosColumn(prompt_length, eos=EOS, eps=EPS)
 
     def __call__(self, input_ids, scores):
-        from nmst_fast.decoding import effective_logits
-
-        t = input_ids.shape[1] - self.prompt_length + 1
-        row = scores.double()
-        dist = effective_logits(row, head="nmst", eos_index=EOS, eps=EPS, steps=t)
-        non_eos = torch.cat([row[:, :EOS], row[:, EOS + 1:]], dim=1)
-        row[:, EOS] = torch.minimum(dist.eos_zeta, torch.logsumexp(non_eos, dim=1) + 200.0)
-        row = row.float().double()  # vLLM's processor writes float32 logits
+        row = self.head(input_ids, scores).double()
         seen = torch.zeros_like(row, dtype=torch.bool)
         seen[0, input_ids[0]] = True
         penalty = torch.where(seen, self.repetition, 1.0)

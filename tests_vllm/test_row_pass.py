@@ -12,7 +12,7 @@ import torch
 from head_reference import EOS, Reference, V, row_path
 from head_reference import engine_config as _config
 
-from nmst_fast.integrations.vllm import eos_column
+from nmst_fast.decoding import eos_column
 
 
 @pytest.fixture(params=["kernel", "torch ops"])

@@ -44,6 +44,7 @@ import torch
 from nmst_fast.data.bpe import bucket_batches, encode_bpe_lines, load_tokenizer, train_byte_level_bpe
 from nmst_fast.data.wikitext import find_split_file, read_lines
 from nmst_fast.integrations.hf import HFDecoder, apply_nmst
+from nmst_fast.integrations.hf.structure import base_model_type
 from nmst_fast.validation import HEADS
 
 from .checkpoint import (
@@ -232,7 +233,7 @@ def _run(command: argparse.ArgumentParser, args: argparse.Namespace, entry: str,
 
     def claim() -> Path:
         out = args.out or Path("runs") / (entry.split(".")[-1] + "-" + time.strftime("%Y%m%d-%H%M%S"))
-        shape = {k: getattr(model.config, k) for k in MODEL_DEFINING}
+        shape = {k: getattr(model.config, k) for k in MODEL_DEFINING} | dict(model_type=base_model_type(model.config))
         claim_directory(out, dict(entry=entry, data=data_id, model=shape),
                         record=dict(world_size=world.size, fsdp=args.fsdp))
         for saved in (out / "model", out / "last"):
@@ -299,7 +300,7 @@ def _run(command: argparse.ArgumentParser, args: argparse.Namespace, entry: str,
                                       world=world))
     if world.is_main:
         evaluation["examples"] = greedy_examples(model, tokenizer, seqs["eval"], args.context_length, args.device)
-        notes = [f"`{command.prog}`: {model.config.model_type} ({_size(model)} parameters), head {args.head}, "
+        notes = [f"`{command.prog}`: {base_model_type(model.config)} ({_size(model)} parameters), head {args.head}, "
                  f"ε = {args.eps}, {args.context_length}-token context, r_nt over {len(decoded)} contexts; "
                  f"{world.size} process(es){' (FSDP2)' if args.fsdp and world.size > 1 else ''}."]
         write_report(out, {args.head: evaluation}, f"{args.head.upper()} on {args.data_dir.name}", notes)

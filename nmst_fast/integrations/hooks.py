@@ -9,7 +9,6 @@ import name`` reads it. The integrations use it to meet TRL's trainers wherever 
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import sys
 import threading
 from typing import Callable
@@ -34,15 +33,21 @@ def when_imported(name: str, callback: Callable) -> None:
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    """Finds a watched module as the path finder does, and runs its callbacks once it has executed."""
+    """Finds a watched module as the other finders on ``sys.meta_path`` do (an editable install's own finder
+    among them), and runs its callbacks once it has executed."""
 
     def find_spec(self, name, path, target=None):
         if name not in _CALLBACKS:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _Loader(spec.loader, name)
-        return spec
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader, name)
+                return spec
+        return None
 
 
 class _Loader(importlib.abc.Loader):

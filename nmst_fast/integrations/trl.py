@@ -16,7 +16,8 @@ What the trainers then see (``model(..., labels=…, fused_lm_head=True)`` → `
   labels (t = 1 at each sequence's first supervised token, as the patched forward: SFT's completion
   masks, DPO's completion_mask, packed rows whose ``position_ids`` restart; ST's sum restarts there too);
 * ``temperature`` (GRPO, RLOO) with the sampling semantics: non-eos logits / T, p(eos) unchanged; the
-  policy's HF ``generate`` samples the same distribution (its step log-probs are emitted for that T);
+  policy's HF ``generate`` at TRL's temperature samples the same distribution (it decodes the head:
+  :mod:`nmst_fast.integrations.hf.generation`);
 * ``entropy``, ``is_top1``, ``log_sum_sq_probs`` and ``mean_logits`` of the head's distribution (the mean
   of its effective logits ζ, whose softmax it is: the raw logits / T for VA), from a second chunked pass
   over the supervised rows (:mod:`nmst_fast.integrations.hf.statistics`); ``entropy`` is differentiable
@@ -41,7 +42,7 @@ from trl.trainer.utils import FusedCausalLMOutput
 
 from ..settings import HeadSettings
 from ..validation import check_temperature
-from .hf import STATISTICS, apply_nmst, decoder_hidden, patched_call, score_labels
+from .hf import STATISTICS, apply_nmst, decoder_hidden, has_head, patched_call, score_labels
 from .hf.patch import signature_with
 
 SUPPORTED_TRL = ("1.16.0", "1.17.0")  # [lowest, first unsupported): the releases these hooks are tested with
@@ -126,8 +127,8 @@ def _base_model(model: Any) -> Any:
 
 def _has_head(model: Any) -> bool:
     """Whether ``model`` decodes a head: patched by ``apply_nmst``, or its config records one (a reference
-    model loaded from a saved run: patched here with the recorded settings)."""
-    if getattr(model, "_nmst_original_forward", None) is not None:
+    model loaded from a saved run of nmst-fast 0.1: patched here with the recorded settings)."""
+    if has_head(model):
         return True
     config = getattr(model, "config", None)
     if not getattr(config, "nmst", None) or isinstance(model, str):
@@ -154,8 +155,6 @@ def add_head_outputs(model: Any, temperature: float = 1.0, cast_lm_head_to_fp32:
     model._nmst_unfused_forward = previous
     model._nmst_trl = dict(temperature=float(temperature), cast_lm_head_to_fp32=bool(cast_lm_head_to_fp32),
                            outputs=tuple(outputs))
-    # HF generate on the policy (GRPO / RLOO with use_vllm=False) samples the head at TRL's temperature.
-    model._nmst_generation_temperature = float(temperature)
 
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
                 **kwargs):

@@ -1,43 +1,105 @@
 """Decoding a Hugging Face causal LM's head.
 
+* :func:`generate_with_head` — what ``generate()`` of a model with a head runs (``pipeline("text-generation")``
+  too): HF's own generation, whose logits at each step carry the head's exact step distribution.
 * :class:`HFDecoder` — the model under :func:`nmst_fast.generate` (greedy, top-k, nucleus, beam).
-* :class:`NMSTLogitsProcessor` — HF ``generate()`` greedy / sampling on the head's distribution.
-* :func:`step_distribution` — the patched forward's last-position logits as the head's step log-probabilities,
-  for HF ``generate()`` in every mode (``apply_nmst(generation_logits=True)``).
+
+How HF generation decodes the head: while ``generate()`` runs, each forward's last-position logits get the
+eos entry T·ζ_eos (:mod:`nmst_fast.decoding.eos_column`; the other entries stay the model's logits), for the
+step t (1 at the first generated token) and the temperature T of the call. Every later stage of HF's generation
+then acts on the head's distribution: its temperature division gives back ζ / T, whose softmax is the head at T
+(temperature divides the non-eos logits only, so p(eos) — the termination guarantee — does not move); top-k,
+top-p, min-p truncate it; greedy takes its argmax; beam search ranks its log-softmax, which is the head's
+log-probability. Logits processors (repetition penalty, ``min_new_tokens``' ban of eos, …) act on it as on any
+model's logits. ``output_logits=True`` returns these logits (the model's own but for the eos entry);
+``output_scores=True`` the processed scores, as for any model.
+
+Modes: greedy, sampling and beam search (with or without sampling) for "nmst" and "va"; greedy and sampling for
+"st" (its running sum follows each row, and beam search reorders rows). The others — assisted or
+prompt-lookup decoding, DoLa, contrastive, group and constrained beam search, a custom ``generate``, chunked
+prefill — raise a ValueError naming the mode before any step runs.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
-import numbers
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from transformers import LogitsProcessor
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import GenerationMode
 
-from ...decoding import step_log_probs
+from ...decoding.distribution import RowBuffer
+from ...decoding.eos_column import write_eos_column
 from ...settings import HeadSettings
-from ...validation import HEADS, check_choice, check_eps
 from .settings import nmst_settings, stop_token_ids
 from .structure import decoder_stack, last_hidden_state, output_head
 
+_FOLLOWED = {"nmst": (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
+                      GenerationMode.BEAM_SAMPLE),
+             "st": (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)}
 
-def step_distribution(out: Any, settings: HeadSettings, prompt: dict, cache: Any, new_tokens: int,
-                      temperature: float) -> Any:
-    """``out``'s last-position logits replaced by T · the head's step log-probabilities at temperature T (HF's
-    sampling divides them by T, which gives back the head's p_T). ``prompt`` holds the generation in progress
-    (its prompt's length, ST's state), set at its prefill: a call without a cache scores the token after its
-    input (t = 1), as a prefill does; with one, the cache already holds this call's tokens."""
-    total = new_tokens if cache is None else cache.get_seq_length()
-    if total == new_tokens:  # prefill: a new generation starts
-        prompt["length"], prompt["state"] = total, None
-    t = total - prompt["length"] + 1
-    log_p, prompt["state"] = step_log_probs(out.logits[:, -1], head=settings.head, eos_index=settings.eos_index,
-                                            eps=settings.eps, steps=t, state=prompt["state"],
-                                            temperature=temperature)
-    out.logits[:, -1] = (log_p * temperature).to(out.logits.dtype)
+
+class GenerationState:
+    """One ``generate()`` call of a model with a head: the head, the temperature T its sampling divides by, the
+    step t of the next forward (1 at the prefill), ST's running sums, and one reused row buffer."""
+
+    def __init__(self, settings: HeadSettings, temperature: float) -> None:
+        self.settings, self.temperature = settings, temperature
+        self.step = 1
+        self.sums: Optional[torch.Tensor] = None
+        self.buffer = RowBuffer()
+
+
+def step_logits(out: Any, generation: GenerationState) -> Any:
+    """``out``'s last-position logits with the head's eos entry for the generation's step (in place; half-precision
+    logits come back as float32 at the last position alone, so that the eos entry is not rounded). Each forward
+    of a ``generate()`` call is one step."""
+    logits = out.logits
+    if logits is None or generation.settings.head == "va":
+        generation.step += 1
+        return out
+    if logits.dtype not in (torch.float32, torch.float64):
+        out.logits = logits = logits[:, -1:].float()
+    generation.sums = write_eos_column(logits[:, -1], generation.settings, generation.step, generation.temperature,
+                                       generation.sums, generation.buffer)
+    generation.step += 1
     return out
+
+
+def _generation_config(model: Any, kwargs: dict) -> GenerationConfig:
+    """The generation config a ``generate(**kwargs)`` call runs with: its ``generation_config`` (else the model's),
+    updated with the call's keyword arguments."""
+    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config or GenerationConfig())
+    config.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
+    return config
+
+
+def generate_with_head(model: Any, generate: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``generate(*args, **kwargs)`` (HF's, bound to ``model``) decoding ``model``'s head (module docstring)."""
+    settings: HeadSettings = model._nmst_settings
+    config = _generation_config(model, kwargs)
+    mode = config.get_generation_mode(kwargs.get("assistant_model"))
+    if settings.head != "va" and mode not in _FOLLOWED[settings.head]:
+        raise ValueError(f"head {settings.head!r}: generate() in mode {mode.value!r} cannot decode the head (it "
+                         f"follows {', '.join(m.value for m in _FOLLOWED[settings.head])}"
+                         + ("; ST's running sum follows each row, which beam search reorders" if settings.head == "st"
+                            else "") + ")")
+    for name in ("custom_generate", "prefill_chunk_size"):
+        if kwargs.get(name) is not None or getattr(config, name, None) is not None:
+            raise ValueError(f"head {settings.head!r}: generate() with {name} cannot decode the head: each forward "
+                             "of the call must be one step")
+    temperature = float(config.temperature or 1.0) if config.do_sample else 1.0
+    previous = model.__dict__.get("_nmst_generation")
+    model._nmst_generation = GenerationState(settings, temperature)
+    try:
+        if hasattr(config, "disable_compile"):  # the head's step runs eagerly: a compiled forward would replay t
+            kwargs.setdefault("disable_compile", True)
+        return generate(*args, **kwargs)
+    finally:
+        model._nmst_generation = previous
 
 
 class HFDecoder(nn.Module):
@@ -95,85 +157,3 @@ class HFDecoder(nn.Module):
     def select_cache(self, cache: Any, index: torch.Tensor) -> Any:
         cache.reorder_cache(index)
         return cache
-
-
-class NMSTLogitsProcessor(LogitsProcessor):
-    """Turn a model's logits into the NMST / ST log-distribution inside HF ``generate()``.
-
-    Greedy search and sampling (with HF's top-k / top-p, which run after custom processors)
-    then decode the head's exact step distribution; t = 1 at the first generated token.
-    Keep HF's ``temperature`` at 1 (it would scale eos too); pass ``temperature`` here, which
-    divides non-eos logits only. HF beam search hands processors log-softmaxed scores, which
-    have lost the raw eos logit the head needs: that is detected and refused — decode beams with
-    ``apply_nmst(model, generation_logits=True)`` (HF beam search then sees the NMST
-    log-probabilities as the model's logits) or ``nmst_fast.generate(HFDecoder(model, head=...),
-    strategy="beam")``. ST keeps its running state per row, so rows must not be reordered between
-    steps (checked).
-
-    One instance may serve several ``generate()`` calls: a call continues the previous step only
-    when it holds the same rows grown by one token; any other shape starts a new generation at
-    t = 1. The one ambiguous case — the same batch size and one token longer, but other prefixes
-    (rows reordered, or a new prompt exactly one token longer than the last sequences) — raises;
-    :meth:`reset` before a new ``generate()`` call avoids it.
-    """
-
-    def __init__(self, *, eos_token_id: int, head: str = "nmst", eps: float = 1e-5, temperature: float = 1.0):
-        check_choice("head", head, HEADS)
-        check_eps(eps)
-        if isinstance(eos_token_id, bool) or not isinstance(eos_token_id, numbers.Integral):
-            raise TypeError(f"eos_token_id must be one int (the head's eos; HF stops on every id of its own "
-                            f"eos list), got {type(eos_token_id).__name__}")
-        self.eos, self.head, self.eps, self.temperature = int(eos_token_id), head, eps, temperature
-        self._prompt_length: Optional[int] = None
-        self._state: Optional[torch.Tensor] = None
-        self._previous: Optional[torch.Tensor] = None
-
-    def reset(self) -> None:
-        """Forget the generation in progress: the next call is step t = 1 of a new one."""
-        self._prompt_length, self._state, self._previous = None, None, None
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        previous = self._previous
-        grown = previous is not None and input_ids.shape[0] == previous.shape[0] and \
-            input_ids.shape[1] == previous.shape[1] + 1
-        if grown and not torch.equal(input_ids[:, :-1], previous):
-            raise ValueError("NMSTLogitsProcessor: the rows changed between consecutive steps — HF reordered "
-                             "them (the head's step and ST's running state follow each row), or a new generate() "
-                             "call began with prompts one token longer than the last sequences: call reset() "
-                             "before reusing a processor")
-        if not grown:  # a new generate() call: t = 1 at its first generated token
-            self._prompt_length, self._state = input_ids.shape[1], None
-        # HF runs its own processors first. min_new_tokens / min_length / suppress_tokens ban eos
-        # (score −inf), which the head would read as a logit making p(eos) = α_t > 0 (NMST) or 1
-        # (ST); forced_eos_token_id leaves eos the only finite score. A ban keeps eos at 0 and
-        # renormalizes the rest, a force keeps eos at 1; ST, whose running sum needs every step's
-        # real eos logit, refuses a ban.
-        banned = forced = None
-        if 0 <= self.eos < scores.shape[-1]:
-            eos_score = scores[:, self.eos]
-            banned = eos_score == float("-inf")
-            others = scores.index_fill(-1, torch.tensor([self.eos], device=scores.device), float("-inf"))
-            forced = torch.isfinite(eos_score) & (others.amax(dim=-1) == float("-inf"))
-        free = None if forced is None else ~forced
-        if torch.allclose(torch.logsumexp(scores[free].double(), dim=-1), torch.zeros((), dtype=torch.float64),
-                          atol=1e-4) and (free is None or bool(free.any())):
-            raise ValueError("NMSTLogitsProcessor got normalized log-probs (HF beam search): the raw eos logit "
-                             "is gone; use apply_nmst(model, generation_logits=True) without the processor, "
-                             "or nmst_fast.generate(HFDecoder(model, head=...), strategy='beam')")
-        if banned is not None and self.head == "st" and bool(banned.any()):
-            raise ValueError("NMSTLogitsProcessor: eos arrives as -inf (HF's min_new_tokens / min_length / "
-                             "suppress_tokens ran first and banned it); head 'st' needs the raw eos logit at every "
-                             "step for its running sum: drop those options, or decode with head 'nmst'")
-        any_forced = forced is not None and bool(forced.any())
-        # A forced row has no non-eos logit to normalize: the head reads zeros there (its row ends now).
-        logits = scores.masked_fill(forced[:, None], 0.0) if any_forced else scores
-        t = input_ids.shape[1] - self._prompt_length + 1
-        log_p, state = step_log_probs(logits, head=self.head, eos_index=self.eos, eps=self.eps, steps=t,
-                                      state=self._state, temperature=self.temperature)
-        if banned is not None and bool(banned.any()):
-            # The head's distribution conditioned on "not eos": the non-eos softmax, eos at 0.
-            log_p[banned] = torch.log_softmax(scores[banned].to(log_p.dtype) / self.temperature, dim=-1)
-        if any_forced:
-            log_p[forced] = torch.where(torch.isfinite(scores[forced]), 0.0, float("-inf")).to(log_p.dtype)
-        self._state, self._previous = state, input_ids
-        return log_p.to(scores.dtype)

@@ -1,24 +1,35 @@
-"""The patch: a Hugging Face causal LM whose loss is the head's fused loss.
+"""The head on a Hugging Face causal LM: :func:`apply_nmst`, and the NMST model classes it turns models into.
 
 :func:`apply_nmst` checks the model on a probe input (:mod:`~nmst_fast.integrations.hf.probe`), records the
-head in its config and replaces its forward: with labels, the loss is :func:`~.scoring.score_labels`'s (no
-(B, T, V) logits); without, the model's own forward runs, and HF generation sees the head's step distribution
-where :mod:`~nmst_fast.integrations.hf.generation` asks for it.
+head in its config and turns the model (in place) into an instance of ``NMST<its class>``: a subclass of its own
+class with :class:`NMSTModelMixin` first, whose config is likewise ``NMST<its config class>``
+(:mod:`nmst_fast.integrations.nmst_config`). The model keeps every weight, module and method of its class; what
+changes:
+
+* ``forward`` with ``labels``: the head's fused loss (:func:`~.scoring.score_labels`; no (B, T, V) logits);
+  without labels the class's own forward, whose last-position logits carry the head's step distribution while
+  ``generate()`` runs (:mod:`~.generation`);
+* ``generate()``: decodes the head (:func:`~.generation.generate_with_head`);
+* ``save_pretrained()``: writes the NMST checkpoint type, which ``from_pretrained`` opens with the head on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import threading
 import types
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
+from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ...validation import IMPLS, check_choice
-from .generation import step_distribution
+from ...settings import HeadSettings
+from ...validation import IMPLS, check_choice, check_int_tensor
+from ..nmst_config import MODEL_TYPE, config_class_for
+from .generation import generate_with_head, step_logits
 from .probe import probe
 from .scoring import score_labels
 from .settings import nmst_settings
@@ -83,10 +94,111 @@ def signature_with(signature: inspect.Signature, keywords: tuple[str, ...]) -> i
     return signature.replace(parameters=[self_parameter, *parameters])
 
 
+def _bound_signature(function: Callable) -> inspect.Signature:
+    """A method's signature without ``self``."""
+    signature = inspect.signature(function)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+class NMSTModelMixin:
+    """What a causal LM class gets as an ``NMST<Class>``: the head's forward, generate and checkpoint.
+
+    The instance holds ``_nmst_settings`` (:class:`~nmst_fast.settings.HeadSettings`), ``_nmst_shifts_labels``
+    and ``_nmst_impl``, set by :func:`apply_nmst`; ``from_pretrained`` and ``from_config`` of an NMST class run
+    :func:`apply_nmst` with the config's recorded head."""
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
+        loaded = super().from_pretrained(*args, **kwargs)
+        apply_nmst(loaded[0] if isinstance(loaded, tuple) else loaded)
+        return loaded
+
+    @classmethod
+    def _from_config(cls, config: Any, **kwargs: Any) -> Any:
+        return apply_nmst(super()._from_config(config, **kwargs))
+
+    def forward(self, *args: Any, num_items_in_batch: Any = None, nmst_steps: Optional[torch.Tensor] = None,
+                **kwargs: Any) -> Any:
+        settings: Optional[HeadSettings] = self.__dict__.get("_nmst_settings")
+        if settings is None:
+            raise ValueError(f"{type(self).__name__} has no head yet: build it with from_pretrained / from_config, "
+                             "or call nmst_fast.integrations.hf.apply_nmst(model) on it")
+        named = named_arguments(type(self)._nmst_signature, args, kwargs)
+        labels = named.pop("labels", None)
+        if labels is not None:
+            with patched_call():
+                out, hidden = decoder_hidden(self, **named)
+                scores = score_labels(self, hidden, labels, settings, shifted=self._nmst_shifts_labels,
+                                      steps=nmst_steps, attention_mask=named.get("attention_mask"),
+                                      position_ids=named.get("position_ids"),
+                                      reduction="mean" if num_items_in_batch is None else "sum",
+                                      steps_name="nmst_steps")
+            loss = scores.nll
+            if num_items_in_batch is not None:  # HF Trainer's gradient accumulation: one divisor for the whole batch
+                loss = loss / num_items_in_batch
+            return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=getattr(out, "hidden_states", None),
+                                          attentions=getattr(out, "attentions", None))
+        if nmst_steps is not None:
+            raise ValueError("nmst_steps is given without labels: it is the t of each label")
+        with patched_call():
+            out = super().forward(**named)
+        generation = self.__dict__.get("_nmst_generation")
+        return out if generation is None else step_logits(out, generation)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        return generate_with_head(self, super().generate, *args, **kwargs)
+
+
+def own_class(model: Any) -> type:
+    """The class the model had before :func:`apply_nmst` (its class itself when it has no head)."""
+    if not isinstance(model, NMSTModelMixin):
+        return type(model)
+    return next(cls for cls in type(model).__mro__
+                if issubclass(cls, PreTrainedModel) and not issubclass(cls, NMSTModelMixin))
+
+
+@functools.cache
+def model_class_for(base: type, config_class: Optional[type] = None) -> type:
+    """``NMST<base>``: the causal LM class ``base`` with :class:`NMSTModelMixin` first, its config class
+    ``NMST<config_class>`` (default: the base's own config class); named in this module so that pickling finds
+    it (:func:`__getattr__`)."""
+    if issubclass(base, NMSTModelMixin):
+        return base
+    signature = _bound_signature(base.forward)
+
+    def forward(self, *args, **kwargs):
+        return NMSTModelMixin.forward(self, *args, **kwargs)
+
+    forward.__signature__ = signature_with(signature, ("num_items_in_batch", "nmst_steps"))
+    forward.__doc__ = NMSTModelMixin.forward.__doc__
+    name = f"NMST{base.__name__}"
+    return type(name, (NMSTModelMixin, base), {
+        "__module__": __name__, "__qualname__": name, "forward": forward, "_nmst_signature": signature,
+        "config_class": config_class_for(config_class or base.config_class)})
+
+
+def __getattr__(name: str) -> type:
+    """``NMST<Class>`` model classes by name, made on demand: unpickling a model finds them."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if name.startswith("NMST"):
+        for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+            for class_name in [value] if isinstance(value, str) else value:
+                if class_name == name[len("NMST"):]:
+                    return model_class_for(getattr(transformers, class_name))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def has_head(model: Any) -> bool:
+    """Whether ``model`` carries a head (:func:`apply_nmst` ran on it)."""
+    return isinstance(model, NMSTModelMixin) and "_nmst_settings" in model.__dict__
+
+
 def apply_nmst(model: Any, *, head: Optional[str] = None, eps: Optional[float] = None,
-               context_length: Optional[int] = None, eos_token_id: Optional[int] = None, impl: str = "auto",
-               generation_logits: bool = False) -> Any:
-    """Make any HF causal LM train with the fused NMST / ST / VA loss (returns ``model``, patched).
+               context_length: Optional[int] = None, eos_token_id: Optional[int] = None,
+               impl: str = "auto") -> Any:
+    """Put a head on any HF causal LM (returns ``model``, now an ``NMST<its class>`` instance: see the module).
 
     With ``labels``, ``model(input_ids, labels=..., nmst_steps=None, ...)`` runs :func:`decoder_stack`,
     then :func:`nmst_fast.linear_nmst_loss` on its last hidden state and the output layer's weight
@@ -100,13 +212,12 @@ def apply_nmst(model: Any, *, head: Optional[str] = None, eps: Optional[float] =
     gives the t of each token (t ≤ 0: context); without it, :func:`~.steps.default_steps`: from the labels
     (t = 1 at each sequence's first supervised token) unless a fixed ``context_length`` is set.
     HF Trainer's ``num_items_in_batch`` is honoured (loss summed, then divided by it).
-    Without labels the model is unchanged, unless ``generation_logits=True``: then the last
-    position's logits become the head's exact step log-probabilities (t = 1 at the first generated
-    token), so every HF ``generate()`` mode, beam search included, decodes the head's distribution
-    ("nmst" and "va"; ST's running state cannot follow HF's beam reordering).
+    Without labels the forward is the model's own; ``generate()`` decodes the head's step distribution in every
+    mode it can follow (:func:`~.generation.generate_with_head`).
 
     Args:
-        model: a transformers ``…ForCausalLM`` (``from_pretrained(local_dir)`` or random init).
+        model: a transformers ``…ForCausalLM`` (``from_pretrained(local_dir)`` or random init), with or without
+            a head already (a head already on it is re-checked with the settings given).
         head, eps, context_length: the head; None takes what ``model.config.nmst`` recorded, else
             "nmst", 1e-5 and no fixed context.
         eos_token_id: the token the head terminates with; None takes the config's (refused when the
@@ -118,53 +229,18 @@ def apply_nmst(model: Any, *, head: Optional[str] = None, eps: Optional[float] =
     """
     check_choice("impl", impl, IMPLS)
     settings = nmst_settings(model, head=head, eps=eps, context_length=context_length, eos_token_id=eos_token_id)
-    if generation_logits and settings.head == "st":
-        raise ValueError("generation_logits=True supports head 'nmst' and 'va': ST's running state cannot "
-                         "follow HF's beam reordering; use NMSTLogitsProcessor or HFDecoder for ST")
-    original_forward = getattr(model, "_nmst_original_forward", model.forward)
-    shifted = probe(model, original_forward, output_head(model, settings))
+    base = own_class(model)
+    shifted = probe(model, types.MethodType(base.forward, model), output_head(model, settings))
     model.config.nmst = settings.recorded()
-    signature = inspect.signature(original_forward)  # bound: without self
-    prompt: dict = {}  # the generation in progress: its prompt's length (set at its prefill call), ST's state
-
-    def forward(self, *args, num_items_in_batch=None, nmst_steps=None, **kwargs):
-        named = named_arguments(signature, args, kwargs)
-        labels = named.pop("labels", None)
-        if labels is not None:
-            with patched_call():
-                out, hidden = decoder_hidden(self, **named)
-                scores = score_labels(self, hidden, labels, settings, shifted=shifted, steps=nmst_steps,
-                                      attention_mask=named.get("attention_mask"),
-                                      position_ids=named.get("position_ids"),
-                                      reduction="mean" if num_items_in_batch is None else "sum",
-                                      steps_name="nmst_steps")
-            loss = scores.nll
-            if num_items_in_batch is not None:  # HF Trainer's gradient accumulation: one divisor for the whole batch
-                loss = loss / num_items_in_batch
-            return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=getattr(out, "hidden_states", None),
-                                          attentions=getattr(out, "attentions", None))
-        if nmst_steps is not None:
-            raise ValueError("nmst_steps is given without labels: it is the t of each label")
-        # Through the instance (not the closure's bound method), so a deep copy of the model (TRL's
-        # reference models) runs its own weights.
-        with patched_call():
-            out = self._nmst_original_forward(**named)
-        temperature = self._nmst_generation_temperature
-        if temperature is None:
-            return out
-        cache = named.get("cache", named.get("past_key_values"))
-        ids = named.get("input_ids")
-        return step_distribution(out, settings, prompt, cache,
-                                 (ids if ids is not None else named["inputs_embeds"]).shape[1], temperature)
-
-    forward.__signature__ = signature_with(signature, ("num_items_in_batch", "nmst_steps"))
-    model.forward = types.MethodType(forward, model)
-    model._nmst_original_forward = original_forward
+    config = model.config
+    if config.model_type != MODEL_TYPE:
+        config.base_model_type = config.model_type
+        config.__class__ = config_class_for(type(config))
+    if not isinstance(model, NMSTModelMixin):
+        model.__class__ = model_class_for(base, type(config))
+    model._nmst_settings = settings
     model._nmst_shifts_labels = shifted
     model._nmst_impl = impl
-    # The temperature T of HF's sampling whose division the emitted step log-probs anticipate; None: the
-    # model's own logits. TRL's GRPO / RLOO set their T (nmst_fast.integrations.trl).
-    model._nmst_generation_temperature = 1.0 if generation_logits else None
     model.accepts_loss_kwargs = True  # HF Trainer then passes num_items_in_batch (one divisor per accumulated batch)
     _guard_the_stack(model)
     return model
@@ -179,6 +255,7 @@ def class_labels(model: Any, labels: torch.Tensor) -> torch.Tensor:
     shifts = getattr(model, "_nmst_shifts_labels", None)
     if shifts is None:
         raise ValueError(f"{type(model).__name__} is not patched: call apply_nmst(model, ...) first")
+    check_int_tensor("labels", labels)
     if shifts:
         return labels
     return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)

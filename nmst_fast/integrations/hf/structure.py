@@ -25,9 +25,14 @@ from ...settings import HeadSettings
 SOFTCAP_KEYS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
 
 
+def base_model_type(config: Any) -> str:
+    """A config's model type, the base model's for a model with a head (whose type is "nmst")."""
+    return getattr(config, "base_model_type", None) or config.model_type
+
+
 def model_name(model: Any) -> str:
     """The model's class and type, as refusals name it."""
-    return f"{type(model).__name__} (model_type {model.config.model_type!r})"
+    return f"{type(model).__name__} (model_type {base_model_type(model.config)!r})"
 
 
 def is_causal_lm(model: Any) -> bool:

@@ -16,8 +16,8 @@ context's tokens are context: t ≤ 0, p(eos) = 0):
 * ``loglikelihood_rolling``: Σ log p of the document's tokens, t = 1 at its first token and counting
   on across lm-eval's windows (``get_rolling_token_windows``, as ``HFLM``); ST's running sum
   carries across them too (each token's eos logit comes from the window that scores it).
-* ``generate_until``: HF ``generate`` on the head's step distribution
-  (:class:`~nmst_fast.integrations.hf.NMSTLogitsProcessor`, t = 1 at the first generated token):
+* ``generate_until``: HF ``generate``, which decodes the head's step distribution
+  (:mod:`nmst_fast.integrations.hf.generation`, t = 1 at the first generated token):
   greedy, or sampling with ``do_sample`` (``temperature`` divides the non-eos logits only; HF's
   top-k / top-p then truncate the head's distribution), honouring ``until`` and ``max_gen_toks``;
   it stops at the head's eos and every other eos id the config lists.
@@ -43,12 +43,10 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from packaging.version import Version
 from torch import nn
 from tqdm import tqdm
-from transformers import LogitsProcessorList
 
 from ...head import NMSTHead
 from ...settings import HeadSettings
 from ..hf import (
-    NMSTLogitsProcessor,
     apply_nmst,
     decoder_hidden,
     logit_postprocessing,
@@ -107,6 +105,8 @@ class NMSTLM(HFLM):
         seq2seq model, a PEFT adapter (``peft=``), or a model whose logits the fused path does not
         reproduce (``apply_nmst``'s probe).
     """
+
+    scores_the_head = True  # lm-eval's HFLM refuses a model with a head otherwise (nmst_fast.integrations)
 
     def __init__(self, pretrained: Any, *, head: Optional[str] = None, eps: Optional[float] = None,
                  eos_token_id: Optional[int] = None, **kwargs: Any) -> None:
@@ -287,19 +287,8 @@ class NMSTLM(HFLM):
 
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str],
                         **generation_kwargs: Any) -> torch.Tensor:
-        """HF ``generate`` on the head's step distribution (HFLM's call, with an
-        :class:`NMSTLogitsProcessor`): greedy, or sampling with ``do_sample``, where ``temperature``
-        goes to the processor (non-eos logits only) and HF's own temperature stays 1."""
-        kwargs = dict(generation_kwargs)
-        temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
-        do_sample = bool(kwargs.pop("do_sample", temperature > 0.0))
-        if "logits_processor" in kwargs:
-            raise ValueError("generation kwargs name a logits_processor: --model nmst decodes with its own "
-                             "(the head's distribution); drop it")
-        processor = NMSTLogitsProcessor(eos_token_id=self.nmst.eos_index, head=self.nmst.head, eps=self.nmst.eps,
-                                        temperature=temperature if do_sample else 1.0)
-        kwargs.update(do_sample=do_sample, logits_processor=LogitsProcessorList([processor]),
-                      eos_token_id=self._stop_ids)
-        if do_sample:
-            kwargs["temperature"] = 1.0  # HF's warper would divide the eos logit too
-        return super()._model_generate(context, max_length, stop, **kwargs)
+        """HF ``generate`` (HFLM's call), which decodes the head (:mod:`nmst_fast.integrations.hf.generation`):
+        greedy, or sampling with ``do_sample``, whose ``temperature`` divides the non-eos logits only; it stops at
+        the head's eos and every other eos id the config lists."""
+        return super()._model_generate(context, max_length, stop, **{**generation_kwargs,
+                                                                       "eos_token_id": self._stop_ids})

@@ -67,8 +67,9 @@ try:
 except ImportError:  # a vLLM without Model Runner V2: the V1 interface only
     V2LogitsProcessor, LogitsProcRequestState = (), None
 
+from ...decoding.eos_column import MAX_EOS_LOGIT_GAP, tempered_non_eos_lse
 from ...kernels.cpu import row_kernels
-from .eos_column import GREEDY_TEMPERATURE, MAX_EOS_LOGIT_GAP, logger, tempered_non_eos_lse
+from .eos_column import GREEDY_TEMPERATURE, logger
 from .logprobs import DEFAULT_MODE, PROCESSED_MODES, logprobs_refusal
 from .persistent_batch import PersistentBatchHead
 from .settings import HeadSettings, frontend_model, model_info, request_settings

@@ -12,18 +12,16 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-from .eos_column import (
+from ...decoding.distribution import RowBuffer
+from ...decoding.eos_column import (
     MAX_EOS_LOGIT_GAP,
-    RowBuffer,
     cpu_kernels,
     device_eos_values,
     host_eos_value,
     inverse_temperatures,
-    log_once,
-    row_selection,
-    row_temperature,
     tempered_non_eos_lse,
 )
+from .eos_column import log_once, row_selection, row_temperature
 from .logprobs import warn_unrefused_logprobs
 from .settings import HeadSettings, ModelInfo, request_settings
 

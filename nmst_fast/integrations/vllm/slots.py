@@ -16,15 +16,9 @@ from typing import Any
 import torch
 from vllm import SamplingParams
 
-from .eos_column import (
-    RowBuffer,
-    device_eos_values,
-    inverse_temperatures,
-    log_once,
-    row_selection,
-    row_temperature,
-    tempered_non_eos_lse,
-)
+from ...decoding.distribution import RowBuffer
+from ...decoding.eos_column import device_eos_values, inverse_temperatures, tempered_non_eos_lse
+from .eos_column import log_once, row_selection, row_temperature
 from .logprobs import warn_unrefused_logprobs
 from .settings import HeadSettings, ModelInfo, request_settings
 
