@@ -1,9 +1,13 @@
-"""Tiny random Hugging Face causal LMs of many families, and a float64 reference loss on their own logits."""
+"""Tiny random Hugging Face causal LMs of many families, a tiny Llama over a real tokenizer, and a float64 reference
+loss on their own logits."""
 
 import torch
 import transformers
 
 from nmst_fast import nmst_log_probs
+from nmst_fast.data.bpe import train_byte_level_bpe
+
+from wikitext_text import generated_lines
 
 V, EOS = 61, 60
 SHARED = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
@@ -58,3 +62,43 @@ def reference_loss(logits, labels, steps, head, eps):
     active = targets != -100
     nll = -log_p.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return torch.where(active, nll, 0.0).sum() / active.sum()
+
+
+# --- a tiny Llama over the project's byte-level BPE ------------------------------------------------------------------
+
+SPREAD = 16.0  # the output layer's scale over its random init
+POSITIONS = 512  # the random Llamas' max_position_embeddings: lm-eval's max_length unless a test sets one
+
+
+def bpe_tokenizer(vocab_size: int = 320):
+    """The project's byte-level BPE (eos = bos = pad = ``<|endoftext|>``), trained on WikiText-shaped valid lines."""
+    return train_byte_level_bpe(generated_lines("valid", 400), vocab_size=vocab_size)
+
+
+def tiny_llama(tokenizer, *, seed: int, eos_offset: float, dtype=torch.float64):
+    """A random 2-layer Llama over ``tokenizer``'s vocabulary, eos its eos, with readable generations.
+
+    Random init gives near-uniform logits, so the output layer is spread (×SPREAD); and the eos logit
+    gets an offset of about ``eos_offset`` (negative: NMST / VA keep p(eos) small early, positive:
+    ST's survival factor σ(s) stays near 1), so greedy decoding runs several tokens before eos.
+    Llama's output layer has no bias: residual feature 0 is made constant instead (embedding
+    column 0 constant, no attention / MLP output writes it), so the final norm's feature 0 is always
+    positive, and only the eos row reads it: its weight there acts as the offset."""
+    torch.manual_seed(seed)
+    eos = tokenizer.eos_token_id
+    config = transformers.AutoConfig.for_model("llama", **{**GQA, "vocab_size": len(tokenizer),
+                                                           "max_position_embeddings": POSITIONS},
+                                               bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    with torch.no_grad():
+        embedding = model.get_input_embeddings().weight
+        embedding[:, 0] = embedding.std()  # about the other features' size: the final norm keeps them readable
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+        head = model.get_output_embeddings().weight
+        head.mul_(SPREAD)
+        head[:, 0] = 0.0  # feature 0 reaches the eos logit alone
+        feature = model.model(torch.arange(len(tokenizer))[None]).last_hidden_state[..., 0].mean()
+        head[eos, 0] = eos_offset / float(feature)
+    return model

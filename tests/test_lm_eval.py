@@ -23,21 +23,19 @@ from lm_eval.api.registry import get_model
 from lm_eval.models.huggingface import HFLM
 
 from nmst_fast import nmst_log_probs
-from nmst_fast.data.bpe import EOS_TOKEN, encode_bpe_lines, train_byte_level_bpe
+from nmst_fast.data.bpe import EOS_TOKEN, encode_bpe_lines
 from nmst_fast.data.wikitext import find_split_file, read_lines
 from nmst_fast.integrations.hf import apply_nmst
 from nmst_fast.integrations.lm_eval import NMSTLM
 from nmst_fast.settings import HeadSettings
 
-from hf_models import GQA
+from hf_models import POSITIONS, bpe_tokenizer, tiny_llama
 from wikitext_text import generated_lines, real_wikitext_dir
 
 REPO = Path(__file__).parents[1]
 
 # --- builders: a BPE, tiny Llamas saved with their head, a local WikiText task --------------------
 
-SPREAD = 16.0  # the output layer's scale over its random init
-POSITIONS = 512  # the random Llamas' max_position_embeddings: lm-eval's max_length unless a test sets one
 TASK = "nmst_wikitext_lines"
 
 
@@ -48,40 +46,6 @@ def wikitext_lines(split: str, count: int, *, real: bool = False) -> list[str]:
         return generated_lines(split, count)
     lines = [line.strip() for line in read_lines(find_split_file(real_wikitext_dir(), split)) if line.strip()]
     return lines[:count]
-
-
-def bpe_tokenizer(vocab_size: int = 320):
-    """The project's byte-level BPE (eos = bos = pad = ``<|endoftext|>``), trained on WikiText-shaped valid lines."""
-    return train_byte_level_bpe(wikitext_lines("valid", 400), vocab_size=vocab_size)
-
-
-def tiny_llama(tokenizer, *, seed: int, eos_offset: float, dtype=torch.float64):
-    """A random 2-layer Llama over ``tokenizer``'s vocabulary, eos its eos, with readable generations.
-
-    Random init gives near-uniform logits, so the output layer is spread (×SPREAD); and the eos logit
-    gets an offset of about ``eos_offset`` (negative: NMST / VA keep p(eos) small early, positive:
-    ST's survival factor σ(s) stays near 1), so greedy decoding runs several tokens before eos.
-    Llama's output layer has no bias: residual feature 0 is made constant instead (embedding
-    column 0 constant, no attention / MLP output writes it), so the final norm's feature 0 is always
-    positive, and only the eos row reads it: its weight there acts as the offset."""
-    torch.manual_seed(seed)
-    eos = tokenizer.eos_token_id
-    config = transformers.AutoConfig.for_model("llama", **{**GQA, "vocab_size": len(tokenizer),
-                                                           "max_position_embeddings": POSITIONS},
-                                               bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
-    with torch.no_grad():
-        embedding = model.get_input_embeddings().weight
-        embedding[:, 0] = embedding.std()  # about the other features' size: the final norm keeps them readable
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight[0] = 0.0
-            layer.mlp.down_proj.weight[0] = 0.0
-        head = model.get_output_embeddings().weight
-        head.mul_(SPREAD)
-        head[:, 0] = 0.0  # feature 0 reaches the eos logit alone
-        feature = model.model(torch.arange(len(tokenizer))[None]).last_hidden_state[..., 0].mean()
-        head[eos, 0] = eos_offset / float(feature)
-    return model
 
 
 # Per head: the eos logit's offset (see tiny_llama) and ε; each head's model has its own seed.

@@ -3,17 +3,11 @@ model, NMST asked per request through ``vllm_xargs``, a bad setting answered wit
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-
 import pytest
 import requests
 import torch
 from conftest import EPS
+from server import vllm_server
 from tiny_model import EOS
 
 import nmst_fast
@@ -21,52 +15,13 @@ from nmst_fast.integrations.hf import HFDecoder
 
 T_HALF = nmst_fast.termination_bound(EPS)
 NMST = {"nmst_head": "nmst", "nmst_eps": EPS}
-START_TIMEOUT = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(plain_dir, tmp_path_factory):
-    """``vllm serve`` of the plain model on 127.0.0.1 (the processor comes in as the plugin); killed
-    with its process group at the end."""
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("server") / "serve.log", "w")
-    command = [sys.executable, os.path.join(os.path.dirname(__file__), "vllm_serve.py"), plain_dir,
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--gpu-memory-utilization", "0.1",
-               "--max-model-len", "1024", "--enforce-eager", "--seed", "0"]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                               env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {process.returncode}; see {log.name}")
-            try:
-                if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vllm serve did not answer within {START_TIMEOUT} s; see {log.name}")
-            time.sleep(2)
+    """``vllm serve`` of the plain model on 127.0.0.1 (the processor comes in as the plugin)."""
+    with vllm_server(plain_dir, tmp_path_factory.mktemp("server") / "serve.log") as url:
         yield url, plain_dir
-    finally:
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.wait(timeout=30)
-        log.close()
 
 
 def _complete(server, **body) -> requests.Response:

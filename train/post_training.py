@@ -10,8 +10,9 @@
    LM head is answered by the head (:mod:`nmst_fast.integrations.trl`): its loss is the head's NLL of the
    completion, with t = 1 at the completion's first token, and its logged ``entropy`` and
    ``mean_token_accuracy`` are the head's distribution's.
-2. **One servable directory.** The model, its config (whose ``nmst`` entry records head, ε and eos) and the
-   tokenizer land in ``OUT/model``, which ``from_pretrained``, lm-eval and ``vllm serve`` take as it is.
+2. **One servable directory.** The model (the NMST checkpoint type: its config records head, ε and eos) and the
+   tokenizer land in ``OUT/model``, which ``from_pretrained`` (after ``import nmst_fast``), lm-eval's model
+   ``nmst`` and ``vllm serve`` take as it is.
 3. **lm-eval.** lm-eval's own ``simple_evaluate`` runs the model ``"nmst"``
    (:mod:`nmst_fast.integrations.lm_eval`) on a local task over the test split (``OUT/lm_eval_tasks``, no
    hub): the ``loglikelihood`` of each completion, eos included, after its prompt, t = 1 at the completion's
@@ -19,7 +20,9 @@
    fused loss); ``is_greedy`` is the share of completions that the head's greedy decoding reproduces exactly.
 4. **Greedy decoding** of the test prompts up to ``--max-length`` tokens: the share that ends with eos
    (NMST and ST stop by t½ = ``termination_bound(ε)``; the corpus makes a plain softmax loop).
-5. **vLLM**: the command that serves ``OUT/model`` (in vLLM's own environment: README "Serving with vLLM").
+5. **vLLM**: the command that serves ``OUT/model`` as it is (in vLLM's own environment, where nmst-fast's plugin
+   opens the checkpoint and its processor decodes the head), and the test prompts as text
+   (``OUT/test_prompts.json``) to send it.
 
 ``OUT/report.json`` holds the numbers, ``OUT/report.md`` says what they mean.
 """
@@ -71,11 +74,13 @@ def word_tokenizer(lines: list[str]):
 
 
 def tiny_llama(tokenizer, seed: int):
+    """A random-init Llama over ``tokenizer``: width 64 in two heads of 32 (vLLM's CPU attention takes head
+    dimensions of 32 and more), two layers."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
     return LlamaForCausalLM(config)
@@ -163,7 +168,10 @@ def run(args: argparse.Namespace) -> dict:
                    "mean_length": float(decoded.lengths.float().mean())},
         "model_dir": str(model_dir),
         "serve": f"vllm serve {model_dir} --host 127.0.0.1 --port 8000",
+        "test_prompts": str(out / "test_prompts.json"),
     }
+    # The prompts decoded above, as text: what to send the server (tests_vllm/test_walk_through.py does).
+    (out / "test_prompts.json").write_text(json.dumps([split_line(line)[0] for line in test], indent=1) + "\n")
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "report.md").write_text(_markdown(report))
     return report
