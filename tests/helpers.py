@@ -155,3 +155,11 @@ def g_test(counts, probs: torch.Tensor) -> tuple[float, int]:
         cells.append(rest_expected)
     g = 2 * sum(o * math.log(o / e) for o, e in zip(observed, cells) if o > 0)
     return g, len(observed) - 1
+
+
+def g_test_p(draws: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of :func:`g_test` for the tokens ``draws`` (any shape) against ``probs`` (V,) (1 with a single cell)."""
+    from scipy import stats
+
+    g, df = g_test(torch.bincount(draws.reshape(-1).cpu(), minlength=probs.numel()), probs.cpu())
+    return float(stats.chi2.sf(g, df)) if df > 0 else 1.0

@@ -33,9 +33,10 @@ FAMILIES = {
 
 
 def tiny_model(family: str, seed: int = 0, dtype=torch.float64, eos=EOS, **extra):
+    """A random ``family`` model of :data:`FAMILIES`' tiny config (``extra`` keys override it), logits spread."""
     torch.manual_seed(seed)
-    config = transformers.AutoConfig.for_model(family, **FAMILIES[family], bos_token_id=0, pad_token_id=0,
-                                               eos_token_id=eos, **extra)
+    config = transformers.AutoConfig.for_model(family, **{**FAMILIES[family], **extra}, bos_token_id=0, pad_token_id=0,
+                                               eos_token_id=eos)
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
     with torch.no_grad():  # random init gives near-uniform logits: spread them so the heads differ
         model.get_output_embeddings().weight.mul_(8.0)
@@ -54,14 +55,28 @@ def chat_batch(seed=0, B=3, T=12):
     return ids, labels
 
 
+# --- the float64 reference of the head on a model's own logits -------------------------------------------------------
+
+def head_log_probs(logits, *, head, eps, eos=EOS, steps=None, temperature=1.0):
+    """(B, T, V) float64 log-distribution of the head on a model's own ``logits`` (B, T, V) at the steps ``steps``
+    (B, T) (VA reads none): the library's reference, :func:`nmst_fast.nmst_log_probs`."""
+    return nmst_log_probs(logits.double(), eos_index=eos, eps=eps, head=head, steps=None if head == "va" else steps,
+                          temperature=temperature)
+
+
+def reference_nll(logits, targets, steps, *, head, eps, eos=EOS, temperature=1.0):
+    """(B, T) float64 NLL of ``targets`` (B, T; -100 ignored, NLL 0 there) under the head on ``logits`` (B, T, V),
+    position i scoring ``targets[:, i]`` at step ``steps[:, i]``."""
+    log_p = head_log_probs(logits, head=head, eps=eps, eos=eos, steps=steps, temperature=temperature)
+    nll = -log_p.gather(-1, targets.clamp(min=0).long().unsqueeze(-1)).squeeze(-1)
+    return torch.where(targets != -100, nll, 0.0)
+
+
 def reference_loss(logits, labels, steps, head, eps):
-    """Float64 NLL of the shifted labels under the head, from the unpatched model's own logits."""
-    targets, steps = labels[:, 1:], steps[:, 1:]
-    log_p = nmst_log_probs(logits[:, :-1].double(), eos_index=EOS, eps=eps, head=head,
-                           steps=None if head == "va" else steps)
-    active = targets != -100
-    nll = -log_p.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return torch.where(active, nll, 0.0).sum() / active.sum()
+    """Float64 mean NLL of the shifted labels under the head, from the unpatched model's own logits."""
+    targets = labels[:, 1:]
+    nll = reference_nll(logits[:, :-1], targets, steps[:, 1:], head=head, eps=eps)
+    return nll.sum() / (targets != -100).sum()
 
 
 # --- a tiny Llama over the project's byte-level BPE ------------------------------------------------------------------

@@ -10,28 +10,13 @@ import nmst_fast
 from nmst_fast.decoding import effective_logits, ranked_candidates, sample, step_log_probs, truncated_candidates
 from nmst_fast.reference import truncated_distribution
 
+from helpers import g_test_p
+
 HEADS = ("nmst", "st", "va")
 DRAWS = 1_000_000
 # The sampling grid's size in the fast set (the default `pytest tests`): every case at a tenth of DRAWS,
 # which flags a 12% error in a token of probability 0.05 at p < 10⁻⁵ (DRAWS: 4%); DRAWS under -m slow.
 GRID_FAST_DRAWS = 100_000
-
-
-def _g_test(tokens: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    """p-value of a G-test of token counts against ``expected_probs`` (V,).
-
-    Tokens with zero expected probability must never be drawn (checked exactly).
-    """
-    V = expected_probs.numel()
-    counts = torch.bincount(tokens, minlength=V).double()
-    support = expected_probs > 0
-    assert counts[~support].sum() == 0, f"drew impossible tokens {torch.nonzero(counts * ~support).flatten().tolist()}"
-    observed, expected = counts[support], expected_probs[support] * counts.sum()
-    if observed.numel() == 1:
-        return 1.0
-    nonzero = observed > 0
-    g = 2.0 * (observed[nonzero] * torch.log(observed[nonzero] / expected[nonzero])).sum().item()
-    return float(stats.chi2.sf(g, df=observed.numel() - 1))
 
 
 def _row(gen: torch.Generator, V: int = 24) -> torch.Tensor:
@@ -149,7 +134,7 @@ def check_sampling_distribution(head: str, t: int, top_k, top_p, *, impl: str = 
     tokens, _ = sample(rows, head=head, eos_index=eos, eps=eps, steps=t, top_k=top_k, top_p=top_p,
                        state=None if state is None else state.to(device).expand(draws), impl=impl,
                        generator=torch.Generator().manual_seed(seed + 1))
-    assert _g_test(tokens.cpu(), reference) > 1e-5, f"seed={seed}"
+    assert g_test_p(tokens.cpu(), reference) > 1e-5, f"seed={seed}"
 
 
 @pytest.mark.parametrize("draws", [pytest.param(DRAWS, marks=pytest.mark.slow), GRID_FAST_DRAWS])

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from nmst_fast import nmst_log_probs
 from nmst_fast.integrations.hf import apply_nmst
 
 from hf_families import (
@@ -32,6 +31,7 @@ from hf_families import (
     targets_and_steps,
     tiny_causal_lm,
 )
+from hf_models import reference_nll
 
 TABLE = Path(__file__).resolve().parents[1] / "docs" / "hf_families.md"
 # One of each kind: plain pre-norm, softcap (Gemma's key and RecurrentGemma's), output bias, unshifted labels (a
@@ -85,10 +85,7 @@ def check_exact(base, model_type: str, head: str) -> None:
     own = plain(input_ids=ids, labels=labels, use_cache=False)
     logits = own.logits[:, :-1] if shifted else own.logits
     targets, steps = targets_and_steps(labels, shifted)
-    log_p = nmst_log_probs(logits.double(), eos_index=EOS, eps=0.05, head=head, steps=None if head == "va" else steps)
-    active = targets != -100
-    nll = -log_p.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
-    want = torch.where(active, nll, 0.0).sum() / active.sum()
+    want = reference_nll(logits, targets, steps, head=head, eps=0.05, eos=EOS).sum() / (targets != -100).sum()
     want.backward()
     loss = patched(input_ids=ids, labels=labels).loss
     loss.backward()

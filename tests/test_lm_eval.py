@@ -22,14 +22,13 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 from lm_eval.models.huggingface import HFLM
 
-from nmst_fast import nmst_log_probs
 from nmst_fast.data.bpe import EOS_TOKEN, encode_bpe_lines
 from nmst_fast.data.wikitext import find_split_file, read_lines
 from nmst_fast.integrations.hf import apply_nmst
 from nmst_fast.integrations.lm_eval import NMSTLM
 from nmst_fast.settings import HeadSettings
 
-from hf_models import POSITIONS, bpe_tokenizer, tiny_llama
+from hf_models import POSITIONS, bpe_tokenizer, head_log_probs, reference_nll, tiny_llama
 from wikitext_text import generated_lines, real_wikitext_dir
 
 REPO = Path(__file__).parents[1]
@@ -135,8 +134,8 @@ def reference_log_probs(model, context: list[int], continuation: list[int], head
     with torch.no_grad():
         logits = model(ids).logits[:, len(context) - 1:].double()
     n = logits.shape[1]
-    return nmst_log_probs(logits, eos_index=model.config.eos_token_id, eps=eps, head=head,
-                          steps=None if head == "va" else torch.arange(1, n + 1)[None], temperature=temperature)[0]
+    return head_log_probs(logits, head=head, eps=eps, eos=model.config.eos_token_id,
+                          steps=torch.arange(1, n + 1)[None], temperature=temperature)[0]
 
 
 def reference_loglikelihood(model, context, continuation, head, eps) -> tuple[float, bool]:
@@ -183,9 +182,9 @@ def reference_rolling(model, tokens, prefix, length, head, eps, *, restart=False
     total, at = 0.0, 0
     for logits in pieces:
         n = logits.shape[0]
-        log_p = nmst_log_probs(logits[None], eos_index=eos, eps=eps, head=head,
-                               steps=None if head == "va" else torch.arange(1, n + 1)[None])[0]
-        total += float(log_p.gather(-1, torch.tensor(tokens[at:at + n])[:, None]).sum())
+        nll = reference_nll(logits[None], torch.tensor([tokens[at:at + n]]), torch.arange(1, n + 1)[None], head=head,
+                            eps=eps, eos=eos)
+        total -= float(nll.sum())
         at += n
     return total
 

@@ -272,10 +272,15 @@ def test_sft_with_lora(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("head", ["nmst", "st"])
 def test_dpo_scores_chosen_and_rejected_with_the_head(tmp_path, head):
+    """The policy patched in place, the reference model loaded from the saved policy's directory (it opens with
+    the head): both score with the head."""
+    from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
 
     plain, model = _patched(head, dtype=torch.float32)
-    reference = copy.deepcopy(model)
+    model.save_pretrained(tmp_path / "saved")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)
+    assert type(reference).__name__ == "NMSTLlamaForCausalLM"
     trainer = DPOTrainer(model=model, ref_model=reference, args=_config(DPOConfig, tmp_path),
                          train_dataset=Dataset.from_dict(preferences()), processing_class=tokenizer())
     policy_calls, reference_calls = record_fused_calls(model), record_fused_calls(reference)
@@ -325,10 +330,10 @@ def _length_reward(completions, **kwargs):
 @pytest.mark.slow
 @pytest.mark.parametrize("trainer_name", ["grpo", "rloo"])
 def test_online_trainers_sample_and_score_the_head(tmp_path, trainer_name):
-    """GRPO / RLOO with HF generate: completions sampled at T from the head end with eos by t½ (ε = 0.5:
-    t½ = 1, and a completion of 8 tokens misses eos with probability ≤ 2^-36; under the plain softmax most
-    would run to max_completion_length), and the scored log-probs are the head's at the same T."""
-    from transformers import AutoModelForCausalLM
+    """GRPO / RLOO given the saved policy's path (TRL loads it) with HF generate: completions sampled at T from the
+    head end with eos by t½ (ε = 0.5: t½ = 1, and a completion of 8 tokens misses eos with probability ≤ 2^-36;
+    under the plain softmax most would run to max_completion_length), and the scored log-probs are the head's at
+    the same T."""
 
     if trainer_name == "grpo":
         from trl import GRPOConfig as Config
@@ -339,7 +344,6 @@ def test_online_trainers_sample_and_score_the_head(tmp_path, trainer_name):
     eps, temperature = 0.5, 0.7
     plain = tiny_model("llama", dtype=torch.float32)
     apply_nmst(copy.deepcopy(plain), head="nmst", eps=eps).save_pretrained(tmp_path / "policy")
-    model = apply_nmst(AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype=torch.float32))
     seen = []
 
     def reward(completions, completion_ids, **kwargs):
@@ -348,9 +352,11 @@ def test_online_trainers_sample_and_score_the_head(tmp_path, trainer_name):
 
     prompts = Dataset.from_dict({"prompt": prompt_completion(n=4)["prompt"]})
     args = _config(Config, tmp_path / "out", max_completion_length=8, num_generations=2, temperature=temperature,
-                   beta=0.1)
-    trainer = Trainer(model=model, reward_funcs=reward, args=args, train_dataset=prompts, processing_class=tokenizer())
-    calls = record_fused_calls(model) + record_fused_calls(trainer.ref_model)
+                   beta=0.1, model_init_kwargs=dict(dtype=torch.float32))
+    trainer = Trainer(model=str(tmp_path / "policy"), reward_funcs=reward, args=args, train_dataset=prompts,
+                      processing_class=tokenizer())
+    assert type(trainer.model).__name__ == "NMSTLlamaForCausalLM"
+    calls = record_fused_calls(trainer.model) + record_fused_calls(trainer.ref_model)
     trainer.train()
     assert seen and all(ids and ids[-1] == EOS for ids in seen), seen
     assert nmst_trl.SUPPORTED_TRL and trainer.ref_model is not None
@@ -363,7 +369,7 @@ def test_online_trainers_sample_and_score_the_head(tmp_path, trainer_name):
 def test_hf_sampling_at_the_trainers_temperature_draws_the_head():
     """GRPO / RLOO sample with HF generate at their T: the first token's law (G-test, 20,000 draws) is the
     head's at T with the sampling semantics (non-eos logits / T, p(eos) unchanged), as their scoring reads it."""
-    from test_decoding import _g_test
+    from helpers import g_test_p
 
     eps, temperature, draws = 0.3, 0.6, 20_000
     plain, model = _patched("nmst", dtype=torch.float32, eps=eps)
@@ -377,7 +383,7 @@ def test_hf_sampling_at_the_trainers_temperature_draws_the_head():
     expected = nmst_fast.nmst_log_probs(logits, eos_index=EOS, eps=eps, steps=torch.ones(1, 1, dtype=torch.long),
                                         temperature=temperature)[0, 0].exp()
     assert float(expected[EOS]) > 0.3  # eos is a large part of the law: a temperature applied to it would show
-    assert _g_test(drawn, expected) > 1e-5
+    assert g_test_p(drawn, expected) > 1e-5
 
 
 def test_a_forward_that_replaces_the_patched_one_is_refused_before_it_trains():

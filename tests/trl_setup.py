@@ -9,9 +9,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from nmst_fast import nmst_log_probs
-
-from hf_models import EOS, V
+from hf_models import EOS, V, head_log_probs, reference_nll
 
 
 def tokenizer() -> PreTrainedTokenizerFast:
@@ -75,10 +73,8 @@ def reference_token_log_probs(plain: torch.nn.Module, call: dict, *, head: str, 
         targets, logits = call["labels"][:, 1:], logits[:, :-1]
         starts = document_start[:, 1:]
     steps = reference_steps(targets, starts)
-    log_p = nmst_log_probs(logits, eos_index=EOS, eps=eps, head=head, steps=None if head == "va" else steps,
-                           temperature=temperature)
-    picked = log_p.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return torch.where(targets != -100, picked, 0.0), log_p, targets, logits
+    log_p = head_log_probs(logits, head=head, eps=eps, steps=steps, temperature=temperature)
+    return -reference_nll(logits, targets, steps, head=head, eps=eps, temperature=temperature), log_p, targets, logits
 
 
 def record_fused_calls(model: torch.nn.Module) -> list:

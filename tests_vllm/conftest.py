@@ -11,9 +11,14 @@ import os
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import importlib.util  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# The main suite's shared helpers (tests/helpers.py: the G-test) serve these tests too.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))
 
 if importlib.util.find_spec("vllm") is None:  # a virtualenv without vLLM: nothing here to run
     collect_ignore_glob = ["test_*.py"]

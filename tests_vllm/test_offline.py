@@ -3,7 +3,6 @@ distribution (G-test), mixed batches, the other controls and the refusals."""
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import pytest
@@ -16,6 +15,8 @@ from tiny_model import EOS, ST_EOS, VOCAB
 import nmst_fast
 from nmst_fast.decoding import step_log_probs
 from nmst_fast.integrations.hf import HFDecoder, apply_nmst
+
+from helpers import g_test
 
 T_HALF = nmst_fast.termination_bound(EPS)
 ST = {"nmst_head": "st", "nmst_eps": 1e-3, "nmst_eos_token_id": ST_EOS}
@@ -111,25 +112,7 @@ def _exact(model, contexts: torch.Tensor, t: int, temperature: float, top_k: int
     return torch.stack([_vllm_truncation(row.exp(), top_k, top_p) for row in log_p])
 
 
-def _g_test(counts: Counter, probs: torch.Tensor) -> tuple[float, int]:
-    """G statistic and degrees of freedom of ``counts`` against ``probs`` (V,), cells of expected
-    count below 5 pooled; a draw of a token with probability 0 fails at once."""
-    n = sum(counts.values())
-    impossible = [tok for tok in counts if probs[tok] == 0]
-    assert not impossible, f"drew tokens outside the truncated support: {impossible}"
-    expected = probs * n
-    big = (expected >= 5).nonzero().view(-1).tolist()
-    observed = [counts.get(tok, 0) for tok in big]
-    exp_cells = [float(expected[tok]) for tok in big]
-    rest_obs, rest_exp = n - sum(observed), n - sum(exp_cells)
-    if rest_exp > 1e-9:
-        observed.append(rest_obs)
-        exp_cells.append(rest_exp)
-    g = 2 * sum(o * math.log(o / e) for o, e in zip(observed, exp_cells) if o > 0)
-    return g, len(observed) - 1
-
-
-def test_sampled_distribution_g_test(llm, reference):
+def test_sampled_distributiong_test(llm, reference):
     """20,000 draws (the engine's seed 0) at temperature 0.7, top-k 20, top-p 0.9: the 1st generated token against
     the exact distribution, and the 5th against its exact distribution given each draw's first four
     tokens (the G statistics of the prefixes drawn at least 100 times, summed: independent
@@ -145,7 +128,7 @@ def test_sampled_distribution_g_test(llm, reference):
     first = Counter(s[0] for s in samples)
     exact_first = _exact(reference, torch.tensor([prompt]), 1, 0.7, 20, 0.9)[0]
     assert exact_first[EOS] > 0.01  # eos is in play
-    g, df = _g_test(first, exact_first)
+    g, df = g_test(first, exact_first)
     assert chi2.sf(g, df) > 1e-4, (g, df)
 
     by_prefix: dict[tuple, Counter] = {}
@@ -157,7 +140,7 @@ def test_sampled_distribution_g_test(llm, reference):
     exact = _exact(reference, torch.tensor([prompt + list(p) for p in frequent]), 5, 0.7, 20, 0.9)
     total_g, total_df = 0.0, 0
     for prefix, probs in zip(frequent, exact):
-        g, df = _g_test(by_prefix[prefix], probs)
+        g, df = g_test(by_prefix[prefix], probs)
         total_g, total_df = total_g + g, total_df + df
     assert total_df >= 5
     assert chi2.sf(total_g, total_df) > 1e-4, (total_g, total_df)
@@ -384,5 +367,5 @@ def test_min_p_acts_on_the_heads_distribution(llm, reference):
     probs = torch.where(probs >= 0.05 * probs.max(), probs, 0.0)
     probs = probs / probs.sum()
     assert probs[EOS] > 0.01 and int((probs > 0).sum()) >= 10  # eos in play, a real cut
-    g, df = _g_test(first, probs)
+    g, df = g_test(first, probs)
     assert chi2.sf(g, df) > 1e-4, (g, df)

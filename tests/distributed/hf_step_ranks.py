@@ -13,8 +13,10 @@ layer's weight inside that layer's own call, where it is gathered (outside, it i
 Leaving the process group afterwards must end gloo's threads (gloo_threads.py).
 """
 
+import sys
+from pathlib import Path
+
 import torch
-import transformers
 from gloo_threads import gloo_threads  # this script's folder leads sys.path
 
 from nmst_fast.integrations.hf import apply_nmst
@@ -22,14 +24,12 @@ from train import distributed
 from train.distributed import shard
 from train.loop import backward, token_batches
 
-V, EOS = 61, 60
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the tests' shared builders
+from hf_models import EOS, tiny_model  # noqa: E402
 
 
 def model(head: str):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=48, eos_token_id=EOS)
-    return apply_nmst(transformers.LlamaForCausalLM(config), head=head, eps=0.05, context_length=3)
+    return apply_nmst(tiny_model("llama", dtype=torch.float32), head=head, eps=0.05, context_length=3)
 
 
 def sequences():

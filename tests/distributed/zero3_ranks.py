@@ -27,6 +27,9 @@ import os
 
 os.environ["DS_ACCELERATOR"] = "cpu"  # read when deepspeed is imported; also on a GPU machine
 
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -37,7 +40,10 @@ from deepspeed.utils import safe_get_full_grad  # noqa: E402
 import nmst_fast.integrations.hf as nmst_hf  # noqa: E402
 from nmst_fast.integrations.hf import apply_nmst  # noqa: E402
 
-V, EOS, LR = 128, 127, 1.0
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the tests' shared builders
+from hf_models import EOS, tiny_model  # noqa: E402
+
+LR = 1.0
 CONFIG = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,
@@ -55,11 +61,7 @@ CONFIG = {
 
 
 def model(head: str, tied: bool):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=96, eos_token_id=EOS,
-                                      tie_word_embeddings=tied)
-    return apply_nmst(transformers.LlamaForCausalLM(config), head=head, eps=0.05)
+    return apply_nmst(tiny_model("llama", dtype=torch.float32, tie_word_embeddings=tied), head=head, eps=0.05)
 
 
 def batch():
@@ -164,6 +166,7 @@ def check_zero_init(rank: int, world: int) -> None:
     """A model built partitioned (under ``deepspeed.zero.Init``) is refused with a clear error: the
     probe needs the whole model."""
     config = model("va", tied=False).config
+    config.pad_token_id = None  # transformers' init zeroes the padding row, which a partitioned embedding lacks
     with deepspeed.zero.Init(config_dict_or_path=CONFIG):
         net = transformers.LlamaForCausalLM(config)
     try:
