@@ -154,6 +154,7 @@ def test_apply_nmst_greedy_and_sampled_generate_stop(saved):
     assert all(eos in run for run in result["sampled"])
 
 
+@pytest.mark.slow
 def test_pipeline_by_path(saved):
     code = textwrap.dedent(f"""
         import json
@@ -173,6 +174,7 @@ def test_pipeline_by_path(saved):
         assert_the_head_stops(dict(runs=[run[n:] for run, n in zip(runs, lengths)], eos=tokenizer.eos_token_id))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_nmst_fast_0_1_opens_with_its_head_and_upgrades(saved, tmp_path):
     """Opened where nmst_fast is imported: the recorded head, with a warning naming the upgrade command, which
     rewrites config.json (the weights untouched) so that a process without the import refuses it."""
@@ -193,6 +195,7 @@ def test_a_checkpoint_of_nmst_fast_0_1_opens_with_its_head_and_upgrades(saved, t
     assert_the_head_stops(greedy_runs(old, prefix="import nmst_fast\n"))
 
 
+@pytest.mark.slow
 def test_export_plain_says_what_it_gives_up(saved, tmp_path):
     done = subprocess.run([Path(sys.executable).with_name("nmst-fast"), "export-plain", str(saved["nmst"]),
                            str(tmp_path / "plain")], capture_output=True, text=True, timeout=120)

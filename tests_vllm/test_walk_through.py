@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,8 @@ import torch
 from server import vllm_server
 
 from nmst_fast import nmst_log_probs
+
+from docs_commands import WALK_THROUGH, commands
 
 
 def test_without_the_plugin_vllm_refuses_the_checkpoint(nmst_dir, plain_dir):
@@ -40,21 +43,29 @@ def walk_through() -> tuple[Path, dict]:
     return out, json.loads((out / "report.json").read_text())
 
 
-def test_vllm_serves_the_walk_throughs_model_and_decodes_its_head(walk_through, tmp_path):
-    """``vllm serve OUT/model`` as the walk-through prints it (plus processed log-probs): every test prompt's greedy
-    completion through the server ends with eos by t½, and its log-probs are the head's (the project's own
-    float64 reference on the saved model, t = 1 at the first completion token)."""
+@pytest.mark.parametrize("command", commands("vllm"))
+def test_vllm_serves_the_walk_throughs_model_and_decodes_its_head(command, walk_through, tmp_path):
+    """Each ``vllm serve`` command the README and the documentation show (``runs/walk-through`` standing for the
+    walk-through's output; the test machine's flags and processed log-probs added): every test prompt's greedy
+    completion through the server ends with eos by t½, and its log-probs are the head's (the project's own float64
+    reference on the saved model, t = 1 at the first completion token)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out, report = walk_through
     model_dir = out / "model"
     assert report["serve"] == f"vllm serve {model_dir} --host 127.0.0.1 --port 8000"
+    words = [str(out) + w[len(WALK_THROUGH):] if w.startswith(WALK_THROUGH) else w for w in shlex.split(command)]
+    assert words[:3] == ["vllm", "serve", str(model_dir)], words
+    flags = words[3:]
+    for name in ("--host", "--port"):  # the test's own server address
+        if name in flags:
+            del flags[flags.index(name):flags.index(name) + 2]
     prompts = json.loads((out / "test_prompts.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     settings = model.config.nmst
     eos, t_half = tokenizer.eos_token_id, report["termination_bound"]
-    with vllm_server(model_dir, tmp_path / "serve.log", "--logprobs-mode", "processed_logprobs",
+    with vllm_server(model_dir, tmp_path / "serve.log", *flags, "--logprobs-mode", "processed_logprobs",
                      max_model_len=None) as url:
         for prompt in prompts:
             r = requests.post(f"{url}/v1/completions", timeout=120,

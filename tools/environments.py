@@ -4,7 +4,7 @@
     python3 tools/environments.py install vllm  --venv .venv-vllm   # locked: constraints/vllm.txt (.ci/run)
     python3 tools/environments.py install main  --venv DIR --newest # every package at its newest release
 
-``main`` holds the library with its train, test and bench extras (torch, Triton, transformers, TRL, lm-eval,
+``main`` holds the library with its train, test, bench and docs extras (torch, Triton, transformers, TRL, lm-eval,
 PEFT, accelerate, DeepSpeed, datasets, Liger-Kernel, Cut Cross-Entropy). ``vllm`` holds vLLM's CPU build, which
 pins its own transformers and torch, with the library installed without its dependencies.
 
@@ -42,7 +42,7 @@ class Environment:
 ENVIRONMENTS = {
     "main": Environment(
         "main",
-        steps=(("install", "-e", ".[train,test,bench]"),),
+        steps=(("install", "-e", ".[train,test,bench,docs]"),),
         tests=(("pytest", "tests", "-n", "auto"),
                # The whole family sweep: a new transformers brings new model types.
                ("pytest", "tests/test_hf_families.py", "-n", "auto", "-m", "slow"))),
