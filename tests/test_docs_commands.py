@@ -99,3 +99,14 @@ def test_the_documented_install_resolves(command, tmp_path):
             words = [str(environment / "bin" / "python"), "-m", "pip", "install", "--dry-run", "-q", *words[2:]]
             done = subprocess.run(words, cwd=REPO, capture_output=True, text=True, timeout=1200)
             assert done.returncode == 0, (command, done.stderr[-4000:])
+
+
+@pytest.mark.slow
+def test_the_readme_python_examples_run(tmp_path):
+    """The README's Python examples are complete programs: each runs as written in a fresh interpreter."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    assert len(blocks) == 2
+    for block in blocks:
+        done = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, env=_environment(), capture_output=True,
+                              text=True, timeout=600, stdin=subprocess.DEVNULL)
+        assert done.returncode == 0, (block, done.stderr[-4000:])
