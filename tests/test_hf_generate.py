@@ -257,13 +257,17 @@ def test_modes_the_head_cannot_follow_are_refused_before_any_step(head, kwargs, 
     assert not calls
 
 
-def test_a_copy_and_a_reloaded_model_generate_alike(tmp_path):
-    """copy.deepcopy (TRL's reference models) and save_pretrained / from_pretrained keep the head and decode
-    the same tokens."""
+def test_a_copy_a_pickled_and_a_reloaded_model_generate_alike(tmp_path):
+    """copy.deepcopy (TRL's reference models), pickling (torch.save of a whole model, processes that receive one)
+    and save_pretrained / from_pretrained keep the head and decode the same tokens."""
+    import pickle
+
     model = _with_head("qwen2", "nmst", eps=0.1)
     model.save_pretrained(tmp_path)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    unpickled = pickle.loads(pickle.dumps(model))
+    assert type(unpickled) is type(model) is type(loaded) and type(unpickled.config) is type(loaded.config)
     contexts = torch.randint(1, V - 1, (3, 5), generator=torch.Generator().manual_seed(4))
     outs = [m.generate(contexts, do_sample=False, max_new_tokens=10, eos_token_id=EOS, pad_token_id=0)
-            for m in (model, copy.deepcopy(model), loaded)]
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+            for m in (model, copy.deepcopy(model), unpickled, loaded)]
+    assert all(torch.equal(outs[0], out) for out in outs[1:])

@@ -49,24 +49,31 @@ def patched_call() -> Iterator[None]:
         _CALLS.depth -= 1
 
 
-def _guard_the_stack(model: Any) -> None:
+class _StackGuard:
     """A forward pre-hook on the decoder stack: a training step (stack in training mode, grad on) that reaches
     the stack other than through the patched forward comes from a forward that replaced it after
     :func:`apply_nmst` — Liger's fused linear cross-entropy, a trainer's own fused LM head — whose loss is
-    not the head's. It raises before the step runs, instead of training another loss in silence."""
+    not the head's. It raises before the step runs, instead of training another loss in silence. (A class, not a
+    closure, so that a model with its hooks pickles.)"""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if module.training and torch.is_grad_enabled() and not getattr(_CALLS, "depth", 0):
+            raise ValueError(f"NMST head: {self.name}'s decoder stack is training outside the patched forward: "
+                             "something replaced model.forward after apply_nmst (Liger's fused linear cross-entropy, "
+                             "a hub kernel's or a trainer's own fused LM head), and its loss would not be the head's. "
+                             "Turn that fused loss off, or apply the kernels before apply_nmst and let it patch the "
+                             "result")
+
+
+def _guard_the_stack(model: Any) -> None:
+    """:class:`_StackGuard` on the model's decoder stack, once."""
     stack = decoder_stack(model)
     if getattr(stack, "_nmst_guarded", False):
         return
-    name = model_name(model)
-
-    def guard(module, args, kwargs):
-        if module.training and torch.is_grad_enabled() and not getattr(_CALLS, "depth", 0):
-            raise ValueError(f"NMST head: {name}'s decoder stack is training outside the patched forward: something "
-                             "replaced model.forward after apply_nmst (Liger's fused linear cross-entropy, a hub "
-                             "kernel's or a trainer's own fused LM head), and its loss would not be the head's. Turn "
-                             "that fused loss off, or apply the kernels before apply_nmst and let it patch the result")
-
-    stack.register_forward_pre_hook(guard, with_kwargs=True)
+    stack.register_forward_pre_hook(_StackGuard(model_name(model)), with_kwargs=True)
     stack._nmst_guarded = True
 
 
@@ -157,13 +164,17 @@ def own_class(model: Any) -> type:
                 if issubclass(cls, PreTrainedModel) and not issubclass(cls, NMSTModelMixin))
 
 
-@functools.cache
 def model_class_for(base: type, config_class: Optional[type] = None) -> type:
     """``NMST<base>``: the causal LM class ``base`` with :class:`NMSTModelMixin` first, its config class
-    ``NMST<config_class>`` (default: the base's own config class); named in this module so that pickling finds
-    it (:func:`__getattr__`)."""
+    ``NMST<config_class>`` (default: the base's own config class); one class per pair, named in this module so
+    that pickling finds it (:func:`__getattr__`)."""
     if issubclass(base, NMSTModelMixin):
         return base
+    return _nmst_class(base, config_class_for(config_class or base.config_class))
+
+
+@functools.cache
+def _nmst_class(base: type, config_class: type) -> type:
     signature = _bound_signature(base.forward)
 
     def forward(self, *args, **kwargs):
@@ -174,7 +185,7 @@ def model_class_for(base: type, config_class: Optional[type] = None) -> type:
     name = f"NMST{base.__name__}"
     return type(name, (NMSTModelMixin, base), {
         "__module__": __name__, "__qualname__": name, "forward": forward, "_nmst_signature": signature,
-        "config_class": config_class_for(config_class or base.config_class)})
+        "config_class": config_class})
 
 
 def __getattr__(name: str) -> type:
