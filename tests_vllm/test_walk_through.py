@@ -53,7 +53,8 @@ def test_vllm_serves_the_walk_throughs_model_and_decodes_its_head(command, walk_
 
     out, report = walk_through
     model_dir = out / "model"
-    assert report["serve"] == f"vllm serve {model_dir} --host 127.0.0.1 --port 8000"
+    assert report["serve"] == f"vllm serve {report['model_dir']} --host 127.0.0.1 --port 8000"
+    assert Path(report["model_dir"]).name == "model" and (model_dir / "config.json").is_file()
     words = [str(out) + w[len(WALK_THROUGH):] if w.startswith(WALK_THROUGH) else w for w in shlex.split(command)]
     assert words[:3] == ["vllm", "serve", str(model_dir)], words
     flags = words[3:]
