@@ -1,5 +1,11 @@
-"""Tiny random Hugging Face causal LMs of many families, a tiny Llama over a real tokenizer, and a float64 reference
-loss on their own logits."""
+"""The tests' one set of model and tokenizer builders, and the float64 reference of the head on a model's own logits:
+tiny random Hugging Face causal LMs of many families; a word-level tokenizer over their vocabulary (TRL); a tiny Llama
+over the project's byte-level BPE (lm-eval, the portable checkpoints); and a Llama that vLLM's CPU build serves, over
+a byte-level tokenizer (tests_vllm)."""
+
+import json
+import os
+from typing import Optional
 
 import torch
 import transformers
@@ -33,16 +39,28 @@ FAMILIES = {
 
 
 def tiny_model(family: str, seed: int = 0, dtype=torch.float64, eos=EOS, **extra):
-    """A random ``family`` model of :data:`FAMILIES`' tiny config (``extra`` keys override it), logits spread."""
+    """A random ``family`` model of :data:`FAMILIES`' tiny config (``extra`` keys, bos and pad ids too, override
+    it), logits spread."""
     torch.manual_seed(seed)
-    config = transformers.AutoConfig.for_model(family, **{**FAMILIES[family], **extra}, bos_token_id=0, pad_token_id=0,
-                                               eos_token_id=eos)
+    config = transformers.AutoConfig.for_model(family, **{**FAMILIES[family], "bos_token_id": 0, "pad_token_id": 0,
+                                                          **extra}, eos_token_id=eos)
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
     with torch.no_grad():  # random init gives near-uniform logits: spread them so the heads differ
         model.get_output_embeddings().weight.mul_(8.0)
         if model.get_output_embeddings().bias is not None:
             model.get_output_embeddings().bias.normal_()
     return model
+
+
+def word_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """The tiny models' words: "w1" … "w59" are ids 1 … 59; "<pad>" is 0 and "<eos>" is 60 (their eos)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, **{f"w{i}": i for i in range(1, V - 1)}, "<eos>": EOS}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
 
 
 def chat_batch(seed=0, B=3, T=12):
@@ -77,6 +95,55 @@ def reference_loss(logits, labels, steps, head, eps):
     targets = labels[:, 1:]
     nll = reference_nll(logits[:, :-1], targets, steps[:, 1:], head=head, eps=eps)
     return nll.sum() / (targets != -100).sum()
+
+
+def llama3_style_tokenizer(vocab_size: int = 320) -> transformers.PreTrainedTokenizerFast:
+    """A byte-level BPE that splits text with Llama 3's regex (``Split`` then ``ByteLevel`` without its own regex),
+    trained on WikiText-shaped lines; eos = bos = ``<|end_of_text|>``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from nmst_fast.integrations.llama_cpp.vocabulary import SPLITS
+
+    llama3 = next(pattern for pattern, name in SPLITS.items() if name == "llama-bpe")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(llama3), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|end_of_text|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(generated_lines("valid", 400), trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|end_of_text|>",
+                                                eos_token="<|end_of_text|>")
+
+
+def sentencepiece_style_tokenizer(vocab_size: int = 400) -> transformers.PreTrainedTokenizerFast:
+    """A Llama-2-style tokenizer: BPE with byte fallback (``<0x00>`` … ``<0xFF>``), spaces written "▁" and one
+    put before the text, ``<unk>`` 0, ``<s>`` 1 (added before every text), ``</s>`` 2; trained on WikiText-shaped
+    lines."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+
+    normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    specials = ["<unk>", "<s>", "</s>"]
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.normalizer = normalizer
+    trained.train_from_iterator(generated_lines("valid", 400),
+                                trainers.BpeTrainer(vocab_size=vocab_size - 256, special_tokens=specials))
+    learned = json.loads(trained.to_str())["model"]
+    # The byte tokens are ordinary vocabulary entries (as in Llama 2), after the specials, before the merges' tokens.
+    order = specials + [f"<0x{i:02X}>" for i in range(256)]
+    order += [text for text, _ in sorted(learned["vocab"].items(), key=lambda item: item[1]) if text not in specials]
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab={text: i for i, text in enumerate(order)}, merges=merges,
+                                     unk_token="<unk>", byte_fallback=True))
+    tokenizer.normalizer = normalizer
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.add_special_tokens(specials)
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                             special_tokens=[("<s>", 1)])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                                                eos_token="</s>")
 
 
 # --- a tiny Llama over the project's byte-level BPE ------------------------------------------------------------------
@@ -117,3 +184,72 @@ def tiny_llama(tokenizer, *, seed: int, eos_offset: float, dtype=torch.float64):
         feature = model.model(torch.arange(len(tokenizer))[None]).last_hidden_state[..., 0].mean()
         head[eos, 0] = eos_offset / float(feature)
     return model
+
+
+# --- a Llama that vLLM's CPU build serves, over a byte-level tokenizer -------------------------------------------
+
+SERVED_V = 256 + 8  # 256 bytes, then specials: <s> 256, </s> 257, padding up to 264
+SERVED_BOS, SERVED_EOS = 256, 257
+SERVED_ST_EOS = 258  # a second eos-like token, for ST requests (ST continues while its eos logit is high)
+
+
+def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """Byte-level tokens 0 … 255 (no merges), then "<s>" (bos), "</s>" (eos) and extras up to :data:`SERVED_V`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    specials = ["<s>", "</s>"] + [f"<extra_{i}>" for i in range(SERVED_V - 258)]
+    for i, name in enumerate(specials):
+        vocab[name] = 256 + i
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(specials)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+
+
+def served_llama(seed: int = 0, eos_scale: float = 0.2, eos_shift: float = 12.0, layers: int = 2,
+                 st_eos_shift: float = -8.0):
+    """A random-init Llama (hidden 128, 2 heads of 64: vLLM's CPU attention needs head dimension ≥ 32, V =
+    :data:`SERVED_V`) in float32 whose logits are spread (output-layer weights of std 0.5: logits of std ~5, clear
+    greedy margins) and whose eos logit is about ``eos_scale``·(a random logit) − ``eos_shift``: eos is chosen now
+    and then, not at once (NMST stops when the eos logit is high). :data:`SERVED_ST_EOS`'s logit is shifted by
+    ``st_eos_shift`` (ST stops when its eos logit is low)."""
+    model = tiny_model("llama", seed, torch.float32, eos=SERVED_EOS, vocab_size=SERVED_V, hidden_size=128,
+                       intermediate_size=256, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
+                       head_dim=64, max_position_embeddings=2048, bos_token_id=SERVED_BOS, pad_token_id=None,
+                       tie_word_embeddings=False)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head.normal_(0.0, 0.5)
+        head[SERVED_EOS] *= eos_scale
+        # The mean final hidden state h̄ (over random inputs): adding −shift·h̄/|h̄|² to eos's row lowers its
+        # logit by about ``eos_shift`` wherever the hidden state is near h̄.
+        ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(seed))
+        mean = model.model(input_ids=ids).last_hidden_state.reshape(-1, model.config.hidden_size).mean(0)
+        head[SERVED_EOS] -= eos_shift * mean / mean.dot(mean)
+        head[SERVED_ST_EOS] *= eos_scale
+        head[SERVED_ST_EOS] -= st_eos_shift * mean / mean.dot(mean)
+    return model
+
+
+def save_served(directory: str, *, head: Optional[str], eps: float = 1e-5, seed: int = 0) -> str:
+    """Save :func:`served_llama` (with ``apply_nmst(head, eps)`` recorded when ``head`` is given) and
+    :func:`byte_tokenizer` into ``directory``; returns it."""
+    from nmst_fast.integrations.hf import apply_nmst
+
+    model = served_llama(seed)
+    if head is not None:
+        apply_nmst(model, head=head, eps=eps, eos_token_id=SERVED_EOS)
+    os.makedirs(directory, exist_ok=True)
+    model.save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    with open(os.path.join(directory, "config.json")) as f:
+        assert head is None or json.load(f)["nmst"]["head"] == head
+    return directory
+
+
+def load_saved(directory: str):
+    """A saved model, float32, in eval mode."""
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()

@@ -17,13 +17,12 @@ from nmst_fast.integrations import trl as nmst_trl
 from nmst_fast.integrations.hf import apply_nmst
 
 from helpers import slow
-from hf_models import EOS, chat_batch, tiny_model
+from hf_models import EOS, chat_batch, tiny_model, word_tokenizer
 from trl_setup import (
     preferences,
     prompt_completion,
     record_fused_calls,
     reference_token_log_probs,
-    tokenizer,
 )
 
 trl = pytest.importorskip("trl")
@@ -223,7 +222,7 @@ def _sft(tmp_path, head, **extra):
 
     plain, model = _patched(head, dtype=torch.float32)
     trainer = SFTTrainer(model=model, args=_config(SFTConfig, tmp_path, **extra),
-                         train_dataset=Dataset.from_dict(prompt_completion()), processing_class=tokenizer())
+                         train_dataset=Dataset.from_dict(prompt_completion()), processing_class=word_tokenizer())
     return plain, model, trainer
 
 
@@ -247,7 +246,7 @@ def test_sft_packed_documents_each_start_their_own_t(tmp_path):
     data = prompt_completion(seed=2)
     texts = Dataset.from_dict({"text": [p + c for p, c in zip(data["prompt"], data["completion"])]})
     trainer = SFTTrainer(model=model, args=_config(SFTConfig, tmp_path, packing=True, max_length=24),
-                         train_dataset=texts, processing_class=tokenizer())
+                         train_dataset=texts, processing_class=word_tokenizer())
     calls = record_fused_calls(model)
     trainer.train()
     assert any(c.get("position_ids") is not None and int((c["position_ids"] == 0).sum()) > 1 for c, _ in calls)
@@ -261,7 +260,7 @@ def test_sft_with_lora(tmp_path):
 
     plain, model = _patched("nmst", dtype=torch.float32)
     trainer = SFTTrainer(model=model, args=_config(SFTConfig, tmp_path),
-                         train_dataset=Dataset.from_dict(prompt_completion()), processing_class=tokenizer(),
+                         train_dataset=Dataset.from_dict(prompt_completion()), processing_class=word_tokenizer(),
                          peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     calls = record_fused_calls(trainer.model.get_base_model())
     trainer.train()
@@ -282,7 +281,7 @@ def test_dpo_scores_chosen_and_rejected_with_the_head(tmp_path, head):
     reference = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)
     assert type(reference).__name__ == "NMSTLlamaForCausalLM"
     trainer = DPOTrainer(model=model, ref_model=reference, args=_config(DPOConfig, tmp_path),
-                         train_dataset=Dataset.from_dict(preferences()), processing_class=tokenizer())
+                         train_dataset=Dataset.from_dict(preferences()), processing_class=word_tokenizer())
     policy_calls, reference_calls = record_fused_calls(model), record_fused_calls(reference)
     trainer.train()
     _check_calls(policy_calls, plain, head)
@@ -298,7 +297,7 @@ def test_dpo_with_lora_scores_its_reference_with_the_adapters_disabled(tmp_path)
 
     plain, model = _patched("nmst", dtype=torch.float32)
     trainer = DPOTrainer(model=model, args=_config(DPOConfig, tmp_path), train_dataset=Dataset.from_dict(preferences()),
-                         processing_class=tokenizer(),
+                         processing_class=word_tokenizer(),
                          peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     calls = record_fused_calls(trainer.model.get_base_model())
     trainer.train()
@@ -316,7 +315,7 @@ def test_kto_scores_with_the_head(tmp_path):
     rows = {"prompt": data["prompt"] * 2, "completion": data["chosen"] + data["rejected"],
             "label": [True] * 4 + [False] * 4}
     trainer = KTOTrainer(model=model, ref_model=reference, args=_config(KTOConfig, tmp_path),
-                         train_dataset=Dataset.from_dict(rows), processing_class=tokenizer())
+                         train_dataset=Dataset.from_dict(rows), processing_class=word_tokenizer())
     policy_calls, reference_calls = record_fused_calls(model), record_fused_calls(reference)
     trainer.train()
     _check_calls(policy_calls, plain, "nmst")
@@ -354,7 +353,7 @@ def test_online_trainers_sample_and_score_the_head(tmp_path, trainer_name):
     args = _config(Config, tmp_path / "out", max_completion_length=8, num_generations=2, temperature=temperature,
                    beta=0.1, model_init_kwargs=dict(dtype=torch.float32))
     trainer = Trainer(model=str(tmp_path / "policy"), reward_funcs=reward, args=args, train_dataset=prompts,
-                      processing_class=tokenizer())
+                      processing_class=word_tokenizer())
     assert type(trainer.model).__name__ == "NMSTLlamaForCausalLM"
     calls = record_fused_calls(trainer.model) + record_fused_calls(trainer.ref_model)
     trainer.train()

@@ -1,4 +1,4 @@
-"""Tiny TRL set-ups on CPU: a word-level tokenizer over the tiny models' vocabulary, datasets, and a
+"""Tiny TRL set-ups on CPU: datasets over the tiny models' words (hf_models.word_tokenizer), and a
 float64 reference of what a TRL trainer must see from a patched model (its own logits, the head's math)."""
 
 from __future__ import annotations
@@ -6,19 +6,8 @@ from __future__ import annotations
 import copy
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
-from hf_models import EOS, V, head_log_probs, reference_nll
-
-
-def tokenizer() -> PreTrainedTokenizerFast:
-    """Words "w1" … "w59" are ids 1 … 59; "<pad>" is 0 and "<eos>" is 60 (the tiny models' eos)."""
-    vocab = {"<pad>": 0, **{f"w{i}": i for i in range(1, V - 1)}, "<eos>": EOS}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+from hf_models import V, head_log_probs, reference_nll
 
 
 def words(generator: torch.Generator, n: int) -> str:

@@ -23,7 +23,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))
 if importlib.util.find_spec("vllm") is None:  # a virtualenv without vLLM: nothing here to run
     collect_ignore_glob = ["test_*.py"]
 
-from tiny_model import load_model, save_model  # noqa: E402
+from hf_models import load_saved, save_served  # noqa: E402
 
 EPS = 0.05  # t½ = 14
 # max_num_batched_tokens=128: prefills of long prompts and of many requests at once run in chunks, so
@@ -37,19 +37,19 @@ ENGINE_ARGS = dict(dtype="float32", gpu_memory_utilization=0.1, max_model_len=10
 @pytest.fixture(scope="session")
 def nmst_dir(tmp_path_factory) -> str:
     """The tiny Llama saved after apply_nmst(head="nmst", eps=0.05): the head is model-wide."""
-    return save_model(str(tmp_path_factory.mktemp("nmst_model")), head="nmst", eps=EPS)
+    return save_served(str(tmp_path_factory.mktemp("nmst_model")), head="nmst", eps=EPS)
 
 
 @pytest.fixture(scope="session")
 def plain_dir(tmp_path_factory) -> str:
     """The same weights saved without an NMST entry."""
-    return save_model(str(tmp_path_factory.mktemp("plain_model")), head=None)
+    return save_served(str(tmp_path_factory.mktemp("plain_model")), head=None)
 
 
 @pytest.fixture(scope="session")
 def reference(plain_dir):
     """The HF model (no NMST entry in its config: any head can be asked of HFDecoder)."""
-    return load_model(plain_dir)
+    return load_saved(plain_dir)
 
 
 @pytest.fixture(scope="session")

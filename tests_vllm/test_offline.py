@@ -10,13 +10,15 @@ import torch
 from conftest import EPS
 from head_reference import HeadEosColumn
 from scipy.stats import chi2
-from tiny_model import EOS, ST_EOS, VOCAB
 
 import nmst_fast
 from nmst_fast.decoding import step_log_probs
 from nmst_fast.integrations.hf import HFDecoder, apply_nmst
 
 from helpers import g_test
+from hf_models import SERVED_EOS as EOS
+from hf_models import SERVED_ST_EOS as ST_EOS
+from hf_models import SERVED_V as VOCAB
 
 T_HALF = nmst_fast.termination_bound(EPS)
 ST = {"nmst_head": "st", "nmst_eps": 1e-3, "nmst_eos_token_id": ST_EOS}

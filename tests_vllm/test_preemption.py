@@ -9,11 +9,13 @@ from collections import Counter
 import pytest
 import torch
 from conftest import ENGINE_ARGS, EPS
-from tiny_model import EOS, ST_EOS
 
 import nmst_fast
 from nmst_fast.decoding import step_log_probs
 from nmst_fast.integrations.hf import HFDecoder
+
+from hf_models import SERVED_EOS as EOS
+from hf_models import SERVED_ST_EOS as ST_EOS
 
 ST = {"nmst_head": "st", "nmst_eps": 1e-3, "nmst_eos_token_id": ST_EOS}
 

@@ -283,8 +283,6 @@ def test_v2_admission_in_vllms_input_processor(fresh_envs, monkeypatch, plain_di
     set: vLLM's config check refuses V2 without Triton, which its CPU build lacks; admission reads the
     variable when it runs.)"""
     from conftest import ENGINE_ARGS
-    from tiny_model import EOS as MODEL_EOS
-    from tiny_model import VOCAB, save_model
     from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
     from vllm.exceptions import VLLMValidationError
@@ -293,8 +291,12 @@ def test_v2_admission_in_vllms_input_processor(fresh_envs, monkeypatch, plain_di
 
     from nmst_fast.integrations.vllm import NMSTLogitsProcessor
 
+    from hf_models import SERVED_EOS as MODEL_EOS
+    from hf_models import SERVED_V as VOCAB
+    from hf_models import save_served
+
     config = EngineArgs(plain_dir, **ENGINE_ARGS).create_engine_config()
-    st_config = EngineArgs(save_model(str(tmp_path / "st"), head="st", eps=0.05), **ENGINE_ARGS).create_engine_config()
+    st_config = EngineArgs(save_served(str(tmp_path / "st"), head="st", eps=0.05), **ENGINE_ARGS).create_engine_config()
     nmst_config = EngineArgs(nmst_dir, **ENGINE_ARGS).create_engine_config()
     processed_config = EngineArgs(nmst_dir, **{**ENGINE_ARGS, "logprobs_mode": "processed_logprobs"}
                                   ).create_engine_config()

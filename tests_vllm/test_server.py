@@ -8,10 +8,11 @@ import requests
 import torch
 from conftest import EPS
 from server import vllm_server
-from tiny_model import EOS
 
 import nmst_fast
 from nmst_fast.integrations.hf import HFDecoder
+
+from hf_models import SERVED_EOS as EOS
 
 T_HALF = nmst_fast.termination_bound(EPS)
 NMST = {"nmst_head": "nmst", "nmst_eps": EPS}
