@@ -2,12 +2,16 @@
 
     nmst-fast upgrade DIR [DIR ...]        rewrite a model saved by nmst-fast 0.1 as the NMST checkpoint type
     nmst-fast export-plain DIR OUT         write an NMST model as a plain base-model checkpoint, WITHOUT its head
+    nmst-fast export-gguf DIR OUT.gguf [--type f32|f16|q8_0]
+                                           write an NMST model as a GGUF file for llama.cpp, with its head
     nmst-fast lm-eval run --model nmst --model_args pretrained=DIR --tasks ... [any lm-eval option]
 
 ``upgrade`` (:func:`~nmst_fast.integrations.hf.checkpoint.upgrade_checkpoint`) rewrites config.json in place and
 adds ``nmst_checkpoint.py``; the weights are untouched. ``export-plain``
 (:func:`~nmst_fast.integrations.hf.checkpoint.export_plain`) is for those who want the weights alone: every tool
-then decodes the base model's softmax, not the head's distribution, with no termination guarantee. ``lm-eval`` is
+then decodes the base model's softmax, not the head's distribution, with no termination guarantee. ``export-gguf``
+(:func:`~nmst_fast.integrations.llama_cpp.export.export_gguf`) writes a file that plain llama.cpp refuses and
+:mod:`nmst_fast.integrations.llama_cpp` decodes with the head (llama-cpp-python). ``lm-eval`` is
 lm-eval's own command line with the model ``nmst`` registered (:mod:`nmst_fast.integrations.lm_eval`).
 """
 
@@ -28,6 +32,12 @@ def _parser() -> argparse.ArgumentParser:
                                                       "weights without the head: softmax decoding)")
     export.add_argument("directory", metavar="DIR")
     export.add_argument("out", metavar="OUT", help="a new directory")
+    gguf = commands.add_parser("export-gguf", help="write an NMST model as a GGUF file for llama.cpp, with its head "
+                                                   "(decoded by nmst_fast.integrations.llama_cpp)")
+    gguf.add_argument("directory", metavar="DIR")
+    gguf.add_argument("out", metavar="OUT.gguf")
+    gguf.add_argument("--type", default="f16", choices=("f32", "f16", "q8_0"),
+                      help="the weights' type (default f16; vectors stay f32)")
     commands.add_parser("lm-eval", add_help=False, help="lm-eval's command line with the model 'nmst' registered "
                                                         "(nmst-fast lm-eval run --model nmst ...)")
     return parser
@@ -51,11 +61,17 @@ def main(argv: Optional[list[str]] = None) -> int:
             for directory in args.directories:
                 changed = upgrade_checkpoint(directory)
                 print(f"{directory}: {'upgraded' if changed else 'already of the NMST checkpoint type'}")
+        elif args.command == "export-gguf":
+            from .integrations.llama_cpp.export import export_gguf
+
+            out = export_gguf(args.directory, args.out, dtype=args.type)
+            print(f"{out}: the NMST model with its head, architecture nmst-* (plain llama.cpp refuses it). Decode it "
+                  "with nmst_fast.integrations.llama_cpp.load(path)")
         else:
             out = export_plain(args.directory, args.out)
             print(f"{out}: a plain base-model checkpoint. It decodes the softmax of the base model's logits, NOT the "
                   "head's distribution, and has no termination guarantee")
-    except (ValueError, FileNotFoundError, FileExistsError) as error:
+    except (ValueError, FileNotFoundError, FileExistsError, ImportError) as error:
         print(f"nmst-fast {args.command}: {error}", file=sys.stderr)
         return 2
     return 0

@@ -45,6 +45,8 @@ RULES = {
     "vllm serve runs/walk-through/model --host 127.0.0.1 --port 8000": "vllm",
     "nmst-fast upgrade runs/walk-through/model": "run",
     "nmst-fast export-plain runs/walk-through/model runs/walk-through/plain": "run",
+    "nmst-fast export-gguf runs/walk-through/model runs/walk-through/model.gguf": "run",
+    "python3 tools/environments.py install llama_cpp --venv .venv-llama-cpp": "ci",
     "torchrun --standalone --nproc_per_node 2 -m train": "run",
     "python -m train --data-dir ../shared/data/wikitext-2 --train-split valid --eval-split test --size tiny "
     "--max-epochs 4 --lr 3e-3 --eps 1e-4 --eval-contexts 128": "run",

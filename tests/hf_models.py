@@ -98,14 +98,15 @@ def reference_loss(logits, labels, steps, head, eps):
 
 
 def llama3_style_tokenizer(vocab_size: int = 320) -> transformers.PreTrainedTokenizerFast:
-    """A byte-level BPE that splits text with Llama 3's regex (``Split`` then ``ByteLevel`` without its own regex),
-    trained on WikiText-shaped lines; eos = bos = ``<|end_of_text|>``."""
+    """A byte-level BPE that splits text with Llama 3's regex (``Split`` then ``ByteLevel`` without its own regex)
+    and looks whole words up first (``ignore_merges``), trained on WikiText-shaped lines; eos = bos =
+    ``<|end_of_text|>``."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from nmst_fast.integrations.llama_cpp.vocabulary import SPLITS
 
     llama3 = next(pattern for pattern, name in SPLITS.items() if name == "llama-bpe")
-    tokenizer = Tokenizer(models.BPE())
+    tokenizer = Tokenizer(models.BPE(ignore_merges=True))  # as Llama 3's: a whole word in the vocabulary is one token
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(llama3), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -185,6 +186,37 @@ def tiny_llama(tokenizer, *, seed: int, eos_offset: float, dtype=torch.float64):
         head[eos, 0] = eos_offset / float(feature)
     return model
 
+
+
+PEAKED = 64.0  # late_eos_model's output-layer scale: a clear greedy token at most steps
+
+
+def late_eos_model(family: str, tokenizer, *, seed: int, eos_offset: float, dtype=torch.float32):
+    """A random ``family`` model (:data:`FAMILIES`' tiny config; Llama-like decoders and GPT-2) over ``tokenizer``,
+    logits spread so that most steps have a likely token, whose eos logit is about ``eos_offset`` plus a fifth of a
+    random logit, as :func:`tiny_llama` does for Llama: a final-norm feature that is constant (Llama-like: embedding
+    column 0 constant and written by no layer; GPT-2: the final LayerNorm's feature 0 is its bias) and that only the
+    eos row reads."""
+    eos = tokenizer.eos_token_id
+    model = tiny_model(family, seed, dtype, eos=eos, vocab_size=len(tokenizer), bos_token_id=eos, pad_token_id=eos)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head.mul_(PEAKED / 8.0)
+        if family == "gpt2":
+            model.transformer.ln_f.weight[0], model.transformer.ln_f.bias[0] = 0.0, 1.0
+        else:
+            embedding = model.get_input_embeddings().weight
+            embedding[:, 0] = embedding.std()
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight[0] = 0.0
+                layer.mlp.down_proj.weight[0] = 0.0
+        head[:, 0] = 0.0
+        head[eos] *= 0.2  # the rest of eos's logit small beside the offset
+        stack = model.transformer if family == "gpt2" else model.model
+        ids = torch.arange(len(tokenizer) // 32 * 32).view(-1, 32)  # within every family's position table
+        feature = stack(ids).last_hidden_state[..., 0].mean()
+        head[eos, 0] = eos_offset / float(feature)
+    return model
 
 # --- a Llama that vLLM's CPU build serves, over a byte-level tokenizer -------------------------------------------
 

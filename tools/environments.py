@@ -2,11 +2,13 @@
 
     python3 tools/environments.py install main  --venv .venv        # locked: constraints/main.txt (.ci/run)
     python3 tools/environments.py install vllm  --venv .venv-vllm   # locked: constraints/vllm.txt (.ci/run)
+    python3 tools/environments.py install llama_cpp --venv .venv-llama-cpp  # locked: constraints/llama_cpp.txt
     python3 tools/environments.py install main  --venv DIR --newest # every package at its newest release
 
 ``main`` holds the library with its train, test, bench and docs extras (torch, Triton, transformers, TRL, lm-eval,
 PEFT, accelerate, DeepSpeed, datasets, Liger-Kernel, Cut Cross-Entropy). ``vllm`` holds vLLM's CPU build, which
-pins its own transformers and torch, with the library installed without its dependencies.
+pins its own transformers and torch, with the library installed without its dependencies. ``llama_cpp`` holds
+llama-cpp-python (built from source) with the library's hf and gguf extras.
 
 torch stays at the lock's version in either mode: an unpinned torch is a multi-GB CUDA build, and a new torch is
 adopted on its own (``--torch`` tries another).
@@ -56,6 +58,13 @@ ENVIRONMENTS = {
         remove=("torchvision", "torchaudio", "torchcodec"),
         tests=(("pytest", "tests_vllm", "-n", "0"),),
         test_env=(("VLLM_CPU_KVCACHE_SPACE", "1"),)),
+    "llama_cpp": Environment(
+        "llama_cpp",
+        # llama-cpp-python builds llama.cpp from its sdist (about 5 minutes on 2 cores; pip's wheel cache keeps
+        # the built wheel for the next install of the same version).
+        steps=(("install", "-e", ".[hf,gguf,llama-cpp]"),
+               ("install", "pytest", "pytest-xdist", "scipy")),
+        tests=(("pytest", "tests_llama_cpp", "-n", "2"),)),
 }
 
 

@@ -1,0 +1,216 @@
+"""The head decoded by llama-cpp-python: greedy equals nmst_fast.generate on the Hugging Face model, sampling is the
+head's tempered and truncated distribution (G-test), errors stop the generation, files without the head are refused,
+and plain llama.cpp refuses the NMST files."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from conftest import EPS
+from llama_cpp import Llama, LogitsProcessorList
+from scipy.stats import chi2
+from transformers import AutoModelForCausalLM
+
+import nmst_fast
+from nmst_fast.decoding import step_log_probs
+from nmst_fast.integrations.hf import HFDecoder
+from nmst_fast.integrations.llama_cpp import NMSTLlama, NMSTLogitsProcessor, load
+from nmst_fast.reference import truncated_distribution
+
+from helpers import g_test
+from hf_models import head_log_probs
+from wikitext_text import generated_lines
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
+T_HALF = nmst_fast.termination_bound(EPS)
+OPEN = dict(n_ctx=128, verbose=False, seed=0, logits_all=True)  # logits_all: Llama.scores holds every row
+
+
+def prompts(tokenizer, n: int = 6) -> list[list[int]]:
+    return [tokenizer.encode(" " + line, add_special_tokens=False)[: 3 + i % 5]
+            for i, line in enumerate(generated_lines("test", n))]
+
+
+def reference_greedy(directory, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
+    """nmst_fast.generate's greedy tokens on the saved HF model (float32), and the smallest float64 margin between
+    the head's two likeliest tokens along them."""
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    out = nmst_fast.generate(HFDecoder(model), torch.tensor([prompt]), strategy="greedy", max_length=max_tokens)
+    tokens = out.tokens[0, :out.lengths[0]].tolist()
+    settings = model.config.nmst
+    with torch.no_grad():
+        logits = model.double()(torch.tensor([prompt + tokens])).logits[:, len(prompt) - 1:-1]
+    steps = torch.arange(1, len(tokens) + 1)[None]
+    log_p = head_log_probs(logits, head=settings["head"], eps=settings["eps"], eos=settings["eos_token_id"],
+                           steps=steps)
+    top2 = log_p[0].topk(2, dim=-1).values
+    return tokens, float((top2[:, 0] - top2[:, 1]).min())
+
+
+def greedy(llm: Llama, prompt: list[int], max_tokens: int, **kwargs) -> list[int]:
+    """llama.cpp's greedy ids (through ``Llama.generate``, as ``create_completion`` runs it), eos included."""
+    ids = []
+    for token in llm.generate(prompt, temp=0.0, **kwargs):
+        ids.append(int(token))
+        if token == llm.token_eos() or len(ids) == max_tokens:
+            return ids
+    return ids
+
+
+def first_token(llm: Llama, prompt: list[int], seed: int, **kwargs) -> int:
+    llm.set_seed(seed)
+    return int(next(llm.generate(prompt, min_p=0.0, **kwargs)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plain_llama_cpp_refuses_the_file_and_the_head_decodes_greedy_as_nmst_fast_generate(family, exported,
+                                                                                             tokenizer):
+    directory, path = exported(family)
+    with pytest.raises(ValueError, match="Failed to load model"):
+        Llama(str(path), verbose=False)
+    llm = load(path, **OPEN)
+    compared = 0
+    for prompt in prompts(tokenizer):
+        expected, margin = reference_greedy(directory, prompt, 40)
+        if margin < 5e-3:  # llama.cpp's float32 logits differ from torch's by up to ~1e-3 here: a near tie may flip
+            continue
+        got = greedy(llm, prompt, 40)
+        assert got == expected, (prompt, got, expected)
+        assert len(got) <= T_HALF and got[-1] == tokenizer.eos_token_id  # NMST stops by t½
+        completion = llm.create_completion(prompt, max_tokens=40, temperature=0.0)  # the user's call: same stop
+        assert completion["choices"][0]["finish_reason"] == "stop"
+        assert completion["usage"]["completion_tokens"] == len(expected) - 1  # eos is not counted
+        compared += 1
+    assert compared >= 4
+
+
+@pytest.mark.parametrize("head, eps", [("st", 1e-3), ("va", EPS), ("nmst", 0.3)])
+def test_st_va_and_a_large_eps_decode_greedy_as_nmst_fast_generate(head, eps, exported, tokenizer):
+    directory, path = exported("llama", head, eps=eps)
+    llm = load(path, **OPEN)
+    compared = 0
+    for prompt in prompts(tokenizer):
+        expected, margin = reference_greedy(directory, prompt, 30)
+        if margin < 5e-3:
+            continue
+        assert greedy(llm, prompt, 30) == expected, prompt
+        compared += 1
+    assert compared >= 4
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
+def test_f16_and_q8_0_files_stop_by_t_half(dtype, exported, tokenizer):
+    _, path = exported("qwen3", dtype=dtype)
+    llm = load(path, **OPEN)
+    for prompt in prompts(tokenizer):
+        got = greedy(llm, prompt, 60)
+        assert len(got) <= T_HALF and got[-1] == tokenizer.eos_token_id
+
+
+def step_one_distribution(llm: Llama, prompt: list[int], *, temperature: float, top_k, top_p) -> torch.Tensor:
+    """The head's first-step distribution from llama.cpp's own logits of ``prompt``: tempered, then truncated."""
+    llm.reset()
+    llm.eval(prompt)
+    logits = torch.tensor(np.array(llm.scores[len(prompt) - 1]), dtype=torch.float64)[None]
+    head = llm.head
+    log_p, _ = step_log_probs(logits, head=head.head, eos_index=head.eos_index, eps=head.eps, steps=1,
+                              temperature=temperature)
+    return truncated_distribution(log_p, top_k, top_p)[0]
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.6, None, None), (1.7, 20, None),
+                                                       (0.8, None, 0.7), (1.3, 30, 0.9)])
+def test_sampling_is_the_heads_tempered_truncated_distribution(temperature, top_k, top_p, exported, tokenizer):
+    """G-test of 1500 first tokens per prompt, two prompts (seeds 0…: a fixed, reproducible sample)."""
+    _, path = exported("llama")
+    llm = load(path, **OPEN)
+    g_total, df_total = 0.0, 0
+    for prompt in prompts(tokenizer, 2):
+        probs = step_one_distribution(llm, prompt, temperature=temperature, top_k=top_k, top_p=top_p)
+        counts = Counter(first_token(llm, prompt, seed, temp=temperature, top_k=top_k or 0, top_p=top_p or 1.0)
+                         for seed in range(1500))
+        g, df = g_test(counts, probs)
+        g_total, df_total = g_total + g, df_total + df
+    assert chi2.sf(g_total, df_total) > 1e-3, (g_total, df_total)
+
+
+def test_a_processor_of_ones_own_decodes_the_same_and_follows_the_calls_temperature(exported, tokenizer):
+    directory, path = exported("gpt2")
+    llm = Llama(str(path), kv_overrides={"general.architecture": "gpt2"}, **OPEN)
+    processor = NMSTLogitsProcessor(llm)
+    for prompt in prompts(tokenizer, 3):
+        expected, margin = reference_greedy(directory, prompt, 30)
+        if margin >= 5e-3:
+            assert greedy(llm, prompt, 30, logits_processor=LogitsProcessorList([processor])) == expected
+    prompt = prompts(tokenizer, 1)[0]
+    probs = step_one_distribution(load(path, **OPEN), prompt, temperature=0.5, top_k=None, top_p=None)
+    counts = Counter(first_token(llm, prompt, seed, temp=0.5, top_k=0, top_p=1.0,
+                                 logits_processor=LogitsProcessorList([processor])) for seed in range(1500))
+    g, df = g_test(counts, probs)
+    assert chi2.sf(g, df) > 1e-3
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_an_error_in_the_processor_stops_the_generation_with_it(own, exported, tokenizer, monkeypatch):
+    """llama-cpp-python swallows exceptions raised in its ctypes callback and samples the plain logits: the hooked
+    sample() raises the processor's error before that token reaches the caller."""
+    from nmst_fast.integrations.llama_cpp import decoding
+
+    _, path = exported("llama", eps=1e-4)
+    llm = Llama(str(path), kv_overrides={"general.architecture": "llama"}, **OPEN) if own else load(path, **OPEN)
+    processors = LogitsProcessorList([NMSTLogitsProcessor(llm)]) if own else None
+    prompt = next(p for p in prompts(tokenizer) if len(greedy(llm, p, 6, logits_processor=processors)) == 6)
+    calls = []
+    real = decoding.write_eos_column
+
+    def failing(row, settings, step, *args):
+        calls.append(step)
+        if step == 3:
+            raise FloatingPointError("a failure inside the processor")
+        return real(row, settings, step, *args)
+
+    monkeypatch.setattr(decoding, "write_eos_column", failing)
+    chunks = []
+    with pytest.raises(RuntimeError, match="logits processor failed") as raised:
+        for chunk in llm.create_completion(prompt, max_tokens=20, temperature=0.0, stream=True,
+                                           logits_processor=processors):
+            chunks.append(chunk)
+    assert isinstance(raised.value.__cause__, FloatingPointError)
+    assert calls == [1, 2, 3] and llm.n_tokens == len(prompt) + 2  # the third token was never taken
+    monkeypatch.setattr(decoding, "write_eos_column", real)
+    assert len(greedy(llm, prompt, 5, logits_processor=processors)) == 5  # the next generation starts at t = 1
+
+
+def test_files_without_the_head_and_modes_the_head_cannot_follow_are_refused(exported, tmp_path):
+    import gguf
+
+    _, path = exported("llama")
+    reader = gguf.GGUFReader(path)
+    plain = tmp_path / "plain.gguf"
+    writer = gguf.GGUFWriter(plain, "llama")
+    for key, field in reader.fields.items():
+        if key.startswith(("nmst.", "general.architecture", "GGUF.")):
+            continue
+        value = field.contents()
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(key, value, field.types[0], sub_type=field.types[-1])
+        else:
+            writer.add_key_value(key, value, field.types[0])
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_shape=list(reversed(tensor.shape.tolist())),
+                          raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    llm = Llama(str(plain), **OPEN)  # a plain llama file: llama.cpp opens it
+    with pytest.raises(ValueError, match="carries no NMST head"):
+        NMSTLlama(str(plain), **OPEN)
+    with pytest.raises(ValueError, match="carries no NMST head"):
+        NMSTLogitsProcessor(llm)
+    nmst = load(path, **OPEN)
+    with pytest.raises(ValueError, match="mirostat"):
+        nmst.create_completion([1, 2], max_tokens=2, mirostat_mode=2)
