@@ -12,7 +12,9 @@ continues on the next). Each command must have a :data:`RULES` entry, which says
     without it; ``.ci/run`` sets it);
   - **a hub task** (``--tasks wikitext``) is a local task over generated WikiText-shaped lines
     (``--include_path``), since the tests reach no hub;
-  - ``runs/walk-through`` is the output of the walk-through command run first (with its sizes shrunk).
+  - ``runs/walk-through`` is the output of the walk-through command run first (with its sizes shrunk);
+  - ``my-model`` stands for a model of the reader's, saved with a head: a tiny Llama over the project's
+    byte-level BPE (``tests/hf_models.py``), saved there first.
 
 * ``install``: in a fresh virtualenv, with pip's ``--dry-run`` (the packages are resolved and fetched, not
   installed: ``.ci/run`` installs for real, from the lock files).
@@ -33,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 SOURCES = ("README.md", "docs/*.md")
 WIKITEXT = "../shared/data/wikitext-2"
 WALK_THROUGH = "runs/walk-through"
+MY_MODEL = "my-model"
 
 RULES = {
     'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e ".[train,test,bench]"': "install",
@@ -45,7 +48,7 @@ RULES = {
     "vllm serve runs/walk-through/model --host 127.0.0.1 --port 8000": "vllm",
     "nmst-fast upgrade runs/walk-through/model": "run",
     "nmst-fast export-plain runs/walk-through/model runs/walk-through/plain": "run",
-    "nmst-fast export-gguf runs/walk-through/model runs/walk-through/model.gguf": "run",
+    "nmst-fast export-gguf my-model my-model.gguf": "run",
     "python3 tools/environments.py install llama_cpp --venv .venv-llama-cpp": "ci",
     "torchrun --standalone --nproc_per_node 2 -m train": "run",
     "python -m train --data-dir ../shared/data/wikitext-2 --train-split valid --eval-split test --size tiny "

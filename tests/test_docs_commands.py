@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from docs_commands import REPO, RULES, WALK_THROUGH, WIKITEXT, commands, documented_commands, small
+from docs_commands import MY_MODEL, REPO, RULES, WALK_THROUGH, WIKITEXT, commands, documented_commands, small
 from wikitext_text import WIKITEXT_ENV, generated_lines
 
 
@@ -65,6 +65,20 @@ def _with_local_data(words: list[str], cwd: Path) -> list[str]:
     return words
 
 
+def save_my_model(directory: Path) -> None:
+    """What ``my-model`` stands for: a tiny Llama over the project's byte-level BPE, saved with an NMST head."""
+    import torch
+
+    from nmst_fast.integrations.hf import apply_nmst
+
+    from hf_models import bpe_tokenizer, tiny_llama
+
+    tokenizer = bpe_tokenizer()
+    model = apply_nmst(tiny_llama(tokenizer, seed=0, eos_offset=-4.0, dtype=torch.float32), head="nmst", eps=0.05)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
 @pytest.fixture(scope="module")
 def walk_through(tmp_path_factory) -> Path:
     """A scratch directory in which the walk-through command has run: ``runs/walk-through`` is its output."""
@@ -78,8 +92,10 @@ def walk_through(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", commands("run"))
-def test_the_documented_command_runs(command, walk_through, tmp_path):
-    cwd = walk_through if WALK_THROUGH in command else tmp_path
+def test_the_documented_command_runs(command, request, tmp_path):
+    cwd = request.getfixturevalue("walk_through") if WALK_THROUGH in command else tmp_path
+    if MY_MODEL in shlex.split(command):
+        save_my_model(cwd / MY_MODEL)
     words = _with_local_data(small(command), cwd)
     done = _run(words, cwd)
     if command.startswith("nmst-fast export-plain"):

@@ -72,6 +72,16 @@ def test_plain_llama_cpp_refuses_the_file_and_the_head_decodes_greedy_as_nmst_fa
     with pytest.raises(ValueError, match="Failed to load model"):
         Llama(str(path), verbose=False)
     llm = load(path, **OPEN)
+    # The weights and hyper-parameters as llama.cpp reads them: its logits are the model's (to float32 rounding
+    # and llama.cpp's float16 KV cache).
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    prompt = prompts(tokenizer)[0]
+    llm.reset()
+    llm.eval(prompt)
+    with torch.no_grad():
+        expected_logits = model(torch.tensor([prompt])).logits[0]
+    got_logits = torch.tensor(np.array(llm.scores[:len(prompt)]))
+    assert (got_logits - expected_logits).abs().max() <= 2e-3 * expected_logits.abs().max()
     compared = 0
     for prompt in prompts(tokenizer):
         expected, margin = reference_greedy(directory, prompt, 40)

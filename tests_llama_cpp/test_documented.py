@@ -36,19 +36,8 @@ def test_llama_cpp_tokenizes_as_the_hugging_face_tokenizer(make, family, tmp_pat
 
 def test_the_documented_examples_run(tmp_path, tokenizer):
     """Each Python block that uses the integration runs in a fresh interpreter, in a directory whose
-    runs/walk-through/model.gguf is a tiny exported model (the walk-through's own where NMST_WALKTHROUGH_DIR names
-    it)."""
-    import os
-
-    target = tmp_path / "runs" / "walk-through"
-    target.mkdir(parents=True)
-    walk_through = os.environ.get("NMST_WALKTHROUGH_DIR")
-    if walk_through:
-        from nmst_fast.integrations.llama_cpp import export_gguf
-
-        export_gguf(Path(walk_through) / "model", target / "model.gguf")
-    else:
-        shutil.copy(export(tmp_path / "model", "llama", tokenizer, dtype="f16"), target / "model.gguf")
+    my-model.gguf is a tiny exported model (tests/docs_commands.py: ``my-model`` is a model of the reader's)."""
+    shutil.copy(export(tmp_path / "model", "llama", tokenizer, dtype="f16"), tmp_path / "my-model.gguf")
     blocks = [block for source in ("README.md", "docs/llama_cpp.md")
               for block in re.findall(r"```python\n(.*?)```", (REPO / source).read_text(), re.S)
               if "llama_cpp" in block]
