@@ -1,14 +1,17 @@
-"""A llama-cpp-python step with the head's processor against the same file without it:
+"""A llama-cpp-python step with the head against the same file without it:
 ``python -m benchmarks.llama_cpp_step`` (in the llama_cpp environment: tools/environments.py install llama_cpp).
 
 A small Llama (``--hidden``, ``--layers``; random init, the head recorded with ε = 1e-5) over V ∈ ``--vocabs``,
-exported f32 with :func:`nmst_fast.integrations.llama_cpp.export_gguf`, opened twice: plain (``Llama`` with the
-architecture override, no processor) and with the head (:func:`nmst_fast.integrations.llama_cpp.load`). Each greedy
-``generate`` takes ``--new-tokens`` tokens (eos does not stop ``generate``) from the same prompt, B = 1; the two
-alternate over ``--rounds`` rounds and the table holds the medians of the time per token and of each round's ratio.
-The processor's own time per step is split into the copy of the step's logits out of llama-cpp-python's candidate
-array (a strided view: ``np.array(scores, float32)``) and the rest (the eos column, the NaN check, the returned
-array), both timed on the processor's own calls. ``--threads`` llama.cpp threads (default 1).
+exported f32 with :func:`nmst_fast.integrations.llama_cpp.export_gguf`, opened three ways: plain (``Llama`` with the
+architecture override, no processor: the floor), with the head (:func:`nmst_fast.integrations.llama_cpp.load`: the
+head's row written in llama.cpp's own logits buffer), and plain with an ``NMSTLogitsProcessor`` in the call (the
+path for a ``Llama`` of one's own: llama-cpp-python's callback, which copies the step's logits out of its candidate
+array and back). Each greedy ``generate`` takes ``--new-tokens`` tokens (eos does not stop ``generate``) from the
+same prompt, B = 1; the three alternate over ``--rounds`` rounds and the table holds the medians of the time per
+token and of each round's ratio to the plain run. The head's own work per step (``NMSTLogitsProcessor.apply``: the
+NaN check, the eos column) is timed on its calls in the loop; the copy of a step's logits out of the candidate
+array (a strided view), which only the processor path makes, is timed alone. ``--threads`` llama.cpp threads
+(default 1).
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ def export_model(directory: Path, vocab: int, hidden: int, layers: int) -> Path:
     return export_gguf(directory, directory / "model.gguf", dtype="f32")
 
 
-def per_token(llm, prompt: list[int], new_tokens: int) -> float:
+def per_token(llm, prompt: list[int], new_tokens: int, **kwargs) -> float:
     start = time.perf_counter()
-    for i, _ in enumerate(llm.generate(prompt, temp=0.0, reset=True)):
+    for i, _ in enumerate(llm.generate(prompt, temp=0.0, reset=True, **kwargs)):
         if i + 1 == new_tokens:
             break
     return (time.perf_counter() - start) / new_tokens
@@ -62,46 +65,58 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
-    from llama_cpp import Llama
+    from llama_cpp import Llama, LogitsProcessorList
 
-    from nmst_fast.integrations.llama_cpp import decoding, load
+    from nmst_fast.integrations.llama_cpp import NMSTLogitsProcessor, load
 
-    print("| V | plain ms/token | head ms/token | head / plain | logits copy µs/step | rest of the processor µs/step |")
-    print("|---|---|---|---|---|---|")
+    print("| V | plain ms / token | head (`load`) ms / token | head / plain | head's work µs / step "
+          "| processor of one's own ms / token | its ratio | logits copy µs / step |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for vocab in args.vocabs:
         with tempfile.TemporaryDirectory() as scratch:
             path = export_model(Path(scratch), vocab, args.hidden, args.layers)
             options = dict(n_ctx=512, n_threads=args.threads, n_batch=64, verbose=False, seed=0)
             plain = Llama(str(path), kv_overrides={"general.architecture": "llama"}, **options)
             head = load(path, **options)
+            own = Llama(str(path), kv_overrides={"general.architecture": "llama"}, **options)
+            processors = LogitsProcessorList([NMSTLogitsProcessor(own)])
             prompt = list(range(1, 17))
-            step = decoding.NMSTLogitsProcessor._step
+            apply = NMSTLogitsProcessor.apply
             spent = []
 
-            def timed(self, length, scores):
+            def timed(self, logits, length):
                 start = time.perf_counter()
-                out = step(self, length, scores)
+                apply(self, logits, length)
                 spent.append(time.perf_counter() - start)
-                return out
 
-            decoding.NMSTLogitsProcessor._step = timed
-            per_token(plain, prompt, 4), per_token(head, prompt, 4)  # warm-up
-            plains, heads, ratios = [], [], []
+            NMSTLogitsProcessor.apply = timed
+            runs = {"plain": lambda: per_token(plain, prompt, args.new_tokens),
+                    "head": lambda: per_token(head, prompt, args.new_tokens),
+                    "own": lambda: per_token(own, prompt, args.new_tokens, logits_processor=processors)}
+            for run in runs.values():  # warm-up
+                run()
+            times = {name: [] for name in runs}
+            work = []
             for _ in range(args.rounds):
-                a, b = per_token(plain, prompt, args.new_tokens), per_token(head, prompt, args.new_tokens)
-                plains.append(a), heads.append(b), ratios.append(b / a)
-            decoding.NMSTLogitsProcessor._step = step
+                for name, run in runs.items():
+                    spent.clear()
+                    times[name].append(run())
+                    if name == "head":
+                        work.extend(spent)
+            NMSTLogitsProcessor.apply = apply
             # The copy alone, on a strided view like llama-cpp-python's candidates (id, logit, p) records.
             records = np.zeros(vocab, dtype=[("id", np.intc), ("logit", np.single), ("p", np.single)])
+            buffer = np.empty(vocab, dtype=np.float32)
             copies = []
             for _ in range(200):
                 start = time.perf_counter()
-                np.array(records["logit"], dtype=np.float32)
+                np.copyto(buffer, records["logit"])
                 copies.append(time.perf_counter() - start)
-            copy_us = statistics.median(copies) * 1e6
-            print(f"| {vocab} | {statistics.median(plains) * 1e3:.3f} | {statistics.median(heads) * 1e3:.3f} | "
-                  f"{statistics.median(ratios):.3f} | {copy_us:.0f} | {statistics.median(spent) * 1e6 - copy_us:.0f} |",
-                  flush=True)
+            ratio = {name: statistics.median(t / p for t, p in zip(times[name], times["plain"])) for name in times}
+            ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+            print(f"| {vocab} | {ms['plain']:.3f} | {ms['head']:.3f} | {ratio['head']:.3f} | "
+                  f"{statistics.median(work) * 1e6:.0f} | {ms['own']:.3f} | {ratio['own']:.3f} | "
+                  f"{statistics.median(copies) * 1e6:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

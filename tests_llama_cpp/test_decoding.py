@@ -167,30 +167,30 @@ def test_a_processor_of_ones_own_decodes_the_same_and_follows_the_calls_temperat
 def test_an_error_in_the_processor_stops_the_generation_with_it(own, exported, tokenizer, monkeypatch):
     """llama-cpp-python swallows exceptions raised in its ctypes callback and samples the plain logits: the hooked
     sample() raises the processor's error before that token reaches the caller."""
-    from nmst_fast.integrations.llama_cpp import decoding
+    from nmst_fast.decoding.eos_column import EosColumnWriter
 
     _, path = exported("llama", eps=1e-4)
     llm = Llama(str(path), kv_overrides={"general.architecture": "llama"}, **OPEN) if own else load(path, **OPEN)
     processors = LogitsProcessorList([NMSTLogitsProcessor(llm)]) if own else None
     prompt = next(p for p in prompts(tokenizer) if len(greedy(llm, p, 6, logits_processor=processors)) == 6)
     calls = []
-    real = decoding.write_eos_column
+    real = EosColumnWriter.__call__
 
-    def failing(row, settings, step, *args):
+    def failing(writer, logits, step, *args):
         calls.append(step)
         if step == 3:
             raise FloatingPointError("a failure inside the processor")
-        return real(row, settings, step, *args)
+        return real(writer, logits, step, *args)
 
-    monkeypatch.setattr(decoding, "write_eos_column", failing)
+    monkeypatch.setattr(EosColumnWriter, "__call__", failing)
     chunks = []
-    with pytest.raises(RuntimeError, match="logits processor failed") as raised:
+    with pytest.raises(RuntimeError, match="NMST head failed") as raised:
         for chunk in llm.create_completion(prompt, max_tokens=20, temperature=0.0, stream=True,
                                            logits_processor=processors):
             chunks.append(chunk)
     assert isinstance(raised.value.__cause__, FloatingPointError)
     assert calls == [1, 2, 3] and llm.n_tokens == len(prompt) + 2  # the third token was never taken
-    monkeypatch.setattr(decoding, "write_eos_column", real)
+    monkeypatch.setattr(EosColumnWriter, "__call__", real)
     assert len(greedy(llm, prompt, 5, logits_processor=processors)) == 5  # the next generation starts at t = 1
 
 

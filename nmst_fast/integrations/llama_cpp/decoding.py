@@ -1,22 +1,22 @@
 """The head in llama-cpp-python: every step's logits become the head's step distribution before llama.cpp samples.
 
-llama-cpp-python hands each logits processor the ids so far (prompt and generated) and the step's raw logits, in
-vocabulary order, before any of its samplers; its chain then runs penalties, top-k, typical, top-p, min-p, the
-temperature and the draw, in that order. :class:`NMSTLogitsProcessor` returns the head's log-distribution at
-temperature T, log q_T (the eos column of :func:`nmst_fast.decoding.eos_column.write_eos_column`, then the row
-divided by T), and the Llama's sampler chain is built with temperature 1 (0 stays greedy): so top-k, top-p and min-p
-cut the head's tempered distribution, as everywhere in the library (temperature first, then the cuts), and greedy
-decoding takes the head's argmax. t is 1 at the first generated token; ST's running sum is kept across the steps.
+llama-cpp-python samples each step with a chain built once per ``generate``: the logits processors the call gives
+(run in a ctypes callback on a copy of the step's logits), penalties, top-k, typical, top-p, min-p, the temperature
+and the draw, in that order. The head's row is log q_T, its log-distribution at temperature T (the eos column of
+:class:`nmst_fast.decoding.eos_column.EosColumnWriter`, then the row divided by T), and the chain is built with
+temperature 1 (0 stays greedy): so top-k, top-p and min-p cut the head's tempered distribution, as everywhere in the
+library (temperature first, then the cuts), and greedy decoding takes the head's argmax. t is 1 at the first
+generated token; ST's running sum is kept across the steps.
 
-llama-cpp-python calls processors from a ctypes callback, which swallows exceptions and samples the plain logits.
-So a failing processor keeps its error, and the Llama's ``sample`` raises it as soon as llama.cpp returns, before
-the token reaches the caller: the generation stops with the error. :class:`NMSTLlama` does all of this itself; a
-processor given to a ``Llama`` of your own installs the same two hooks on that instance (its ``generate``, which
-builds the sampler chain, and ``sample``).
+:class:`NMSTLlama` writes the head's row into llama.cpp's own logits buffer before each sample and puts the row back
+once drawn: no callback, no copy at temperature 1, and an error raised where it happens. :class:`NMSTLogitsProcessor`
+serves a ``Llama`` of one's own through the callback, which swallows exceptions and samples the plain logits: it
+keeps its error, and the hooks it installs on that instance raise it from ``sample`` as soon as llama.cpp returns,
+before the token reaches the caller (and restart t and move the temperature in ``generate``).
 
 Refused before any step (ValueError): a file or ``Llama`` without the head's metadata, mirostat sampling (it
-replaces the chain the head's distribution goes through), a draft model (speculative steps run the processor on
-tokens that may be rejected).
+replaces the chain the head's distribution goes through), a draft model (speculative steps run the head on tokens
+that may be rejected).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
-from llama_cpp import Llama, LogitsProcessorList
+from llama_cpp import Llama
 
-from ...decoding.eos_column import write_eos_column
+from ...decoding.eos_column import EosColumnWriter
 from ...settings import HeadSettings
 from .metadata import ARCHITECTURE, read_head
 
@@ -68,6 +68,10 @@ class NMSTLogitsProcessor:
         self.settings = settings
         self.temperature = 1.0
         self.error: Optional[BaseException] = None
+        self._buffer: Optional[np.ndarray] = None
+        self._writer = EosColumnWriter(settings, 1)
+        self._tensor: Optional[torch.Tensor] = None
+        self._tensor_key: Optional[tuple[int, int]] = None
         self.reset()
         if not isinstance(llm, NMSTLlama):
             _install_hooks(llm)
@@ -81,56 +85,72 @@ class NMSTLogitsProcessor:
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
         try:
-            return self._step(len(input_ids), scores)
+            if self._buffer is None or self._buffer.shape != scores.shape:
+                self._buffer = np.empty(scores.shape, dtype=np.float32)
+            np.copyto(self._buffer, scores)  # the step's copy of the logits (scores: a strided view)
+            self.apply(self._buffer, len(input_ids))
+            return self._buffer
         except BaseException as error:  # a ctypes callback swallows it: kept for the hooked sample() to raise
             self.error = error
             raise
 
-    def _step(self, length: int, scores: np.ndarray) -> np.ndarray:
+    def apply(self, logits: np.ndarray, length: int) -> None:
+        """One step, in place: ``logits`` (V,) float32, contiguous, the step's raw logits, become log q_T (up to a
+        constant); ``length`` is the number of tokens so far (prompt and generated), which gives t."""
         if self.prompt_length is None:
             self.prompt_length = length
         elif length != self.length + 1:
-            raise RuntimeError(f"the processor saw {self.length} tokens, then {length}: one processor follows one "
+            raise RuntimeError(f"the head saw {self.length} tokens, then {length}: one processor follows one "
                                "generation at a time (make one per generation, or let the Llama's generate restart "
                                "it)")
         self.length = length
         t = length - self.prompt_length + 1
-        values = np.array(scores, dtype=np.float32)  # the step's copy of the logits (scores: a strided view)
-        if values.shape[0] <= self.settings.eos_index:
-            raise ValueError(f"a step's logits have {values.shape[0]} entries; the head's eos is "
-                             f"{self.settings.eos_index}")
-        if np.isnan(values).any():  # numpy's check: torch's would wake its thread pool beside llama.cpp's threads
+        eos = self.settings.eos_index
+        if logits.shape[0] <= eos:
+            raise ValueError(f"a step's logits have {logits.shape[0]} entries; the head's eos is {eos}")
+        if np.isnan(logits).any():  # numpy's check: torch's would wake its thread pool beside llama.cpp's threads
             raise ValueError(f"the model's logits at step t={t} hold NaN")
-        row = torch.from_numpy(values).view(1, -1)
         if self.settings.head != "va":  # VA is the softmax of the logits as they are
-            self.state = write_eos_column(row, self.settings, t, self.temperature, self.state)
-        if not math.isfinite(float(row[0, self.settings.eos_index] if self.settings.head != "va" else row.max())):
+            self.state = self._writer(self._tensor_of(logits), t, self.temperature, self.state)
+        if not math.isfinite(logits[eos] if self.settings.head != "va" else logits.max()):
             raise ValueError(f"the model's logits at step t={t} give no distribution (no finite non-eos logit)")
         if self.temperature != 1.0:
-            row.mul_(1.0 / self.temperature)
-        return row.view(-1).numpy()
+            np.multiply(logits, np.float32(1.0 / self.temperature), out=logits)
+
+    def _tensor_of(self, logits: np.ndarray) -> torch.Tensor:
+        """``logits`` as a (1, V) tensor sharing its memory; the same tensor while the buffer stays (llama.cpp's
+        logits buffer and this processor's own copy stay from step to step)."""
+        key = (logits.ctypes.data, logits.shape[0])
+        if self._tensor_key != key:
+            self._tensor, self._tensor_key = torch.from_numpy(logits).view(1, -1), key
+        return self._tensor
 
 
 def _head_processors(kwargs: dict) -> list[NMSTLogitsProcessor]:
     return [p for p in (kwargs.get("logits_processor") or ()) if isinstance(p, NMSTLogitsProcessor)]
 
 
-def _generate_with_head(generate: Callable[..., Iterator[int]], *args: Any, **kwargs: Any) -> Iterator[int]:
-    """``Llama.generate`` (which builds the step's sampler chain once) with each head processor of the call
-    restarted, and the call's temperature moved into them: llama.cpp then samples at temperature 1 (0 stays
-    greedy, and a negative one, llama.cpp's draw without cuts, stays as it is)."""
-    processors = _head_processors(kwargs)
-    if processors:
+def _generate_with_head(generate: Callable[..., Iterator[int]], heads: list[NMSTLogitsProcessor], *args: Any,
+                        **kwargs: Any) -> Iterator[int]:
+    """``Llama.generate`` (which builds the step's sampler chain once) with each head restarted and the call's
+    temperature moved into it: llama.cpp then samples at temperature 1 (0 stays greedy, and a negative one,
+    llama.cpp's draw without cuts, stays as it is)."""
+    if heads:
         if kwargs.get("mirostat_mode", 0):
             raise ValueError("mirostat sampling replaces the sampler chain the head's distribution goes through: "
                              "decode an NMST model with mirostat_mode=0")
         temperature = kwargs.get("temp", 0.8)
-        for processor in processors:
-            processor.reset()
-            processor.temperature = temperature if temperature > 0 else 1.0
+        for head in heads:
+            head.reset()
+            head.temperature = temperature if temperature > 0 else 1.0
         if temperature > 0:
             kwargs["temp"] = 1.0
     return (yield from generate(*args, **kwargs))
+
+
+def _failed(error: BaseException) -> RuntimeError:
+    return RuntimeError(f"the NMST head failed at a step ({type(error).__name__}: {error}); the generation is "
+                        "stopped")
 
 
 def _sample_with_head(sample: Callable[..., int], *args: Any, **kwargs: Any) -> int:
@@ -140,8 +160,7 @@ def _sample_with_head(sample: Callable[..., int], *args: Any, **kwargs: Any) -> 
     for processor in _head_processors(kwargs):
         if processor.error is not None:
             error, processor.error = processor.error, None
-            raise RuntimeError(f"the NMST head's logits processor failed ({type(error).__name__}: {error}); the "
-                               "generation is stopped before llama.cpp's token from the plain logits") from error
+            raise _failed(error) from error
     return token
 
 
@@ -150,7 +169,7 @@ def _install_hooks(llm: Llama) -> None:
     if getattr(llm, "_nmst_hooks", False):
         return
     generate, sample = llm.generate, llm.sample
-    llm.generate = lambda *args, **kwargs: _generate_with_head(generate, *args, **kwargs)
+    llm.generate = lambda *args, **kwargs: _generate_with_head(generate, _head_processors(kwargs), *args, **kwargs)
     llm.sample = lambda *args, **kwargs: _sample_with_head(sample, *args, **kwargs)
     llm._nmst_hooks = True
 
@@ -161,21 +180,47 @@ class NMSTLlama(Llama):
     ``model_path``: the file; the base architecture it records is passed to llama.cpp as an override of
     ``general.architecture`` (other ``kv_overrides`` are kept); every other argument is ``Llama``'s. ``head``: the
     file's :class:`~nmst_fast.settings.HeadSettings`. ``create_completion``, ``__call__``, the chat completions and
-    ``generate`` decode the head (an :class:`NMSTLogitsProcessor` first in the processor list, unless one is
-    given), at the temperature, top-k, top-p and min-p of the call."""
+    ``generate`` decode the head at the temperature, top-k, top-p and min-p of the call.
+
+    Each step's logits become the head's in llama.cpp's own buffer (contiguous: no callback, and at temperature 1 no
+    copy: only the eos entry is kept and put back) before the sampler chain reads them, and are restored once it has
+    drawn; an error is raised where it happens, and a processor the call adds sees the head's distribution. A
+    call that gives an :class:`NMSTLogitsProcessor` itself is decoded by that one instead."""
 
     def __init__(self, model_path: str, *args: Any, kv_overrides: Optional[dict] = None, **kwargs: Any) -> None:
         self.head, base = read_file_head(model_path)
         super().__init__(model_path, *args, kv_overrides={ARCHITECTURE: base, **(kv_overrides or {})}, **kwargs)
+        self._steps = NMSTLogitsProcessor(self, settings=self.head)
+        self._own_steps = False  # whether the running generation's steps are this Llama's (no processor given)
 
-    def generate(self, tokens: Any, *args: Any, logits_processor: Any = None, **kwargs: Any) -> Iterator[int]:
-        processors = LogitsProcessorList(logits_processor or [])
-        if not _head_processors({"logits_processor": processors}):
-            processors.insert(0, NMSTLogitsProcessor(self, settings=self.head))
-        return _generate_with_head(super().generate, tokens, *args, logits_processor=processors, **kwargs)
+    def generate(self, tokens: Any, *args: Any, **kwargs: Any) -> Iterator[int]:
+        given = _head_processors(kwargs)
+        self._own_steps = not given
+        return _generate_with_head(super().generate, given or [self._steps], tokens, *args, **kwargs)
 
-    def sample(self, *args: Any, **kwargs: Any) -> int:
-        return _sample_with_head(super().sample, *args, **kwargs)
+    def sample(self, *args: Any, idx: Optional[int] = None, **kwargs: Any) -> int:
+        if not self._own_steps:
+            return _sample_with_head(super().sample, *args, idx=idx, **kwargs)
+        row = -1 if idx is None else idx - self.n_tokens
+        logits = np.ctypeslib.as_array(self._ctx.get_logits_ith(row), shape=(self._n_vocab,))
+        # The row is restored once sampled: a later generate of the same prompt samples from it again.
+        eos = self.head.eos_index
+        kept = logits.copy() if self._steps.temperature != 1.0 else logits[eos]
+        try:
+            try:
+                self._steps.apply(logits, self.n_tokens)
+            except Exception as error:
+                raise _failed(error) from error
+            return super().sample(*args, idx=idx, **kwargs)
+        finally:
+            if isinstance(kept, np.ndarray):
+                np.copyto(logits, kept)
+            else:
+                logits[eos] = kept
+
+    def __del__(self) -> None:
+        if hasattr(self, "_stack"):  # the file was refused before llama.cpp opened it: nothing to free
+            super().__del__()
 
 
 def load(model_path: str | os.PathLike, **kwargs: Any) -> NMSTLlama:
