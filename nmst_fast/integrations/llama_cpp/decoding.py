@@ -165,7 +165,8 @@ def _sample_with_head(sample: Callable[..., int], *args: Any, **kwargs: Any) -> 
 
 
 def _install_hooks(llm: Llama) -> None:
-    """The hooks of :class:`NMSTLlama` on a ``Llama`` instance of the user's (once)."""
+    """The processor path's two hooks (restart and temperature in ``generate``, the error in ``sample``) on a
+    ``Llama`` instance of the user's, once."""
     if getattr(llm, "_nmst_hooks", False):
         return
     generate, sample = llm.generate, llm.sample
