@@ -4,19 +4,19 @@
 A small Llama (``--hidden``, ``--layers``; random init, the head recorded with ε = 1e-5) over V ∈ ``--vocabs``,
 exported f32 with :func:`nmst_fast.integrations.llama_cpp.export_gguf`, opened three ways: plain (``Llama`` with the
 architecture override, no processor: the floor), with the head (:func:`nmst_fast.integrations.llama_cpp.load`: the
-head's row written in llama.cpp's own logits buffer), and plain with an ``NMSTLogitsProcessor`` in the call (the
-path for a ``Llama`` of one's own: llama-cpp-python's callback, which copies the step's logits out of its candidate
-array and back). Each greedy ``generate`` takes ``--new-tokens`` tokens (eos does not stop ``generate``) from the
-same prompt, B = 1; the three alternate over ``--rounds`` rounds and the table holds the medians of the time per
-token and of each round's ratio to the plain run. The head's own work per step (``NMSTLogitsProcessor.apply``: the
-NaN check, the eos column) is timed on its calls in the loop; the copy of a step's logits out of the candidate
-array (a strided view), which only the processor path makes, is timed alone. ``--threads`` llama.cpp threads
-(default 1).
+head's C sampler first in llama.cpp's chain), and plain with an ``NMSTLogitsProcessor`` in the call (the path for a
+``Llama`` of one's own: llama-cpp-python's callback, which copies the step's logits out of its candidate array and
+back). Each greedy ``generate`` takes ``--new-tokens`` tokens (eos does not stop ``generate``) from the same prompt,
+B = 1; the three alternate over ``--rounds`` rounds and the table holds the medians of the time per token and of
+each round's ratio to the plain run. Timed alone, warm: the sampler's step on V candidate records (one ctypes call,
+as llama.cpp's chain makes it without ctypes), and the copy of a step's logits out of the candidate records (a
+strided view), which the processor path makes in Python. ``--threads`` llama.cpp threads (default 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import tempfile
 import time
@@ -69,7 +69,7 @@ def main() -> None:
 
     from nmst_fast.integrations.llama_cpp import NMSTLogitsProcessor, load
 
-    print("| V | plain ms / token | head (`load`) ms / token | head / plain | head's work µs / step "
+    print("| V | plain ms / token | head (`load`) ms / token | head / plain | its step alone µs "
           "| processor of one's own ms / token | its ratio | logits copy µs / step |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for vocab in args.vocabs:
@@ -81,42 +81,49 @@ def main() -> None:
             own = Llama(str(path), kv_overrides={"general.architecture": "llama"}, **options)
             processors = LogitsProcessorList([NMSTLogitsProcessor(own)])
             prompt = list(range(1, 17))
-            apply = NMSTLogitsProcessor.apply
-            spent = []
-
-            def timed(self, logits, length):
-                start = time.perf_counter()
-                apply(self, logits, length)
-                spent.append(time.perf_counter() - start)
-
-            NMSTLogitsProcessor.apply = timed
             runs = {"plain": lambda: per_token(plain, prompt, args.new_tokens),
                     "head": lambda: per_token(head, prompt, args.new_tokens),
                     "own": lambda: per_token(own, prompt, args.new_tokens, logits_processor=processors)}
             for run in runs.values():  # warm-up
                 run()
             times = {name: [] for name in runs}
-            work = []
             for _ in range(args.rounds):
                 for name, run in runs.items():
-                    spent.clear()
                     times[name].append(run())
-                    if name == "head":
-                        work.extend(spent)
-            NMSTLogitsProcessor.apply = apply
-            # The copy alone, on a strided view like llama-cpp-python's candidates (id, logit, p) records.
             records = np.zeros(vocab, dtype=[("id", np.intc), ("logit", np.single), ("p", np.single)])
+            records["id"] = np.arange(vocab)
+            records["logit"] = np.random.default_rng(0).standard_normal(vocab)
+            step = median_seconds(sampler_step(head, records))
             buffer = np.empty(vocab, dtype=np.float32)
-            copies = []
-            for _ in range(200):
-                start = time.perf_counter()
-                np.copyto(buffer, records["logit"])
-                copies.append(time.perf_counter() - start)
+            copy = median_seconds(lambda: np.copyto(buffer, records["logit"]))
             ratio = {name: statistics.median(t / p for t, p in zip(times[name], times["plain"])) for name in times}
             ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-            print(f"| {vocab} | {ms['plain']:.3f} | {ms['head']:.3f} | {ratio['head']:.3f} | "
-                  f"{statistics.median(work) * 1e6:.0f} | {ms['own']:.3f} | {ratio['own']:.3f} | "
-                  f"{statistics.median(copies) * 1e6:.0f} |", flush=True)
+            print(f"| {vocab} | {ms['plain']:.3f} | {ms['head']:.3f} | {ratio['head']:.3f} | {step * 1e6:.0f} | "
+                  f"{ms['own']:.3f} | {ratio['own']:.3f} | {copy * 1e6:.0f} |", flush=True)
+
+
+def sampler_step(llm, records: np.ndarray):
+    """One call of ``llm``'s head sampler on ``records`` (llama.cpp's candidate records; at temperature 1 a step
+    writes the eos entry only, and the next reads it as its eos logit)."""
+    import llama_cpp
+
+    candidates = llama_cpp.llama_token_data_array(
+        data=records.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=len(records), selected=-1,
+        sorted=False)
+    sampler = llm._head_sampler
+    apply = sampler._interface.apply
+
+    sampler.reset()
+    return lambda: apply(ctypes.pointer(sampler._sampler), ctypes.pointer(candidates))
+
+
+def median_seconds(call, repeats: int = 200) -> float:
+    spent = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        spent.append(time.perf_counter() - start)
+    return statistics.median(spent)
 
 
 if __name__ == "__main__":

@@ -55,5 +55,6 @@ def test_the_wheel_carries_the_cpu_kernels_source(tmp_path):
                     "-w", str(tmp_path), str(root)], check=True, timeout=300)
     (wheel,) = tmp_path.glob("nmst_fast-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "nmst_fast/kernels/cpu/row_lse.cpp" in names and "nmst_fast/kernels/cpu/__init__.py" in names
+    for source in ("row_lse.cpp", "llama_sampler.cpp", "head_row.h", "__init__.py"):
+        assert f"nmst_fast/kernels/cpu/{source}" in names, source
     assert not any(name.startswith(("tests/", "train/", "benchmarks/")) for name in names)

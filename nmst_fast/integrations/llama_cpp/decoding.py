@@ -8,11 +8,11 @@ temperature 1 (0 stays greedy): so top-k, top-p and min-p cut the head's tempere
 library (temperature first, then the cuts), and greedy decoding takes the head's argmax. t is 1 at the first
 generated token; ST's running sum is kept across the steps.
 
-:class:`NMSTLlama` writes the head's row into llama.cpp's own logits buffer before each sample and puts the row back
-once drawn: no callback, no copy at temperature 1, and an error raised where it happens. :class:`NMSTLogitsProcessor`
-serves a ``Llama`` of one's own through the callback, which swallows exceptions and samples the plain logits: it
-keeps its error, and the hooks it installs on that instance raise it from ``sample`` as soon as llama.cpp returns,
-before the token reaches the caller (and restart t and move the temperature in ``generate``).
+:class:`NMSTLlama` puts the head first in that chain as a sampler written in C (:mod:`.sampler`): no Python runs in
+a step; a step's failure is kept and raised from ``sample`` as soon as llama.cpp returns, before its token reaches
+the caller. :class:`NMSTLogitsProcessor` serves a ``Llama`` of one's own through the processors' callback, which
+swallows exceptions and samples the plain logits: it keeps its error, and the hooks it installs on that instance
+raise it from ``sample`` in the same way (and restart t and move the temperature in ``generate``).
 
 Refused before any step (ValueError): a file or ``Llama`` without the head's metadata, mirostat sampling (it
 replaces the chain the head's distribution goes through), a draft model (speculative steps run the head on tokens
@@ -27,11 +27,12 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
-from llama_cpp import Llama
+from llama_cpp import Llama, LogitsProcessorList
 
 from ...decoding.eos_column import EosColumnWriter
 from ...settings import HeadSettings
 from .metadata import ARCHITECTURE, read_head
+from .sampler import HeadSampler, native_sampler_available
 
 __all__ = ["NMSTLlama", "NMSTLogitsProcessor", "load", "read_file_head"]
 
@@ -70,8 +71,6 @@ class NMSTLogitsProcessor:
         self.error: Optional[BaseException] = None
         self._buffer: Optional[np.ndarray] = None
         self._writer = EosColumnWriter(settings, 1)
-        self._tensor: Optional[torch.Tensor] = None
-        self._tensor_key: Optional[tuple[int, int]] = None
         self.reset()
         if not isinstance(llm, NMSTLlama):
             _install_hooks(llm)
@@ -111,40 +110,39 @@ class NMSTLogitsProcessor:
         if np.isnan(logits).any():  # numpy's check: torch's would wake its thread pool beside llama.cpp's threads
             raise ValueError(f"the model's logits at step t={t} hold NaN")
         if self.settings.head != "va":  # VA is the softmax of the logits as they are
-            self.state = self._writer(self._tensor_of(logits), t, self.temperature, self.state)
+            self.state = self._writer(torch.from_numpy(logits).view(1, -1), t, self.temperature, self.state)
         if not math.isfinite(logits[eos] if self.settings.head != "va" else logits.max()):
             raise ValueError(f"the model's logits at step t={t} give no distribution (no finite non-eos logit)")
         if self.temperature != 1.0:
             np.multiply(logits, np.float32(1.0 / self.temperature), out=logits)
-
-    def _tensor_of(self, logits: np.ndarray) -> torch.Tensor:
-        """``logits`` as a (1, V) tensor sharing its memory; the same tensor while the buffer stays (llama.cpp's
-        logits buffer and this processor's own copy stay from step to step)."""
-        key = (logits.ctypes.data, logits.shape[0])
-        if self._tensor_key != key:
-            self._tensor, self._tensor_key = torch.from_numpy(logits).view(1, -1), key
-        return self._tensor
 
 
 def _head_processors(kwargs: dict) -> list[NMSTLogitsProcessor]:
     return [p for p in (kwargs.get("logits_processor") or ()) if isinstance(p, NMSTLogitsProcessor)]
 
 
+def _head_temperature(kwargs: dict) -> float:
+    """The temperature of a ``generate`` call for the head, the call's own set to 1 (llama.cpp then samples the head's
+    tempered distribution; 0 stays greedy and a negative one, llama.cpp's draw without cuts, stays as it is).
+    Mirostat is refused."""
+    if kwargs.get("mirostat_mode", 0):
+        raise ValueError("mirostat sampling replaces the sampler chain the head's distribution goes through: "
+                         "decode an NMST model with mirostat_mode=0")
+    temperature = kwargs.get("temp", 0.8)
+    if temperature > 0:
+        kwargs["temp"] = 1.0
+    return temperature if temperature > 0 else 1.0
+
+
 def _generate_with_head(generate: Callable[..., Iterator[int]], heads: list[NMSTLogitsProcessor], *args: Any,
                         **kwargs: Any) -> Iterator[int]:
-    """``Llama.generate`` (which builds the step's sampler chain once) with each head restarted and the call's
-    temperature moved into it: llama.cpp then samples at temperature 1 (0 stays greedy, and a negative one,
-    llama.cpp's draw without cuts, stays as it is)."""
+    """``Llama.generate`` (which builds the step's sampler chain once) with each head processor restarted and the
+    call's temperature moved into it."""
     if heads:
-        if kwargs.get("mirostat_mode", 0):
-            raise ValueError("mirostat sampling replaces the sampler chain the head's distribution goes through: "
-                             "decode an NMST model with mirostat_mode=0")
-        temperature = kwargs.get("temp", 0.8)
+        temperature = _head_temperature(kwargs)
         for head in heads:
             head.reset()
-            head.temperature = temperature if temperature > 0 else 1.0
-        if temperature > 0:
-            kwargs["temp"] = 1.0
+            head.temperature = temperature
     return (yield from generate(*args, **kwargs))
 
 
@@ -157,11 +155,15 @@ def _sample_with_head(sample: Callable[..., int], *args: Any, **kwargs: Any) -> 
     """``Llama.sample`` with a head processor's error raised once llama.cpp returns (before its token, drawn from
     the plain logits, reaches the caller)."""
     token = sample(*args, **kwargs)
-    for processor in _head_processors(kwargs):
+    _raise_processor_errors(_head_processors(kwargs))
+    return token
+
+
+def _raise_processor_errors(processors: list[NMSTLogitsProcessor]) -> None:
+    for processor in processors:
         if processor.error is not None:
             error, processor.error = processor.error, None
             raise _failed(error) from error
-    return token
 
 
 def _install_hooks(llm: Llama) -> None:
@@ -180,44 +182,51 @@ class NMSTLlama(Llama):
 
     ``model_path``: the file; the base architecture it records is passed to llama.cpp as an override of
     ``general.architecture`` (other ``kv_overrides`` are kept); every other argument is ``Llama``'s. ``head``: the
-    file's :class:`~nmst_fast.settings.HeadSettings`. ``create_completion``, ``__call__``, the chat completions and
-    ``generate`` decode the head at the temperature, top-k, top-p and min-p of the call.
+    file's :class:`~nmst_fast.settings.HeadSettings`. ``create_completion``, ``__call__``, the chat completions,
+    ``generate`` and ``sample`` decode the head at the temperature, top-k, top-p and min-p of the call.
 
-    Each step's logits become the head's in llama.cpp's own buffer (contiguous: no callback, and at temperature 1 no
-    copy: only the eos entry is kept and put back) before the sampler chain reads them, and are restored once it has
-    drawn; an error is raised where it happens, and a processor the call adds sees the head's distribution. A
-    call that gives an :class:`NMSTLogitsProcessor` itself is decoded by that one instead."""
+    The head is a llama.cpp sampler written in C (:class:`~nmst_fast.integrations.llama_cpp.sampler.HeadSampler`),
+    first in the chain each ``generate`` builds: no Python runs in a step, and a step's failure is raised as soon
+    as llama.cpp returns, before its token reaches the caller. Where the CPU kernels cannot be built, the head runs
+    as an :class:`NMSTLogitsProcessor` in the call instead (llama-cpp-python's callback: slower). A call that gives
+    an :class:`NMSTLogitsProcessor` itself is decoded by that one."""
 
     def __init__(self, model_path: str, *args: Any, kv_overrides: Optional[dict] = None, **kwargs: Any) -> None:
         self.head, base = read_file_head(model_path)
         super().__init__(model_path, *args, kv_overrides={ARCHITECTURE: base, **(kv_overrides or {})}, **kwargs)
-        self._steps = NMSTLogitsProcessor(self, settings=self.head)
-        self._own_steps = False  # whether the running generation's steps are this Llama's (no processor given)
+        self._steps = NMSTLogitsProcessor(self, settings=self.head)  # checks the head against the model
+        self._head_sampler = HeadSampler(self.head, self.n_vocab()) if native_sampler_available() else None
+        self._given = False  # whether the running generation's head is a processor the call gave
 
     def generate(self, tokens: Any, *args: Any, **kwargs: Any) -> Iterator[int]:
         given = _head_processors(kwargs)
-        self._own_steps = not given
-        return _generate_with_head(super().generate, given or [self._steps], tokens, *args, **kwargs)
+        self._given = bool(given)
+        if given:
+            return _generate_with_head(super().generate, given, tokens, *args, **kwargs)
+        if self._head_sampler is None:
+            kwargs["logits_processor"] = LogitsProcessorList([self._steps, *(kwargs.get("logits_processor") or ())])
+            return _generate_with_head(super().generate, [self._steps], tokens, *args, **kwargs)
+        self._head_sampler.reset(_head_temperature(kwargs))
+        return super().generate(tokens, *args, **kwargs)
 
-    def sample(self, *args: Any, idx: Optional[int] = None, **kwargs: Any) -> int:
-        if not self._own_steps:
-            return _sample_with_head(super().sample, *args, idx=idx, **kwargs)
-        row = -1 if idx is None else idx - self.n_tokens
-        logits = np.ctypeslib.as_array(self._ctx.get_logits_ith(row), shape=(self._n_vocab,))
-        # The row is restored once sampled: a later generate of the same prompt samples from it again.
-        eos = self.head.eos_index
-        kept = logits.copy() if self._steps.temperature != 1.0 else logits[eos]
-        try:
-            try:
-                self._steps.apply(logits, self.n_tokens)
-            except Exception as error:
-                raise _failed(error) from error
-            return super().sample(*args, idx=idx, **kwargs)
-        finally:
-            if isinstance(kept, np.ndarray):
-                np.copyto(logits, kept)
-            else:
-                logits[eos] = kept
+    def _init_sampler(self, *args: Any, **kwargs: Any) -> Any:
+        chain = super()._init_sampler(*args, **kwargs)
+        if self._head_sampler is not None and not self._given:
+            self._head_sampler.put_first(chain)
+        return chain
+
+    def sample(self, *args: Any, **kwargs: Any) -> int:
+        token = super().sample(*args, **kwargs)
+        if self._given or self._head_sampler is None:
+            _raise_processor_errors(_head_processors(kwargs))
+        elif (error := self._head_sampler.error()) is not None:
+            raise _failed(error) from error
+        return token
+
+    def reset(self) -> None:
+        super().reset()
+        if getattr(self, "_head_sampler", None) is not None:  # Llama.__init__ may reset before it is made
+            self._head_sampler.reset(self._head_sampler.state.temperature)
 
     def __del__(self) -> None:
         if hasattr(self, "_stack"):  # the file was refused before llama.cpp opened it: nothing to free

@@ -1,5 +1,6 @@
-"""CPU row kernels in C++ over ATen's vectorized math (``row_lse.cpp``), registered as the torch ops
-``torch.ops.nmst_fast_cpu.*``.
+"""CPU row kernels in C++ over ATen's vectorized math (``head_row.h``): torch ops ``torch.ops.nmst_fast_cpu.*``
+(``row_lse.cpp``) and, in the same library, the head as a llama.cpp sampler (``llama_sampler.cpp``, C functions
+called through ctypes: :func:`native_library`).
 
 They are built on first use by torch's JIT extension builder (a C++ compiler and ninja; a few
 seconds, once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``, by default
@@ -23,6 +24,7 @@ vectors:
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -35,7 +37,7 @@ import torch
 
 logger = logging.getLogger("nmst_fast")
 
-SOURCE = Path(__file__).with_name("row_lse.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("row_lse.cpp", "llama_sampler.cpp")]
 DISABLE_ENV = "NMST_FAST_CPU_KERNELS"
 
 # The compiler flags of torch's own kernels for each CPU capability it dispatches to; ATen's vector
@@ -56,17 +58,22 @@ def build_flags(capability: str) -> list[str]:
     return [*common, f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", *CAPABILITY_FLAGS[capability]]
 
 
+def library_name(capability: str) -> str:
+    """The name of the kernels' shared library for ``capability`` (one per capability and torch version)."""
+    return re.sub(r"\W", "_", f"nmst_fast_cpu_{capability}_torch{torch.__version__}").lower()
+
+
 def build(capability: Optional[str] = None) -> Any:
     """Build (or load the cached build of) the kernels for ``capability`` (default: torch's own) and
     return ``torch.ops.nmst_fast_cpu``; raises what the build raises."""
     from torch.utils import cpp_extension
 
     capability = capability or torch.backends.cpu.get_cpu_capability()
-    name = re.sub(r"\W", "_", f"nmst_fast_cpu_{capability}_torch{torch.__version__}").lower()
+    name = library_name(capability)
     path = os.environ.get("PATH", "")
     try:
         os.environ["PATH"] = _with_ninja(path)
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=build_flags(capability),
+        cpp_extension.load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=build_flags(capability),
                            is_python_module=False, verbose=False)
     finally:
         os.environ["PATH"] = path
@@ -87,6 +94,18 @@ def row_kernels() -> Optional[Any]:
                        "values, more slowly (set %s=0 to skip the build)", type(err).__name__,
                        str(err).strip().splitlines()[-1] if str(err).strip() else "", DISABLE_ENV)
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def native_library() -> Optional[ctypes.CDLL]:
+    """The kernels' shared library for ctypes (its C functions: the llama.cpp sampler), or None where
+    :func:`row_kernels` is None."""
+    if row_kernels() is None:
+        return None
+    # torch's builder names a rebuild within one process <name>_v<n>
+    built = re.compile(re.escape(library_name(torch.backends.cpu.get_cpu_capability())) + r"(_v\d+)?")
+    (path,) = [path for path in torch.ops.loaded_libraries if built.fullmatch(Path(path).stem)]
+    return ctypes.CDLL(path)
 
 
 def _with_ninja(path: str) -> str:

@@ -1,99 +1,18 @@
-// Tempered logsumexp of each row of a float32 table over every column but one, in two passes over
-// the row (its max, then the sum of exp2((z - max) * log2(e) / T)), with nothing written but the
-// result; and, on top of it, the NMST / ST head's eos column for the vLLM processor (the per-row
-// scalars of nmst_fast.integrations.vllm.eos_column.host_eos_value, in the same float64 order).
-// The torch-op path of the row pass makes five passes and writes the table twice.
+// The torch ops over head_row.h's row math: the tempered logsumexp of each row of a float32 table over
+// every column but one (nothing written but the result), and on top of it the head's eos column for
+// the HF, vLLM and llama.cpp processors (nmst_fast.decoding.eos_column). The torch-op path of the row
+// pass makes five passes and writes the table twice.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
-#include <limits>
+#include "head_row.h"
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kWidth = Vec::size();
-constexpr int64_t kUnroll = 4;
-constexpr int64_t kStep = kWidth * kUnroll;
-// The float32 partial sums are added into a double every this many vector steps: each lane then
-// holds at most 16 terms of at most 1, so its rounding stays near one float32 ulp of the total.
-constexpr int64_t kFlushSteps = 16;
-constexpr double kLog2E = 1.4426950408889634;
-
-// max of x[0, n), NaN if any entry is NaN.
-float span_max(const float* x, int64_t n) {
-  const float lowest = -std::numeric_limits<float>::infinity();
-  Vec acc[kUnroll] = {Vec(lowest), Vec(lowest), Vec(lowest), Vec(lowest)};
-  int64_t i = 0;
-  for (; i + kStep <= n; i += kStep) {
-    for (int64_t k = 0; k < kUnroll; ++k) {
-      acc[k] = at::vec::maximum(acc[k], Vec::loadu(x + i + k * kWidth));
-    }
-  }
-  for (; i + kWidth <= n; i += kWidth) {
-    acc[0] = at::vec::maximum(acc[0], Vec::loadu(x + i));
-  }
-  Vec all = at::vec::maximum(at::vec::maximum(acc[0], acc[1]), at::vec::maximum(acc[2], acc[3]));
-  float lanes[kWidth];
-  all.store(lanes);
-  float best = lowest;
-  bool nan = false;
-  for (int64_t k = 0; k < kWidth; ++k) {
-    nan |= std::isnan(lanes[k]);
-    best = std::max(best, lanes[k]);
-  }
-  for (; i < n; ++i) {
-    nan |= std::isnan(x[i]);
-    best = std::max(best, x[i]);
-  }
-  return nan ? std::numeric_limits<float>::quiet_NaN() : best;
-}
-
-// sum of 2^((x - shift) * scale) over x[0, n), accumulated in double every kFlushSteps vector steps.
-double span_exp2_sum(const float* x, int64_t n, float shift, float scale) {
-  const Vec vshift(shift), vscale(scale);
-  double total = 0.0;
-  int64_t i = 0;
-  while (i + kStep <= n) {
-    Vec acc[kUnroll] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
-    for (int64_t s = 0; s < kFlushSteps && i + kStep <= n; ++s, i += kStep) {
-      for (int64_t k = 0; k < kUnroll; ++k) {
-        acc[k] = acc[k] + ((Vec::loadu(x + i + k * kWidth) - vshift) * vscale).exp2();
-      }
-    }
-    float lanes[kWidth];
-    ((acc[0] + acc[1]) + (acc[2] + acc[3])).store(lanes);
-    for (int64_t k = 0; k < kWidth; ++k) {
-      total += lanes[k];
-    }
-  }
-  for (; i < n; ++i) {
-    total += std::exp2((x[i] - shift) * scale);
-  }
-  return total;
-}
-
-// log sum_{v != skip} exp(row[v] * t_inv) in float64 for one row of width V; a row whose max is not
-// finite gets max * t_inv (+inf, -inf for a row with no finite entry), NaN with any NaN entry.
-double row_lse(const float* row, int64_t V, int64_t skip, double t_inv) {
-  const int64_t after = V - skip - 1;
-  const float left = span_max(row, skip), right = span_max(row + skip + 1, after);
-  if (std::isnan(left) || std::isnan(right)) {
-    return std::numeric_limits<double>::quiet_NaN();
-  }
-  const float best = std::max(left, right);
-  if (!std::isfinite(best)) {
-    return static_cast<double>(best) * t_inv;
-  }
-  const float scale = static_cast<float>(kLog2E * t_inv);
-  const double sum = span_exp2_sum(row, skip, best, scale) + span_exp2_sum(row + skip + 1, after, best, scale);
-  return static_cast<double>(best) * t_inv + std::log(sum);
-}
+using namespace nmst_fast_cpu;
 
 void check_rows(const at::Tensor& rows, int64_t skip, const char* op) {
   TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kFloat && rows.dim() == 2 && rows.stride(1) == 1,
@@ -127,18 +46,6 @@ at::Tensor non_eos_lse(const at::Tensor& rows, int64_t skip, const std::optional
   });
   return out;
 }
-
-double log_sigmoid(double x) { return std::min(x, 0.0) - std::log1p(std::exp(-std::abs(x))); }
-
-double log1mexp(double a) {
-  if (a == 0.0) {
-    return -std::numeric_limits<double>::infinity();
-  }
-  return a > -std::log(2.0) ? std::log(-std::expm1(a)) : std::log1p(-std::exp(a));
-}
-
-// Below this a = log(1 - alpha) is 1 - alpha = 0 in float64 (nmst_fast.decoding.distribution.LOG_SURVIVAL_FLOOR).
-constexpr double kLogSurvivalFloor = -1e300;
 
 // Writes the eos column of a group of head rows of ``logits`` (B, V) at one decoding step and returns
 // ST's running sums after the step ((A,) float64; empty for NMST). Row a of the group is logits row
@@ -175,19 +82,12 @@ at::Tensor write_eos_column(at::Tensor& logits, const at::Tensor& rows, int64_t 
       float* row = base + row_index[a] * row_stride;
       const double s = static_cast<double>(row[eos]);
       const double L = row_lse(row, V, eos, 1.0 / temperature[a]);
-      const bool live = std::abs(L) < std::numeric_limits<double>::infinity() &&
-                        s > -std::numeric_limits<double>::infinity();  // false for NaN too
-      double log_survival = 0.0;
-      if (st) {
-        const double running = sum_before[a] + (log_sigmoid(s) + log1m_eps);
-        log_survival = step[a] >= 1 ? running : 0.0;
-        sum_after[a] = live && step[a] >= 1 ? running : sum_before[a];
-      } else if (step[a] >= 1) {
-        log_survival = log_sigmoid(-s) + static_cast<double>(step[a]) * log1m_eps;
+      double value = 0.0, after = st ? sum_before[a] : 0.0;
+      if (head_eos_value(L, s, step[a], temperature[a], st, after, log1m_eps, max_gap, &value, &after)) {
+        row[eos] = static_cast<float>(value);
       }
-      if (live) {
-        const double zeta = L + log1mexp(log_survival) - std::max(log_survival, kLogSurvivalFloor);
-        row[eos] = static_cast<float>(temperature[a] * std::min(zeta, L + max_gap));
+      if (st) {
+        sum_after[a] = after;
       }
     }
   });

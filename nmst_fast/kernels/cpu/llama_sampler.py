@@ -1,0 +1,70 @@
+"""The Python side of ``llama_sampler.cpp``: its state structure, field for field, its error messages, and the
+address of its apply function (llama.cpp's ``llama_sampler_i.apply``) in the kernels' library."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from typing import Optional
+
+from . import native_library
+
+__all__ = ["SamplerState", "apply_address", "make_state", "state_error"]
+
+HEAD_CODES = {"nmst": 0, "st": 1, "va": 2}
+
+ERRORS = {
+    1: "llama.cpp handed the head candidates that are not the model's whole row in token order (the head must be "
+       "first in the sampler chain; llama.cpp's backend sampling is not supported)",
+    2: "the model's logits at step t={t} hold NaN",
+    3: "the model's logits at step t={t} give no distribution (no finite non-eos logit)",
+}
+
+
+class SamplerState(ctypes.Structure):
+    """``nmst_head_sampler_state``: the head, the step t of the next apply, ST's running sum, the first error."""
+
+    _fields_ = [
+        ("head", ctypes.c_int32),
+        ("eos", ctypes.c_int32),
+        ("vocabulary", ctypes.c_int64),
+        ("log1m_eps", ctypes.c_double),
+        ("max_gap", ctypes.c_double),
+        ("temperature", ctypes.c_double),
+        ("step", ctypes.c_int64),
+        ("st_sum", ctypes.c_double),
+        ("error", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("error_step", ctypes.c_int64),
+    ]
+
+
+def make_state(head: str, eps: float, eos: int, vocabulary: int, max_gap: float) -> SamplerState:
+    """A state at t = 1, temperature 1, for the head ``head`` ("nmst", "st", "va") with ε ``eps`` and eos id
+    ``eos`` over ``vocabulary`` tokens; ``max_gap``: the cap of ζ_eos − L_T
+    (:data:`nmst_fast.decoding.eos_column.MAX_EOS_LOGIT_GAP`)."""
+    if head not in HEAD_CODES:
+        raise ValueError(f"head must be one of {sorted(HEAD_CODES)}, got {head!r}")
+    if not 0 <= eos < vocabulary:
+        raise ValueError(f"the head's eos_token_id {eos} is outside the vocabulary of {vocabulary}")
+    return SamplerState(head=HEAD_CODES[head], eos=eos, vocabulary=vocabulary,
+                        log1m_eps=math.log1p(-eps) if head != "va" else 0.0, max_gap=max_gap, temperature=1.0, step=1)
+
+
+def state_error(state: SamplerState) -> Optional[ValueError]:
+    """The failure ``state`` keeps, if any."""
+    return None if state.error == 0 else ValueError(ERRORS[state.error].format(t=state.error_step))
+
+
+@functools.lru_cache(maxsize=None)
+def apply_address() -> Optional[int]:
+    """The address of ``nmst_head_sampler_apply(llama_sampler *, llama_token_data_array *)``, or None where the
+    kernels' library could not be built."""
+    library = native_library()
+    if library is None:
+        return None
+    library.nmst_head_sampler_state_size.restype = ctypes.c_size_t
+    if library.nmst_head_sampler_state_size() != ctypes.sizeof(SamplerState):
+        raise RuntimeError("the llama.cpp sampler's state differs between llama_sampler.cpp and llama_sampler.py")
+    return ctypes.cast(library.nmst_head_sampler_apply, ctypes.c_void_p).value
