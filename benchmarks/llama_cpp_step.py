@@ -2,13 +2,14 @@
 ``python -m benchmarks.llama_cpp_step`` (in the llama_cpp environment: tools/environments.py install llama_cpp).
 
 A small Llama (``--hidden``, ``--layers``; random init, the head recorded with ε = 1e-5) over V ∈ ``--vocabs``,
-exported f32 with :func:`nmst_fast.integrations.llama_cpp.export_gguf`, opened three ways: plain (``Llama`` with the
+exported f32 with :func:`nmst_fast.integrations.llama_cpp.export_gguf`, opened four ways: plain (``Llama`` with the
 architecture override, no processor: the floor), with the head (:func:`nmst_fast.integrations.llama_cpp.load`: the
-head's C sampler first in llama.cpp's chain), and plain with an ``NMSTLogitsProcessor`` in the call (the path for a
-``Llama`` of one's own: llama-cpp-python's callback, which copies the step's logits out of its candidate array and
-back). Each greedy ``generate`` takes ``--new-tokens`` tokens (eos does not stop ``generate``) from the same prompt,
-B = 1; the three alternate over ``--rounds`` rounds and the table holds the medians of the time per token and of
-each round's ratio to the plain run. Timed alone, warm: the sampler's step on V candidate records (one ctypes call,
+head's C sampler first in llama.cpp's chain), plain with an ``NMSTLogitsProcessor`` in the call (a ``Llama`` of
+one's own: the same C sampler), and the same where the CPU kernels cannot be built (the processor in
+llama-cpp-python's callback, which copies the step's logits out of its candidate records and back). Each greedy
+``generate`` takes ``--new-tokens`` tokens (eos does not stop ``generate``) from the same prompt, B = 1; the four
+alternate over ``--rounds`` rounds and the table holds the medians of the time per token and of each round's ratio
+to the plain run. Timed alone, warm: the sampler's step on V candidate records (one ctypes call,
 as llama.cpp's chain makes it without ctypes), and the copy of a step's logits out of the candidate records (a
 strided view), which the processor path makes in Python. ``--threads`` llama.cpp threads (default 1).
 """
@@ -21,6 +22,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -67,11 +69,11 @@ def main() -> None:
 
     from llama_cpp import Llama, LogitsProcessorList
 
-    from nmst_fast.integrations.llama_cpp import NMSTLogitsProcessor, load
+    from nmst_fast.integrations.llama_cpp import NMSTLogitsProcessor, decoding, load
 
-    print("| V | plain ms / token | head (`load`) ms / token | head / plain | its step alone µs "
-          "| processor of one's own ms / token | its ratio | logits copy µs / step |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| V | plain ms / token | `load` ms / token | `load` / plain | processor of one's own ms / token | its ratio "
+          "| without the kernels ms / token | its ratio | sampler step alone µs | logits copy µs |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for vocab in args.vocabs:
         with tempfile.TemporaryDirectory() as scratch:
             path = export_model(Path(scratch), vocab, args.hidden, args.layers)
@@ -80,10 +82,14 @@ def main() -> None:
             head = load(path, **options)
             own = Llama(str(path), kv_overrides={"general.architecture": "llama"}, **options)
             processors = LogitsProcessorList([NMSTLogitsProcessor(own)])
+            callback = Llama(str(path), kv_overrides={"general.architecture": "llama"}, **options)
+            with mock.patch.object(decoding, "native_sampler_available", return_value=False):
+                in_callback = LogitsProcessorList([NMSTLogitsProcessor(callback)])
             prompt = list(range(1, 17))
             runs = {"plain": lambda: per_token(plain, prompt, args.new_tokens),
                     "head": lambda: per_token(head, prompt, args.new_tokens),
-                    "own": lambda: per_token(own, prompt, args.new_tokens, logits_processor=processors)}
+                    "own": lambda: per_token(own, prompt, args.new_tokens, logits_processor=processors),
+                    "callback": lambda: per_token(callback, prompt, args.new_tokens, logits_processor=in_callback)}
             for run in runs.values():  # warm-up
                 run()
             times = {name: [] for name in runs}
@@ -98,8 +104,9 @@ def main() -> None:
             copy = median_seconds(lambda: np.copyto(buffer, records["logit"]))
             ratio = {name: statistics.median(t / p for t, p in zip(times[name], times["plain"])) for name in times}
             ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-            print(f"| {vocab} | {ms['plain']:.3f} | {ms['head']:.3f} | {ratio['head']:.3f} | {step * 1e6:.0f} | "
-                  f"{ms['own']:.3f} | {ratio['own']:.3f} | {copy * 1e6:.0f} |", flush=True)
+            print(f"| {vocab} | {ms['plain']:.3f} | {ms['head']:.3f} | {ratio['head']:.3f} | {ms['own']:.3f} | "
+                  f"{ratio['own']:.3f} | {ms['callback']:.3f} | {ratio['callback']:.3f} | {step * 1e6:.0f} | "
+                  f"{copy * 1e6:.0f} |", flush=True)
 
 
 def sampler_step(llm, records: np.ndarray):
@@ -110,7 +117,7 @@ def sampler_step(llm, records: np.ndarray):
     candidates = llama_cpp.llama_token_data_array(
         data=records.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=len(records), selected=-1,
         sorted=False)
-    sampler = llm._head_sampler
+    sampler = llm._steps.sampler
     apply = sampler._interface.apply
 
     sampler.reset()

@@ -149,42 +149,35 @@ def test_sampling_is_the_heads_tempered_truncated_distribution(temperature, top_
     assert chi2.sf(g_total, df_total) > 1e-3, (g_total, df_total)
 
 
-def test_a_processor_of_ones_own_decodes_the_same_and_follows_the_calls_temperature(exported, tokenizer):
-    directory, path = exported("gpt2")
-    llm = Llama(str(path), kv_overrides={"general.architecture": "gpt2"}, **OPEN)
-    processor = NMSTLogitsProcessor(llm)
-    for prompt in prompts(tokenizer, 3):
-        expected, margin = reference_greedy(directory, prompt, 30)
-        if margin >= 5e-3:
-            assert greedy(llm, prompt, 30, logits_processor=LogitsProcessorList([processor])) == expected
-    prompt = prompts(tokenizer, 1)[0]
-    probs = step_one_distribution(load(path, **OPEN), prompt, temperature=0.5, top_k=None, top_p=None)
-    counts = Counter(first_token(llm, prompt, seed, temp=0.5, top_k=0, top_p=1.0,
-                                 logits_processor=LogitsProcessorList([processor])) for seed in range(1500))
-    g, df = g_test(counts, probs)
-    assert chi2.sf(g, df) > 1e-3
-
-
-HEAD_PATHS = ["sampler", "processor in load", "processor of one's own"]
+# load (NMSTLlama) or a Llama of one's own with an NMSTLogitsProcessor, with the CPU kernels (the head is the C
+# sampler) or without (a processor in llama-cpp-python's callback)
+HEAD_PATHS = ["load", "load without the kernels", "own", "own without the kernels"]
 
 
 def open_head(path, how: str, monkeypatch) -> tuple[Llama, Optional[LogitsProcessorList]]:
-    """The file opened with the head on one of its paths: ``load`` (the C sampler), ``load`` where the CPU kernels
-    cannot be built (the head then runs as its processor), a plain ``Llama`` with an ``NMSTLogitsProcessor``; the
-    processors to pass to each call."""
-    if how == "processor of one's own":
-        llm = Llama(str(path), kv_overrides={"general.architecture": "llama"}, **OPEN)
-        return llm, LogitsProcessorList([NMSTLogitsProcessor(llm)])
-    if how == "processor in load":
+    """The file opened with the head on one of :data:`HEAD_PATHS`, and the processors to pass to each call."""
+    if how.endswith("without the kernels"):
         monkeypatch.setattr(decoding, "native_sampler_available", lambda: False)
-    llm = load(path, **OPEN)
-    assert (llm._head_sampler is not None) == (how == "sampler")
-    return llm, None
+    if how.startswith("own"):
+        _, base = decoding.read_file_head(path)
+        llm = Llama(str(path), kv_overrides={"general.architecture": base}, **OPEN)
+        processor = NMSTLogitsProcessor(llm)
+        processors = LogitsProcessorList([processor])
+    else:
+        llm = load(path, **OPEN)
+        processor, processors = llm._steps, None
+    assert (processor.sampler is None) == how.endswith("without the kernels")
+    return llm, processors
+
+
+def ran_as(llm: Llama) -> str:
+    """Which way the last generation ran the head."""
+    return "sampler" if llm._nmst_sampler is not None else "processor"
 
 
 @pytest.mark.parametrize("how", HEAD_PATHS[1:])
 @pytest.mark.parametrize("head, eps", [("nmst", EPS), ("st", EPS)])
-def test_the_processor_paths_decode_greedy_as_nmst_fast_generate(how, head, eps, exported, tokenizer, monkeypatch):
+def test_every_path_decodes_greedy_as_nmst_fast_generate(how, head, eps, exported, tokenizer, monkeypatch):
     directory, path = exported("llama", head, eps=eps)
     llm, processors = open_head(path, how, monkeypatch)
     compared = 0
@@ -193,8 +186,41 @@ def test_the_processor_paths_decode_greedy_as_nmst_fast_generate(how, head, eps,
         if margin < 5e-3:
             continue
         assert greedy(llm, prompt, 30, logits_processor=processors) == expected, prompt
+        assert ran_as(llm) == ("processor" if how.endswith("without the kernels") else "sampler")
         compared += 1
     assert compared >= 4
+
+
+def test_a_processor_after_another_runs_in_the_callback(exported, tokenizer):
+    """The head stays where the call puts it: after a processor of the user's, it is a processor too (and sees
+    that processor's logits)."""
+    directory, path = exported("llama")
+    llm = Llama(str(path), kv_overrides={"general.architecture": "llama"}, **OPEN)
+    seen = []
+
+    def watch(input_ids, scores):
+        seen.append(len(input_ids))
+        return scores
+
+    processors = LogitsProcessorList([watch, NMSTLogitsProcessor(llm)])
+    prompt, expected = next((p, e) for p in prompts(tokenizer) for e, margin in [reference_greedy(directory, p, 30)]
+                            if margin >= 5e-3)
+    assert greedy(llm, prompt, 30, logits_processor=processors) == expected
+    assert ran_as(llm) == "processor" and len(seen) == len(expected)
+
+
+@pytest.mark.parametrize("how", ["own", "own without the kernels"])
+def test_a_processor_of_ones_own_follows_the_calls_temperature(how, exported, tokenizer, monkeypatch):
+    _, path = exported("gpt2")
+    reference = load(path, **OPEN)
+    prompt = prompts(tokenizer, 1)[0]
+    probs = step_one_distribution(reference, prompt, temperature=0.5, top_k=None, top_p=None)
+    llm, processors = open_head(path, how, monkeypatch)
+    counts = Counter(first_token(llm, prompt, seed, temp=0.5, top_k=0, top_p=1.0, logits_processor=processors)
+                     for seed in range(1500))
+    assert ran_as(llm) == ("processor" if how.endswith("without the kernels") else "sampler")
+    g, df = g_test(counts, probs)
+    assert chi2.sf(g, df) > 1e-3
 
 
 # The processors' errors pass through llama-cpp-python's callback, which prints them ("Exception ignored ...").

@@ -8,11 +8,13 @@ temperature 1 (0 stays greedy): so top-k, top-p and min-p cut the head's tempere
 library (temperature first, then the cuts), and greedy decoding takes the head's argmax. t is 1 at the first
 generated token; ST's running sum is kept across the steps.
 
-:class:`NMSTLlama` puts the head first in that chain as a sampler written in C (:mod:`.sampler`): no Python runs in
-a step; a step's failure is kept and raised from ``sample`` as soon as llama.cpp returns, before its token reaches
-the caller. :class:`NMSTLogitsProcessor` serves a ``Llama`` of one's own through the processors' callback, which
-swallows exceptions and samples the plain logits: it keeps its error, and the hooks it installs on that instance
-raise it from ``sample`` in the same way (and restart t and move the temperature in ``generate``).
+The head runs first in that chain as a sampler written in C (:mod:`.sampler`): no Python runs in a step, and a
+step's failure is kept and raised from ``sample`` as soon as llama.cpp returns, before its token reaches the caller.
+:class:`NMSTLlama` does so in every call; an :class:`NMSTLogitsProcessor` given first among a call's processors (a
+``Llama`` of one's own) is run that way too, its hooks on that instance standing for the subclass's overrides.
+Where the CPU kernels cannot be built, or the call puts another processor before it, the head runs as a processor in
+llama-cpp-python's callback, which swallows exceptions and samples the plain logits: the processor keeps its error,
+and ``sample`` raises it in the same way.
 
 Refused before any step (ValueError): a file or ``Llama`` without the head's metadata, mirostat sampling (it
 replaces the chain the head's distribution goes through), a draft model (speculative steps run the head on tokens
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -52,10 +54,12 @@ class NMSTLogitsProcessor:
 
     ``llm``: the ``Llama`` it serves, opened on an NMST GGUF file with ``kv_overrides={"general.architecture":
     <base>}`` (:func:`load` does that); its head is read from ``llm.metadata`` unless ``settings`` is given.
-    Making the processor installs two hooks on ``llm``: its ``generate`` restarts t at each generation and moves the
-    call's temperature into the processor (sampling the head's tempered distribution), and its ``sample`` raises the
-    processor's error, if any, once llama.cpp returns. ``scores``: (V,) float32 raw logits; returns (V,) float32
-    log q_T (up to a constant per step)."""
+    Making the processor installs hooks on ``llm`` (an :class:`NMSTLlama` has them as methods): its ``generate``
+    restarts the head at each generation and moves the call's temperature into it (sampling the head's tempered
+    distribution); where the processor comes first among the call's processors and the CPU kernels are built, the
+    call runs it as its C sampler (``sampler``), first in llama.cpp's chain, and not as a callback; ``sample``
+    raises the head's error, if any, once llama.cpp returns. Called as a processor: ``scores`` (V,) float32 raw
+    logits; returns (V,) float32 log q_T (up to a constant per step)."""
 
     def __init__(self, llm: Llama, *, settings: Optional[HeadSettings] = None) -> None:
         if settings is None:
@@ -71,6 +75,8 @@ class NMSTLogitsProcessor:
         self.error: Optional[BaseException] = None
         self._buffer: Optional[np.ndarray] = None
         self._writer = EosColumnWriter(settings, 1)
+        # the same head as a C sampler, which a generate call runs where the processor comes first in its list
+        self.sampler = HeadSampler(settings, vocabulary) if native_sampler_available() else None
         self.reset()
         if not isinstance(llm, NMSTLlama):
             _install_hooks(llm)
@@ -134,16 +140,41 @@ def _head_temperature(kwargs: dict) -> float:
     return temperature if temperature > 0 else 1.0
 
 
-def _generate_with_head(generate: Callable[..., Iterator[int]], heads: list[NMSTLogitsProcessor], *args: Any,
-                        **kwargs: Any) -> Iterator[int]:
-    """``Llama.generate`` (which builds the step's sampler chain once) with each head processor restarted and the
-    call's temperature moved into it."""
-    if heads:
-        temperature = _head_temperature(kwargs)
-        for head in heads:
-            head.reset()
-            head.temperature = temperature
-    return (yield from generate(*args, **kwargs))
+def _start_generation(llm: Llama, kwargs: dict, default: Optional[NMSTLogitsProcessor]) -> None:
+    """Choose and restart the head of a ``generate`` call (its keyword arguments ``kwargs``, changed in place).
+
+    The head is the call's :class:`NMSTLogitsProcessor`, or ``default`` (an :class:`NMSTLlama`'s own) when the call
+    gives none. It runs as its C sampler, first in the chain (``llm._nmst_sampler``, which the hooked
+    ``_init_sampler`` puts there), where the kernels are built and the call gives no other processor before it (the
+    processor leaves the call's list); otherwise as a processor in llama-cpp-python's callback, first in the list
+    (``default``) or where the call put it."""
+    given = list(kwargs.get("logits_processor") or ())
+    heads = [p for p in given if isinstance(p, NMSTLogitsProcessor)]
+    llm._nmst_sampler = None
+    if not heads and default is None:
+        return  # a hooked Llama called without its head
+    temperature = _head_temperature(kwargs)
+    if not heads:
+        if default.sampler is None:
+            heads = [default]
+            kwargs["logits_processor"] = LogitsProcessorList([default, *given])
+        else:
+            llm._nmst_sampler = default.sampler
+    elif len(heads) == 1 and given[0] is heads[0] and heads[0].sampler is not None:
+        llm._nmst_sampler = heads[0].sampler
+        kwargs["logits_processor"] = LogitsProcessorList(given[1:]) if len(given) > 1 else None
+    if llm._nmst_sampler is not None:
+        llm._nmst_sampler.reset(temperature)
+    for head in heads if llm._nmst_sampler is None else ():
+        head.reset()
+        head.temperature = temperature
+
+
+def _head_first(llm: Llama, chain: Any) -> Any:
+    """``chain`` (built by ``Llama._init_sampler``) with the generation's C sampler put first, if it has one."""
+    if llm._nmst_sampler is not None:
+        llm._nmst_sampler.put_first(chain)
+    return chain
 
 
 def _failed(error: BaseException) -> RuntimeError:
@@ -151,29 +182,47 @@ def _failed(error: BaseException) -> RuntimeError:
                         "stopped")
 
 
-def _sample_with_head(sample: Callable[..., int], *args: Any, **kwargs: Any) -> int:
-    """``Llama.sample`` with a head processor's error raised once llama.cpp returns (before its token, drawn from
-    the plain logits, reaches the caller)."""
-    token = sample(*args, **kwargs)
-    _raise_processor_errors(_head_processors(kwargs))
-    return token
-
-
-def _raise_processor_errors(processors: list[NMSTLogitsProcessor]) -> None:
-    for processor in processors:
+def _checked(llm: Llama, token: int, kwargs: dict) -> int:
+    """``token``, drawn by ``Llama.sample`` (called with ``kwargs``), once the head's step is known to have
+    succeeded: a failure the C sampler or a processor kept (llama.cpp then drew from the plain logits) is raised
+    before the token reaches the caller."""
+    if llm._nmst_sampler is not None:
+        if (error := llm._nmst_sampler.error()) is not None:
+            raise _failed(error) from error
+        return token
+    for processor in _head_processors(kwargs):
         if processor.error is not None:
             error, processor.error = processor.error, None
             raise _failed(error) from error
+    return token
+
+
+def _restart(llm: Llama) -> None:
+    """``Llama.reset``: the C sampler's next step is t = 1 again."""
+    if getattr(llm, "_nmst_sampler", None) is not None:  # Llama.__init__ may reset before the head is made
+        llm._nmst_sampler.reset(llm._nmst_sampler.state.temperature)
 
 
 def _install_hooks(llm: Llama) -> None:
-    """The processor path's two hooks (restart and temperature in ``generate``, the error in ``sample``) on a
+    """:class:`NMSTLlama`'s four overrides (``generate``, ``_init_sampler``, ``sample``, ``reset``) as hooks on a
     ``Llama`` instance of the user's, once."""
     if getattr(llm, "_nmst_hooks", False):
         return
-    generate, sample = llm.generate, llm.sample
-    llm.generate = lambda *args, **kwargs: _generate_with_head(generate, _head_processors(kwargs), *args, **kwargs)
-    llm.sample = lambda *args, **kwargs: _sample_with_head(sample, *args, **kwargs)
+    generate, init_sampler, sample, reset = llm.generate, llm._init_sampler, llm.sample, llm.reset
+    llm._nmst_sampler = None
+
+    def hooked_generate(*args: Any, **kwargs: Any) -> Iterator[int]:
+        _start_generation(llm, kwargs, None)
+        return generate(*args, **kwargs)
+
+    def hooked_reset() -> None:
+        reset()
+        _restart(llm)
+
+    llm.generate = hooked_generate
+    llm._init_sampler = lambda *args, **kwargs: _head_first(llm, init_sampler(*args, **kwargs))
+    llm.sample = lambda *args, **kwargs: _checked(llm, sample(*args, **kwargs), kwargs)
+    llm.reset = hooked_reset
     llm._nmst_hooks = True
 
 
@@ -195,38 +244,21 @@ class NMSTLlama(Llama):
         self.head, base = read_file_head(model_path)
         super().__init__(model_path, *args, kv_overrides={ARCHITECTURE: base, **(kv_overrides or {})}, **kwargs)
         self._steps = NMSTLogitsProcessor(self, settings=self.head)  # checks the head against the model
-        self._head_sampler = HeadSampler(self.head, self.n_vocab()) if native_sampler_available() else None
-        self._given = False  # whether the running generation's head is a processor the call gave
+        self._nmst_sampler = self._steps.sampler  # a sample() before any generate decodes the head too
 
     def generate(self, tokens: Any, *args: Any, **kwargs: Any) -> Iterator[int]:
-        given = _head_processors(kwargs)
-        self._given = bool(given)
-        if given:
-            return _generate_with_head(super().generate, given, tokens, *args, **kwargs)
-        if self._head_sampler is None:
-            kwargs["logits_processor"] = LogitsProcessorList([self._steps, *(kwargs.get("logits_processor") or ())])
-            return _generate_with_head(super().generate, [self._steps], tokens, *args, **kwargs)
-        self._head_sampler.reset(_head_temperature(kwargs))
+        _start_generation(self, kwargs, self._steps)
         return super().generate(tokens, *args, **kwargs)
 
     def _init_sampler(self, *args: Any, **kwargs: Any) -> Any:
-        chain = super()._init_sampler(*args, **kwargs)
-        if self._head_sampler is not None and not self._given:
-            self._head_sampler.put_first(chain)
-        return chain
+        return _head_first(self, super()._init_sampler(*args, **kwargs))
 
     def sample(self, *args: Any, **kwargs: Any) -> int:
-        token = super().sample(*args, **kwargs)
-        if self._given or self._head_sampler is None:
-            _raise_processor_errors(_head_processors(kwargs))
-        elif (error := self._head_sampler.error()) is not None:
-            raise _failed(error) from error
-        return token
+        return _checked(self, super().sample(*args, **kwargs), kwargs)
 
     def reset(self) -> None:
         super().reset()
-        if getattr(self, "_head_sampler", None) is not None:  # Llama.__init__ may reset before it is made
-            self._head_sampler.reset(self._head_sampler.state.temperature)
+        _restart(self)
 
     def __del__(self) -> None:
         if hasattr(self, "_stack"):  # the file was refused before llama.cpp opened it: nothing to free
