@@ -5,8 +5,8 @@ A small Llama (``--hidden``, ``--layers``; random init, the head recorded with �
 exported f32 with :func:`nmst_fast.integrations.llama_cpp.export_gguf`, opened four ways: plain (``Llama`` with the
 architecture override, no processor: the floor), with the head (:func:`nmst_fast.integrations.llama_cpp.load`: the
 head's C sampler first in llama.cpp's chain), plain with an ``NMSTLogitsProcessor`` in the call (a ``Llama`` of
-one's own: the same C sampler), and the same where the CPU kernels cannot be built (the processor in
-llama-cpp-python's callback, which copies the step's logits out of its candidate records and back). Each greedy
+one's own: the same C sampler), and the processor in llama-cpp-python's callback (how a call runs it after another
+processor; the callback copies the step's logits out of its candidate records and back). Each greedy
 ``generate`` takes ``--new-tokens`` tokens (eos does not stop ``generate``) from the same prompt, B = 1; the four
 alternate over ``--rounds`` rounds and the table holds the medians of the time per token and of each round's ratio
 to the plain run. Timed alone, warm: the sampler's step on V candidate records (one ctypes call,
@@ -72,7 +72,7 @@ def main() -> None:
     from nmst_fast.integrations.llama_cpp import NMSTLogitsProcessor, decoding, load
 
     print("| V | plain ms / token | `load` ms / token | `load` / plain | processor of one's own ms / token | its ratio "
-          "| without the kernels ms / token | its ratio | sampler step alone µs | logits copy µs |")
+          "| in the callback ms / token | its ratio | sampler step alone µs | logits copy µs |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for vocab in args.vocabs:
         with tempfile.TemporaryDirectory() as scratch:

@@ -3,8 +3,9 @@
 * :func:`export_gguf` (``nmst-fast export-gguf DIR OUT.gguf``) — a saved NMST model as a GGUF file that plain
   llama.cpp refuses (:mod:`.export`; needs the ``gguf`` extra);
 * :func:`load` / :class:`NMSTLlama` — open such a file with llama-cpp-python and decode the head;
-  :class:`NMSTLogitsProcessor` — the same head as a logits processor for a ``Llama`` of your own
-  (:mod:`.decoding`; needs the ``llama-cpp`` extra).
+  :class:`NMSTLogitsProcessor` — the same head for a ``Llama`` of your own (:mod:`.decoding`; needs the
+  ``llama-cpp`` extra). Either runs the head as a llama.cpp sampler written in C, first in the sampler chain
+  (:mod:`.sampler`).
 """
 
 from __future__ import annotations
