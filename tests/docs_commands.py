@@ -49,6 +49,7 @@ RULES = {
     "nmst-fast upgrade runs/walk-through/model": "run",
     "nmst-fast export-plain runs/walk-through/model runs/walk-through/plain": "run",
     "nmst-fast export-gguf my-model my-model.gguf": "run",
+    "nmst-fast export-gguf runs/walk-through/model runs/walk-through/model.gguf": "run",
     "python3 tools/environments.py install llama_cpp --venv .venv-llama-cpp": "ci",
     "torchrun --standalone --nproc_per_node 2 -m train": "run",
     "python -m train --data-dir ../shared/data/wikitext-2 --train-split valid --eval-split test --size tiny "

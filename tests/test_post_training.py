@@ -30,4 +30,5 @@ def test_the_walk_through_runs_and_its_numbers_are_the_heads(tmp_path):
     assert model.config.nmst["eos_token_id"] == tokenizer.eos_token_id == model.config.eos_token_id
     line = "river stone the water flows"
     assert tokenizer.decode(tokenizer(line)["input_ids"]) == line
+    assert len(tokenizer(line)["input_ids"]) == 5  # a byte-level BPE in which each word is one token
     assert torch.isfinite(model(**tokenizer(line, return_tensors="pt")).logits).all()

@@ -1,9 +1,9 @@
 """Fine-tune with TRL, evaluate with lm-eval, serve with vLLM: the post-training pipeline on the built-in corpus.
 
-    python -m train.post_training                     # NMST, ε = 0.05, about two minutes on 2 CPU cores
+    python -m train.post_training                     # NMST, ε = 0.05, about half a minute on 2 CPU cores
     python -m train.post_training --head st --eps 0.02 --steps 600 --out runs/st-pipeline
 
-1. **TRL.** A tiny random-init Llama with a word-level tokenizer over the built-in corpus
+1. **TRL.** A tiny random-init Llama with a byte-level BPE over the built-in corpus (each word one token)
    (:mod:`train.corpus`: a 10-word context, then a motif repeated until the line stops) is patched with
    :func:`~nmst_fast.integrations.hf.apply_nmst` and fine-tuned by TRL's own ``SFTTrainer`` on
    prompt-completion pairs (the context as the prompt, the motifs + eos as the completion). TRL's fused
@@ -60,17 +60,26 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def word_tokenizer(lines: list[str]):
-    """A word-level tokenizer over the corpus: ``<pad>`` 0, ``<eos>`` 1, then the words."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def corpus_tokenizer(lines: list[str]):
+    """A byte-level BPE over the corpus in which every word, with or without the space before it, is one token:
+    ``<pad>`` 0, ``<eos>`` 1, the 256 bytes, then the merges that spell the words. So a line's 10-word context is
+    10 tokens, and the model exports to llama.cpp (GPT-2's split: ``nmst-fast export-gguf``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     words = sorted({word for line in lines for word in line.split()})
-    vocab = {"<pad>": 0, "<eos>": 1, **{word: i + 2 for i, word in enumerate(words)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    forms = words + [" " + word for word in words]  # a line's first word, and the others
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1 << 20, special_tokens=["<pad>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(forms, trainer=trainer)  # merges until every form is one token
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="<eos>")
+    split = [form for form in forms if len(tokenizer(form)["input_ids"]) != 1]
+    if split:
+        raise RuntimeError(f"the corpus tokenizer splits {split[:3]}")
+    return tokenizer
 
 
 def tiny_llama(tokenizer, seed: int):
@@ -103,7 +112,7 @@ def write_task(directory: Path, lines: list[str]) -> str:
     (directory / "builtin_completions.yaml").write_text(
         f"task: builtin_completions\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
         "test_split: test\noutput_type: loglikelihood\ndoc_to_text: '{{prompt}}'\n"
-        "doc_to_target: '{{completion}} <eos>'\ntarget_delimiter: ''\nmetric_list:\n"
+        "doc_to_target: '{{completion}}<eos>'\ntarget_delimiter: ''\nmetric_list:\n"
         "  - {metric: acc, aggregation: mean, higher_is_better: true}\n")
     return "builtin_completions"
 
@@ -115,7 +124,7 @@ def run(args: argparse.Namespace) -> dict:
     out = args.out or Path("runs") / time.strftime("post-training-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     splits = builtin_splits(args.seed)
-    tokenizer = word_tokenizer(splits["train"] + splits["valid"] + splits["test"])
+    tokenizer = corpus_tokenizer(splits["train"] + splits["valid"] + splits["test"])
     model = apply_nmst(tiny_llama(tokenizer, args.seed), head=args.head, eps=args.eps,
                        eos_token_id=tokenizer.eos_token_id)
     pairs = [split_line(line) for line in splits["train"]]
