@@ -64,9 +64,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         elif args.command == "export-gguf":
             from .integrations.llama_cpp.export import export_gguf
 
-            out = export_gguf(args.directory, args.out, dtype=args.type)
-            print(f"{out}: the NMST model with its head, architecture nmst-* (plain llama.cpp refuses it). Decode it "
-                  "with nmst_fast.integrations.llama_cpp.load(path)")
+            out = export_gguf(args.directory, args.out, dtype=args.type)  # says how to install gguf where it lacks
+            import gguf
+
+            architecture = gguf.GGUFReader(out).fields["general.architecture"].contents()
+            print(f"{out}: the NMST model with its head, architecture {architecture} (plain llama.cpp refuses it). "
+                  "Decode it with nmst_fast.integrations.llama_cpp.load(path)")
         else:
             out = export_plain(args.directory, args.out)
             print(f"{out}: a plain base-model checkpoint. It decodes the softmax of the base model's logits, NOT the "

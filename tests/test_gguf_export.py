@@ -210,7 +210,7 @@ def test_the_command_writes_the_file_and_refuses_with_a_message(tokenizer, tmp_p
     done = subprocess.run([sys.executable, "-m", "nmst_fast.cli", "export-gguf", str(tmp_path / "m"),
                            str(tmp_path / "m.gguf"), "--type", "q8_0"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "plain llama.cpp refuses it" in done.stdout
+    assert "architecture nmst-gpt2 (plain llama.cpp refuses it)" in done.stdout
     assert fields(tmp_path / "m.gguf")[1]["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
     save(tmp_path / "p", "gpt2", tokenizer, head=None)
     done = subprocess.run([sys.executable, "-m", "nmst_fast.cli", "export-gguf", str(tmp_path / "p"),
