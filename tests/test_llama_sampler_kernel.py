@@ -14,7 +14,7 @@ import torch
 
 from nmst_fast.decoding import step_log_probs
 from nmst_fast.decoding.eos_column import MAX_EOS_LOGIT_GAP
-from nmst_fast.kernels.cpu.llama_sampler import SamplerState, apply_address, make_state, state_error
+from nmst_fast.kernels.cpu.llama_sampler import SamplerState, apply_address, make_state, name_address, state_error
 
 RECORD = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])  # llama_token_data
 
@@ -151,3 +151,8 @@ def test_failures_are_kept_and_leave_the_candidates_as_they_were(head):
 def test_an_eos_outside_the_vocabulary_is_refused():
     with pytest.raises(ValueError, match="eos_token_id 10 is outside the vocabulary of 10"):
         make_state("nmst", 0.1, 10, 10, MAX_EOS_LOGIT_GAP)
+
+
+def test_the_sampler_names_itself():
+    name = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)(name_address())
+    assert name(None) == b"nmst-head"

@@ -171,8 +171,17 @@ def open_head(path, how: str, monkeypatch) -> tuple[Llama, Optional[LogitsProces
 
 
 def ran_as(llm: Llama) -> str:
-    """Which way the last generation ran the head."""
-    return "sampler" if llm._nmst_sampler is not None else "processor"
+    """Which way the last generation ran the head (the C sampler: first in the chain llama.cpp sampled with)."""
+    import ctypes
+
+    import llama_cpp
+
+    if llm._nmst_sampler is None:
+        return "processor"
+    first = llama_cpp.llama_sampler_chain_get(llm._sampler.sampler, 0)
+    assert ctypes.cast(first, ctypes.c_void_p).value == ctypes.addressof(llm._nmst_sampler._sampler)
+    assert llama_cpp.llama_sampler_name(first) == b"nmst-head"
+    return "sampler"
 
 
 @pytest.mark.parametrize("how", HEAD_PATHS[1:])

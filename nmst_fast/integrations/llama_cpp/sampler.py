@@ -17,7 +17,7 @@ from typing import Any, Optional
 import llama_cpp
 
 from ...decoding.eos_column import MAX_EOS_LOGIT_GAP
-from ...kernels.cpu.llama_sampler import apply_address, make_state, state_error
+from ...kernels.cpu.llama_sampler import apply_address, make_state, name_address, state_error
 from ...settings import HeadSettings
 
 __all__ = ["HeadSampler", "native_sampler_available"]
@@ -40,6 +40,7 @@ class HeadSampler:
         self.state = make_state(settings.head, settings.eps, settings.eos_index, vocabulary, MAX_EOS_LOGIT_GAP)
         self._interface = llama_cpp.llama_sampler_i()  # every other entry NULL: llama.cpp skips it
         self._interface.apply = llama_cpp.llama_sampler_i_apply(apply)
+        self._interface.name = llama_cpp.llama_sampler_i_name(name_address())
         self._sampler = llama_cpp.llama_sampler(iface=ctypes.pointer(self._interface),
                                                 ctx=ctypes.cast(ctypes.pointer(self.state), ctypes.c_void_p))
 

@@ -61,6 +61,9 @@ enum : int32_t {
 
 size_t nmst_head_sampler_state_size() { return sizeof(nmst_head_sampler_state); }
 
+// llama_sampler_i.name (llama.cpp prints it where it lists a chain).
+const char* nmst_head_sampler_name(const nmst_llama_sampler*) { return "nmst-head"; }
+
 void nmst_head_sampler_apply(nmst_llama_sampler* sampler, nmst_llama_token_data_array* candidates) {
   auto* state = static_cast<nmst_head_sampler_state*>(sampler->ctx);
   if (state->error != 0) {

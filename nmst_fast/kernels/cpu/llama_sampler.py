@@ -1,5 +1,5 @@
 """The Python side of ``llama_sampler.cpp``: its state structure, field for field, its error messages, and the
-address of its apply function (llama.cpp's ``llama_sampler_i.apply``) in the kernels' library."""
+addresses of its functions (llama.cpp's ``llama_sampler_i.apply`` and ``.name``) in the kernels' library."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Optional
 
 from . import native_library
 
-__all__ = ["SamplerState", "apply_address", "make_state", "state_error"]
+__all__ = ["SamplerState", "apply_address", "make_state", "name_address", "state_error"]
 
 HEAD_CODES = {"nmst": 0, "st": 1, "va": 2}
 
@@ -68,3 +68,11 @@ def apply_address() -> Optional[int]:
     if library.nmst_head_sampler_state_size() != ctypes.sizeof(SamplerState):
         raise RuntimeError("the llama.cpp sampler's state differs between llama_sampler.cpp and llama_sampler.py")
     return ctypes.cast(library.nmst_head_sampler_apply, ctypes.c_void_p).value
+
+
+def name_address() -> Optional[int]:
+    """The address of ``nmst_head_sampler_name(const llama_sampler *)`` ("nmst-head"), or None where the kernels'
+    library could not be built."""
+    if apply_address() is None:
+        return None
+    return ctypes.cast(native_library().nmst_head_sampler_name, ctypes.c_void_p).value
