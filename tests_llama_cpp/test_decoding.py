@@ -300,3 +300,23 @@ def test_files_without_the_head_and_modes_the_head_cannot_follow_are_refused(exp
     nmst = load(path, **OPEN)
     with pytest.raises(ValueError, match="mirostat"):
         nmst.create_completion([1, 2], max_tokens=2, mirostat_mode=2)
+
+
+@pytest.mark.parametrize("how", HEAD_PATHS)
+def test_logprobs_of_the_raw_logits_are_refused_where_the_head_decodes(how, exported, monkeypatch):
+    """llama-cpp-python's completion logprobs are the raw logits' softmax: asked for where the head decodes (every
+    call of load's Llama; a call that gives the head's processor), they are refused, also through the chat
+    completion and ``__call__``; a Llama of one's own called without the head still returns them."""
+    _, path = exported("llama")
+    llm, processors = open_head(path, how, monkeypatch)
+    calls = [lambda: llm.create_completion([1, 2], max_tokens=2, logprobs=1, logits_processor=processors),
+             lambda: llm([1, 2], None, 2, 0.0, 0.95, 0.05, 1.0, 3, logits_processor=processors),  # logprobs: 8th
+             lambda: llm.create_chat_completion([{"role": "user", "content": "a b"}], max_tokens=2, logprobs=True,
+                                                top_logprobs=1, logits_processor=processors)]
+    for call in calls:
+        with pytest.raises(ValueError, match="logprobs: llama-cpp-python computes them from the raw logits"):
+            call()
+    assert llm.create_completion([1, 2], max_tokens=2, logits_processor=processors)["choices"][0]["logprobs"] is None
+    if how.startswith("own"):
+        plain = llm.create_completion([1, 2], max_tokens=2, logprobs=1)["choices"][0]["logprobs"]
+        assert len(plain["token_logprobs"]) == 2

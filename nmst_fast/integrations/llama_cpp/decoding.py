@@ -18,14 +18,16 @@ and ``sample`` raises it in the same way.
 
 Refused before any step (ValueError): a file or ``Llama`` without the head's metadata, mirostat sampling (it
 replaces the chain the head's distribution goes through), a draft model (speculative steps run the head on tokens
-that may be rejected).
+that may be rejected), ``logprobs`` in a completion (llama-cpp-python computes them from the raw logits, the base
+model's softmax).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -203,12 +205,26 @@ def _restart(llm: Llama) -> None:
         llm._nmst_sampler.reset(llm._nmst_sampler.state.temperature)
 
 
+def _refuse_logprobs(create: Callable[..., Any], args: tuple, kwargs: dict, head: bool) -> None:
+    """A ``create_completion`` call (``args``, ``kwargs``) that asks for logprobs where the head decodes (``head``,
+    or an :class:`NMSTLogitsProcessor` among the call's processors) is refused: llama-cpp-python computes them from
+    the raw logits, the base model's softmax, whatever the sampler chain draws from."""
+    arguments = inspect.signature(create).bind(*args, **kwargs).arguments
+    if arguments.get("logprobs") is None:
+        return
+    if head or any(isinstance(p, NMSTLogitsProcessor) for p in arguments.get("logits_processor") or ()):
+        raise ValueError("logprobs: llama-cpp-python computes them from the raw logits (the base model's softmax), "
+                         "not from the NMST head's distribution; call without logprobs (the head's log-probabilities "
+                         "of a step: nmst_fast.decoding.step_log_probs on that step's row of Llama.scores)")
+
+
 def _install_hooks(llm: Llama) -> None:
-    """:class:`NMSTLlama`'s four overrides (``generate``, ``_init_sampler``, ``sample``, ``reset``) as hooks on a
-    ``Llama`` instance of the user's, once."""
+    """:class:`NMSTLlama`'s overrides (``generate``, ``_init_sampler``, ``sample``, ``reset``,
+    ``create_completion``) as hooks on a ``Llama`` instance of the user's, once."""
     if getattr(llm, "_nmst_hooks", False):
         return
     generate, init_sampler, sample, reset = llm.generate, llm._init_sampler, llm.sample, llm.reset
+    create_completion = llm.create_completion
     llm._nmst_sampler = None
 
     def hooked_generate(*args: Any, **kwargs: Any) -> Iterator[int]:
@@ -219,10 +235,15 @@ def _install_hooks(llm: Llama) -> None:
         reset()
         _restart(llm)
 
+    def hooked_create_completion(*args: Any, **kwargs: Any) -> Any:
+        _refuse_logprobs(create_completion, args, kwargs, head=False)
+        return create_completion(*args, **kwargs)
+
     llm.generate = hooked_generate
     llm._init_sampler = lambda *args, **kwargs: _head_first(llm, init_sampler(*args, **kwargs))
     llm.sample = lambda *args, **kwargs: _checked(llm, sample(*args, **kwargs), kwargs)
     llm.reset = hooked_reset
+    llm.create_completion = hooked_create_completion
     llm._nmst_hooks = True
 
 
@@ -259,6 +280,10 @@ class NMSTLlama(Llama):
     def reset(self) -> None:
         super().reset()
         _restart(self)
+
+    def create_completion(self, *args: Any, **kwargs: Any) -> Any:
+        _refuse_logprobs(super().create_completion, args, kwargs, head=True)
+        return super().create_completion(*args, **kwargs)
 
     def __del__(self) -> None:
         if hasattr(self, "_stack"):  # the file was refused before llama.cpp opened it: nothing to free
