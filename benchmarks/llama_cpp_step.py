@@ -62,8 +62,8 @@ def main() -> None:
     parser.add_argument("--vocabs", type=int, nargs="+", default=[32000, 128256])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
