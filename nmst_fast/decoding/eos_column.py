@@ -119,48 +119,6 @@ def device_eos_values(settings: HeadSettings, lse: torch.Tensor, eos_logits: tor
     return torch.where(live, value, s).to(eos_logits.dtype), after
 
 
-class EosColumnWriter:
-    """:func:`write_eos_column` for a decoder that runs its steps one call at a time on B rows (llama.cpp's, from
-    Python): the CPU row kernel's per-row index, temperature and step tensors are made once and refilled in place,
-    so a step is one kernel call (each torch call costs microseconds, more so right after the model's own step has
-    filled the caches). ``rows``: B."""
-
-    def __init__(self, settings: HeadSettings, rows: int) -> None:
-        self.settings = settings
-        self.index = torch.arange(rows)
-        self.temperatures = torch.ones(rows, dtype=torch.float64)
-        self.steps = torch.ones(rows, dtype=torch.int64)
-        self._temperatures, self._steps = self.temperatures.numpy(), self.steps.numpy()  # views: refilled in place
-
-    def __call__(self, logits: torch.Tensor, step: int, temperature: float = 1.0,
-                 state: Optional[torch.Tensor] = None, buffer: Optional[RowBuffer] = None) -> Optional[torch.Tensor]:
-        """As :func:`write_eos_column`: ``logits`` (B, V) gets its eos column at step t = ``step`` in place; returns
-        ST's running sums after the step ((B,) float64; None for NMST)."""
-        B, eos, settings = logits.shape[0], self.settings.eos_index, self.settings
-        if B != self.index.numel():
-            raise ValueError(f"logits have {B} rows; this writer was made for {self.index.numel()}")
-        st = settings.head == "st"
-        kernels = cpu_kernels(logits)
-        if kernels is not None:
-            self._temperatures[:] = float(temperature)
-            self._steps[:] = int(step)
-            before = None
-            if st:
-                before = torch.zeros(B, dtype=torch.float64) if state is None else state.to("cpu", torch.float64)
-            after = kernels.write_eos_column(logits, self.index, eos, self.temperatures, self.steps, before,
-                                             settings.eps, MAX_EOS_LOGIT_GAP)
-            return after if st else None
-        eos_logits = logits[:, eos].clone()  # read before the row pass may overwrite the column
-        inverse = None if temperature == 1.0 else torch.full((B,), 1.0 / temperature, dtype=torch.float64,
-                                                             device=logits.device)
-        lse = tempered_non_eos_lse(logits, eos, inverse, buffer)
-        column, after = device_eos_values(settings, lse, eos_logits,
-                                          torch.full((B,), int(step), device=logits.device),
-                                          [float(temperature)] * B, state)
-        logits[:, eos] = column
-        return after
-
-
 def write_eos_column(logits: torch.Tensor, settings: HeadSettings, step: int, temperature: float = 1.0,
                      state: Optional[torch.Tensor] = None,
                      buffer: Optional[RowBuffer] = None) -> Optional[torch.Tensor]:
@@ -171,6 +129,24 @@ def write_eos_column(logits: torch.Tensor, settings: HeadSettings, step: int, te
     no finite non-eos logit) and rows whose eos another control set to −inf keep their logits.
 
     On the CPU the row kernel does the row pass, the scalars and the write in one call
-    (:mod:`nmst_fast.kernels.cpu`); elsewhere torch ops without a host read (:func:`device_eos_values`).
-    A decoder calling this step after step on the same rows keeps an :class:`EosColumnWriter` instead."""
-    return EosColumnWriter(settings, logits.shape[0])(logits, step, temperature, state, buffer)
+    (:mod:`nmst_fast.kernels.cpu`); elsewhere torch ops without a host read (:func:`device_eos_values`)."""
+    B, eos = logits.shape[0], settings.eos_index
+    st = settings.head == "st"
+    kernels = cpu_kernels(logits)
+    if kernels is not None:
+        before = None
+        if st:
+            before = torch.zeros(B, dtype=torch.float64) if state is None else state.to("cpu", torch.float64)
+        after = kernels.write_eos_column(logits, torch.arange(B), eos, torch.full((B,), float(temperature),
+                                                                                  dtype=torch.float64),
+                                         torch.full((B,), int(step), dtype=torch.int64), before, settings.eps,
+                                         MAX_EOS_LOGIT_GAP)
+        return after if st else None
+    eos_logits = logits[:, eos].clone()  # read before the row pass may overwrite the column
+    inverse = None if temperature == 1.0 else torch.full((B,), 1.0 / temperature, dtype=torch.float64,
+                                                         device=logits.device)
+    lse = tempered_non_eos_lse(logits, eos, inverse, buffer)
+    column, after = device_eos_values(settings, lse, eos_logits, torch.full((B,), int(step), device=logits.device),
+                                      [float(temperature)] * B, state)
+    logits[:, eos] = column
+    return after

@@ -3,7 +3,7 @@
 llama-cpp-python samples each step with a chain built once per ``generate``: the logits processors the call gives
 (run in a ctypes callback on a copy of the step's logits), penalties, top-k, typical, top-p, min-p, the temperature
 and the draw, in that order. The head's row is log q_T, its log-distribution at temperature T (the eos column of
-:class:`nmst_fast.decoding.eos_column.EosColumnWriter`, then the row divided by T), and the chain is built with
+:func:`nmst_fast.decoding.eos_column.write_eos_column`, then the row divided by T), and the chain is built with
 temperature 1 (0 stays greedy): so top-k, top-p and min-p cut the head's tempered distribution, as everywhere in the
 library (temperature first, then the cuts), and greedy decoding takes the head's argmax. t is 1 at the first
 generated token; ST's running sum is kept across the steps.
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from llama_cpp import Llama, LogitsProcessorList
 
-from ...decoding.eos_column import EosColumnWriter
+from ...decoding.eos_column import write_eos_column
 from ...settings import HeadSettings
 from .metadata import ARCHITECTURE, read_head
 from .sampler import HeadSampler, native_sampler_available
@@ -76,7 +76,6 @@ class NMSTLogitsProcessor:
         self.temperature = 1.0
         self.error: Optional[BaseException] = None
         self._buffer: Optional[np.ndarray] = None
-        self._writer = EosColumnWriter(settings, 1)
         # the same head as a C sampler, which a generate call runs where the processor comes first in its list
         self.sampler = HeadSampler(settings, vocabulary) if native_sampler_available() else None
         self.reset()
@@ -118,7 +117,8 @@ class NMSTLogitsProcessor:
         if np.isnan(logits).any():  # numpy's check: torch's would wake its thread pool beside llama.cpp's threads
             raise ValueError(f"the model's logits at step t={t} hold NaN")
         if self.settings.head != "va":  # VA is the softmax of the logits as they are
-            self.state = self._writer(torch.from_numpy(logits).view(1, -1), t, self.temperature, self.state)
+            self.state = write_eos_column(torch.from_numpy(logits).view(1, -1), self.settings, t, self.temperature,
+                                          self.state)
         if not math.isfinite(logits[eos] if self.settings.head != "va" else logits.max()):
             raise ValueError(f"the model's logits at step t={t} give no distribution (no finite non-eos logit)")
         if self.temperature != 1.0:
@@ -167,7 +167,8 @@ def _start_generation(llm: Llama, kwargs: dict, default: Optional[NMSTLogitsProc
         kwargs["logits_processor"] = LogitsProcessorList(given[1:]) if len(given) > 1 else None
     if llm._nmst_sampler is not None:
         llm._nmst_sampler.reset(temperature)
-    for head in heads if llm._nmst_sampler is None else ():
+        return
+    for head in heads:
         head.reset()
         head.temperature = temperature
 

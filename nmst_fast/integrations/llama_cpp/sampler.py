@@ -36,7 +36,6 @@ class HeadSampler:
         apply = apply_address()
         if apply is None:
             raise RuntimeError("the CPU kernels could not be built: the head's llama.cpp sampler is one of them")
-        self.settings = settings
         self.state = make_state(settings.head, settings.eps, settings.eos_index, vocabulary, MAX_EOS_LOGIT_GAP)
         self._interface = llama_cpp.llama_sampler_i()  # every other entry NULL: llama.cpp skips it
         self._interface.apply = llama_cpp.llama_sampler_i_apply(apply)
@@ -52,11 +51,6 @@ class HeadSampler:
         self.state.st_sum = 0.0
         self.state.error = 0
         self.state.error_step = 0
-
-    @property
-    def step(self) -> int:
-        """t of the next step."""
-        return self.state.step
 
     def put_first(self, chain: Any) -> None:
         """Insert this sampler at the head of ``chain`` (a ``llama_cpp._internals.LlamaSampler``) and list it among
