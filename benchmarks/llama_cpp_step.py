@@ -27,6 +27,8 @@ from unittest import mock
 import numpy as np
 import torch
 
+from .cpu_step import median_us
+
 
 def export_model(directory: Path, vocab: int, hidden: int, layers: int) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -99,14 +101,14 @@ def main() -> None:
             records = np.zeros(vocab, dtype=[("id", np.intc), ("logit", np.single), ("p", np.single)])
             records["id"] = np.arange(vocab)
             records["logit"] = np.random.default_rng(0).standard_normal(vocab)
-            step = median_seconds(sampler_step(head, records))
             buffer = np.empty(vocab, dtype=np.float32)
-            copy = median_seconds(lambda: np.copyto(buffer, records["logit"]))
+            alone = median_us({"step": sampler_step(head, records),
+                               "copy": lambda: np.copyto(buffer, records["logit"])}, 200)
             ratio = {name: statistics.median(t / p for t, p in zip(times[name], times["plain"])) for name in times}
             ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
             print(f"| {vocab} | {ms['plain']:.3f} | {ms['head']:.3f} | {ratio['head']:.3f} | {ms['own']:.3f} | "
-                  f"{ratio['own']:.3f} | {ms['callback']:.3f} | {ratio['callback']:.3f} | {step * 1e6:.0f} | "
-                  f"{copy * 1e6:.0f} |", flush=True)
+                  f"{ratio['own']:.3f} | {ms['callback']:.3f} | {ratio['callback']:.3f} | {alone['step']:.0f} | "
+                  f"{alone['copy']:.0f} |", flush=True)
 
 
 def sampler_step(llm, records: np.ndarray):
@@ -122,15 +124,6 @@ def sampler_step(llm, records: np.ndarray):
 
     sampler.reset()
     return lambda: apply(ctypes.pointer(sampler._sampler), ctypes.pointer(candidates))
-
-
-def median_seconds(call, repeats: int = 200) -> float:
-    spent = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        spent.append(time.perf_counter() - start)
-    return statistics.median(spent)
 
 
 if __name__ == "__main__":
