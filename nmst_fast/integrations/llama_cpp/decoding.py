@@ -16,7 +16,11 @@ Where the CPU kernels cannot be built, or the call puts another processor before
 llama-cpp-python's callback, which swallows exceptions and samples the plain logits: the processor keeps its error,
 and ``sample`` raises it in the same way.
 
-Refused before any step (ValueError): a file or ``Llama`` without the head's metadata, mirostat sampling (it
+On a CPU where llama.cpp runs AMX kernels, :class:`NMSTLlama` opens files without llama.cpp's extra buffer types
+(:mod:`.buffers`: its AMX matmul crashes decoding quantized files there); ``use_extra_bufts=True`` turns them back on.
+
+Refused before any step (ValueError): a file or ``Llama`` without the head's metadata, a ``Llama`` of one's own
+holding a quantized file in llama.cpp's AMX buffers (it would crash), mirostat sampling (it
 replaces the chain the head's distribution goes through), a draft model (speculative steps run the head on tokens
 that may be rejected), ``logprobs`` in a completion (llama-cpp-python computes them from the raw logits, the base
 model's softmax).
@@ -35,6 +39,7 @@ from llama_cpp import Llama, LogitsProcessorList
 
 from ...decoding.eos_column import write_eos_column
 from ...settings import HeadSettings
+from .buffers import AMX_CRASH, default_extra_buffer_types, risks_the_amx_crash
 from .metadata import ARCHITECTURE, read_head
 from .sampler import HeadSampler, native_sampler_available
 
@@ -69,6 +74,11 @@ class NMSTLogitsProcessor:
         vocabulary = llm.n_vocab()
         if settings.eos_index >= vocabulary:
             raise ValueError(f"the head's eos_token_id {settings.eos_index} is outside the vocabulary of {vocabulary}")
+        if not isinstance(llm, NMSTLlama) and risks_the_amx_crash(llm):
+            raise ValueError(f"{AMX_CRASH}, and this Llama holds a quantized file in llama.cpp's extra buffer types "
+                             "on such a CPU: open the file with nmst_fast.integrations.llama_cpp.load(path, ...), "
+                             "which keeps the weights out of them here (your processors apply as with any Llama), or "
+                             "with load(path, use_extra_bufts=True) to keep them")
         if getattr(llm, "draft_model", None) is not None:
             raise ValueError("the head cannot follow a draft model's speculative steps (the processor would see "
                              "tokens that are then rejected): open the Llama without draft_model")
@@ -255,6 +265,9 @@ class NMSTLlama(Llama):
     ``general.architecture`` (other ``kv_overrides`` are kept); every other argument is ``Llama``'s. ``head``: the
     file's :class:`~nmst_fast.settings.HeadSettings`. ``create_completion``, ``__call__``, the chat completions,
     ``generate`` and ``sample`` decode the head at the temperature, top-k, top-p and min-p of the call.
+    ``use_extra_bufts``: whether llama.cpp may repack the weights into its extra CPU buffer types (llama.cpp's model
+    parameter of that name, which ``Llama`` has no argument for); by default off where this llama.cpp build runs AMX
+    kernels, which crash decoding quantized files on such CPUs (llama.cpp issue 20824), and on elsewhere.
 
     The head is a llama.cpp sampler written in C (:class:`~nmst_fast.integrations.llama_cpp.sampler.HeadSampler`),
     first in the chain each ``generate`` builds: no Python runs in a step, and a step's failure is raised as soon
@@ -262,11 +275,24 @@ class NMSTLlama(Llama):
     as an :class:`NMSTLogitsProcessor` in the call instead (llama-cpp-python's callback: slower). A call that gives
     an :class:`NMSTLogitsProcessor` itself is decoded by that one."""
 
-    def __init__(self, model_path: str, *args: Any, kv_overrides: Optional[dict] = None, **kwargs: Any) -> None:
+    def __init__(self, model_path: str, *args: Any, kv_overrides: Optional[dict] = None,
+                 use_extra_bufts: Optional[bool] = None, **kwargs: Any) -> None:
         self.head, base = read_file_head(model_path)
+        self._use_extra_bufts = default_extra_buffer_types() if use_extra_bufts is None else bool(use_extra_bufts)
         super().__init__(model_path, *args, kv_overrides={ARCHITECTURE: base, **(kv_overrides or {})}, **kwargs)
         self._steps = NMSTLogitsProcessor(self, settings=self.head)  # checks the head against the model
         self._nmst_sampler = self._steps.sampler  # a sample() before any generate decodes the head too
+
+    @property
+    def model_params(self) -> Any:
+        """llama.cpp's model parameters (``Llama``'s attribute), with ``use_extra_bufts`` as this file is opened."""
+        return self._model_params
+
+    @model_params.setter
+    def model_params(self, params: Any) -> None:
+        # Llama.__init__ assigns llama.cpp's defaults here, fills them and loads the model with them
+        params.use_extra_bufts = self._use_extra_bufts
+        self._model_params = params
 
     def generate(self, tokens: Any, *args: Any, **kwargs: Any) -> Iterator[int]:
         _start_generation(self, kwargs, self._steps)
