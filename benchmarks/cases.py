@@ -5,7 +5,9 @@ loss w.r.t. hidden states and weight, on the same inputs. The floor is the three
 GEMMs no exact method can avoid: z = h·Wᵀ, dh = dz·W, dW = dzᵀ·h. On a GPU a second floor runs
 them at V padded to a multiple of 64 (an odd V breaks the tensor cores' alignment of the (N, V)
 logits), and the fused VA losses of Liger-Kernel and Cut Cross-Entropy run on the same inputs when
-they are installed (``benchmarks/fetch_gpu_wheels.sh`` carries them to a GPU machine).
+they are installed (``benchmarks/fetch_gpu_wheels.sh`` carries them to a GPU machine); on CPU, Cut
+Cross-Entropy's torch.compile implementation. A case function with ``compiles = True`` compiles on its
+first call at a shape, which the report runs untimed.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ class Shape:
 
 CPU_DEFAULT = Shape(4096, 768, 50257, torch.float32, "cpu")  # GPT-2 vocabulary, one 4k-token batch
 CPU_SMALL = Shape(512, 256, 8192, torch.float32, "cpu")  # quick runs and CI smoke
+# Gemma-2-2B's width and vocabulary (CCE's headline shape) at a quarter of its 8192 tokens: a step of the floor
+# takes 20-60 s on 2 cores, so a report's rounds still fit in half an hour.
+CPU_LARGE = Shape(2048, 2304, 256000, torch.float32, "cpu")
 GPU_SHAPES = (
     Shape(8192, 2304, 256000, torch.bfloat16, "cuda"),  # Gemma-2-2B-like vocabulary (CCE's headline shape)
     Shape(16384, 768, 50257, torch.bfloat16, "cuda"),
@@ -170,13 +175,23 @@ def cut_linear_ce(filter_eps: Optional[str] = "high", impl: str = "cce") -> Call
     return step
 
 
+def cut_linear_ce_compiled(x: Inputs) -> None:
+    """Cut Cross-Entropy's torch.compile implementation (VA): the one that runs on CPU (its first call compiles,
+    about 20 s; the report leaves that call out)."""
+    cut_linear_ce(None, impl="torch_compile")(x)
+
+
+cut_linear_ce_compiled.compiles = True
+
+
 def installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
 def cases_for(device: str) -> dict[str, Callable[[Inputs], None]]:
     """The report's cases, the floor first; on a GPU also the padded floor, bf16 dW, and Liger's and
-    Cut Cross-Entropy's losses when installed."""
+    Cut Cross-Entropy's losses when installed; on CPU Cut Cross-Entropy's torch.compile implementation when
+    installed."""
     impl = "triton" if device == "cuda" else "chunked"
     gpu = device == "cuda"
     return {
@@ -195,4 +210,6 @@ def cases_for(device: str) -> dict[str, Callable[[Inputs], None]]:
            if gpu and installed("liger_kernel") else {}),
         **({"Cut Cross-Entropy (va, default filter)": cut_linear_ce("high"),
             "Cut Cross-Entropy (va, exact)": cut_linear_ce(None)} if gpu and installed("cut_cross_entropy") else {}),
+        **({"Cut Cross-Entropy (va, torch_compile)": cut_linear_ce_compiled}
+           if not gpu and installed("cut_cross_entropy") else {}),
     }

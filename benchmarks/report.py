@@ -8,17 +8,22 @@ case in a fresh subprocess, so its peak is its own. Ratios compare cases measure
 in this one run, never against stored absolute times.
 
     python -m benchmarks.report                 # issue shape on CPU: 4096x768x50257 fp32
+    python -m benchmarks.report --dtype bfloat16           # the same shape in bf16 (or float16)
+    python -m benchmarks.report --large --dtype bfloat16   # 2048x2304x256000 (Gemma-2's width and vocabulary)
     python -m benchmarks.report --small         # a quick shape
     python -m benchmarks.report --gpu           # the bf16 GPU shapes (needs CUDA; memory measured in-process)
 
 On a GPU the cases include the floor at V padded to a multiple of 64, bf16 dW accumulation, and
 Liger-Kernel's and Cut Cross-Entropy's fused VA losses when they are installed
-(``benchmarks/fetch_gpu_wheels.sh``).
+(``benchmarks/fetch_gpu_wheels.sh``); on CPU, Cut Cross-Entropy's torch.compile implementation, whose first
+call at the measured shape (its compilation) runs before the rounds, untimed. The table's header names the CPU
+and whether it has AMX and AVX-512-bf16 (bf16 GEMMs run several times faster with either).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -30,7 +35,7 @@ from typing import Optional
 import torch
 
 from . import memory
-from .cases import CPU_DEFAULT, CPU_SMALL, GPU_SHAPES, Shape, cases_for, make_inputs
+from .cases import CPU_DEFAULT, CPU_LARGE, CPU_SMALL, GPU_SHAPES, Shape, cases_for, make_inputs
 
 # Dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, from NVIDIA's data sheets; the first name that
 # is part of torch.cuda.get_device_name() wins, so the variants come before their family.
@@ -57,6 +62,8 @@ def measure_memory(shape: Shape, case: str) -> dict:
     # show up as "extra memory" of the measured step.
     fn(make_inputs(Shape(64, 32, 512, shape.dtype, shape.device)))
     x = make_inputs(shape)
+    if getattr(fn, "compiles", False):
+        fn(x)  # its compilation at this shape: not the step's own memory
     grad_bytes = sum(t.numel() * t.element_size() for t in (x.hidden, x.weight))
     cuda = shape.device == "cuda"
     if cuda:
@@ -125,6 +132,12 @@ def measure_times(shape: Shape, rounds: int) -> dict[str, list[float]]:
             times[name] = [float("nan")] * rounds
             del cases[name]
     x = make_inputs(shape)
+    for name, fn in cases.items():
+        if getattr(fn, "compiles", False):  # the first call at this shape compiles: untimed, reported
+            t0 = time.perf_counter()
+            fn(x)
+            print(f"  {name}: first call (compilation) {time.perf_counter() - t0:.1f}s, not timed", file=sys.stderr,
+                  flush=True)
     for r in range(rounds):
         for name in round_order(list(cases), r):
             fn = cases[name]
@@ -217,6 +230,9 @@ def _baseline_versions() -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="quick CPU shape 512x256x8192")
+    parser.add_argument("--large", action="store_true", help="CPU shape 2048x2304x256000 (Gemma-2's H and V)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="the CPU shapes' dtype (default float32; --gpu runs bf16)")
     parser.add_argument("--gpu", action="store_true", help="bf16 GPU shapes (needs CUDA)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds; each round times every case once, back to back (default 3 on CPU, 10 on GPU)")
@@ -237,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--gpu needs a CUDA device")
         shapes = GPU_SHAPES if args.gpu_shape is None else (GPU_SHAPES[args.gpu_shape],)
     else:
-        shapes = (CPU_SMALL,) if args.small else (CPU_DEFAULT,)
+        shape = CPU_SMALL if args.small else CPU_LARGE if args.large else CPU_DEFAULT
+        shapes = (dataclasses.replace(shape, dtype=getattr(torch, args.dtype)),)
     rounds = args.rounds or (10 if args.gpu else 3)
     device_name = _device_name()
     peak = args.peak_tflops if args.peak_tflops is not None else dense_bf16_peak(device_name)
@@ -253,7 +270,25 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _device_name() -> str:
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_description()
+
+
+def cpu_description(cpuinfo: str | None = None) -> str:
+    """The CPU's model name and its bf16 matrix units, from /proc/cpuinfo: e.g. "AMD EPYC (AVX-512, avx512_bf16,
+    no AMX)" or "Intel(R) Xeon(R) Platinum 8481C (AVX-512, avx512_bf16, AMX)"."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return "cpu"
+    fields = dict(line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    isa = ["AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2",
+           "avx512_bf16" if "avx512_bf16" in flags else "no avx512_bf16",
+           "AMX" if {"amx_bf16", "amx_tile"} <= flags else "no AMX"]
+    return f"{fields.get('model name', 'cpu')} ({', '.join(isa)})"
 
 
 if __name__ == "__main__":

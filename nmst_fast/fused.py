@@ -29,7 +29,8 @@ from typing import Callable, Optional
 import torch
 
 from . import head_math, logits
-from .row_ops import TorchRowOps, TritonRowOps
+from .kernels.cpu import row_kernels
+from .row_ops import CpuRowOps, SparseGrad, TorchRowOps, TritonRowOps
 from .settings import HeadSettings
 from .vocab_shard import VocabShard
 
@@ -89,8 +90,20 @@ def padded_stride(n: int) -> int:
     return -(-n // ROW_ALIGN) * ROW_ALIGN
 
 
-def row_ops_for(backend: str, softcap: Optional[float] = None):
-    return TritonRowOps(softcap) if backend == "triton" else TorchRowOps(softcap)
+def row_ops_for(backend: str, device: torch.device, softcap: Optional[float] = None):
+    """The row pass of ``backend`` on ``device``: Triton's kernels, the C++ kernels on CPU (where they build),
+    or torch ops."""
+    if backend == "triton":
+        return TritonRowOps(softcap)
+    if device.type == "cpu" and (kernels := row_kernels()) is not None:
+        return CpuRowOps(kernels, softcap)
+    return TorchRowOps(softcap)
+
+
+def chunk_buffers(backend: str, device: torch.device, softcap: Optional[float]) -> int:
+    """How many (chunk, V) tensors the row pass of ``backend`` holds at once: 2 for the torch row pass with a
+    softcap (it keeps x / c beside the chunk for the cap's gradient), else 1."""
+    return 2 if softcap is not None and isinstance(row_ops_for(backend, device), TorchRowOps) else 1
 
 
 def eos_logits(
@@ -144,18 +157,40 @@ def _cuda_has_fp32_out_gemm() -> bool:
     return bool((acc == 4).all())
 
 
+def dh_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """dh's dtype out of the forward pass for hidden states of ``dtype``: at least float32 on CPU, where the row
+    pass's left-out entries (and backward's scale) join each chunk's GEMM product before dh's one rounding to
+    ``dtype``; ``dtype`` itself elsewhere."""
+    return torch.promote_types(dtype, torch.float32) if device.type == "cpu" else dtype
+
+
 def dw_accumulator_dtype(weight_dtype: torch.dtype) -> torch.dtype:
     """dW sums over chunks in at least fp32, so bf16/fp16 weights lose nothing to per-chunk rounding."""
     return torch.promote_types(weight_dtype, torch.float32)
 
 
+# Vocabulary rows per product of a low-precision dW on CPU: each (block, H) product is summed into the wider
+# accumulator while it is still in cache.
+DW_BLOCK_ROWS = 4096
+
+
 def _accumulate_dw_(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, first: bool) -> None:
     """acc (V, H) = dzᵀ h for the first chunk (no zero-fill pass over acc), else acc += dzᵀ h.
 
-    The sum runs in acc's dtype (fp32 for bf16/fp16 weights)."""
+    The sum runs in acc's dtype (fp32 for bf16/fp16 weights). On CPU, whose GEMMs take bf16 / fp16 operands only
+    into an output of their own dtype, each block of :data:`DW_BLOCK_ROWS` vocabulary rows is multiplied in the
+    operands' dtype (oneDNN's bf16 kernels: AMX, AVX-512-bf16) and its product, rounded once, added to acc."""
     a, b = dz.t(), h
-    if acc.dtype != dz.dtype and not dz.is_cuda:
-        a, b = a.to(acc.dtype), b.to(acc.dtype)
+    if acc.dtype != a.dtype and not a.is_cuda:
+        block = torch.empty(min(DW_BLOCK_ROWS, a.shape[0]), b.shape[1], dtype=a.dtype, device=a.device)
+        for v0 in range(0, a.shape[0], DW_BLOCK_ROWS):
+            v1 = min(v0 + DW_BLOCK_ROWS, a.shape[0])
+            product = torch.mm(a[v0:v1], b, out=block[: v1 - v0])
+            if first:
+                acc[v0:v1].copy_(product)
+            else:
+                acc[v0:v1].add_(product)
+        return
     if acc.dtype == a.dtype:
         if first:
             torch.mm(a, b, out=acc)
@@ -181,14 +216,15 @@ def _chunk_loop(
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     chunk_rows: int,
-    row_pass: Callable[[int, int, torch.Tensor], None],
+    row_pass: Callable[[int, int, torch.Tensor], Optional[SparseGrad]],
     need: tuple[bool, bool, bool],
     vocab_major: bool,
     dw_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Run ``row_pass(start, stop, z)`` on each chunk's (rows, V) logits; fold the dz it leaves into grads.
+    """Run ``row_pass(start, stop, z)`` on each chunk's (rows, V) logits; fold the dz it leaves (and the entries
+    it returns as left out of the chunk, if any) into grads.
 
-    Returns (dh in hidden's dtype, dW and db in at least fp32: their accumulators; dW in ``dw_dtype``
+    Returns (dh in :func:`dh_dtype`, dW and db in at least fp32: their accumulators; dW in ``dw_dtype``
     when given), each None unless ``need`` asks for it.
 
     Row-major, the logits are a view of a reused buffer whose row stride is V padded to a multiple
@@ -202,7 +238,7 @@ def _chunk_loop(
     N = hidden.shape[0]
     V = weight.shape[0]
     acc_dtype = dw_accumulator_dtype(weight.dtype)
-    dh = torch.empty_like(hidden) if need_dh else None
+    dh = torch.empty_like(hidden, dtype=dh_dtype(hidden.dtype, hidden.device)) if need_dh else None
     # The first chunk initializes dW (no zero fill); with no rows there is no first chunk.
     dw = None
     if need_dw:
@@ -229,14 +265,46 @@ def _chunk_loop(
                 torch.mm(h, weight.t(), out=z)
             else:
                 torch.addmm(bias, h, weight.t(), out=z)
-        row_pass(start, stop, z)
+        sparse = row_pass(start, stop, z)
         if dh is not None:
-            torch.mm(z, weight, out=dh[start:stop])
+            _dh_chunk(dh[start:stop], z, weight, sparse)
         if dw is not None:
             _accumulate_dw_(dw, z, h, first=start == 0)
+            if sparse is not None:
+                _add_sparse_dw_(dw, h, sparse)
         if db is not None:
             db += z.sum(dim=0, dtype=acc_dtype)
+            if sparse is not None:
+                db.index_add_(0, sparse.targets, sparse.target_values.to(db.dtype))
+                if sparse.eos_values is not None:
+                    db[sparse.eos_index] += sparse.eos_values.sum().to(db.dtype)
     return dh, dw, db  # dW, db still in their accumulators' dtype: the callers cast once, at the end
+
+
+def _dh_chunk(out: torch.Tensor, dz: torch.Tensor, weight: torch.Tensor, sparse: Optional[SparseGrad]) -> None:
+    """out (rows, H) = dz · W: the chunk's GEMM in dz's dtype, plus the entries its row pass left out (``sparse``),
+    added in out's dtype (:func:`dh_dtype`)."""
+    if sparse is None:
+        if out.dtype == dz.dtype:
+            torch.mm(dz, weight, out=out)
+        else:
+            out.copy_(torch.mm(dz, weight))
+        return
+    left_out = weight[sparse.targets].to(out.dtype) * sparse.target_values.to(out.dtype).unsqueeze(1)
+    if sparse.eos_values is not None:
+        left_out.addr_(sparse.eos_values.to(out.dtype), weight[sparse.eos_index].to(out.dtype))
+    if out.dtype == dz.dtype:
+        torch.addmm(left_out, dz, weight, out=out)
+    else:  # a bf16 / fp16 product, rounded once, joins the left-out entries in float32
+        out.copy_(left_out.add_(torch.mm(dz, weight)))
+
+
+def _add_sparse_dw_(acc: torch.Tensor, h: torch.Tensor, sparse: SparseGrad) -> None:
+    """acc (V, H) += the left-out entries' part of dzᵀ h (rows × H work), in acc's dtype."""
+    wide = h.to(acc.dtype)
+    acc.index_add_(0, sparse.targets, wide * sparse.target_values.to(acc.dtype).unsqueeze(1))
+    if sparse.eos_values is not None:
+        acc[sparse.eos_index].addmv_(wide.t(), sparse.eos_values.to(acc.dtype))
 
 
 @dataclass
@@ -319,10 +387,10 @@ def fused_forward(
     stats_dtype = torch.promote_types(hidden.dtype, torch.float32)
     lse = torch.empty(N, dtype=torch.float64, device=hidden.device)  # O(N): L − z_target needs its digits
     z_target = torch.empty(N, dtype=stats_dtype, device=hidden.device)
-    row_ops = row_ops_for(backend, cfg.softcap)
+    row_ops = row_ops_for(backend, hidden.device, cfg.softcap)
     local_eos = shard.local(cfg.eos_index)  # -1: another rank holds eos
 
-    def row_pass(start: int, stop: int, z: torch.Tensor) -> None:
+    def row_pass(start: int, stop: int, z: torch.Tensor) -> Optional[SparseGrad]:
         p = prep()
         targets_here = p.rows.safe[start:stop]
 
@@ -338,13 +406,14 @@ def fused_forward(
             )
             return _local_coefficients(coefs, shard, local_lse, lse[start:stop], targets_here)
 
-        local_lse, chunk_target = row_ops.lse_and_grad_(
+        local_lse, chunk_target, sparse = row_ops.lse_and_grad_(
             z, shard.local_tokens(targets_here), local_eos, coefficients if want_grad else None
         )
         if not want_grad:
             lse[start:stop] = shard.global_lse(local_lse)
         z_target[start:stop] = chunk_target if shard.group is None else torch.where(
             shard.owned(targets_here), chunk_target, 0.0)
+        return sparse
 
     dh, dw, db = _chunk_loop(hidden, weight, bias, chunk_rows, row_pass, need, row_ops.vocab_major(hidden.device),
                              dw_dtype)
@@ -402,14 +471,16 @@ def fused_backward_from_lse(
     coefs = head_math.grad_coefficients(cfg.head, lse, s, rows.is_eos, row_weight, eos_grads)
     # The row pass normalizes by the global L here, so a shard only keeps grad_target to the owner.
     coefs = _local_coefficients(coefs, shard, lse, lse, rows.safe)
-    row_ops = row_ops_for(backend, cfg.softcap)
+    row_ops = row_ops_for(backend, hidden.device, cfg.softcap)
     local_targets, local_eos = shard.local_tokens(rows.safe), shard.local(cfg.eos_index)
 
-    def row_pass(start: int, stop: int, z: torch.Tensor) -> None:
-        row_ops.grad_from_lse_(z, lse[start:stop], local_targets[start:stop], local_eos, coefs.rows(start, stop))
+    def row_pass(start: int, stop: int, z: torch.Tensor) -> Optional[SparseGrad]:
+        return row_ops.grad_from_lse_(z, lse[start:stop], local_targets[start:stop], local_eos,
+                                      coefs.rows(start, stop))
 
     dh, dw, db = _chunk_loop(hidden, weight, bias, chunk_rows, row_pass, need, row_ops.vocab_major(hidden.device),
                              dw_dtype)
     if dh is not None:
         shard.sum_(dh)
-    return dh, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype)
+    return (None if dh is None else dh.to(hidden.dtype), None if dw is None else dw.to(weight.dtype),
+            None if db is None else db.to(bias.dtype))

@@ -6,13 +6,14 @@ import contextlib
 import math
 import numbers
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.nmst_fast.*)
 from .backends import triton_available
-from .fused import default_chunk_rows, dw_accumulator_dtype
+from .fused import chunk_buffers, default_chunk_rows, dw_accumulator_dtype
 from .reference import reference_linear_nmst_loss
 from .validation import (
     HEADS,
@@ -246,6 +247,46 @@ def linear_nmst_loss(
     """
     autocasting = _autocasting(hidden)
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
+    options = _checked_options(hidden, weight, targets, bias, head=head, eps=eps, eos_index=eos_index,
+                               ignore_index=ignore_index, reduction=reduction, impl=impl, chunk_size=chunk_size,
+                               softcap=softcap, logit_scale=logit_scale, temperature=temperature, dw_dtype=dw_dtype,
+                               process_group=process_group, vocab_start=vocab_start, validate=validate)
+    # One integer dtype from here on: in uint8, `targets != -100` compares with -100 wrapped to 156.
+    targets = targets.long()
+    steps = expand_steps(steps, targets, head, hidden.dim() == 3)
+    if validate and should_check_data():
+        check_data(head=head, vocab_size=options.vocab_size, targets=targets, ignore_index=ignore_index, steps=steps,
+                   tensors=[("hidden", hidden), ("weight", weight), ("bias", bias)], group=process_group)
+    backend = resolve_impl(impl, hidden.device, hidden.dtype)
+    if backend == "reference":
+        return _reference_loss(hidden, weight, bias, targets, steps, options, autocasting)
+    return _fused_loss(hidden, weight, bias, targets, steps, options, backend, autocasting)
+
+
+@dataclass(frozen=True)
+class _Options:
+    """One call's checked scalar arguments, as plain Python values."""
+
+    head: str
+    eps: float
+    eos_index: int
+    ignore_index: int
+    reduction: str
+    chunk_size: Optional[int]
+    softcap: Optional[float]
+    logit_scale: Optional[float]
+    temperature: float
+    dw_dtype: Optional[torch.dtype]
+    vocab_size: int  # the whole vocabulary's V (-1: a vocabulary shard's, not gathered)
+    group: Optional["torch.distributed.ProcessGroup"]
+    vocab_start: int
+
+
+def _checked_options(hidden, weight, targets, bias, *, head, eps, eos_index, ignore_index, reduction, impl,
+                     chunk_size, softcap, logit_scale, temperature, dw_dtype, process_group, vocab_start,
+                     validate) -> _Options:
+    """Every structural check of a call (types, shapes, dtypes, devices, ranges of the Python scalars; a
+    vocabulary-parallel call's shards, gathered once with ``validate``), before any kernel runs."""
     vocab_size = None
     if process_group is not None:
         check_float_tensor("weight", weight)
@@ -257,85 +298,84 @@ def linear_nmst_loss(
                      softcap, logit_scale, vocab_size)
     _check_dw_dtype(dw_dtype, weight)
     check_temperature(temperature)
-    softcap = None if softcap is None else float(softcap)  # a numpy float as a plain one: the op's schema
-    logit_scale = None if logit_scale is None else float(logit_scale)
-    temperature = float(temperature)
-    # One integer dtype from here on: in uint8, `targets != -100` compares with -100 wrapped to 156.
-    targets = targets.long()
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    layout_3d = hidden.dim() == 3
-    full_steps = expand_steps(steps, targets, head, layout_3d)
-    if validate and should_check_data():
-        check_data(
-            head=head,
-            vocab_size=weight.shape[0] if vocab_size is None else vocab_size,
-            targets=targets,
-            ignore_index=ignore_index,
-            steps=full_steps,
-            tensors=[("hidden", hidden), ("weight", weight), ("bias", bias)],
-            group=process_group,
-        )
-    backend = resolve_impl(impl, hidden.device, hidden.dtype)
-    if backend == "reference":
-        # Under autocast: the projection in autocast's dtype (the inputs were cast), the log-probs
-        # and the loss in fp32 as AMP computes losses — with autocast off, as the fused op runs.
-        with torch.autocast(hidden.device.type, enabled=False) if autocasting else contextlib.nullcontext():
-            return reference_linear_nmst_loss(
-                hidden, weight, targets, eos_index=eos_index, eps=eps, head=head, steps=full_steps,
-                bias=bias, ignore_index=ignore_index, reduction=reduction,
-                logits_dtype=torch.promote_types(hidden.dtype, torch.float32) if autocasting else None,
-                softcap=softcap, logit_scale=logit_scale, temperature=temperature,
-            )
+    # numpy floats as plain ones: the op's schema takes Python floats
+    return _Options(head=head, eps=float(eps), eos_index=int(eos_index), ignore_index=int(ignore_index),
+                    reduction=reduction, chunk_size=chunk_size,
+                    softcap=None if softcap is None else float(softcap),
+                    logit_scale=None if logit_scale is None else float(logit_scale),
+                    temperature=float(temperature), dw_dtype=dw_dtype,
+                    vocab_size=weight.shape[0] if vocab_size is None else vocab_size, group=process_group,
+                    vocab_start=0 if process_group is None else int(vocab_start))
 
-    eos_scale = 1.0
-    if temperature != 1.0:
-        # y / T for every logit: 1/T joins the scale, and the cap c becomes c / T, since
-        # c·tanh(x / c) / T = (c/T)·tanh((x/T) / (c/T)). NMST/ST read eos's logit back at T times that.
-        logit_scale = (1.0 if logit_scale is None else logit_scale) / temperature
-        softcap = None if softcap is None else softcap / temperature
-        eos_scale = 1.0 if head == "va" else temperature
+
+def _reference_loss(hidden, weight, bias, targets, steps, options: _Options, autocasting: bool) -> torch.Tensor:
+    """``impl="reference"``: the spec on materialized logits. Under autocast: the projection in autocast's dtype
+    (the inputs were cast), the log-probs and the loss in fp32 as AMP computes losses, with autocast off, as the
+    fused op runs."""
+    with torch.autocast(hidden.device.type, enabled=False) if autocasting else contextlib.nullcontext():
+        return reference_linear_nmst_loss(
+            hidden, weight, targets, eos_index=options.eos_index, eps=options.eps, head=options.head, steps=steps,
+            bias=bias, ignore_index=options.ignore_index, reduction=options.reduction,
+            logits_dtype=torch.promote_types(hidden.dtype, torch.float32) if autocasting else None,
+            softcap=options.softcap, logit_scale=options.logit_scale, temperature=options.temperature,
+        )
+
+
+def _folded_logit_transforms(hidden, bias, options: _Options):
+    """(hidden, bias, softcap, eos_scale) with the logit scale and the temperature folded in, so the op needs only
+    the cap.
+
+    A temperature T divides every logit y: 1/T joins the scale, and the cap c becomes c / T, since
+    c·tanh(x / c) / T = (c/T)·tanh((x/T) / (c/T)); NMST/ST read eos's logit back at T times that (eos_scale).
+    A scale a: c·tanh(a·z / c) = c·tanh(z' / c) with z' = (a·h) Wᵀ + a·b, and autograd carries the scale to dh
+    and db (dW comes from the op with a·h already in it)."""
+    logit_scale, softcap, eos_scale = options.logit_scale, options.softcap, 1.0
+    if options.temperature != 1.0:
+        logit_scale = (1.0 if logit_scale is None else logit_scale) / options.temperature
+        softcap = None if softcap is None else softcap / options.temperature
+        eos_scale = 1.0 if options.head == "va" else options.temperature
     if logit_scale is not None and logit_scale != 1.0:
-        # c·tanh(a·z / c) = c·tanh(z' / c) with z' = (a·h) Wᵀ + a·b: the op needs only the cap, and
-        # autograd carries the scale to dh and db (dW comes from the op with a·h already in it).
         hidden = hidden * logit_scale
         bias = None if bias is None else bias * logit_scale
+    return hidden, bias, softcap, eos_scale
 
-    H = hidden.shape[-1]
-    flat_hidden = hidden.reshape(-1, H).contiguous()
-    flat_targets = targets.reshape(-1)
-    flat_steps = None if full_steps is None else full_steps.reshape(-1).contiguous()
-    seq_len = targets.shape[-1] if layout_3d else 1
-    N = flat_hidden.shape[0]
-    # The torch row pass keeps x / c beside the chunk for the cap's gradient: two buffers share the budget.
-    buffers = 2 if softcap is not None and backend == "chunked" else 1
-    chunk_rows = chunk_size or default_chunk_rows(N, weight.shape[0], hidden.dtype, hidden.device, buffers=buffers)
+
+def _fused_loss(hidden, weight, bias, targets, steps, options: _Options, backend: str,
+                autocasting: bool) -> torch.Tensor:
+    """The fused op (``torch.ops.nmst_fast.linear_loss``) on the flattened rows."""
+    hidden, bias, softcap, eos_scale = _folded_logit_transforms(hidden, bias, options)
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    chunk_rows = options.chunk_size or default_chunk_rows(
+        flat_hidden.shape[0], weight.shape[0], hidden.dtype, hidden.device,
+        buffers=chunk_buffers(backend, hidden.device, softcap))
     grad_on = torch.is_grad_enabled()
     loss, _lse, _dh, _dw, _db = torch.ops.nmst_fast.linear_loss(
         flat_hidden,
         weight.contiguous(),
         bias,
-        flat_targets,
-        flat_steps,
-        seq_len,
-        head,
-        int(eos_index),
-        float(eps),
-        int(ignore_index),
-        reduction,
+        targets.reshape(-1),
+        None if steps is None else steps.reshape(-1).contiguous(),
+        targets.shape[-1] if hidden.dim() == 3 else 1,  # T: "st" sums along it
+        options.head,
+        options.eos_index,
+        options.eps,
+        options.ignore_index,
+        options.reduction,
         backend,
         chunk_rows,
         grad_on and hidden.requires_grad,
         grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad,
         softcap,
-        None if process_group is None else group_name_of(process_group),
-        0 if process_group is None else int(vocab_start),
-        None if dw_dtype == dw_accumulator_dtype(weight.dtype) else dw_dtype,
+        None if options.group is None else group_name_of(options.group),
+        options.vocab_start,
+        None if options.dw_dtype == dw_accumulator_dtype(weight.dtype) else options.dw_dtype,
         eos_scale,
     )
     # The op's loss is at least fp32. Under autocast it stays so (AMP's losses are fp32: a GradScaler's
     # 65536 would be inf as an fp16 upstream gradient); otherwise it takes hidden's dtype, as F.cross_entropy.
     if not autocasting:
         loss = loss.to(hidden.dtype)
-    return loss.view(targets.shape) if reduction == "none" else loss
+    return loss.view(targets.shape) if options.reduction == "none" else loss

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .fused import HeadConfig, fused_backward_from_lse, fused_forward, mean_divisor
+from .fused import HeadConfig, dh_dtype, fused_backward_from_lse, fused_forward, mean_divisor
 from .settings import HeadSettings
 from .vocab_shard import VocabShard
 
@@ -62,8 +62,8 @@ def linear_loss(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (loss in at least fp32, lse (N,) float64, dh, dW, db); grads are empty unless computed in this pass.
 
-    dW and db come in at least fp32 (the accumulators; dW in ``dw_dtype`` when given): backward scales
-    and casts them."""
+    dW and db come in at least fp32 (the accumulators; dW in ``dw_dtype`` when given), dh in
+    :func:`~nmst_fast.fused.dh_dtype` (at least fp32 on CPU): backward scales and casts them."""
     cfg = HeadConfig(HeadSettings(head, eps, eos_index), ignore_index, seq_len, softcap, eos_scale)
     need = (need_grad_hidden, need_grad_weight, need_grad_bias and bias is not None)  # as the fake kernel
     if reduction == "none":
@@ -87,7 +87,8 @@ def _(hidden, weight, bias, targets, steps, seq_len, head, eos_index, eps, ignor
     loss = hidden.new_empty((N,) if reduction == "none" else (), dtype=torch.promote_types(hidden.dtype, torch.float32))
     lse = hidden.new_empty(N, dtype=torch.float64)
     acc = dw_dtype or torch.promote_types(weight.dtype, torch.float32)
-    dh = torch.empty_like(hidden) if (need_grad_hidden and in_forward) else hidden.new_empty(0)
+    dh = (torch.empty_like(hidden, dtype=dh_dtype(hidden.dtype, hidden.device)) if (need_grad_hidden and in_forward)
+          else hidden.new_empty(0))
     dw = torch.empty_like(weight, dtype=acc) if (need_grad_weight and in_forward) else weight.new_empty(0)
     db = (torch.empty_like(bias, dtype=torch.promote_types(bias.dtype, torch.float32))
           if (need_grad_bias and in_forward and bias is not None) else weight.new_empty(0))
@@ -158,7 +159,8 @@ def scale_cast(acc: Tensor, scale: Tensor, dtype: torch.dtype, backend: str) -> 
     # The product in fp32 or wider: an fp16 scale such as 1/N would be subnormal or zero, and a bf16
     # one 0.4% off (a CUDA kernel casts a 0-dim operand to the common dtype before multiplying).
     wide = torch.promote_types(acc.dtype, torch.float32)
-    return (acc.to(wide) * scale.to(wide)).to(dtype)
+    # one pass: the product in the wide dtype, rounded as it is written (no wide temporary)
+    return torch.mul(acc.to(wide), scale.to(wide), out=torch.empty_like(acc, dtype=dtype))
 
 
 @scale_cast.register_fake
@@ -209,7 +211,7 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db):
         if ctx.reduction == "mean":  # the forward's gradients are the sum's
             scale = grad_loss.to(torch.float64) / mean_divisor(targets != st["ignore_index"])
         if st["need_grad_hidden"]:
-            dh = scale_cast(dh, scale, dh.dtype, st["backend"])
+            dh = scale_cast(dh, scale, weight_dtype, st["backend"])  # hidden's dtype, which is weight's
         if st["need_grad_weight"]:
             dw = scale_cast(dw, scale, weight_dtype, st["backend"])
         if st["need_grad_bias"] and ctx.has_bias:

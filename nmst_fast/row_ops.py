@@ -1,21 +1,25 @@
 """Split-softmax row passes over one chunk of logits, in place.
 
 A row pass turns a chunk of logits z (rows × V) into the logit gradient dz,
-overwriting z, and reports the per-row scalars the head math needs. Two
+overwriting z, and reports the per-row scalars the head math needs. Three
 implementations share one contract so the chunk driver is backend-agnostic:
 
-* :class:`TorchRowOps` — vectorized in-place torch ops (the CPU backend).
+* :class:`CpuRowOps` — the C++ kernels of ``nmst_fast/kernels/cpu/loss_rows.cpp`` (the CPU backend).
+* :class:`TorchRowOps` — vectorized in-place torch ops (CUDA's "chunked" backend, and the CPU's where the C++
+  kernels cannot be built).
 * :class:`TritonRowOps` — the kernels in ``nmst_fast/kernels/split_softmax.py``.
 
 Contract:
-  ``lse_and_grad_(z, targets, eos_index, coefficients)`` returns (L, z_target), each (rows,):
+  ``lse_and_grad_(z, targets, eos_index, coefficients)`` returns (L, z_target, sparse), L and z_target each (rows,):
   L = logsumexp over non-eos columns in float64 (the loss L − z_target keeps its digits at large
   |L|), z_target in at least float32. If ``coefficients``
   is given it is called with L and must return :class:`GradCoefficients`;
-  z is then overwritten with dz (see :mod:`nmst_fast.head_math`).
+  z is then overwritten with dz (see :mod:`nmst_fast.head_math`), but for ``sparse``: None, or a
+  :class:`SparseGrad`, entries of dz the pass left out of the chunk (0 there) for the driver to add to
+  the gradients outside the GEMMs.
   ``eos_index`` -1: the chunk holds no eos column (a vocabulary shard without it).
   ``grad_from_lse_(z, lse, targets, eos_index, coefficients)`` writes dz when
-  L is already known (the recompute backward).
+  L is already known (the recompute backward) and returns ``sparse`` likewise.
 
   With ``softcap`` c (given to the constructor) z holds the raw logits x, the head sees
   y = c · tanh(x / c): L, z_target and the coefficients are y's, and the dz written is the
@@ -24,7 +28,8 @@ Contract:
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -33,8 +38,98 @@ from .head_math import GradCoefficients
 CoefficientsFn = Callable[[torch.Tensor], GradCoefficients]
 
 
+@dataclass
+class SparseGrad:
+    """Entries of a chunk's dz that its row pass left out of the chunk (0 there): ``target_values`` (rows,)
+    float64 at each row's column ``targets`` (rows,) int64 (0 where nothing was left out), and ``eos_values``
+    (rows,) float64 at column ``eos_index`` (None: no eos column in the chunk)."""
+
+    targets: torch.Tensor
+    target_values: torch.Tensor
+    eos_index: int
+    eos_values: Optional[torch.Tensor]
+
+
+class CpuRowOps:
+    """The C++ row pass over vocabulary-major chunks (``nmst_fast/kernels/cpu/loss_rows.cpp``): one read of the
+    chunk for L, one read and write for dz, in float32 (float64 for a float64 chunk), dz rounded once to the
+    chunk's dtype.
+
+    The chunk receives the smooth part of dz, coef · exp(y − L), with the eos column 0 and, on each row where the
+    target's one-hot term would grow the target's entry (|d + g| ≥ |d|: the term dominates), without that term:
+    :class:`SparseGrad` hands those back, and the driver adds them to dh, dW and db in at least float32. The bf16 /
+    fp16 GEMMs then round only the smooth part, whose products are small where the one-hot terms dominate, so
+    dW's sum of per-chunk bf16 products loses no more than one bf16 product over all rows would
+    (tests/test_low_precision.py compares with the materialized bf16 backward)."""
+
+    name = "chunked"
+
+    def __init__(self, kernels: Any, softcap: Optional[float] = None) -> None:
+        self._kernels = kernels
+        self.softcap = softcap
+
+    @staticmethod
+    def vocab_major(device: torch.device) -> bool:
+        return True  # the kernels take a chunk's tokens as contiguous lanes
+
+    def _capped(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """float64 (y, sech²(x / c)) of raw logits x (sech² None without a cap)."""
+        x = x.to(torch.float64)
+        if self.softcap is None:
+            return x, None
+        u = x / self.softcap
+        return self.softcap * torch.tanh(u), torch.cosh(u).square().reciprocal()  # cosh's overflow: 0
+
+    def _gather(self, z: torch.Tensor, targets: torch.Tensor, eos_index: int):
+        """The raw logits of each row's target and eos, read before dz overwrites them."""
+        raw_target = z.gather(1, targets.unsqueeze(1)).squeeze(1)
+        raw_eos = z[:, eos_index].to(torch.float64, copy=True) if eos_index >= 0 else None
+        return raw_target, raw_eos
+
+    def lse_and_grad_(
+        self, z: torch.Tensor, targets: torch.Tensor, eos_index: int, coefficients: Optional[CoefficientsFn]
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[SparseGrad]]:
+        raw_target, raw_eos = self._gather(z, targets, eos_index)
+        lse, row_max = self._kernels.chunk_lse(z.t(), eos_index, self.softcap or 0.0)
+        y_target, sech_target = self._capped(raw_target)
+        z_target = y_target.to(torch.promote_types(z.dtype, torch.float32))
+        if coefficients is None:
+            return lse, z_target, None
+        coefs = coefficients(lse)
+        # exp(y − L) as exp(y − m) · exp(m − L): the chunk's max m is a value of its dtype, exact as the shift
+        sparse = self._write_grad_(z, row_max, coefs.coef_lse * torch.exp(row_max - lse), lse, coefs, targets,
+                                   eos_index, y_target, sech_target, raw_eos)
+        return lse, z_target, sparse
+
+    def grad_from_lse_(
+        self, z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, eos_index: int, coefs: GradCoefficients
+    ) -> SparseGrad:
+        raw_target, raw_eos = self._gather(z, targets, eos_index)
+        y_target, sech_target = self._capped(raw_target)
+        lse = lse.to(torch.float64)
+        return self._write_grad_(z, lse, coefs.coef_lse, lse, coefs, targets, eos_index, y_target, sech_target,
+                                 raw_eos)
+
+    def _write_grad_(self, z, shift, scale, lse, coefs: GradCoefficients, targets, eos_index, y_target, sech_target,
+                     raw_eos) -> SparseGrad:
+        on_eos = targets == eos_index
+        smooth = torch.where(on_eos, 0.0, coefs.coef_lse * torch.exp(torch.where(on_eos, 0.0, y_target - lse)))
+        one_hot = coefs.grad_target.to(torch.float64)
+        if sech_target is not None:
+            smooth, one_hot = smooth * sech_target, one_hot * sech_target
+        left_out = ((smooth + one_hot).abs() >= smooth.abs()) & ~on_eos
+        self._kernels.chunk_grad_(z.t(), shift, scale, eos_index, torch.where(on_eos, -1, targets),
+                                  torch.where(left_out, smooth, smooth + one_hot), self.softcap or 0.0)
+        eos_values = None
+        if eos_index >= 0:
+            eos_values = coefs.grad_eos.to(torch.float64) + torch.where(on_eos, coefs.grad_target.double(), 0.0)
+            if self.softcap is not None:
+                eos_values = eos_values * self._capped(raw_eos)[1]
+        return SparseGrad(targets, torch.where(left_out, one_hot, 0.0), eos_index, eos_values)
+
+
 class TorchRowOps:
-    """In-place torch row pass (fp32/fp64). Without a softcap it never allocates a second
+    """In-place torch row pass. Without a softcap it never allocates a second
     rows×V tensor; a softcap's gradient needs x / c kept while dz overwrites the chunk, in one
     reused rows×V buffer (the driver halves that path's chunk, ``default_chunk_rows(buffers=2)``)."""
 
@@ -99,7 +194,7 @@ class TorchRowOps:
 
     def lse_and_grad_(
         self, z: torch.Tensor, targets: torch.Tensor, eos_index: int, coefficients: Optional[CoefficientsFn]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, None]:
         stats_dtype = torch.promote_types(z.dtype, torch.float32)
         u = self._cap_(z, keep_for_grad=coefficients is not None)
         z_target = z.gather(1, targets.unsqueeze(1)).squeeze(1).to(stats_dtype)
@@ -111,7 +206,7 @@ class TorchRowOps:
             coefs = coefficients(lse)
             self._finish_grad_(z, coefs.coef_lse / sum_exp, coefs, targets, eos_index)
             self._chain_cap_(z, u)
-        return lse, z_target  # float64: L − z_target stays exact to the sum's rounding at any |L|
+        return lse, z_target, None  # float64: L − z_target stays exact to the sum's rounding at any |L|
 
     def grad_from_lse_(
         self, z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, eos_index: int, coefs: GradCoefficients
@@ -140,11 +235,11 @@ class TritonRowOps:
 
     def lse_and_grad_(
         self, z: torch.Tensor, targets: torch.Tensor, eos_index: int, coefficients: Optional[CoefficientsFn]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, None]:
         lse, z_target = self._kernels.split_lse(z, targets, eos_index, self.softcap)
         if coefficients is not None:
             self.grad_from_lse_(z, lse, targets, eos_index, coefficients(lse))
-        return lse, z_target
+        return lse, z_target, None
 
     def grad_from_lse_(
         self, z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, eos_index: int, coefs: GradCoefficients

@@ -71,14 +71,15 @@ def make_case(
 
 
 def run(case: Case, impl: str, dtype: torch.dtype, *, reduction: str = "mean", chunk_size=None,
-        grad_out: Optional[torch.Tensor] = None):
-    """Loss and grads (hidden, weight, bias) of one impl in ``dtype``, returned as float64."""
+        grad_out: Optional[torch.Tensor] = None, **options):
+    """Loss and grads (hidden, weight, bias) of one impl in ``dtype``, returned as float64; ``options``: more
+    keyword arguments of ``linear_nmst_loss`` (softcap, ...)."""
     leaves = [t.to(DEVICE, dtype).requires_grad_() if t is not None else None
               for t in (case.hidden, case.weight, case.bias)]
     hidden, weight, bias = leaves
     loss = nmst_fast.linear_nmst_loss(
         hidden, weight, case.targets, eos_index=case.eos_index, eps=case.eps, head=case.head,
-        steps=case.steps, bias=bias, reduction=reduction, impl=impl, chunk_size=chunk_size,
+        steps=case.steps, bias=bias, reduction=reduction, impl=impl, chunk_size=chunk_size, **options,
     )
     if grad_out is None:
         grad_out = torch.ones_like(loss)

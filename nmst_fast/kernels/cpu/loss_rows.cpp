@@ -1,0 +1,279 @@
+// The fused loss's row pass on CPU (nmst_fast.row_ops.CpuRowOps): one chunk of logits stored vocabulary-major,
+// z (V, R) with unit stride along its R rows (the chunk's tokens) and any stride between vocabulary entries, as
+// the chunk's GEMM W·hᵀ writes it. float32, bfloat16, float16 or float64; float64 computes in float64, the others
+// in float32 (a bfloat16 / float16 value is read once into float32 and the gradient rounded once on its way out).
+//
+// Vocabulary-major, a chunk's rows are contiguous lanes: every vector instruction serves 8-32 tokens at one
+// vocabulary entry. Each thread takes a stretch of the columns and walks every vocabulary row's part of it
+// contiguously (so the hardware prefetchers follow), its tokens' running statistics in arrays that stay in L1.
+//
+//   chunk_lse(z, eos, softcap) -> (L, m):  (R,) float64 L = log sum_{v != eos} exp(y[v, r]) and (R,) float64 m =
+//     the max of those y, y = z, or c·tanh(z / c) with a softcap c > 0 (0: none). One read of the chunk: each
+//     block of kBlock vocabulary entries is read twice while it sits in cache (its max, then the sum of
+//     exp(y - block max)), and the blocks merge in float64.
+//   chunk_grad_(z, shift, scale, eos, targets, values, softcap):  in place, z[v, r] <- scale[r]·exp(y[v, r] -
+//     shift[r]) · (sech²(z / c) with a softcap) for every v != eos, rounded once to z's dtype; then z[eos, r] <- 0
+//     (eos >= 0) and z[targets[r], r] <- values[r] where targets[r] >= 0. shift is taken as the nearest value of
+//     the compute type and scale corrected for that rounding, so shift may be L itself.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using at::vec::Vectorized;
+
+constexpr int64_t kBlock = 256;  // vocabulary entries per block of chunk_lse: a thread's block stays in L2
+constexpr int64_t kGrain = 256;  // columns per task at least: a thread streams whole stretches of each row
+
+// How compute values (float, or double for double storage) are read from and written to storage T, kStep lanes
+// at a time as two vectors a, b; ``n`` < kStep lanes at the end of a thread's columns (the rest read as 0, not
+// written).
+template <typename T>
+struct Lanes {
+  using C = float;
+  using V = Vectorized<float>;
+  static constexpr int64_t kStep = Vectorized<T>::size();  // two float vectors
+  static void load(const T* p, int64_t n, V& a, V& b) {
+    const auto x = n == kStep ? Vectorized<T>::loadu(p) : Vectorized<T>::loadu(p, static_cast<int16_t>(n));
+    std::tie(a, b) = at::vec::convert_to_float<T>(x);
+  }
+  static void store(T* p, V a, V b, int64_t n) { at::vec::convert_from_float<T>(a, b).store(p, static_cast<int>(n)); }
+  static V exp(V x) { return x.exp_u20(); }  // within bfloat16 / float16's rounding of the result
+};
+
+template <typename T, typename Vec>
+struct WideLanes {  // float and double: two vectors of their own type
+  using C = T;
+  using V = Vec;
+  static constexpr int64_t kStep = 2 * V::size();
+  static void load(const T* p, int64_t n, V& a, V& b) {
+    constexpr int64_t W = V::size();
+    a = n >= W ? V::loadu(p) : V::loadu(p, n);
+    b = n == kStep ? V::loadu(p + W) : V::loadu(p + W, std::max<int64_t>(n - W, 0));
+  }
+  static void store(T* p, V a, V b, int64_t n) {
+    constexpr int64_t W = V::size();
+    a.store(p, static_cast<int>(std::min(n, W)));
+    if (n > W) {
+      b.store(p + W, static_cast<int>(n - W));
+    }
+  }
+  static V exp(V x) { return x.exp(); }
+};
+
+template <>
+struct Lanes<float> : WideLanes<float, Vectorized<float>> {};
+template <>
+struct Lanes<double> : WideLanes<double, Vectorized<double>> {};
+
+// y = c·tanh(x / c) and, if wanted, sech²(x / c), from e = exp(-2|x / c|): tanh|u| = (1 - e) / (1 + e) and
+// sech² u = 4e / (1 + e)², accurate at any |u| (1 - tanh² would round to 0 where tanh rounds to 1).
+template <typename L>
+inline typename L::V capped(typename L::V x, typename L::C cap, typename L::C inv_cap, typename L::V* sech2) {
+  using V = typename L::V;
+  const V one(1), u = x * V(inv_cap);
+  const V e = L::exp(V(-2) * u.abs());
+  const V denom = one + e;
+  const V t = (one - e) / denom;
+  if (sech2 != nullptr) {
+    *sech2 = V(4) * e / (denom * denom);
+  }
+  return V(cap) * V::blendv(t, V(0) - t, u < V(0));
+}
+
+// A thread's columns [first, last) of a (V, R) chunk at ``base`` (row stride ld): ``body(v, column, lanes)`` for
+// each vocabulary entry v != eos in [v0, v1) and each step of kStep columns, walking each row contiguously.
+template <typename L, typename T, typename F>
+inline void walk(int64_t v0, int64_t v1, int64_t eos, int64_t first, int64_t last, F&& body) {
+  for (int64_t v = v0; v < v1; ++v) {
+    if (v == eos) continue;
+    for (int64_t c = first; c < last; c += L::kStep) {
+      body(v, c, std::min(L::kStep, last - c));
+    }
+  }
+}
+
+template <typename T>
+void span_lse(const T* z, int64_t ld, int64_t V_, int64_t eos, double softcap, int64_t first, int64_t last,
+              double* lse_out, double* max_out) {
+  using L = Lanes<T>;
+  using V = typename L::V;
+  using C = typename L::C;
+  constexpr int64_t W = V::size();
+  const int64_t n = last - first, padded = (n + L::kStep - 1) / L::kStep * L::kStep;
+  const C cap = static_cast<C>(softcap), inv_cap = softcap > 0 ? static_cast<C>(1.0 / softcap) : C(0);
+  const C lowest = -std::numeric_limits<C>::infinity();
+  std::vector<C> block_max(padded), shift(padded), block_sum(padded);
+  std::vector<double> run_max(n, -std::numeric_limits<double>::infinity()), run_sum(n, 0.0);
+  auto values = [&](int64_t v, int64_t c, int64_t lanes, V& a, V& b) {
+    L::load(z + v * ld + c, lanes, a, b);
+    if (softcap > 0) {
+      a = capped<L>(a, cap, inv_cap, nullptr);
+      b = capped<L>(b, cap, inv_cap, nullptr);
+    }
+  };
+  for (int64_t v0 = 0; v0 < V_; v0 += kBlock) {
+    const int64_t v1 = std::min(V_, v0 + kBlock);
+    std::fill(block_max.begin(), block_max.end(), lowest);
+    std::fill(block_sum.begin(), block_sum.end(), C(0));
+    walk<L, T>(v0, v1, eos, first, last, [&](int64_t v, int64_t c, int64_t lanes) {
+      V a, b;
+      values(v, c, lanes, a, b);
+      C* m = block_max.data() + (c - first);
+      at::vec::maximum(V::loadu(m), a).store(m);
+      at::vec::maximum(V::loadu(m + W), b).store(m + W);
+    });
+    for (int64_t k = 0; k < padded; ++k) {  // a column of -inf only (or none) in the block: exp(-inf - 0) = 0
+      shift[k] = block_max[k] == lowest ? C(0) : block_max[k];
+    }
+    walk<L, T>(v0, v1, eos, first, last, [&](int64_t v, int64_t c, int64_t lanes) {
+      V a, b;
+      values(v, c, lanes, a, b);
+      const int64_t k = c - first;
+      C* sum = block_sum.data() + k;
+      (V::loadu(sum) + L::exp(a - V::loadu(shift.data() + k))).store(sum);
+      (V::loadu(sum + W) + L::exp(b - V::loadu(shift.data() + k + W))).store(sum + W);
+    });
+    for (int64_t k = 0; k < n; ++k) {  // merge the block into the running max and sum, in float64
+      const double m = block_max[k], s = block_sum[k];
+      if (std::isnan(m)) {
+        run_max[k] = run_sum[k] = std::numeric_limits<double>::quiet_NaN();
+      } else if (m > run_max[k]) {
+        run_sum[k] = run_sum[k] * std::exp(run_max[k] - m) + s;
+        run_max[k] = m;
+      } else if (m != -std::numeric_limits<double>::infinity()) {
+        run_sum[k] += s * std::exp(m - run_max[k]);
+      }
+    }
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    const double m = run_max[k];
+    lse_out[first + k] = std::isfinite(m) ? m + std::log(run_sum[k]) : m;
+    max_out[first + k] = m;
+  }
+}
+
+template <typename T>
+void span_grad(T* z, int64_t ld, int64_t V_, int64_t eos, double softcap, int64_t first, int64_t last,
+               const double* shift, const double* scale) {
+  using L = Lanes<T>;
+  using V = typename L::V;
+  using C = typename L::C;
+  constexpr int64_t W = V::size();
+  const int64_t n = last - first, padded = (n + L::kStep - 1) / L::kStep * L::kStep;
+  // the shift as the compute type holds it; the scale takes the difference: exp(y - s) = exp(y - s_C)·exp(s_C - s)
+  std::vector<C> shifts(padded, C(0)), scales(padded, C(0));
+  for (int64_t k = 0; k < n; ++k) {
+    const double s = shift[first + k];
+    if (std::isfinite(s)) {
+      shifts[k] = static_cast<C>(s);
+      scales[k] = static_cast<C>(scale[first + k] * std::exp(static_cast<double>(shifts[k]) - s));
+    }
+  }
+  const C cap = static_cast<C>(softcap), inv_cap = softcap > 0 ? static_cast<C>(1.0 / softcap) : C(0);
+  walk<L, T>(0, V_, eos, first, last, [&](int64_t v, int64_t c, int64_t lanes) {
+    T* at = z + v * ld + c;
+    const int64_t k = c - first;
+    V a, b;
+    L::load(at, lanes, a, b);
+    const V sh_a = V::loadu(shifts.data() + k), sh_b = V::loadu(shifts.data() + k + W);
+    const V sc_a = V::loadu(scales.data() + k), sc_b = V::loadu(scales.data() + k + W);
+    if (softcap > 0) {
+      V sech_a, sech_b;
+      const V ya = capped<L>(a, cap, inv_cap, &sech_a), yb = capped<L>(b, cap, inv_cap, &sech_b);
+      a = L::exp(ya - sh_a) * sc_a * sech_a;
+      b = L::exp(yb - sh_b) * sc_b * sech_b;
+    } else {
+      a = L::exp(a - sh_a) * sc_a;
+      b = L::exp(b - sh_b) * sc_b;
+    }
+    L::store(at, a, b, lanes);
+  });
+}
+
+void check_chunk(const at::Tensor& z, int64_t eos, const char* op) {
+  TORCH_CHECK(z.device().is_cpu() && z.dim() == 2 && (z.size(1) <= 1 || z.stride(1) == 1) &&
+                  (z.size(0) <= 1 || z.stride(0) >= z.size(1)),
+              op, ": the chunk must be a (V, R) CPU tensor with unit stride along R");
+  TORCH_CHECK(z.scalar_type() == at::kFloat || z.scalar_type() == at::kDouble || z.scalar_type() == at::kBFloat16 ||
+                  z.scalar_type() == at::kHalf,
+              op, ": the chunk must be float32, float64, bfloat16 or float16");
+  TORCH_CHECK(-1 <= eos && eos < z.size(0), op, ": eos must be a row of the chunk, or -1");
+}
+
+const double* rows_of(const at::Tensor& t, int64_t R, const char* op, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kDouble && t.dim() == 1 && t.size(0) == R &&
+                  t.is_contiguous(),
+              op, ": ", name, " must be a contiguous (R,) float64 CPU tensor");
+  return t.data_ptr<double>();
+}
+
+std::tuple<at::Tensor, at::Tensor> chunk_lse(const at::Tensor& z, int64_t eos, double softcap) {
+  check_chunk(z, eos, "chunk_lse");
+  const int64_t V_ = z.size(0), R = z.size(1), ld = z.stride(0);
+  at::Tensor lse = at::empty({R}, z.options().dtype(at::kDouble));
+  at::Tensor row_max = at::empty({R}, z.options().dtype(at::kDouble));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, z.scalar_type(), "chunk_lse", [&] {
+    at::parallel_for(0, R, kGrain, [&](int64_t first, int64_t last) {
+      span_lse<scalar_t>(z.const_data_ptr<scalar_t>(), ld, V_, eos, softcap, first, last, lse.data_ptr<double>(),
+                         row_max.data_ptr<double>());
+    });
+  });
+  return {lse, row_max};
+}
+
+void chunk_grad_(at::Tensor& z, const at::Tensor& shift, const at::Tensor& scale, int64_t eos,
+                 const at::Tensor& targets, const at::Tensor& values, double softcap) {
+  check_chunk(z, eos, "chunk_grad_");
+  const int64_t V_ = z.size(0), R = z.size(1), ld = z.stride(0);
+  const double* shifts = rows_of(shift, R, "chunk_grad_", "shift");
+  const double* scales = rows_of(scale, R, "chunk_grad_", "scale");
+  const double* value = rows_of(values, R, "chunk_grad_", "values");
+  TORCH_CHECK(targets.device().is_cpu() && targets.scalar_type() == at::kLong && targets.dim() == 1 &&
+                  targets.size(0) == R && targets.is_contiguous(),
+              "chunk_grad_: targets must be a contiguous (R,) int64 CPU tensor");
+  const int64_t* target = targets.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(-1 <= target[r] && target[r] < V_, "chunk_grad_: target ", target[r], " is not a row of the chunk");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, z.scalar_type(), "chunk_grad_", [&] {
+    scalar_t* base = z.data_ptr<scalar_t>();
+    at::parallel_for(0, R, kGrain, [&](int64_t first, int64_t last) {
+      span_grad<scalar_t>(base, ld, V_, eos, softcap, first, last, shifts, scales);
+    });
+    if (eos >= 0) {
+      std::fill(base + eos * ld, base + eos * ld + R, scalar_t(0));
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      if (target[r] >= 0) {
+        base[target[r] * ld + r] = static_cast<scalar_t>(value[r]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(nmst_fast_cpu, m) {
+  m.def("chunk_lse(Tensor z, int eos, float softcap) -> (Tensor, Tensor)");
+  m.def("chunk_grad_(Tensor(a!) z, Tensor shift, Tensor scale, int eos, Tensor targets, Tensor values, "
+        "float softcap) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(nmst_fast_cpu, CPU, m) {
+  m.impl("chunk_lse", &chunk_lse);
+  m.impl("chunk_grad_", &chunk_grad_);
+}
