@@ -62,12 +62,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 changed = upgrade_checkpoint(directory)
                 print(f"{directory}: {'upgraded' if changed else 'already of the NMST checkpoint type'}")
         elif args.command == "export-gguf":
-            from .integrations.llama_cpp.export import export_gguf
+            from .integrations.llama_cpp.export import export_gguf, file_architecture, saved_config
 
             out = export_gguf(args.directory, args.out, dtype=args.type)  # says how to install gguf where it lacks
-            import gguf
-
-            architecture = gguf.GGUFReader(out).fields["general.architecture"].contents()
+            architecture = file_architecture(saved_config(args.directory))
             print(f"{out}: the NMST model with its head, architecture {architecture} (plain llama.cpp refuses it). "
                   "Decode it with nmst_fast.integrations.llama_cpp.load(path)")
         else:

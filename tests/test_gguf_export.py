@@ -3,9 +3,12 @@ the files in tests_llama_cpp/, in their own virtualenv)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -81,10 +84,42 @@ def test_each_family_writes_llama_cpps_names_and_keys_under_the_nmst_architectur
     assert {"token_embd.weight", "output_norm.weight"} <= names
 
 
-def test_f32_tensors_are_the_weights_permuted_as_llama_cpps_rotary_layout_needs(tokenizer, tmp_path):
+def as_pickle(directory) -> None:
+    """The checkpoint's weights as torch's pickle, ``pytorch_model.bin``, as transformers 4 could save them (5 writes
+    safetensors only)."""
+    from safetensors.torch import load_file
+
+    path = directory / "model.safetensors"
+    torch.save(load_file(path), directory / "pytorch_model.bin")
+    path.unlink()
+
+
+# How the checkpoint is saved (one safetensors file, shards and their index, torch's pickle) and how many bytes of
+# float32 the export converts per block (the default: whole tensors here; 512: a few rows per block).
+SAVED_AS = {"one file": {}, "shards": {"max_shard_size": "100KB"}, "pickle": {}}
+
+
+@pytest.mark.parametrize("saved_as, block_bytes", [("one file", None), ("one file", 512), ("shards", 512),
+                                                   ("pickle", None)])
+def test_f32_tensors_are_the_weights_permuted_as_llama_cpps_rotary_layout_needs(saved_as, block_bytes, tokenizer,
+                                                                                 tmp_path, monkeypatch):
     """Llama's q / k rows: each head's halves interleaved (row 2i of a head is its row i, row 2i+1 its row i + d/2);
-    v and every other tensor as saved (GGUF lists the dimensions innermost first)."""
+    v and every other tensor as saved (GGUF lists the dimensions innermost first); from every way a checkpoint is
+    saved, streamed in blocks of rows."""
+    import nmst_fast.integrations.llama_cpp.export as export
+
     model = save(tmp_path / "m", "llama", tokenizer)
+    if saved_as != "one file":
+        model.save_pretrained(tmp_path / "s", **SAVED_AS[saved_as])
+        tokenizer.save_pretrained(tmp_path / "s")
+        if saved_as == "pickle":
+            as_pickle(tmp_path / "s")
+        (tmp_path / "m").rename(tmp_path / "unused")
+        (tmp_path / "s").rename(tmp_path / "m")
+        assert (tmp_path / "m" / ("model.safetensors.index.json" if saved_as == "shards" else "pytorch_model.bin")
+                ).is_file()
+    if block_bytes:
+        monkeypatch.setattr(export, "BLOCK_BYTES", block_bytes)
     reader, _ = fields(export_gguf(tmp_path / "m", tmp_path / "m.gguf", dtype="f32"))
     tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
     q = hf_weight(model, "model.layers.1.self_attn.q_proj.weight").numpy()
@@ -101,7 +136,10 @@ def test_f32_tensors_are_the_weights_permuted_as_llama_cpps_rotary_layout_needs(
     equal(tensors["token_embd.weight"], hf_weight(model, "model.embed_tokens.weight"))
 
 
-def test_gpt2s_conv1d_weights_are_transposed_and_qwen_keeps_its_layout(tokenizer, tmp_path):
+def test_gpt2s_conv1d_weights_are_transposed_and_qwen_keeps_its_layout(tokenizer, tmp_path, monkeypatch):
+    import nmst_fast.integrations.llama_cpp.export as export
+
+    monkeypatch.setattr(export, "BLOCK_BYTES", 700)  # a few columns of the source per block
     model = save(tmp_path / "g", "gpt2", tokenizer)
     reader, _ = fields(export_gguf(tmp_path / "g", tmp_path / "g.gguf", dtype="f32"))
     tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
@@ -216,3 +254,53 @@ def test_the_command_writes_the_file_and_refuses_with_a_message(tokenizer, tmp_p
     done = subprocess.run([sys.executable, "-m", "nmst_fast.cli", "export-gguf", str(tmp_path / "p"),
                            str(tmp_path / "p.gguf")], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "nmst-fast export-gguf:" in done.stderr and "no NMST head" in done.stderr
+
+
+def test_the_export_streams_the_checkpoint_and_never_builds_the_model(tokenizer, tmp_path, monkeypatch):
+    """The weights are read from the checkpoint's files one tensor at a time: no model class is instantiated, and
+    at most one tensor's source is open at a time."""
+    import transformers
+
+    import nmst_fast.integrations.llama_cpp.export as export
+
+    save(tmp_path / "m", "qwen3", tokenizer)
+    for auto in ("AutoModel", "AutoModelForCausalLM"):
+        monkeypatch.setattr(getattr(transformers, auto), "from_pretrained", None)
+    open_now, most = [], [0]
+    reader = export._Checkpoint.reader
+
+    @contextlib.contextmanager
+    def counted(self, name):
+        open_now.append(name)
+        most[0] = max(most[0], len(open_now))
+        with reader(self, name) as read:
+            yield read
+        open_now.remove(name)
+
+    monkeypatch.setattr(export._Checkpoint, "reader", counted)
+    out = export_gguf(tmp_path / "m", tmp_path / "m.gguf", dtype="q8_0")
+    assert most == [1] and len(gguf.GGUFReader(out).tensors) > 10
+
+
+@pytest.mark.parametrize("command, message", [
+    (["export-gguf", "{missing}", "{tmp}/out.gguf"], "{missing} has no config.json: not a saved model directory"),
+    (["export-gguf", "{empty}", "{tmp}/out.gguf"], "{empty} has no config.json: not a saved model directory"),
+    (["export-gguf", "{model}", "{missing}/out.gguf"], "{missing} does not exist: the GGUF file's directory must"),
+    (["export-gguf", "{config_only}", "{tmp}/out.gguf"], "{config_only} holds no weights"),
+    (["export-plain", "{missing}", "{tmp}/plain"], "{missing} has no config.json: not a saved model directory"),
+    (["export-plain", "{model}", "{model}"], "{model} exists: export-plain writes a new directory"),
+    (["upgrade", "{missing}"], "{missing} has no config.json: not a saved model directory"),
+])
+def test_a_wrong_path_gets_one_line_naming_it_and_exit_status_2(command, message, tokenizer, tmp_path):
+    """As a user runs the command (the installed console script): one line on stderr, no traceback."""
+    paths = {"tmp": tmp_path, "missing": tmp_path / "nonexistent", "empty": tmp_path / "empty",
+             "model": tmp_path / "m", "config_only": tmp_path / "c"}
+    (tmp_path / "empty").mkdir()
+    save(tmp_path / "m", "llama", tokenizer)
+    (tmp_path / "c").mkdir()
+    shutil.copy(tmp_path / "m" / "config.json", tmp_path / "c" / "config.json")
+    done = subprocess.run([Path(sys.executable).with_name("nmst-fast"), *[a.format(**paths) for a in command]],
+                          capture_output=True, text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert lines[0].startswith(f"nmst-fast {command[0]}: {message.format(**paths)}"), lines

@@ -17,6 +17,7 @@ adopted on its own (``--torch`` tries another).
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -85,10 +86,18 @@ def python_of(venv_dir: Path) -> Path:
     return venv_dir / "bin" / "python"
 
 
+def ensure_venv(venv_dir: Path) -> None:
+    """A virtualenv at ``venv_dir``: one already there is used as it is, whoever made it (``python -m venv``, as the
+    README does, links its interpreter where EnvBuilder would copy one over the link); otherwise a new one."""
+    if (venv_dir / "pyvenv.cfg").is_file() and python_of(venv_dir).exists():
+        return
+    venv.EnvBuilder(with_pip=True, symlinks=os.name != "nt").create(venv_dir)
+
+
 def install(env: Environment, venv_dir: Path, *, newest: bool = False, torch: str | None = None) -> None:
-    """Create ``venv_dir`` and install ``env`` into it: from its lock file, or (``newest``) at every package's
-    newest release but torch's (the lock's, or ``torch``)."""
-    venv.EnvBuilder(with_pip=True, clear=False).create(venv_dir)
+    """Install ``env`` into the virtualenv ``venv_dir`` (made if absent): from its lock file, or (``newest``) at every
+    package's newest release but torch's (the lock's, or ``torch``)."""
+    ensure_venv(venv_dir)
     pip = [str(python_of(venv_dir)), "-m", "pip"]
     torch = torch or f"torch=={locked_version(env.lock, 'torch')}"
     constraints = [] if newest else ["-c", str(env.lock)]

@@ -13,6 +13,8 @@ biases) stay f32.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,43 +103,196 @@ def _permuted(weight: torch.Tensor, heads: int) -> torch.Tensor:
         .reshape(weight.shape)
 
 
-def _tensors(model: torch.nn.Module, family: Family, architecture: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(llama.cpp name, tensor) of every weight the architecture reads."""
+# Source rows (or columns, for a transposed weight) converted and written per block: about 16 MiB in float32.
+BLOCK_BYTES = 16 * 2**20
+
+
+class _Checkpoint:
+    """The tensors of a saved model's directory, read one at a time: its safetensors file(s) (``model.safetensors``,
+    or the shards of ``model.safetensors.index.json``), or a ``pytorch_model.bin`` memory-mapped. A safetensors file
+    is opened for each read and closed after it, so its mapped pages leave the process with the read."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            self.files = {name: directory / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        elif (directory / "model.safetensors").is_file():
+            from safetensors import safe_open
+
+            with safe_open(directory / "model.safetensors", framework="pt") as f:
+                self.files = {name: directory / "model.safetensors" for name in f.keys()}
+        elif (directory / "pytorch_model.bin").is_file():
+            self.files = None
+            self._state = torch.load(directory / "pytorch_model.bin", map_location="cpu", mmap=True, weights_only=True)
+        else:
+            raise FileNotFoundError(f"{directory} holds no weights (model.safetensors, its index, or "
+                                    "pytorch_model.bin): not a saved model directory")
+
+    def names(self) -> list[str]:
+        return list(self.files if self.files is not None else self._state)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if self.files is None:
+            return tuple(self._state[name].shape)
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], framework="pt") as f:
+            return tuple(f.get_slice(name).get_shape())
+
+    @contextlib.contextmanager
+    def reader(self, name: str) -> Iterator[Callable[[slice, slice], torch.Tensor]]:
+        """``read(rows, columns)``: that part of the tensor ``name``, as float32, while the context is open."""
+        if self.files is None:
+            tensor = self._state[name]
+            yield lambda rows, columns: tensor[rows, columns].float() if tensor.dim() > 1 else tensor[rows].float()
+            return
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], framework="pt") as f:
+            part = f.get_slice(name)
+            yield lambda rows, columns: (part[rows, columns] if len(part.get_shape()) > 1 else part[rows]).float()
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """One tensor of the file: its llama.cpp name, where it comes from and what the file stores."""
+
+    target: str
+    source: str
+    shape: tuple[int, ...]  # as the file holds it (rows, columns): after a transposition
+    qtype: Any  # gguf.GGMLQuantizationType
+    transposed: bool
+    rotary_heads: int  # > 0: q / k rows permuted to llama.cpp's rotary layout, head by head
+
+    @property
+    def nbytes(self) -> int:
+        import gguf
+
+        block, size = gguf.GGML_QUANT_SIZES[self.qtype]
+        return int(np.prod(self.shape)) // block * size
+
+
+def _tensor_type(shape: tuple[int, ...], kind: str) -> Any:
+    """The GGML type a tensor of ``shape`` is stored in for the export's ``kind``: vectors f32; matrices f32, f16,
+    or q8_0 where their rows split into 32-value blocks (f16 otherwise)."""
     import gguf
 
-    config = model.config
-    names = gguf.get_tensor_name_map(architecture, getattr(config, "num_hidden_layers", None) or config.n_layer)
-    head = model.get_output_embeddings()
-    tied = head.weight is model.get_input_embeddings().weight
-    output = next(name for name, module in model.named_modules() if module is head) + ".weight"
-    for name, tensor in model.state_dict().items():
-        if name.endswith(family.skipped) or (tied and name == output):
+    if len(shape) < 2 or kind == "f32":
+        return gguf.GGMLQuantizationType.F32
+    if kind == "q8_0" and shape[-1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0] == 0:
+        return gguf.GGMLQuantizationType.Q8_0
+    return gguf.GGMLQuantizationType.F16
+
+
+def _plan(checkpoint: _Checkpoint, config: Any, family: Family, architecture: Any, kind: str) -> list[_Planned]:
+    """Every tensor the architecture reads, from the checkpoint's names and shapes (no data read)."""
+    import gguf
+
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    names = gguf.get_tensor_name_map(architecture, layers)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    heads = config.num_attention_heads if hasattr(config, "num_attention_heads") else config.n_head
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    planned = []
+    for name in checkpoint.names():
+        if name.endswith(family.skipped) or (tied and name == "lm_head.weight"):
             continue  # llama.cpp reads a tied output layer from token_embd
         target = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if target is None:
-            raise ValueError(f"{config.base_model_type}'s tensor {name!r} has no llama.cpp name: the GGUF export "
+            raise ValueError(f"{_family_name(config)}'s tensor {name!r} has no llama.cpp name: the GGUF export "
                              "cannot write this model")
-        tensor = tensor.detach().float()
-        if name.endswith(family.transposed):
-            tensor = tensor.t()
+        shape = checkpoint.shape(name)
+        transposed = name.endswith(family.transposed)
+        if transposed:
+            shape = shape[::-1]
+        rotary = 0
         if family.permute_rotary and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_attention_heads if "q_proj" in name else \
-                (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-            tensor = _permuted(tensor, heads)
-        yield target, tensor
+            rotary = heads if "q_proj" in name else kv_heads
+        planned.append(_Planned(target, name, shape, _tensor_type(shape, kind), transposed, rotary))
+    return planned
 
 
-def _encoded(tensor: torch.Tensor, kind: str) -> tuple[np.ndarray, Any]:
-    """The tensor as the file stores it (numpy data, its GGML type)."""
+def _blocks(checkpoint: _Checkpoint, tensor: _Planned) -> Iterator[np.ndarray]:
+    """The tensor as the file stores it, in blocks of whole rows (one head's rows for a rotary permutation), each
+    read, transposed or permuted, and encoded on its own."""
     import gguf
 
-    data = tensor.contiguous().numpy()
-    if data.ndim < 2 or kind == "f32":
-        return data.astype(np.float32), gguf.GGMLQuantizationType.F32
-    if kind == "q8_0" and data.shape[-1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0] == 0:
-        qtype = gguf.GGMLQuantizationType.Q8_0
-        return gguf.quants.quantize(data, qtype), qtype
-    return data.astype(np.float16), gguf.GGMLQuantizationType.F16
+    rows = tensor.shape[0] if len(tensor.shape) > 1 else 1
+    width = int(np.prod(tensor.shape)) // rows
+    step = tensor.shape[0] // tensor.rotary_heads if tensor.rotary_heads else max(1, BLOCK_BYTES // (4 * width))
+    with checkpoint.reader(tensor.source) as read:
+        for start in range(0, rows, step):
+            part = slice(start, min(start + step, rows))
+            if len(tensor.shape) < 2:
+                block = read(slice(None), slice(None))
+            elif tensor.transposed:  # the source's columns are the file's rows
+                block = read(slice(None), part).t()
+            else:
+                block = read(part, slice(None))
+            if tensor.rotary_heads:
+                block = _permuted(block, 1)
+            data = block.contiguous().numpy()
+            if tensor.qtype == gguf.GGMLQuantizationType.F32:
+                yield data.astype(np.float32, copy=False)
+            elif tensor.qtype == gguf.GGMLQuantizationType.F16:
+                yield data.astype(np.float16)
+            else:
+                yield gguf.quants.quantize(data, tensor.qtype)
+
+
+def _write_tensor(writer: Any, checkpoint: _Checkpoint, tensor: _Planned) -> None:
+    """The tensor's data at the writer's position, block by block (the writer's ``write_tensor_data`` takes a whole
+    array): the padding before and after as it writes them, and the tensor's entry taken off its list as it does."""
+    import gguf
+
+    out = writer.fout[0]
+    writer.write_padding(out, out.tell())
+    written = 0
+    for block in _blocks(checkpoint, tensor):
+        block.tofile(out)
+        written += block.nbytes
+    if written != tensor.nbytes:
+        raise RuntimeError(f"{tensor.source}: wrote {written} bytes for {tensor.nbytes}")
+    writer.write_padding(out, written)
+    writer.tensors[0].pop(tensor.target)
+    writer.state = gguf.WriterState.WEIGHTS
+
+
+def saved_config(directory: str | os.PathLike) -> Any:
+    """The configuration of the NMST model saved in ``directory`` (a ``transformers`` config with its ``nmst``
+    entry). A path that is not a saved model, or a model without a head, is refused with a FileNotFoundError /
+    ValueError naming it."""
+    from transformers import AutoConfig
+
+    import nmst_fast  # noqa: F401  (opens the NMST checkpoint type)
+
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"{directory} has no config.json: not a saved model directory")
+    config = AutoConfig.from_pretrained(directory)
+    if not getattr(config, "nmst", None):
+        raise ValueError(f"{directory} holds no NMST head (its config.json has no 'nmst' entry): export-gguf writes "
+                         "models saved after apply_nmst; for a plain model use llama.cpp's convert_hf_to_gguf.py")
+    return config
+
+
+def file_architecture(config: Any) -> str:
+    """The ``general.architecture`` of the file exported from a model of ``config`` (e.g. "nmst-llama")."""
+    return nmst_architecture(_family(config).architecture)
+
+
+def _family_name(config: Any) -> str:
+    return getattr(config, "base_model_type", config.model_type)
+
+
+def _family(config: Any) -> Family:
+    base = _family_name(config)
+    family = FAMILIES.get(base)
+    if family is None:
+        raise ValueError(f"the GGUF export has no writer for the model type {base!r} (it writes "
+                         f"{', '.join(sorted(FAMILIES))})")
+    return family
 
 
 def export_gguf(directory: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "f16") -> Path:
@@ -145,33 +300,29 @@ def export_gguf(directory: str | os.PathLike, out: str | os.PathLike, *, dtype: 
     as the GGUF file ``out``, tensors of type ``dtype`` ("f32" | "f16" | "q8_0"). The file is written beside ``out``
     and moved into place when complete. Returns ``out``.
 
-    Refused with a ValueError naming the reason: a directory without a head, a family other than
-    :data:`FAMILIES`' (llama, mistral, qwen2, qwen3, gpt2), a configuration llama.cpp's architecture does not
+    The weights stream: each tensor is read from the checkpoint's files, converted and written in blocks of rows,
+    so the export holds about one tensor of the checkpoint at a time (never the model).
+
+    Refused with a FileNotFoundError naming the path: a directory that is not a saved model, an output directory
+    that does not exist. Refused with a ValueError naming the reason: a directory without a head, a family other
+    than :data:`FAMILIES`' (llama, mistral, qwen2, qwen3, gpt2), a configuration llama.cpp's architecture does not
     have, a tokenizer llama.cpp would not reproduce."""
     try:
         import gguf
     except ImportError as error:
         raise ImportError("the GGUF export needs the gguf package: pip install 'nmst-fast[gguf]'") from error
-    from transformers import AutoModelForCausalLM
-
-    import nmst_fast  # noqa: F401  (opens the NMST checkpoint type)
 
     if dtype not in TYPES:
         raise ValueError(f"dtype must be one of {TYPES}, got {dtype!r}")
     directory, out = Path(directory), Path(out)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype="auto")
-    config = model.config
-    recorded = getattr(config, "nmst", None)
-    if not recorded:
-        raise ValueError(f"{directory} holds no NMST head (its config.json has no 'nmst' entry): export-gguf writes "
-                         "models saved after apply_nmst; for a plain model use llama.cpp's convert_hf_to_gguf.py")
-    settings = HeadSettings.from_recorded(recorded)
-    base = getattr(config, "base_model_type", config.model_type)
-    family = FAMILIES.get(base)
-    if family is None:
-        raise ValueError(f"the GGUF export has no writer for the model type {base!r} (it writes "
-                         f"{', '.join(sorted(FAMILIES))})")
+    config = saved_config(directory)
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"{out.parent} does not exist: the GGUF file's directory must")
+    settings = HeadSettings.from_recorded(config.nmst)
+    family = _family(config)
     architecture = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == family.architecture)
+    checkpoint = _Checkpoint(directory)
+    planned = _plan(checkpoint, config, family, architecture, dtype)
 
     class Writer(gguf.GGUFWriter):
         def add_architecture(self) -> None:  # the base architecture's keys, under the NMST architecture's name
@@ -189,13 +340,15 @@ def export_gguf(directory: str | os.PathLike, out: str | os.PathLike, *, dtype: 
         write_vocabulary(writer, directory, config.vocab_size)
         for key, value in head_entries(settings, family.architecture).items():
             writer.add_string(key, value)
-        with torch.no_grad():
-            for name, tensor in _tensors(model, family, architecture):
-                data, qtype = _encoded(tensor, dtype)
-                writer.add_tensor(name, data, raw_dtype=qtype)
+        for tensor in planned:  # element shapes: the writer keeps them for a quantized type given as float32
+            writer.add_tensor_info(tensor.target, tensor.shape, np.dtype(np.float32), tensor.nbytes,
+                                   raw_dtype=tensor.qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer.write_ti_data_to_file()
+        with torch.no_grad():
+            for tensor in planned:
+                _write_tensor(writer, checkpoint, tensor)
         writer.close()
         os.replace(partial, out)
     finally:
