@@ -1,49 +1,27 @@
 """Tiny random configs of every model type transformers maps to ``AutoModelForCausalLM``, for the family sweep.
 
-Each type's default config is shrunk key by key (widths, depths, heads, experts, vocabulary) and
-built through the same ``AutoConfig.for_model`` call a user's config goes through, so the dependent
-fields a config derives in its constructor (layer types, head dims) follow the small sizes.
+Each type's default config is shrunk key by key (widths, depths, heads, experts: the library's shrink, which the
+probe's small copies come from; and the vocabulary) and built through the same ``AutoConfig.for_model`` call a
+user's config goes through, so the dependent fields a config derives in its constructor (layer types, head dims)
+follow the small sizes.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-V, EOS = 97, 7  # V is prime: never a multiple of a block or of a vocabulary padding
-WIDTH, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
+from nmst_fast.integrations.hf.shrink import SMALL, shrunk_config_kwargs
 
-# Config keys and the tiny value each takes (only the keys a type's config has are set).
-_TINY = {
-    "vocab_size": V, "n_vocab": V, "padded_vocab_size": V, "unpadded_vocab_size": V, "vocab_size_per_layer_input": V,
-    "hidden_size_per_layer_input": 16, "adapter_in_dim": WIDTH, "adapter_input_size": WIDTH,
-    "hidden_size": WIDTH, "n_embd": WIDTH, "d_model": WIDTH, "dim": WIDTH, "embed_dim": WIDTH, "emb_dim": WIDTH,
-    "embedding_dim": WIDTH, "hidden_dim": WIDTH, "word_embed_proj_dim": WIDTH, "input_embedding_size": WIDTH,
-    "num_hidden_layers": 2, "n_layer": 2, "n_layers": 2, "num_layers": 2, "decoder_layers": 2,
-    "num_decoder_layers": 2, "encoder_layers": 2,
-    "num_attention_heads": HEADS, "n_head": HEADS, "n_heads": HEADS, "num_heads": HEADS,
-    "decoder_attention_heads": HEADS, "encoder_attention_heads": HEADS,
-    "num_key_value_heads": KV_HEADS, "n_kv_heads": KV_HEADS, "num_kv_heads": KV_HEADS,
-    "head_dim": HEAD_DIM, "kv_channels": HEAD_DIM,
-    "intermediate_size": 96, "n_inner": 96, "ffn_dim": 96, "decoder_ffn_dim": 96, "encoder_ffn_dim": 96,
-    "ffn_hidden_size": 96, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
-    "max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128, "max_sequence_length": 128,
-    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "n_group": 1, "topk_group": 1,
-    "rotary_dim": 8, "qk_rope_head_dim": HEAD_DIM, "qk_nope_head_dim": HEAD_DIM, "v_head_dim": 16, "kv_lora_rank": 16,
-    "q_lora_rank": 16, "num_kv_shared_layers": 0, "global_head_dim": 2 * HEAD_DIM,
-    "mamba_d_state": 16, "state_size": 16, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_ssm": 128,
-    "mamba_chunk_size": 16, "linear_key_head_dim": HEAD_DIM, "linear_value_head_dim": HEAD_DIM,
-    "linear_head_dim": HEAD_DIM, "linear_num_key_heads": KV_HEADS, "linear_num_value_heads": HEADS,
-    "linear_num_heads": HEADS,
-    "o_lora_rank": 16, "index_head_dim": HEAD_DIM, "qk_head_dim": 2 * HEAD_DIM, "dim_head": HEAD_DIM, "dim_ff": 96,
-    "position_bias_num_buckets": 32, "position_bias_max_distance": 128,
-    "attention_head_dim": HEAD_DIM, "attention_head_size": HEAD_DIM,
-}
+V, EOS = 97, 7  # V is prime: never a multiple of a block or of a vocabulary padding
+_TOKENS = dict(bos_token_id=0, pad_token_id=0, eos_token_id=EOS)
+# Config keys and the tiny value each takes: the library's small sizes (the probe's copies), a tiny vocabulary and
+# token ids (only the keys a type's config has are set).
+_TINY = {**SMALL, "vocab_size": V, "n_vocab": V, "padded_vocab_size": V, "unpadded_vocab_size": V,
+         "vocab_size_per_layer_input": V, **_TOKENS}
 
 # Types whose class is not a text LM a batch of token ids runs through: the sweep checks that they
 # still fail to build or to run on text (so a type that starts to work is noticed and swept).
@@ -98,64 +76,9 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def _fields(config) -> set[str]:
-    names = set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
-    if dataclasses.is_dataclass(config):
-        names |= {f.name for f in dataclasses.fields(config)}
-    return names
-
-
-_DEPTH_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "num_decoder_layers")
-
-
-def _layers(config) -> dict:
-    """Keep one layer of each kind (at least two layers): the per-layer lists a config holds (layer
-    types, block types, per-layer settings) are cut to the kept layers, so they stay consistent.
-    Read from ``to_dict()``: a heterogeneous config refuses to read a per-layer value as a global."""
-    values = config.to_dict()
-    depth = next((values[key] for key in _DEPTH_KEYS if isinstance(values.get(key), int)), None)
-    if not depth:
-        return {}
-    # Derived properties (no setter) follow the fields they are computed from.
-    per_layer = {key: value for key, value in values.items() if isinstance(value, (list, tuple)) and len(value) == depth
-                 and key != "architectures" and not isinstance(getattr(type(config), key, None), property)}
-    kinds, kept = set(), []
-    for i in range(depth):
-        kind = tuple(repr(value[i]) for value in per_layer.values())
-        if kind not in kinds:
-            kinds.add(kind)
-            kept.append(i)
-    kept = sorted(set(kept) | set(range(min(2, depth))))[:4]
-    kwargs = {key: len(kept) for key in _DEPTH_KEYS if key in values}
-    kwargs.update({key: type(value)(_TINY.get(key, value[i]) for i in kept) for key, value in per_layer.items()})
-    return kwargs
-
-
-def _shrunk(config) -> dict:
-    """Keyword arguments that make ``config`` (or a sub-config) tiny, sub-configs included."""
-    fields = _fields(config)
-    kwargs = {key: value for key, value in _TINY.items() if key in fields}
-    if "kv_lora_rank" in fields:  # multi-head latent attention: as many key/value heads as query heads
-        kwargs["num_key_value_heads"] = HEADS
-    for key, value in config.to_dict().items():  # settings kept as plain dicts (Kimi's linear_attn_config)
-        if isinstance(value, dict) and key not in kwargs and set(value) & set(_TINY):
-            kwargs[key] = {k: _TINY.get(k, v) for k, v in value.items()}
-    kwargs.update(_layers(config))
-    kwargs.update({key: value for key, value in _TOKENS.items() if key in fields})
-    for key, value in vars(config).items():
-        if isinstance(value, transformers.PretrainedConfig):
-            # Per-layer overrides are derived again from the kept layers.
-            kept = {k: v for k, v in value.to_dict().items() if k != "per_layer_config"}
-            kwargs[key] = {**kept, **_shrunk(value)}
-    return kwargs
-
-
-_TOKENS = dict(bos_token_id=0, pad_token_id=0, eos_token_id=EOS)
-
-
 def tiny_config(model_type: str, **extra):
     default = transformers.AutoConfig.for_model(model_type)
-    kwargs = {**_shrunk(default), **_TOKENS, **_OVERRIDES.get(model_type, {}), **extra}
+    kwargs = {**shrunk_config_kwargs(default, _TINY), **_TOKENS, **_OVERRIDES.get(model_type, {}), **extra}
     # Mixture-of-experts layers default to torch's grouped GEMM, which has no float64 kernel.
     return transformers.AutoConfig.for_model(model_type, **kwargs, experts_implementation="eager")
 

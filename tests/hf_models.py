@@ -285,3 +285,19 @@ def save_served(directory: str, *, head: Optional[str], eps: float = 1e-5, seed:
 def load_saved(directory: str):
     """A saved model, float32, in eval mode."""
     return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+# Qwen3-0.6B's shape: its width, heads and vocabulary (tied embeddings), at any depth (28 layers in the real model).
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, max_position_embeddings=40960,
+                 rms_norm_eps=1e-6)
+
+
+def real_size_qwen3(tokenizer, *, layers: int = 2, seed: int = 0) -> transformers.PreTrainedModel:
+    """A random float32 Qwen3 of Qwen3-0.6B's width and vocabulary with ``layers`` layers, eos ``tokenizer``'s (the
+    ids beyond the tokenizer's are rows it never produces)."""
+    torch.manual_seed(seed)
+    config = transformers.Qwen3Config(**QWEN3_06B, num_hidden_layers=layers, eos_token_id=tokenizer.eos_token_id,
+                                      bos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    config.rope_parameters = {"rope_type": "default", "rope_theta": 1e6}
+    return transformers.AutoModelForCausalLM.from_config(config).eval()

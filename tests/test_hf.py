@@ -322,3 +322,28 @@ def test_half_precision_models_keep_their_label_convention(model_type, dtype):
     model = apply_nmst(tiny_causal_lm(model_type, dtype=dtype), head="va", eps=0.05, eos_token_id=7)
     own = plain(input_ids=ids, labels=labels, use_cache=False).loss
     torch.testing.assert_close(model(input_ids=ids, labels=labels).loss.float(), own.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_the_probe_reads_a_small_copy_not_the_models_weights(monkeypatch):
+    """apply_nmst probes a small random copy of the model (its class and config, 64 wide, 2 layers): the model's
+    own weights are never run or scaled, and the caller's random stream is where it was."""
+    import transformers
+
+    from nmst_fast.integrations.hf import probe as probe_module
+
+    config = transformers.Qwen3Config(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, eos_token_id=2)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    probed = []
+    original = probe_module.probe
+    monkeypatch.setattr(probe_module, "probe", lambda m, *a: probed.append(m) or original(m, *a))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    apply_nmst(model, head="nmst", eps=0.01)
+    assert torch.equal(torch.rand(3), expected)
+    (small,) = probed
+    assert small is not model and small.config.hidden_size == 64 and small.config.num_hidden_layers == 2
+    assert small.config.vocab_size == 1000 and type(small).__name__ == "Qwen3ForCausalLM"
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())

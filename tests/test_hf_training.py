@@ -79,6 +79,30 @@ def test_autocast_bf16_matches_the_models_own_bf16_logits(family):
     assert abs(float(loss) - float(exact)) <= 2 * abs(float(own) - float(exact)) + 2e-3
 
 
+def test_autocast_reaches_the_cpu_bf16_path(monkeypatch):
+    """torch.autocast("cpu", bf16) around an HF training step (the usual CPU recipe): the fused loss's chunks are
+    bf16 (the bf16 GEMMs) and its row pass is the C++ kernels', and the output layer's float32 weight gets a
+    float32 gradient."""
+    from nmst_fast import row_ops
+
+    seen = []
+    original = row_ops.CpuRowOps.lse_and_grad_
+
+    def spy(self, z, *args, **kwargs):
+        seen.append(z.dtype)
+        return original(self, z, *args, **kwargs)
+
+    monkeypatch.setattr(row_ops.CpuRowOps, "lse_and_grad_", spy)
+    model = apply_nmst(tiny_model("llama", dtype=torch.float32), head="nmst", eps=0.05)
+    ids, labels = chat_batch(4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(ids, labels=labels).loss
+    loss.backward()
+    weight = model.get_output_embeddings().weight
+    assert seen and set(seen) == {torch.bfloat16}
+    assert weight.grad.dtype == torch.float32 and torch.isfinite(weight.grad).all()
+
+
 def test_trainer_gradient_accumulation_makes_the_big_batch_update(tmp_path):
     """Ragged examples (token counts differ between micro-batches): 2 accumulated batches of 2 give
     the parameters of one batch of 4 — the loss is normalized by the global supervised-token count."""

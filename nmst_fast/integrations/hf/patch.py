@@ -19,7 +19,6 @@ import contextlib
 import functools
 import inspect
 import threading
-import types
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -30,10 +29,10 @@ from ...settings import HeadSettings
 from ...validation import IMPLS, check_choice, check_int_tensor
 from ..nmst_config import MODEL_TYPE, config_class_for
 from .generation import generate_with_head, step_logits
-from .probe import probe
+from .probe import probe_class
 from .scoring import score_labels
 from .settings import nmst_settings
-from .structure import decoder_hidden, decoder_stack, model_name, output_head
+from .structure import decoder_hidden, decoder_stack, model_name
 
 _CALLS = threading.local()  # how deep this thread is inside a patched model's own forward
 
@@ -241,7 +240,7 @@ def apply_nmst(model: Any, *, head: Optional[str] = None, eps: Optional[float] =
     check_choice("impl", impl, IMPLS)
     settings = nmst_settings(model, head=head, eps=eps, context_length=context_length, eos_token_id=eos_token_id)
     base = own_class(model)
-    shifted = probe(model, types.MethodType(base.forward, model), output_head(model, settings))
+    shifted = probe_class(model, base, settings)
     model.config.nmst = settings.recorded()
     config = model.config
     if config.model_type != MODEL_TYPE:

@@ -1,7 +1,9 @@
 """The probe: does the fused path see the model's own logits, and which labels does the class score?
 
 Before a head goes on a model, its own forward and the fused path (the decoder stack, then the output layer
-with the config's post-processing) run on a short input twice: with the output layer's weights as they are,
+with the config's post-processing) run on a short input twice (on a small random copy of the model, the same class
+and configuration but for its sizes: :mod:`.shrink`; on the model itself where no copy builds, or to confirm the
+copy's refusal): with the output layer's weights as they are,
 and scaled so that the logits span about ±50 (a cap or other nonlinearity is invisible on small logits; the
 weights are restored bit for bit). A model whose logits the fused path does not reproduce at both scales,
 or whose own loss reaches a parameter the fused loss would leave untrained, is refused with a ``ValueError``
@@ -11,11 +13,14 @@ naming its type; the class's own loss tells whether it shifts its labels.
 from __future__ import annotations
 
 import math
+import types
 from typing import Any, Callable, Optional
 
 import torch
 
 from ...head import NMSTHead
+from ...settings import HeadSettings
+from .shrink import small_copy
 from .structure import (
     SOFTCAP_KEYS,
     accepted,
@@ -23,6 +28,7 @@ from .structure import (
     decoder_stack,
     linear_of,
     model_name,
+    output_head,
     output_layer,
 )
 
@@ -45,6 +51,20 @@ def _matches(loss: torch.Tensor, candidate: torch.Tensor) -> bool:
     # upcast them to float32 at least): they agree to the loss's own precision.
     precision = max(torch.finfo(loss.dtype).eps, torch.finfo(torch.float32).eps)
     return abs(float(loss) - float(candidate)) <= 8 * precision * max(1.0, abs(float(candidate)))
+
+
+def probe_class(model: Any, model_class: type, settings: HeadSettings) -> bool:
+    """:func:`probe` of ``model`` (an instance of ``model_class``, or of an NMST class over it) with the head of
+    ``settings``, run on a small copy of it (:func:`~.shrink.small_copy`): its modeling code and its config's logit
+    post-processing are the model's, its weights are not read. Where no small copy builds, or the copy is refused,
+    the model itself is probed (a refusal is then the model's own). Returns whether the class shifts its labels."""
+    small = small_copy(model, model_class)
+    if small is not None:
+        try:
+            return probe(small, types.MethodType(model_class.forward, small), output_head(small, settings))
+        except ValueError:
+            pass
+    return probe(model, types.MethodType(model_class.forward, model), output_head(model, settings))
 
 
 def probe(model: Any, forward: Callable, head: NMSTHead) -> bool:
