@@ -30,7 +30,7 @@ import torch
 from .cpu_step import median_us
 
 
-def export_model(directory: Path, vocab: int, hidden: int, layers: int) -> Path:
+def export_model(directory: Path, vocab: int, hidden: int, layers: int, dtype: str = "f32") -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from nmst_fast.data.bpe import train_byte_level_bpe
@@ -48,7 +48,7 @@ def export_model(directory: Path, vocab: int, hidden: int, layers: int) -> Path:
     apply_nmst(model, head="nmst", eps=1e-5)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    return export_gguf(directory, directory / "model.gguf", dtype="f32")
+    return export_gguf(directory, directory / "model.gguf", dtype=dtype)
 
 
 def per_token(llm, prompt: list[int], new_tokens: int, **kwargs) -> float:

@@ -65,16 +65,27 @@ class HeadConfig:
 
 
 def default_chunk_rows(
-    num_rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device, *, buffers: int = 1
+    num_rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device, *, buffers: int = 1,
+    accumulator_bytes: int = 0,
 ) -> int:
-    """Rows per chunk so the (chunk, V) logits buffer stays within a fixed byte budget.
+    """Rows per chunk so the (chunk, V) logits buffer stays within a byte budget: a fixed one, or half the dW
+    accumulator's ``accumulator_bytes`` where that is more.
 
-    Chunks are balanced (4096 rows at <= 1001 per chunk become 5 x 820, not 4 x 1001 + 92):
-    a thin last chunk runs its three GEMMs at poor efficiency. ``buffers``: how many (chunk, V)
+    On CPU each chunk adds its dW product into the wider accumulator (the accumulator read and written once per
+    chunk: V·H·8 bytes of memory traffic against 2·rows·V·H FLOPs of the chunk's GEMM), so where the accumulator
+    is large (Gemma's 256000 × 2304 in float32: 2.4 GB) the chunks grow with it, and the traffic stays a few
+    percent of the GEMMs; and where all the rows' logits take no more than the accumulator and the fixed budget
+    together, they are one chunk, whose dW needs no accumulator (:func:`direct_dw`). Chunks are balanced (4096
+    rows at <= 1001 per chunk become 5 x 820, not 4 x 1001 + 92): a thin last chunk runs its three GEMMs at poor
+    efficiency. ``buffers``: how many (chunk, V)
     tensors the row pass holds at once (2 for the torch row pass with a softcap): they share the budget.
     """
-    budget = _CHUNK_BYTES["cuda" if device.type == "cuda" else "cpu"] // buffers
-    max_rows = max(1, budget // (vocab_size * torch.empty((), dtype=dtype).element_size()))
+    base = _CHUNK_BYTES["cuda" if device.type == "cuda" else "cpu"]
+    element = torch.empty((), dtype=dtype).element_size()
+    if accumulator_bytes and num_rows * vocab_size * element * buffers <= base + accumulator_bytes:
+        return max(1, num_rows)  # one chunk, no bigger than the accumulator it spares (direct_dw)
+    budget = max(base, accumulator_bytes // 2) // buffers
+    max_rows = max(1, budget // (vocab_size * element))
     num_chunks = max(1, -(-num_rows // max_rows))  # 0 rows (an empty batch): one empty chunk
     return max(1, -(-num_rows // num_chunks))
 
@@ -91,13 +102,24 @@ def padded_stride(n: int) -> int:
 
 
 def row_ops_for(backend: str, device: torch.device, softcap: Optional[float] = None):
-    """The row pass of ``backend`` on ``device``: Triton's kernels, the C++ kernels on CPU (where they build),
-    or torch ops."""
+    """The row pass of ``backend`` on ``device``: Triton's kernels, the C++ kernels on CPU (where they build), or
+    torch ops."""
     if backend == "triton":
         return TritonRowOps(softcap)
     if device.type == "cpu" and (kernels := row_kernels()) is not None:
         return CpuRowOps(kernels, softcap)
     return TorchRowOps(softcap)
+
+
+def direct_dw(num_rows: int, chunk_rows: int, weight_dtype: torch.dtype, device: torch.device,
+              dw_dtype: Optional[torch.dtype]) -> bool:
+    """Whether a bf16 weight's dW comes out of one GEMM in its own dtype, with no wider accumulator: on CPU, where
+    every row fits one chunk and the default accumulator was asked for. The one product rounds once, as the
+    materialized backward's does, and the V × H float32 accumulator (2.4 GB at Gemma's vocabulary), the writes of
+    its fresh pages and its cast are saved (the rows the row pass's left-out entries touch are summed in float32
+    and rounded once); "mean"'s 1/N joins the row weights, so backward's upstream scale (1 in training) rounds
+    nothing."""
+    return device.type == "cpu" and weight_dtype == torch.bfloat16 and dw_dtype is None and num_rows <= chunk_rows
 
 
 def chunk_buffers(backend: str, device: torch.device, softcap: Optional[float]) -> int:
@@ -300,11 +322,17 @@ def _dh_chunk(out: torch.Tensor, dz: torch.Tensor, weight: torch.Tensor, sparse:
 
 
 def _add_sparse_dw_(acc: torch.Tensor, h: torch.Tensor, sparse: SparseGrad) -> None:
-    """acc (V, H) += the left-out entries' part of dzᵀ h (rows × H work), in acc's dtype."""
-    wide = h.to(acc.dtype)
-    acc.index_add_(0, sparse.targets, wide * sparse.target_values.to(acc.dtype).unsqueeze(1))
+    """acc (V, H) += the left-out entries' part of dzᵀ h (rows × H work), in at least float32: a bf16 / fp16 acc
+    (a dW of one GEMM, :func:`direct_dw`, or an opt-in ``dw_dtype``) has the rows it touches read, summed with them
+    in float32 and rounded once."""
+    wide = torch.promote_types(acc.dtype, torch.float32)
+    h = h.to(wide)
+    rows, position = torch.unique(sparse.targets, return_inverse=True)
+    touched = acc[rows].to(wide)
+    touched.index_add_(0, position, h * sparse.target_values.to(wide).unsqueeze(1))
+    acc[rows] = touched.to(acc.dtype)
     if sparse.eos_values is not None:
-        acc[sparse.eos_index].addmv_(wide.t(), sparse.eos_values.to(acc.dtype))
+        acc[sparse.eos_index] = torch.addmv(acc[sparse.eos_index].to(wide), h.t(), sparse.eos_values.to(wide))
 
 
 @dataclass
@@ -357,12 +385,14 @@ def fused_forward(
         dw_dtype: dW's accumulator dtype (default: at least fp32; the weight's bf16 / fp16 to halve it).
     Returns:
         loss (() or (N,), in at least float32), L (N,) in at least float32, dh (hidden's dtype),
-        dW, db (or None). dW and db stay in at least fp32 (their accumulators): backward scales
-        them by the upstream gradient and casts to the parameters' dtype in one pass. For "mean"
-        the three are the gradients of the *sum*: backward divides by the active-row count.
+        dW, db (or None). dW and db stay in at least fp32 (their accumulators; dW in bf16 where
+        :func:`direct_dw`): backward scales them by the upstream gradient and casts to the parameters' dtype in
+        one pass. For "mean" the three are the gradients of the *sum*, which backward divides by the active-row
+        count (where :func:`direct_dw`, of the mean itself).
     """
     want_grad = any(need)
     shard = shard or VocabShard(0, weight.shape[0])
+    direct = direct_dw(hidden.shape[0], chunk_rows, weight.dtype, hidden.device, dw_dtype)
 
     @functools.cache
     def prep() -> _HeadPrep:
@@ -377,6 +407,8 @@ def fused_forward(
         # underflowed before a GradScaler's loss scale could reach it (20-80% error on rarely-targeted
         # rows' dW).
         row_weight = rows.active.to(torch.float64)
+        if direct and reduction == "mean":
+            row_weight = row_weight / mean_divisor(rows.active)
         eos_grads = None
         if want_grad and cfg.head != "va":
             eos_grads = head_math.eos_logit_grads(cfg.head, s, log_surv, rows.is_eos, row_weight, steps, cfg.seq_len)
@@ -416,7 +448,7 @@ def fused_forward(
         return sparse
 
     dh, dw, db = _chunk_loop(hidden, weight, bias, chunk_rows, row_pass, need, row_ops.vocab_major(hidden.device),
-                             dw_dtype)
+                             weight.dtype if direct else dw_dtype)
     shard.sum_(z_target)
     if dh is not None:
         shard.sum_(dh)
@@ -471,6 +503,7 @@ def fused_backward_from_lse(
     coefs = head_math.grad_coefficients(cfg.head, lse, s, rows.is_eos, row_weight, eos_grads)
     # The row pass normalizes by the global L here, so a shard only keeps grad_target to the owner.
     coefs = _local_coefficients(coefs, shard, lse, lse, rows.safe)
+    direct = direct_dw(hidden.shape[0], chunk_rows, weight.dtype, hidden.device, dw_dtype)
     row_ops = row_ops_for(backend, hidden.device, cfg.softcap)
     local_targets, local_eos = shard.local_tokens(rows.safe), shard.local(cfg.eos_index)
 
@@ -479,7 +512,7 @@ def fused_backward_from_lse(
                                       coefs.rows(start, stop))
 
     dh, dw, db = _chunk_loop(hidden, weight, bias, chunk_rows, row_pass, need, row_ops.vocab_major(hidden.device),
-                             dw_dtype)
+                             weight.dtype if direct else dw_dtype)
     if dh is not None:
         shard.sum_(dh)
     return (None if dh is None else dh.to(hidden.dtype), None if dw is None else dw.to(weight.dtype),

@@ -347,9 +347,12 @@ def _fused_loss(hidden, weight, bias, targets, steps, options: _Options, backend
     """The fused op (``torch.ops.nmst_fast.linear_loss``) on the flattened rows."""
     hidden, bias, softcap, eos_scale = _folded_logit_transforms(hidden, bias, options)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    dw_dtype = options.dw_dtype or dw_accumulator_dtype(weight.dtype)
+    summed_apart = hidden.device.type == "cpu" and weight.requires_grad and dw_dtype != weight.dtype
     chunk_rows = options.chunk_size or default_chunk_rows(
         flat_hidden.shape[0], weight.shape[0], hidden.dtype, hidden.device,
-        buffers=chunk_buffers(backend, hidden.device, softcap))
+        buffers=chunk_buffers(backend, hidden.device, softcap),
+        accumulator_bytes=weight.numel() * dw_dtype.itemsize if summed_apart else 0)
     grad_on = torch.is_grad_enabled()
     loss, _lse, _dh, _dw, _db = torch.ops.nmst_fast.linear_loss(
         flat_hidden,

@@ -26,7 +26,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .fused import HeadConfig, dh_dtype, fused_backward_from_lse, fused_forward, mean_divisor
+from .fused import HeadConfig, dh_dtype, direct_dw, fused_backward_from_lse, fused_forward, mean_divisor
+from .kernels.cpu import row_kernels
 from .settings import HeadSettings
 from .vocab_shard import VocabShard
 
@@ -86,7 +87,8 @@ def _(hidden, weight, bias, targets, steps, seq_len, head, eos_index, eps, ignor
     in_forward = reduction != "none"
     loss = hidden.new_empty((N,) if reduction == "none" else (), dtype=torch.promote_types(hidden.dtype, torch.float32))
     lse = hidden.new_empty(N, dtype=torch.float64)
-    acc = dw_dtype or torch.promote_types(weight.dtype, torch.float32)
+    direct = direct_dw(N, chunk_rows, weight.dtype, hidden.device, dw_dtype)
+    acc = weight.dtype if direct else dw_dtype or torch.promote_types(weight.dtype, torch.float32)
     dh = (torch.empty_like(hidden, dtype=dh_dtype(hidden.dtype, hidden.device)) if (need_grad_hidden and in_forward)
           else hidden.new_empty(0))
     dw = torch.empty_like(weight, dtype=acc) if (need_grad_weight and in_forward) else weight.new_empty(0)
@@ -150,7 +152,8 @@ _STATIC_ARGS = ("seq_len", "head", "eos_index", "eps", "ignore_index", "backend"
 def scale_cast(acc: Tensor, scale: Tensor, dtype: torch.dtype, backend: str) -> Tensor:
     """acc · scale (a one-element tensor) in ``dtype``, the product in fp32 or wider: one pass by the
     Triton kernel (an fp32 accumulator to bf16 dW, or a bf16 dh scaled; the scale read on the
-    device: no host sync); torch elsewhere. An op, so backward stays traceable."""
+    device: no host sync), or on CPU by the C++ kernel (to bf16 / fp16); torch elsewhere. An op, so
+    backward stays traceable."""
     low = (torch.float32, torch.bfloat16, torch.float16)
     if backend == "triton" and acc.dtype in low and dtype in low and acc.is_contiguous():
         from nmst_fast.kernels.scale_cast import scale_cast as kernel  # lazily: triton decides interpret mode at import
@@ -158,9 +161,11 @@ def scale_cast(acc: Tensor, scale: Tensor, dtype: torch.dtype, backend: str) -> 
         return kernel(acc, scale, dtype)
     # The product in fp32 or wider: an fp16 scale such as 1/N would be subnormal or zero, and a bf16
     # one 0.4% off (a CUDA kernel casts a 0-dim operand to the common dtype before multiplying).
+    if (acc.device.type == "cpu" and acc.dtype in low and dtype in (torch.bfloat16, torch.float16)
+            and acc.is_contiguous() and (kernels := row_kernels()) is not None):
+        return kernels.scale_cast(acc, float(scale), dtype)  # one pass; torch's cast makes a float32 temporary
     wide = torch.promote_types(acc.dtype, torch.float32)
-    # one pass: the product in the wide dtype, rounded as it is written (no wide temporary)
-    return torch.mul(acc.to(wide), scale.to(wide), out=torch.empty_like(acc, dtype=dtype))
+    return (acc.to(wide) * scale.to(wide)).to(dtype)
 
 
 @scale_cast.register_fake
@@ -182,6 +187,9 @@ def _setup_context(ctx, inputs, output):
                                          need_grad_hidden, need_grad_weight, need_grad_bias, softcap, vocab_group,
                                          vocab_start, dw_dtype, eos_scale)))
     ctx.has_bias = bias is not None
+    # the forward's gradients are the mean's (not the sum's) where its dW comes out of one bf16 GEMM
+    ctx.mean_folded = reduction == "mean" and direct_dw(hidden.shape[0], chunk_rows, weight.dtype, hidden.device,
+                                                        dw_dtype)
     ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, bias, targets, steps, lse)
@@ -208,7 +216,7 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db):
         dh, dw, db, targets = ctx.saved_tensors
         weight_dtype, bias_dtype = ctx.dtypes
         scale = grad_loss
-        if ctx.reduction == "mean":  # the forward's gradients are the sum's
+        if ctx.reduction == "mean" and not ctx.mean_folded:  # the forward's gradients are the sum's
             scale = grad_loss.to(torch.float64) / mean_divisor(targets != st["ignore_index"])
         if st["need_grad_hidden"]:
             dh = scale_cast(dh, scale, weight_dtype, st["backend"])  # hidden's dtype, which is weight's

@@ -144,3 +144,19 @@ def test_layouts_and_arguments_it_refuses():
         ops.chunk_grad_(z, ones.float(), ones, 0, none, ones, 0.0)
     with pytest.raises(RuntimeError, match="target 10 is not a row of the chunk"):
         ops.chunk_grad_(z, ones, ones, 0, torch.full((4,), 10), ones, 0.0)
+
+
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 100_003])
+def test_scale_cast_rounds_the_product_once(source, dtype, n):
+    """A float32 accumulator (or a bf16 dW of one GEMM) times a scale in float32, rounded once to the gradient's
+    dtype (as torch's float32 product cast), NaN and inf kept."""
+    gen = torch.Generator().manual_seed(n)
+    acc = (torch.randn(n, generator=gen) * 100).to(source)
+    acc[0] = float("nan") if n > 1 else acc[0]
+    acc[-1] = float("inf") if n > 2 else acc[-1]
+    got = kernels().scale_cast(acc, 1 / 3, dtype)
+    torch.testing.assert_close(got, (acc.float() * torch.tensor(1 / 3)).to(dtype), rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
+        kernels().scale_cast(acc, 1.0, torch.float32)

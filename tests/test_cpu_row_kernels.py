@@ -135,6 +135,25 @@ def test_a_failed_build_is_logged_and_leaves_torch_ops(monkeypatch, caplog):
         cpu.row_kernels.cache_clear()
 
 
+def test_the_first_build_on_a_machine_says_so_and_how_long_it_took(monkeypatch, caplog):
+    built = object()
+    cpu.row_kernels.cache_clear()
+    monkeypatch.setattr(cpu, "build", lambda capability: built)
+    try:
+        monkeypatch.setattr(cpu, "_built_before", lambda capability: False)
+        with caplog.at_level(logging.WARNING, logger="nmst_fast"):
+            assert cpu.row_kernels() is built
+        assert "building the CPU kernels" in caplog.text and "the CPU kernels are built (" in caplog.text
+        caplog.clear()
+        cpu.row_kernels.cache_clear()
+        monkeypatch.setattr(cpu, "_built_before", lambda capability: True)
+        with caplog.at_level(logging.WARNING, logger="nmst_fast"):
+            assert cpu.row_kernels() is built
+        assert caplog.text == ""  # a build already there: nothing to say
+    finally:
+        cpu.row_kernels.cache_clear()
+
+
 def test_the_build_flags_follow_torchs_capability():
     assert "-mavx512f" in cpu.build_flags("AVX512") and "-DCPU_CAPABILITY_AVX512" in cpu.build_flags("AVX512")
     assert "-mavx2" in cpu.build_flags("AVX2") and not any("avx512" in f for f in cpu.build_flags("AVX2"))
@@ -159,6 +178,17 @@ def test_the_other_capabilities_build_and_agree(capability):
                 z = rows.double() * inverse[:, None]
                 want = torch.logsumexp(torch.cat([z[:, :skip], z[:, skip + 1:]], 1), 1)
                 torch.testing.assert_close(ops.non_eos_lse(rows, skip, inverse), want, atol={ATOL}, rtol=1e-7)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):  # the loss's row pass
+            z = (torch.randn(300, 45, generator=gen, dtype=torch.float64) * 3).to(dtype)
+            lse, row_max = ops.chunk_lse(z, 7, 0.0)
+            y = torch.cat([z[:7], z[8:]]).double()
+            torch.testing.assert_close(lse, torch.logsumexp(y, 0), atol=4e-6, rtol=0)
+            coef = torch.rand(45, dtype=torch.float64, generator=gen)
+            dz = z.clone()
+            ops.chunk_grad_(dz, lse, coef, 7, torch.full((45,), -1), torch.zeros(45, dtype=torch.float64), 0.0)
+            want = coef * torch.exp(z.double() - lse)
+            want[7] = 0
+            torch.testing.assert_close(dz.double(), want, rtol=2**-7, atol=1e-7)  # float16: its subnormals
         print("agree")
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)

@@ -3,7 +3,6 @@ the files in tests_llama_cpp/, in their own virtualenv)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import subprocess
@@ -257,8 +256,8 @@ def test_the_command_writes_the_file_and_refuses_with_a_message(tokenizer, tmp_p
 
 
 def test_the_export_streams_the_checkpoint_and_never_builds_the_model(tokenizer, tmp_path, monkeypatch):
-    """The weights are read from the checkpoint's files one tensor at a time: no model class is instantiated, and
-    at most one tensor's source is open at a time."""
+    """The weights are read from the checkpoint's files a block of rows at a time: no model class is instantiated,
+    and no read is larger than a block (BLOCK_BYTES of float32, or one head's rows of q / k)."""
     import transformers
 
     import nmst_fast.integrations.llama_cpp.export as export
@@ -266,20 +265,14 @@ def test_the_export_streams_the_checkpoint_and_never_builds_the_model(tokenizer,
     save(tmp_path / "m", "qwen3", tokenizer)
     for auto in ("AutoModel", "AutoModelForCausalLM"):
         monkeypatch.setattr(getattr(transformers, auto), "from_pretrained", None)
-    open_now, most = [], [0]
-    reader = export._Checkpoint.reader
-
-    @contextlib.contextmanager
-    def counted(self, name):
-        open_now.append(name)
-        most[0] = max(most[0], len(open_now))
-        with reader(self, name) as read:
-            yield read
-        open_now.remove(name)
-
-    monkeypatch.setattr(export._Checkpoint, "reader", counted)
+    monkeypatch.setattr(export, "BLOCK_BYTES", 2048)
+    largest = []
+    read = export._Checkpoint.read
+    monkeypatch.setattr(export._Checkpoint, "read",
+                        lambda self, *a: largest.append((t := read(self, *a)).numel() * 4) or t)
     out = export_gguf(tmp_path / "m", tmp_path / "m.gguf", dtype="q8_0")
-    assert most == [1] and len(gguf.GGUFReader(out).tensors) > 10
+    head_rows = 16 * 32 * 4  # one q / k head: head_dim rows of hidden_size
+    assert len(gguf.GGUFReader(out).tensors) > 10 and max(largest) <= max(2048, head_rows)
 
 
 @pytest.mark.parametrize("command, message", [
@@ -304,3 +297,36 @@ def test_a_wrong_path_gets_one_line_naming_it_and_exit_status_2(command, message
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert lines[0].startswith(f"nmst-fast {command[0]}: {message.format(**paths)}"), lines
+
+
+def test_the_head_is_read_from_the_header_alone(tokenizer, tmp_path):
+    """read_file_keys (what load() reads before llama.cpp opens the file) gives the keys gguf's reader gives, and
+    stops after the head's last key, written before the tokenizer's arrays: bytes after it are never read. A file
+    with the head's keys after other arrays (written otherwise) is read through to them."""
+    from nmst_fast.integrations.llama_cpp.metadata import ARCHITECTURE, KEYS, T_CONVENTION, read_file_keys
+
+    save(tmp_path / "m", "qwen3", tokenizer, eps=0.125)
+    path = export_gguf(tmp_path / "m", tmp_path / "m.gguf", dtype="f32")
+    _, kv = fields(path)
+    want = {key: value for key, value in kv.items() if key == ARCHITECTURE or key.startswith("nmst.")}
+    assert read_file_keys(path) == want and want[KEYS["eps"]] == "0.125"
+    data = bytearray(path.read_bytes())
+    end = data.index(T_CONVENTION.encode()) + len(T_CONVENTION)
+    data[end:end + 4096] = b"\xff" * 4096  # the tokenizer's arrays, garbled
+    garbled = tmp_path / "garbled.gguf"
+    garbled.write_bytes(bytes(data))
+    assert read_file_keys(garbled) == want
+
+    writer = gguf.GGUFWriter(tmp_path / "later.gguf", "llama")
+    writer.add_array("tokenizer.ggml.tokens", [f"token{i}" for i in range(1000)])
+    writer.add_array("tokenizer.ggml.scores", [0.5] * 1000)
+    for key, value in want.items():
+        if key != ARCHITECTURE:
+            writer.add_string(key, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    assert read_file_keys(tmp_path / "later.gguf") == {**want, ARCHITECTURE: "llama"}
+    (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(100))
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        read_file_keys(tmp_path / "not.gguf")

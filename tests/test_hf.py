@@ -198,8 +198,10 @@ def test_bad_input_is_refused_before_anything_runs():
         model(ids, labels=labels, nmst_steps=torch.ones(3, 11, dtype=torch.long))
     with pytest.raises(TypeError, match="nmst_steps"):
         model(ids, labels=labels, nmst_steps=torch.ones(3, 12))
+    with pytest.raises(ValueError, match="nmst_steps"):  # the logits' t: aligned with the input ids
+        model(ids, nmst_steps=torch.ones(3, 11, dtype=torch.long))
     with pytest.raises(ValueError, match="nmst_steps"):
-        model(ids, nmst_steps=torch.ones(3, 12, dtype=torch.long))
+        model(ids, nmst_steps=torch.ones(3, 12, dtype=torch.long), nmst_logits=False)
 
 
 def test_an_output_layer_that_is_not_plain_linear_is_refused():

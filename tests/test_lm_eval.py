@@ -24,7 +24,7 @@ from lm_eval.models.huggingface import HFLM
 
 from nmst_fast.data.bpe import EOS_TOKEN, encode_bpe_lines
 from nmst_fast.data.wikitext import find_split_file, read_lines
-from nmst_fast.integrations.hf import apply_nmst
+from nmst_fast.integrations.hf import apply_nmst, has_head
 from nmst_fast.integrations.lm_eval import NMSTLM
 from nmst_fast.settings import HeadSettings
 
@@ -116,8 +116,13 @@ def nmst_lm(directory: Path, **kwargs) -> NMSTLM:
 
 
 def plain_model(directory: Path):
-    """The saved model as transformers loads it: unpatched, float64, its own logits."""
+    """The saved model as transformers loads it (with the head where nmst_fast registered its class), float64."""
     return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+
+
+def base_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """(B, T, V) the output layer's own logits: without the head's eos entry where the model has a head."""
+    return model(ids, nmst_logits=False).logits if has_head(model) else model(ids).logits
 
 
 def requests(kind: str, args: list[tuple]) -> list[Instance]:
@@ -132,7 +137,7 @@ def reference_log_probs(model, context: list[int], continuation: list[int], head
     context, from the model's own logits of context + continuation[:-1]."""
     ids = torch.tensor([context + continuation[:-1]]) if continuation else torch.tensor([context])
     with torch.no_grad():
-        logits = model(ids).logits[:, len(context) - 1:].double()
+        logits = base_logits(model, ids)[:, len(context) - 1:].double()
     n = logits.shape[1]
     return head_log_probs(logits, head=head, eps=eps, eos=model.config.eos_token_id,
                           steps=torch.arange(1, n + 1)[None], temperature=temperature)[0]
@@ -176,7 +181,7 @@ def reference_rolling(model, tokens, prefix, length, head, eps, *, restart=False
     rows = []
     with torch.no_grad():
         for ids, k in rolling_windows(tokens, prefix, length):
-            rows.append(model(torch.tensor([ids])).logits[0, -k:].double())
+            rows.append(base_logits(model, torch.tensor([ids]))[0, -k:].double())
     eos = model.config.eos_token_id
     pieces = [torch.cat(rows)] if not restart else rows
     total, at = 0.0, 0

@@ -29,10 +29,11 @@ from ...settings import HeadSettings
 from ...validation import IMPLS, check_choice, check_int_tensor
 from ..nmst_config import MODEL_TYPE, config_class_for
 from .generation import generate_with_head, step_logits
+from .head_logits import head_logits, position_steps
 from .probe import probe_class
 from .scoring import score_labels
 from .settings import nmst_settings
-from .structure import decoder_hidden, decoder_stack, model_name
+from .structure import decoder_hidden, decoder_stack, model_name, output_logits
 
 _CALLS = threading.local()  # how deep this thread is inside a patched model's own forward
 
@@ -124,32 +125,52 @@ class NMSTModelMixin:
         return apply_nmst(super()._from_config(config, **kwargs))
 
     def forward(self, *args: Any, num_items_in_batch: Any = None, nmst_steps: Optional[torch.Tensor] = None,
-                **kwargs: Any) -> Any:
+                nmst_logits: bool = True, **kwargs: Any) -> Any:
         settings: Optional[HeadSettings] = self.__dict__.get("_nmst_settings")
         if settings is None:
             raise ValueError(f"{type(self).__name__} has no head yet: build it with from_pretrained / from_config, "
                              "or call nmst_fast.integrations.hf.apply_nmst(model) on it")
         named = named_arguments(type(self)._nmst_signature, args, kwargs)
         labels = named.pop("labels", None)
+        shifted = self._nmst_shifts_labels
         if labels is not None:
             with patched_call():
                 out, hidden = decoder_hidden(self, **named)
-                scores = score_labels(self, hidden, labels, settings, shifted=self._nmst_shifts_labels,
-                                      steps=nmst_steps, attention_mask=named.get("attention_mask"),
+                scores = score_labels(self, hidden, labels, settings, shifted=shifted, steps=nmst_steps,
+                                      attention_mask=named.get("attention_mask"),
                                       position_ids=named.get("position_ids"),
                                       reduction="mean" if num_items_in_batch is None else "sum",
                                       steps_name="nmst_steps")
             loss = scores.nll
             if num_items_in_batch is not None:  # HF Trainer's gradient accumulation: one divisor for the whole batch
                 loss = loss / num_items_in_batch
-            return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=getattr(out, "hidden_states", None),
+            logits = None
+            if not torch.is_grad_enabled():  # evaluation: the logits too, as any HF model gives them with its loss
+                logits = output_logits(self, hidden, settings)
+                if nmst_logits:
+                    steps = scores.steps
+                    if shifted:  # the last position predicts the token after the input
+                        steps = torch.cat([steps, steps[:, -1:].clamp(min=0) + 1], dim=1)
+                    logits = head_logits(logits, settings, steps)
+            return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=getattr(out, "hidden_states", None),
                                           attentions=getattr(out, "attentions", None))
-        if nmst_steps is not None:
-            raise ValueError("nmst_steps is given without labels: it is the t of each label")
         with patched_call():
             out = super().forward(**named)
         generation = self.__dict__.get("_nmst_generation")
-        return out if generation is None else step_logits(out, generation)
+        if generation is not None:
+            if nmst_steps is not None:
+                raise ValueError("nmst_steps: generate() counts t from the first generated token itself")
+            return step_logits(out, generation)
+        if nmst_logits and out.logits is not None:
+            ids = named.get("input_ids")
+            shape = ids.shape if ids is not None else named["inputs_embeds"].shape[:2]
+            steps = position_steps(settings, shape, out.logits.device, shifted=shifted,
+                                   attention_mask=named.get("attention_mask"), position_ids=named.get("position_ids"),
+                                   nmst_steps=nmst_steps)
+            out.logits = head_logits(out.logits, settings, steps)
+        elif nmst_steps is not None:
+            raise ValueError("nmst_steps is the t of the head's logits: it has no use with nmst_logits=False")
+        return out
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         return generate_with_head(self, super().generate, *args, **kwargs)
@@ -179,7 +200,7 @@ def _nmst_class(base: type, config_class: type) -> type:
     def forward(self, *args, **kwargs):
         return NMSTModelMixin.forward(self, *args, **kwargs)
 
-    forward.__signature__ = signature_with(signature, ("num_items_in_batch", "nmst_steps"))
+    forward.__signature__ = signature_with(signature, ("num_items_in_batch", "nmst_steps", "nmst_logits"))
     forward.__doc__ = NMSTModelMixin.forward.__doc__
     name = f"NMST{base.__name__}"
     return type(name, (NMSTModelMixin, base), {

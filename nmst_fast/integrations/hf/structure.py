@@ -166,6 +166,12 @@ def output_head(model: Any, settings: HeadSettings) -> NMSTHead:
                     softcap=softcap, logit_scale=scale)
 
 
+def output_logits(model: Any, hidden: torch.Tensor, settings: HeadSettings) -> torch.Tensor:
+    """The model's own logits (B, T, V) of the decoder stack's last hidden state ``hidden`` (its output layer and
+    the config's post-processing), formed inside the layer's own call (FSDP2 / ZeRO-3 gather its weight)."""
+    return in_output_layer(output_layer(model, check_weight=False), hidden, lambda h: output_head(model, settings)(h))
+
+
 def last_hidden_state(out: Any) -> torch.Tensor:
     """A decoder stack's output's last hidden state (B, T, H)."""
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]

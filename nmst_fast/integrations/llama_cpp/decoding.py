@@ -40,20 +40,16 @@ from llama_cpp import Llama, LogitsProcessorList
 from ...decoding.eos_column import write_eos_column
 from ...settings import HeadSettings
 from .buffers import AMX_CRASH, default_extra_buffer_types, risks_the_amx_crash
-from .metadata import ARCHITECTURE, read_head
+from .metadata import ARCHITECTURE, read_file_keys, read_head
 from .sampler import HeadSampler, native_sampler_available
 
 __all__ = ["NMSTLlama", "NMSTLogitsProcessor", "load", "read_file_head"]
 
 
 def read_file_head(path: str | os.PathLike) -> tuple[HeadSettings, str]:
-    """The head and the base architecture a GGUF file records (read with the ``gguf`` package, before llama.cpp
-    opens it: the base architecture is what it must be told to load)."""
-    import gguf
-
-    fields = gguf.GGUFReader(path).fields
-    metadata = {key: field.contents() for key, field in fields.items() if key.startswith(("nmst.", ARCHITECTURE))}
-    return read_head(metadata, where=str(path))
+    """The head and the base architecture a GGUF file records (read from its header before llama.cpp opens it: the
+    base architecture is what llama.cpp must be told to load; :func:`.metadata.read_file_keys`)."""
+    return read_head(read_file_keys(path), where=str(path))
 
 
 class NMSTLogitsProcessor:

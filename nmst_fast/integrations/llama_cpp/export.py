@@ -13,7 +13,6 @@ biases) stay f32.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -108,9 +107,9 @@ BLOCK_BYTES = 16 * 2**20
 
 
 class _Checkpoint:
-    """The tensors of a saved model's directory, read one at a time: its safetensors file(s) (``model.safetensors``,
-    or the shards of ``model.safetensors.index.json``), or a ``pytorch_model.bin`` memory-mapped. A safetensors file
-    is opened for each read and closed after it, so its mapped pages leave the process with the read."""
+    """The tensors of a saved model's directory, read a block at a time: its safetensors file(s)
+    (``model.safetensors``, or the shards of ``model.safetensors.index.json``), or a ``pytorch_model.bin``. The file
+    is mapped for each read and let go after it, so its pages leave the process's resident memory with the block."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -123,35 +122,38 @@ class _Checkpoint:
             with safe_open(directory / "model.safetensors", framework="pt") as f:
                 self.files = {name: directory / "model.safetensors" for name in f.keys()}
         elif (directory / "pytorch_model.bin").is_file():
-            self.files = None
-            self._state = torch.load(directory / "pytorch_model.bin", map_location="cpu", mmap=True, weights_only=True)
+            self.files = dict.fromkeys(self._pickled(), directory / "pytorch_model.bin")
         else:
             raise FileNotFoundError(f"{directory} holds no weights (model.safetensors, its index, or "
                                     "pytorch_model.bin): not a saved model directory")
 
+    def _pickled(self) -> dict[str, torch.Tensor]:
+        return torch.load(self.directory / "pytorch_model.bin", map_location="cpu", mmap=True, weights_only=True)
+
     def names(self) -> list[str]:
-        return list(self.files if self.files is not None else self._state)
+        return list(self.files)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        if self.files is None:
-            return tuple(self._state[name].shape)
+        if self.files[name].suffix == ".bin":
+            return tuple(self._pickled()[name].shape)
         from safetensors import safe_open
 
         with safe_open(self.files[name], framework="pt") as f:
             return tuple(f.get_slice(name).get_shape())
 
-    @contextlib.contextmanager
-    def reader(self, name: str) -> Iterator[Callable[[slice, slice], torch.Tensor]]:
-        """``read(rows, columns)``: that part of the tensor ``name``, as float32, while the context is open."""
-        if self.files is None:
-            tensor = self._state[name]
-            yield lambda rows, columns: tensor[rows, columns].float() if tensor.dim() > 1 else tensor[rows].float()
-            return
-        from safetensors import safe_open
+    def read(self, name: str, rows: slice, columns: slice) -> torch.Tensor:
+        """Rows ``rows`` and columns ``columns`` of the tensor ``name`` (a vector: its entries ``rows``), as a new
+        float32 tensor."""
+        if self.files[name].suffix == ".bin":
+            tensor = self._pickled()[name]
+            part = tensor[rows, columns] if tensor.dim() > 1 else tensor[rows]
+        else:
+            from safetensors import safe_open
 
-        with safe_open(self.files[name], framework="pt") as f:
-            part = f.get_slice(name)
-            yield lambda rows, columns: (part[rows, columns] if len(part.get_shape()) > 1 else part[rows]).float()
+            with safe_open(self.files[name], framework="pt") as f:
+                tensor = f.get_slice(name)
+                part = tensor[rows, columns] if len(tensor.get_shape()) > 1 else tensor[rows]
+        return part.to(torch.float32, copy=True)
 
 
 @dataclass(frozen=True)
@@ -221,24 +223,23 @@ def _blocks(checkpoint: _Checkpoint, tensor: _Planned) -> Iterator[np.ndarray]:
     rows = tensor.shape[0] if len(tensor.shape) > 1 else 1
     width = int(np.prod(tensor.shape)) // rows
     step = tensor.shape[0] // tensor.rotary_heads if tensor.rotary_heads else max(1, BLOCK_BYTES // (4 * width))
-    with checkpoint.reader(tensor.source) as read:
-        for start in range(0, rows, step):
-            part = slice(start, min(start + step, rows))
-            if len(tensor.shape) < 2:
-                block = read(slice(None), slice(None))
-            elif tensor.transposed:  # the source's columns are the file's rows
-                block = read(slice(None), part).t()
-            else:
-                block = read(part, slice(None))
-            if tensor.rotary_heads:
-                block = _permuted(block, 1)
-            data = block.contiguous().numpy()
-            if tensor.qtype == gguf.GGMLQuantizationType.F32:
-                yield data.astype(np.float32, copy=False)
-            elif tensor.qtype == gguf.GGMLQuantizationType.F16:
-                yield data.astype(np.float16)
-            else:
-                yield gguf.quants.quantize(data, tensor.qtype)
+    for start in range(0, rows, step):
+        part = slice(start, min(start + step, rows))
+        if len(tensor.shape) < 2:
+            block = checkpoint.read(tensor.source, slice(None), slice(None))
+        elif tensor.transposed:  # the source's columns are the file's rows
+            block = checkpoint.read(tensor.source, slice(None), part).t()
+        else:
+            block = checkpoint.read(tensor.source, part, slice(None))
+        if tensor.rotary_heads:
+            block = _permuted(block, 1)
+        data = block.contiguous().numpy()
+        if tensor.qtype == gguf.GGMLQuantizationType.F32:
+            yield data
+        elif tensor.qtype == gguf.GGMLQuantizationType.F16:
+            yield data.astype(np.float16)
+        else:
+            yield gguf.quants.quantize(data, tensor.qtype)
 
 
 def _write_tensor(writer: Any, checkpoint: _Checkpoint, tensor: _Planned) -> None:
@@ -300,8 +301,8 @@ def export_gguf(directory: str | os.PathLike, out: str | os.PathLike, *, dtype: 
     as the GGUF file ``out``, tensors of type ``dtype`` ("f32" | "f16" | "q8_0"). The file is written beside ``out``
     and moved into place when complete. Returns ``out``.
 
-    The weights stream: each tensor is read from the checkpoint's files, converted and written in blocks of rows,
-    so the export holds about one tensor of the checkpoint at a time (never the model).
+    The weights stream: each tensor is read from the checkpoint's files, converted and written in blocks of rows
+    (:data:`BLOCK_BYTES`), so the export holds a block at a time, never a whole tensor or the model.
 
     Refused with a FileNotFoundError naming the path: a directory that is not a saved model, an output directory
     that does not exist. Refused with a ValueError naming the reason: a directory without a head, a family other
@@ -337,9 +338,9 @@ def export_gguf(directory: str | os.PathLike, out: str | os.PathLike, *, dtype: 
         writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                               "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        write_vocabulary(writer, directory, config.vocab_size)
-        for key, value in head_entries(settings, family.architecture).items():
+        for key, value in head_entries(settings, family.architecture).items():  # before the tokenizer's arrays
             writer.add_string(key, value)
+        write_vocabulary(writer, directory, config.vocab_size)
         for tensor in planned:  # element shapes: the writer keeps them for a quantized type given as float32
             writer.add_tensor_info(tensor.target, tensor.shape, np.dtype(np.float32), tensor.nbytes,
                                    raw_dtype=tensor.qtype)

@@ -10,6 +10,9 @@ decimal string that reads back as the same float: a float key would print rounde
 
 from __future__ import annotations
 
+import mmap
+import os
+import struct
 from typing import Any, Mapping
 
 from ...settings import HeadSettings
@@ -43,11 +46,66 @@ def head_entries(settings: HeadSettings, base: str) -> dict[str, str]:
         KEYS["eps"]: repr(settings.eps),
         KEYS["eos_token_id"]: str(settings.eos_index),
         KEYS["base_architecture"]: base,
-        KEYS["t"]: T_CONVENTION,
     }
     if settings.context_length is not None:
         entries[KEYS["context_length"]] = str(settings.context_length)
+    entries[KEYS["t"]] = T_CONVENTION  # last: a reader has every key of the head once it reads this one
     return entries
+
+
+# GGUF value types (gguf.GGUFValueType) and the struct format of each fixed-size one.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_file_keys(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``general.architecture`` and ``nmst.*`` keys of a GGUF file, read from its header alone.
+
+    The exporter writes the head's keys before the tokenizer's arrays, and ``nmst.t`` last of them: reading stops
+    there, so a file of any vocabulary opens in about a millisecond (``gguf.GGUFReader`` parses every token string
+    first: seconds at V = 151936). A file written otherwise is read through to its last key. A file that is not
+    GGUF gets a ValueError."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if data[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        version, = struct.unpack_from("<I", data, 4)
+        if version < 2:
+            raise ValueError(f"{path} is a GGUF file of version {version}; this reader takes versions 2 and up")
+        count, = struct.unpack_from("<Q", data, 16)
+        offset, found = 24, {}
+
+        def string(at: int) -> tuple[str, int]:
+            n, = struct.unpack_from("<Q", data, at)
+            return bytes(data[at + 8:at + 8 + n]).decode("utf-8"), at + 8 + n
+
+        for _ in range(count):
+            key, offset = string(offset)
+            kind, = struct.unpack_from("<I", data, offset)
+            offset += 4
+            wanted = key == ARCHITECTURE or key.startswith("nmst.")
+            if kind == _STRING:
+                value, offset = string(offset)
+            elif kind in _SCALARS:
+                value, = struct.unpack_from("<" + _SCALARS[kind], data, offset)
+                offset += struct.calcsize(_SCALARS[kind])
+            elif kind == _ARRAY:
+                element, n = struct.unpack_from("<IQ", data, offset)
+                offset += 12
+                if element == _STRING:
+                    for _ in range(n):
+                        offset += 8 + struct.unpack_from("<Q", data, offset)[0]
+                elif element in _SCALARS:
+                    offset += n * struct.calcsize(_SCALARS[element])
+                else:
+                    raise ValueError(f"{path}: key {key!r} holds arrays of arrays, which this reader does not read")
+                value = None
+            else:
+                raise ValueError(f"{path}: key {key!r} has the unknown GGUF value type {kind}")
+            if wanted:
+                found[key] = value
+            if key == KEYS["t"]:
+                break
+    return found
 
 
 def read_head(metadata: Mapping[str, Any], where: str = "the GGUF file") -> tuple[HeadSettings, str]:

@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -44,7 +45,7 @@ DISABLE_ENV = "NMST_FAST_CPU_KERNELS"
 # headers pick their implementation from the CPU_CAPABILITY_* macro.
 CAPABILITY_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
 
 
@@ -87,13 +88,34 @@ def row_kernels() -> Optional[Any]:
     if os.environ.get(DISABLE_ENV, "1") == "0":
         logger.info("%s=0: the CPU row kernels are off; torch ops compute their values", DISABLE_ENV)
         return None
+    capability = torch.backends.cpu.get_cpu_capability()
+    first = not _built_before(capability)
+    if first:
+        logger.warning("nmst_fast: building the CPU kernels for %s (once per machine and torch version, kept in %s; "
+                       "about 10-60 s)", capability, _build_directory(capability))
     try:
-        return build()
+        start = time.perf_counter()
+        ops = build(capability)
+        if first:
+            logger.warning("nmst_fast: the CPU kernels are built (%.0f s)", time.perf_counter() - start)
+        return ops
     except Exception as err:  # no compiler, no ninja, no Python headers: torch ops do the same work
         logger.warning("nmst_fast: the CPU row kernels could not be built (%s: %s); torch ops compute the same "
                        "values, more slowly (set %s=0 to skip the build)", type(err).__name__,
                        str(err).strip().splitlines()[-1] if str(err).strip() else "", DISABLE_ENV)
         return None
+
+
+def _build_directory(capability: str) -> Path:
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension._get_build_directory(library_name(capability), verbose=False))
+
+
+def _built_before(capability: str) -> bool:
+    """Whether a build of the kernels for ``capability`` is in the build directory (torch's builder still rebuilds
+    it, quickly or not, where the sources changed)."""
+    return any(_build_directory(capability).glob(f"{library_name(capability)}*.so"))
 
 
 @functools.lru_cache(maxsize=None)

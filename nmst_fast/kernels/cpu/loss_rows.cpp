@@ -15,6 +15,9 @@
 //     shift[r]) · (sech²(z / c) with a softcap) for every v != eos, rounded once to z's dtype; then z[eos, r] <- 0
 //     (eos >= 0) and z[targets[r], r] <- values[r] where targets[r] >= 0. shift is taken as the nearest value of
 //     the compute type and scale corrected for that rounding, so shift may be L itself.
+//   scale_cast(src, scale, dtype) -> out:  a gradient (a float32 accumulator, or a bf16 dW of one GEMM) times scale
+//     in float32, rounded once to dtype (bfloat16 or float16), in one pass. torch's mul into an output of another dtype computes into a
+//     float32 temporary first and casts it in a second pass: at Gemma's 256000 × 2304 weight, 6× slower.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -265,15 +268,67 @@ void chunk_grad_(at::Tensor& z, const at::Tensor& shift, const at::Tensor& scale
   });
 }
 
+template <typename In, typename Out>
+void scale_cast_span(const In* src, Out* out, int64_t n, float scale) {
+  using L = Lanes<In>;
+  using V = Vectorized<float>;
+  constexpr int64_t W = V::size();
+  static_assert(L::kStep == 2 * W, "two float vectors a step");
+  const V s(scale);
+  int64_t i = 0;
+  for (; i + 2 * W <= n; i += 2 * W) {
+    V a, b;
+    L::load(src + i, 2 * W, a, b);
+    at::vec::convert_from_float<Out>(a * s, b * s).store(out + i);
+  }
+  for (; i < n; ++i) {
+    out[i] = static_cast<Out>(static_cast<float>(src[i]) * scale);
+  }
+}
+
+at::Tensor scale_cast(const at::Tensor& src, double scale, at::ScalarType dtype) {
+  TORCH_CHECK(src.device().is_cpu() && src.is_contiguous() &&
+                  (src.scalar_type() == at::kFloat || src.scalar_type() == at::kBFloat16 ||
+                   src.scalar_type() == at::kHalf),
+              "scale_cast: src must be a contiguous float32, bfloat16 or float16 CPU tensor");
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "scale_cast: dtype must be bfloat16 or float16");
+  at::Tensor out = at::empty(src.sizes(), src.options().dtype(dtype));
+  const int64_t n = src.numel();
+  auto cast = [&](const auto* from, auto* to) {
+    using In = std::remove_const_t<std::remove_pointer_t<decltype(from)>>;
+    using Out = std::remove_pointer_t<decltype(to)>;
+    at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
+      scale_cast_span<In, Out>(from + begin, to + begin, end - begin, static_cast<float>(scale));
+    });
+  };
+  auto to = [&](const auto* from) {
+    if (dtype == at::kBFloat16) {
+      cast(from, out.data_ptr<at::BFloat16>());
+    } else {
+      cast(from, out.data_ptr<at::Half>());
+    }
+  };
+  if (src.scalar_type() == at::kFloat) {
+    to(src.const_data_ptr<float>());
+  } else if (src.scalar_type() == at::kBFloat16) {
+    to(src.const_data_ptr<at::BFloat16>());
+  } else {
+    to(src.const_data_ptr<at::Half>());
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(nmst_fast_cpu, m) {
   m.def("chunk_lse(Tensor z, int eos, float softcap) -> (Tensor, Tensor)");
   m.def("chunk_grad_(Tensor(a!) z, Tensor shift, Tensor scale, int eos, Tensor targets, Tensor values, "
         "float softcap) -> ()");
+  m.def("scale_cast(Tensor src, float scale, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(nmst_fast_cpu, CPU, m) {
   m.impl("chunk_lse", &chunk_lse);
   m.impl("chunk_grad_", &chunk_grad_);
+  m.impl("scale_cast", &scale_cast);
 }
