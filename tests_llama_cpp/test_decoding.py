@@ -44,7 +44,7 @@ def reference_greedy(directory, prompt: list[int], max_tokens: int) -> tuple[lis
     tokens = out.tokens[0, :out.lengths[0]].tolist()
     settings = model.config.nmst
     with torch.no_grad():
-        logits = model.double()(torch.tensor([prompt + tokens])).logits[:, len(prompt) - 1:-1]
+        logits = model.double()(torch.tensor([prompt + tokens]), nmst_logits=False).logits[:, len(prompt) - 1:-1]
     steps = torch.arange(1, len(tokens) + 1)[None]
     log_p = head_log_probs(logits, head=settings["head"], eps=settings["eps"], eos=settings["eos_token_id"],
                            steps=steps)
@@ -74,14 +74,14 @@ def test_plain_llama_cpp_refuses_the_file_and_the_head_decodes_greedy_as_nmst_fa
     with pytest.raises(ValueError, match="Failed to load model"):
         Llama(str(path), verbose=False)
     llm = load(path, **OPEN)
-    # The weights and hyper-parameters as llama.cpp reads them: its logits are the model's (to float32 rounding
-    # and llama.cpp's float16 KV cache).
+    # The weights and hyper-parameters as llama.cpp reads them: its logits are the model's output layer's (to
+    # float32 rounding and llama.cpp's float16 KV cache), which nmst_logits=False gives.
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     prompt = prompts(tokenizer)[0]
     llm.reset()
     llm.eval(prompt)
     with torch.no_grad():
-        expected_logits = model(torch.tensor([prompt])).logits[0]
+        expected_logits = model(torch.tensor([prompt]), nmst_logits=False).logits[0]
     got_logits = torch.tensor(np.array(llm.scores[:len(prompt)]))
     assert (got_logits - expected_logits).abs().max() <= 2e-3 * expected_logits.abs().max()
     compared = 0
