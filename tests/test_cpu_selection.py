@@ -1,4 +1,4 @@
-"""The torch path's top-p list growth, its inverse-CDF draw and its blocks of rows (CPU).
+"""The torch path's top-p list growth (``impl="torch"``), its inverse-CDF draw and its blocks of rows (CPU).
 
 Draws are checked as distributions (10⁶ draws, G-test against the float64 truncated reference) or
 against each row's float64 nucleus.
@@ -38,7 +38,7 @@ def test_top_p_list_grows_past_the_first_size(monkeypatch, draws):
     reference = truncated_distribution(_reference_log_probs(z, "nmst", EOS, 0.01, 20).unsqueeze(0), None, 0.9)[0]
     assert int((reference > 0).sum()) > 8
     tokens, _ = sample(z.unsqueeze(0).expand(draws, -1), head="nmst", eos_index=EOS, eps=0.01, steps=20, top_p=0.9,
-                       generator=torch.Generator().manual_seed(seed + 1))
+                       generator=torch.Generator().manual_seed(seed + 1), impl="torch")
     assert sizes[0] == 8 and len(sizes) > 1
     assert g_test_p(tokens, reference) > 1e-5, f"seed={seed}"
 

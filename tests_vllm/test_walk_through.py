@@ -78,7 +78,8 @@ def test_vllm_serves_the_walk_throughs_model_and_decodes_its_head(command, walk_
             assert choice["finish_reason"] == "stop" and tokens[-1] == eos and len(tokens) <= t_half, (prompt, tokens)
             ids = tokenizer(prompt)["input_ids"]
             with torch.no_grad():
-                logits = model(input_ids=torch.tensor([ids + tokens[:-1]]), nmst_logits=False).logits[:, len(ids) - 1:].double()
+                out = model(input_ids=torch.tensor([ids + tokens[:-1]]), nmst_logits=False)
+            logits = out.logits[:, len(ids) - 1:].double()
             steps = torch.arange(1, len(tokens) + 1)[None]
             log_p = nmst_log_probs(logits, eos_index=eos, eps=settings["eps"], head=settings["head"], steps=steps)[0]
             want = log_p.gather(-1, torch.tensor(tokens)[:, None])[:, 0]

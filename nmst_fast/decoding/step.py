@@ -3,8 +3,9 @@
 :class:`DecodingStep` is built once per (head, strategy, vocabulary size, device) and picks its path
 then: the Triton kernels (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``) — greedy, sampling and
 top-k (then top-p) in the one-launch split-V scan (``kernels/scan_select.py``), top-p alone by
-rejection rounds (``kernels/row_draw.py``) — or the torch path (:mod:`.host_rows` for greedy and for
-top-k of small batches, :mod:`.selection` otherwise).
+rejection rounds (``kernels/row_draw.py``) — the C++ selection kernel on CPU (:mod:`.cpu_rows`; float32,
+bfloat16 and float16 logits), or the torch path (``impl="torch"``, float64 logits, or a CPU without the
+built kernels: :mod:`.host_rows` for greedy and for top-k of small batches, :mod:`.selection` otherwise).
 
 The kernels flag on the device the first row with no distribution and the first row the rejection
 rounds left without a token. ``defer_checks=True`` collects the flags over calls for
@@ -26,6 +27,7 @@ import torch
 from ..backends import triton_available
 from ..kernels.host_math import NO_ROW
 from ..validation import check_float_tensor, check_int
+from .cpu_rows import KERNEL_DTYPES, CPURows, cpu_kernels
 from .distribution import (
     Steps,
     check_head_args,
@@ -87,7 +89,8 @@ class DecodingStep:
         top_p: keep the smallest most-probable set with mass >= p (after top-k, if both).
         temperature: divides non-eos logits (all logits for "va"); p(eos) of NMST/ST is unchanged.
         impl: "auto" (the Triton kernels on CUDA when they serve the strategy, see
-            :func:`kernels_serve`; torch otherwise), "triton" or "torch".
+            :func:`kernels_serve`; the C++ selection kernel on CPU; torch otherwise), "triton" or "torch"
+            (torch ops only).
     """
 
     def __init__(self, *, head: str, eos_index: int, vocab_size: int, device: Union[str, torch.device] = "cpu",
@@ -115,6 +118,9 @@ class DecodingStep:
         self._rng: Optional[torch.Tensor] = None
         self._rng_source: Optional[torch.Generator] = None
         self._launch = None  # the kernel wrapper, imported at the first call (Triton reads its mode then)
+        # "auto" on CPU: the C++ selection kernel (decoding/cpu_rows.py), set up at the first call (its build).
+        self._cpu_rows: Optional[CPURows] = None
+        self._cpu_rows_wanted = impl == "auto" and self.device.type == "cpu"
 
     def __call__(self, logits: torch.Tensor, *, steps: Steps = 1, state: Optional[torch.Tensor] = None,
                  generator: Optional[torch.Generator] = None, defer_checks: bool = False) -> StepOutput:
@@ -168,6 +174,15 @@ class DecodingStep:
 
     def _torch_step(self, logits: torch.Tensor, steps: Steps, state: Optional[torch.Tensor],
                     generator: Optional[torch.Generator], first_size: Optional[int] = None) -> StepOutput:
+        if self._cpu_rows_wanted and logits.dtype in KERNEL_DTYPES:
+            if self._cpu_rows is None:
+                ops = cpu_kernels(self.device)
+                if ops is None:
+                    self._cpu_rows_wanted = False
+                    return self._torch_step(logits, steps, state, generator, first_size)
+                self._cpu_rows = CPURows(ops, head=self.head, eos_index=self.eos_index, eps=self.eps,
+                                         temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+            return StepOutput(*self._cpu_rows(logits, steps, state, generator))
         if self._host_rows is not None and (self._greedy or logits.shape[0] <= MAX_ROWS):
             return StepOutput(*self._host_rows(logits, steps, state, generator))
         dist = effective_logits(logits, head=self.head, eos_index=self.eos_index, eps=self.eps, steps=steps,

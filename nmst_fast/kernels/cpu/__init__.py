@@ -38,7 +38,8 @@ import torch
 
 logger = logging.getLogger("nmst_fast")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("row_lse.cpp", "loss_rows.cpp", "llama_sampler.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("row_lse.cpp", "loss_rows.cpp", "select_rows.cpp", "llama_sampler.cpp")]
 DISABLE_ENV = "NMST_FAST_CPU_KERNELS"
 
 # The compiler flags of torch's own kernels for each CPU capability it dispatches to; ATen's vector

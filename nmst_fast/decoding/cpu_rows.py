@@ -1,0 +1,61 @@
+"""Token selection of a decoding step on CPU rows by the C++ kernel ``select_rows`` (``kernels/cpu/select_rows.cpp``):
+greedy, sampling, top-k, top-p and top-k then top-p for the NMST, ST and VA heads, each row in a few vectorized
+passes over its logits (no sort of the vocabulary), the head's scalars in float64.
+
+The draws take one float64 uniform per row from the caller's generator (``torch.rand``), so seeded runs reproduce;
+greedy draws none. float32, bfloat16 and float16 logits are served (the latter two read as float32); float64 logits,
+and every row where the kernels are not built, go the torch path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..kernels.cpu import row_kernels
+from .distribution import Steps, check_state, no_distribution_message, step_values
+from .truncation import TOP_P_SLACK
+
+_HEADS = {"nmst": 0, "st": 1, "va": 2}
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def cpu_kernels(device: torch.device) -> Optional[Any]:
+    """``torch.ops.nmst_fast_cpu`` where a step on ``device`` can use the selection kernel (a CPU device and the
+    kernels built), else None."""
+    return row_kernels() if device.type == "cpu" else None
+
+
+class CPURows:
+    """One strategy's selection on CPU rows; arguments as :class:`nmst_fast.decoding.DecodingStep`'s."""
+
+    def __init__(self, ops: Any, *, head: str, eos_index: int, eps: float, temperature: float, top_k: Optional[int],
+                 top_p: Optional[float]):
+        self.ops, self.head, self.eos_index, self.eps, self.temperature = ops, head, eos_index, eps, temperature
+        self.top_k = 0 if top_k is None else int(top_k)
+        self.cut = 2.0 if top_p is None or top_p >= 1.0 else float(top_p) - TOP_P_SLACK
+
+    def __call__(self, logits: torch.Tensor, steps: Steps, state: Optional[torch.Tensor],
+                 generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(tokens (B,) int64, log p (B,) float64 of each under the untruncated step distribution, ST's next state
+        (B,) float64 or None) for ``logits`` (B, V) on the CPU."""
+        B = logits.shape[0]
+        rows = logits if logits.dtype == torch.float32 and logits.stride(1) == 1 else logits.float().contiguous()
+        t = step_values(steps, B, logits.device) if self.head != "va" else 1
+        t = torch.full((B,), t, dtype=torch.long) if isinstance(t, int) else t.contiguous()
+        before = None
+        if self.head == "st" and state is not None:
+            before = check_state(state, B, logits.device).double().contiguous()
+        if self.top_k == 1:
+            uniforms = torch.zeros(B, dtype=torch.float64)
+        else:
+            uniforms = torch.rand(B, dtype=torch.float64, generator=generator,
+                                  device=generator.device if generator is not None else logits.device).cpu()
+        tokens, log_probs, states, bad = self.ops.select_rows(
+            rows, _HEADS[self.head], self.eos_index, self.eps, self.temperature, t, before, self.top_k, self.cut,
+            uniforms)
+        first_bad = int(bad)
+        if first_bad < B:
+            raise ValueError(no_distribution_message(first_bad))
+        return tokens, log_probs, states if self.head == "st" else None

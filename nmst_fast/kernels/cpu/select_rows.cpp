@@ -1,0 +1,570 @@
+// One decoding step's token selection on float32 CPU rows, for the NMST, ST and VA heads: greedy,
+// sampling, top-k, top-p and top-k then top-p, with temperature dividing the non-eos logits (every
+// logit for VA). A row takes a few passes over its V logits and no sort of the vocabulary:
+//   1. the max of the non-eos logits (NaN refused);
+//   2. the sum of exp((z - max) / T), giving L_T and the head's scalars (a = log(1 - alpha_t), the
+//      eos log-probability and effective logit zeta_eos) in float64; top-p alone also sums the mass
+//      above a few thresholds under the max, to pick the smallest candidate set that holds p;
+//   3. by strategy: greedy, the first column of the max; sampling, one inverse-CDF walk of the same
+//      exponentials to the uniform's target; top-k, a scan keeping the k best in a heap (a vector
+//      compare against the k-th value skips nearly every column); top-p, the columns above the
+//      chosen threshold, whose nucleus boundary is found by a histogram of their probabilities,
+//      sorting only the boundary bucket.
+// Tokens rank by probability, ties to the lower index: non-eos tokens by their logit, eos by zeta_eos.
+// Top-k keeps the k best (eos counted), top-p the smallest most-probable prefix whose mass reaches p
+// (after top-k: of the top-k set's renormalized mass); the draw is the inverse CDF of the kept weights
+// at the caller's uniform, as nmst_fast.decoding.host_rows finishes a row.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "head_row.h"
+
+namespace {
+
+using namespace nmst_fast_cpu;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr float kInfF = std::numeric_limits<float>::infinity();
+
+// The non-eos columns of a row: [0, eos) and (eos, V); VA's are the whole row (second span empty).
+struct Spans {
+  const float* first;
+  int64_t first_size;
+  const float* second;
+  int64_t second_size;
+  int64_t second_offset;  // the column of second[0]
+
+  template <typename F>
+  void each(F&& f) const {  // f(pointer, size, column of pointer[0])
+    f(first, first_size, int64_t{0});
+    f(second, second_size, second_offset);
+  }
+};
+
+// Lanes of a comparison's result (all-ones lanes where true) as a bit mask.
+inline uint32_t lane_mask(const Vec& compared) {
+  return ~static_cast<uint32_t>(compared.zero_mask()) & ((uint32_t{1} << kWidth) - 1);
+}
+
+// The first column in x[0, n) holding ``value`` (-1: none).
+inline int64_t first_column_of(const float* x, int64_t n, float value) {
+  const Vec target(value);
+  int64_t i = 0;
+  for (; i + kWidth <= n; i += kWidth) {
+    const uint32_t hits = lane_mask(Vec::loadu(x + i) == target);
+    if (hits != 0) {
+      return i + __builtin_ctz(hits);
+    }
+  }
+  for (; i < n; ++i) {
+    if (x[i] == value) {
+      return i;
+    }
+  }
+  return -1;
+}
+
+// Thresholds of top-p's candidate sets, in nats under the max of zeta; the last holds every column.
+// Steps of 3 nats keep a set at most e^3 times the nucleus's size on exponential tails (a flat N(0, 3²) row's 0.9
+// nucleus ends about 8 nats under its max).
+constexpr int kLevels = 7;
+constexpr double kLevelGaps[kLevels] = {3.0, 6.0, 9.0, 12.0, 16.0, 24.0, kInf};
+
+// sum of 2^((x - shift) * scale) over x[0, n), and the same sum over the entries >= each of
+// ``floors`` (raw logits), each added into ``sums`` (float32 lanes flushed into float64 as span_exp2_sum).
+inline void span_exp2_level_sums(const float* x, int64_t n, float shift, float scale, const float* floors,
+                                 double* sums) {
+  const Vec vshift(shift), vscale(scale), zero(0.f);
+  Vec vfloor[kLevels];
+  for (int j = 0; j < kLevels; ++j) {
+    vfloor[j] = Vec(floors[j]);
+  }
+  int64_t i = 0;
+  while (i + kWidth <= n) {
+    Vec acc[kLevels];
+    for (int j = 0; j < kLevels; ++j) {
+      acc[j] = zero;
+    }
+    for (int64_t s = 0; s < kFlushSteps * kUnroll && i + kWidth <= n; ++s, i += kWidth) {
+      const Vec v = Vec::loadu(x + i);
+      const Vec e = ((v - vshift) * vscale).exp2();
+      for (int j = 0; j < kLevels; ++j) {
+        acc[j] = acc[j] + Vec::blendv(zero, e, v >= vfloor[j]);
+      }
+    }
+    for (int j = 0; j < kLevels; ++j) {
+      float lanes[kWidth];
+      acc[j].store(lanes);
+      for (int64_t k = 0; k < kWidth; ++k) {
+        sums[j] += lanes[k];
+      }
+    }
+  }
+  for (; i < n; ++i) {
+    const double e = std::exp2((x[i] - shift) * scale);
+    for (int j = 0; j < kLevels; ++j) {
+      sums[j] += x[i] >= floors[j] ? e : 0.0;
+    }
+  }
+}
+
+// The inverse-CDF walk of one span: adds 2^((x - shift) * scale) of x[0, n) to *cumulative until it
+// passes ``target``; returns that column (-1 if it does not), keeping the last column of positive weight.
+inline int64_t span_walk(const float* x, int64_t n, float shift, float scale, double target, double* cumulative,
+                         int64_t* last_positive) {
+  const Vec vshift(shift), vscale(scale);
+  int64_t i = 0;
+  for (; i + kWidth <= n; i += kWidth) {
+    const Vec e = ((Vec::loadu(x + i) - vshift) * vscale).exp2();
+    float lanes[kWidth];
+    e.store(lanes);
+    double block = 0.0;
+    for (int64_t k = 0; k < kWidth; ++k) {
+      block += lanes[k];
+    }
+    if (block > 0.0) {
+      if (*cumulative + block > target) {
+        for (int64_t k = 0; k < kWidth; ++k) {
+          *cumulative += lanes[k];
+          if (lanes[k] > 0.f && *cumulative > target) {
+            return i + k;
+          }
+        }
+      } else {
+        *cumulative += block;
+      }
+      for (int64_t k = kWidth - 1; k >= 0; --k) {
+        if (lanes[k] > 0.f) {
+          *last_positive = i + k;
+          break;
+        }
+      }
+    }
+  }
+  for (; i < n; ++i) {
+    const double e = std::exp2((x[i] - shift) * scale);
+    if (e > 0.0) {
+      *cumulative += e;
+      *last_positive = i;
+      if (*cumulative > target) {
+        return i;
+      }
+    }
+  }
+  return -1;
+}
+
+// A ranked candidate: its zeta (logit / T; zeta_eos for eos), its column, its probability.
+struct Candidate {
+  double zeta;
+  int64_t column;
+  double prob;
+};
+
+inline bool ranks_before(const Candidate& a, const Candidate& b) {
+  return a.zeta > b.zeta || (a.zeta == b.zeta && a.column < b.column);
+}
+
+// The k best (logit, column) of the spans, ties to the lower column: a min-heap of the k best so far
+// (its top the worst); columns rise along the scan, so a later equal logit ranks lower and stays out.
+void top_columns(const Spans& spans, int64_t k, std::vector<std::pair<float, int64_t>>* heap) {
+  auto worse = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  heap->clear();
+  spans.each([&](const float* x, int64_t n, int64_t offset) {
+    int64_t i = 0;
+    for (; i < n && static_cast<int64_t>(heap->size()) < k; ++i) {
+      heap->emplace_back(x[i], offset + i);
+      std::push_heap(heap->begin(), heap->end(), worse);
+    }
+    auto offer = [&](int64_t at) {
+      if (x[at] > heap->front().first) {
+        std::pop_heap(heap->begin(), heap->end(), worse);
+        heap->back() = {x[at], offset + at};
+        std::push_heap(heap->begin(), heap->end(), worse);
+      }
+    };
+    for (; i + kStep <= n; i += kStep) {
+      const Vec floor(heap->front().first);
+      const Vec above = at::vec::maximum(at::vec::maximum(Vec::loadu(x + i), Vec::loadu(x + i + kWidth)),
+                                         at::vec::maximum(Vec::loadu(x + i + 2 * kWidth),
+                                                          Vec::loadu(x + i + 3 * kWidth)));
+      if (lane_mask(above > floor) == 0) {
+        continue;
+      }
+      for (int64_t u = 0; u < kUnroll; ++u) {
+        uint32_t hits = lane_mask(Vec::loadu(x + i + u * kWidth) > Vec(heap->front().first));
+        while (hits != 0) {
+          offer(i + u * kWidth + __builtin_ctz(hits));
+          hits &= hits - 1;
+        }
+      }
+    }
+    for (; i < n; ++i) {
+      offer(i);
+    }
+  });
+}
+
+// The columns of the spans whose logit is >= floor, appended as (logit, column).
+void columns_above(const Spans& spans, float floor, std::vector<std::pair<float, int64_t>>* out) {
+  out->clear();
+  spans.each([&](const float* x, int64_t n, int64_t offset) {
+    const Vec vfloor(floor);
+    int64_t i = 0;
+    for (; i + kWidth <= n; i += kWidth) {
+      uint32_t hits = lane_mask(Vec::loadu(x + i) >= vfloor);
+      while (hits != 0) {
+        const int64_t at = i + __builtin_ctz(hits);
+        out->emplace_back(x[at], offset + at);
+        hits &= hits - 1;
+      }
+    }
+    for (; i < n; ++i) {
+      if (x[i] >= floor) {
+        out->emplace_back(x[i], offset + i);
+      }
+    }
+  });
+}
+
+// Index of the draw among ``weights`` (rank order, positive sum) at uniform u: the first whose
+// cumulative sum exceeds u * total (u * total kept one ulp below the total).
+int64_t inverse_cdf(const std::vector<double>& cumulative, double u) {
+  const double total = cumulative.back();
+  const double target = std::min(u * total, std::nextafter(total, 0.0));
+  return std::upper_bound(cumulative.begin(), cumulative.end(), target) - cumulative.begin();
+}
+
+// Histogram buckets of top-p's boundary search (on zeta between the candidates' lowest and highest).
+constexpr int64_t kBuckets = 2048;
+// Candidate sets up to this size are sorted whole.
+constexpr size_t kSortWhole = 4096;
+
+// The kept prefix of the ranked ``candidates`` (modified: reordered) for top-p cut ``cut`` of ``mass``
+// (the mass top-p is taken against): the kept candidates in ``kept`` (any order, ties at the boundary by
+// rank); returns false where the candidates' mass does not reach the cut (the nucleus goes past them).
+bool nucleus(std::vector<Candidate>& candidates, double cut, double mass, std::vector<Candidate>* kept) {
+  kept->clear();
+  auto walk = [&](std::vector<Candidate>::iterator begin, std::vector<Candidate>::iterator end, double before) {
+    std::sort(begin, end, ranks_before);
+    for (auto it = begin; it != end; ++it) {
+      if (!kept->empty() && before / mass >= cut) {
+        return true;
+      }
+      kept->push_back(*it);
+      before += it->prob;
+    }
+    return false;
+  };
+  if (candidates.size() <= kSortWhole) {
+    if (walk(candidates.begin(), candidates.end(), 0.0)) {
+      return true;
+    }
+    double total = 0.0;
+    for (const Candidate& c : candidates) {
+      total += c.prob;
+    }
+    return total / mass >= cut;
+  }
+  double top = -kInf, low = kInf;
+  for (const Candidate& c : candidates) {
+    top = std::max(top, c.zeta);
+    if (c.prob > 0.0) {
+      low = std::min(low, c.zeta);
+    }
+  }
+  const double width = (top - low) / static_cast<double>(kBuckets);
+  auto bucket = [&](double zeta) {  // 0: the top bucket; zero-probability candidates in the last
+    if (!(width > 0.0) || !(zeta >= low)) {
+      return zeta >= low ? int64_t{0} : kBuckets - 1;
+    }
+    return std::min<int64_t>(kBuckets - 1, static_cast<int64_t>((top - zeta) / width));
+  };
+  std::vector<double> bucket_mass(kBuckets, 0.0);
+  for (const Candidate& c : candidates) {
+    bucket_mass[bucket(c.zeta)] += c.prob;
+  }
+  // The boundary bucket: the first whose end brings the mass to the cut.
+  double before = 0.0;
+  int64_t boundary = 0;
+  while (boundary < kBuckets - 1 && (before + bucket_mass[boundary]) / mass < cut) {
+    before += bucket_mass[boundary++];
+  }
+  // Candidates above the boundary bucket first (all kept), then the boundary bucket, sorted.
+  auto mid = std::partition(candidates.begin(), candidates.end(),
+                            [&](const Candidate& c) { return bucket(c.zeta) < boundary; });
+  auto end = std::partition(mid, candidates.end(), [&](const Candidate& c) { return bucket(c.zeta) == boundary; });
+  kept->assign(candidates.begin(), mid);
+  if (walk(mid, end, before)) {
+    return true;
+  }
+  double total = 0.0;
+  for (const Candidate& c : candidates) {
+    total += c.prob;
+  }
+  return total / mass >= cut;
+}
+
+struct RowResult {
+  int64_t token;
+  double log_prob;
+  double state;
+  bool ok;
+};
+
+struct Settings {
+  int64_t head;  // 0 NMST, 1 ST, 2 VA
+  int64_t eos;
+  double log1m_eps;
+  double temperature;
+  int64_t top_k;  // 0: none; 1: greedy
+  double cut;     // top-p's p less the float64 slack; >= 1: none
+};
+
+RowResult select_row(const float* row, int64_t V, const Settings& cfg, int64_t step, double state_before, double u,
+                     std::vector<std::pair<float, int64_t>>* pairs, std::vector<Candidate>* candidates,
+                     std::vector<Candidate>* kept, std::vector<double>* cumulative) {
+  const bool special = cfg.head != 2;
+  const int64_t eos = cfg.eos;
+  const Spans spans = special ? Spans{row, eos, row + eos + 1, V - eos - 1, eos + 1} : Spans{row, V, row, 0, V};
+  RowResult out{0, 0.0, state_before, false};
+  // 1. The max of the non-eos logits.
+  const float left = span_max(spans.first, spans.first_size), right = span_max(spans.second, spans.second_size);
+  const double s = special ? static_cast<double>(row[eos]) : 0.0;
+  if (std::isnan(left) || std::isnan(right) || std::isnan(s)) {
+    return out;
+  }
+  const float best = std::max(left, right);
+  if (!std::isfinite(best)) {  // +inf, or no finite non-eos logit
+    return out;
+  }
+  // 2. L_T and the head's scalars.
+  const double inverse = 1.0 / cfg.temperature;
+  const float scale = static_cast<float>(kLog2E * inverse);
+  const bool top_p_alone = cfg.top_k == 0 && cfg.cut < 1.0;
+  double level_sums[kLevels] = {};
+  float floors[kLevels];
+  double sum = 0.0;
+  if (top_p_alone) {
+    for (int j = 0; j < kLevels; ++j) {
+      floors[j] = std::isfinite(kLevelGaps[j]) ? static_cast<float>(best - kLevelGaps[j] * cfg.temperature) : -kInfF;
+    }
+    spans.each([&](const float* x, int64_t n, int64_t) { span_exp2_level_sums(x, n, best, scale, floors, level_sums); });
+    sum = level_sums[kLevels - 1];
+  } else {
+    spans.each([&](const float* x, int64_t n, int64_t) { sum += span_exp2_sum(x, n, best, scale); });
+  }
+  const double L = static_cast<double>(best) * inverse + std::log(sum);
+  double a = 0.0;  // log(1 - alpha_t)
+  if (cfg.head == 0) {
+    a = step >= 1 ? log_sigmoid(-s) + static_cast<double>(step) * cfg.log1m_eps : 0.0;
+  } else if (cfg.head == 1) {
+    const double running = state_before + (log_sigmoid(s) + cfg.log1m_eps);
+    a = step >= 1 ? running : 0.0;
+    out.state = step >= 1 ? running : state_before;
+  }
+  const double floored = std::max(a, kLogSurvivalFloor);
+  const double log_norm = L - floored;
+  const double eos_log_prob = special ? log1mexp(a) : -kInf;
+  const double eos_zeta = special ? L + eos_log_prob - floored : -kInf;
+  const double top_zeta = static_cast<double>(best) * inverse;
+  out.ok = true;
+  auto choose = [&](int64_t column, double zeta) {
+    out.token = column;
+    out.log_prob = special && column == eos ? eos_log_prob : zeta - log_norm;
+  };
+  // 3. Greedy: the first column of the max against eos.
+  if (cfg.top_k == 1) {
+    int64_t column = first_column_of(spans.first, spans.first_size, best);
+    if (column < 0) {
+      column = spans.second_offset + first_column_of(spans.second, spans.second_size, best);
+    }
+    if (special && (eos_zeta > top_zeta || (eos_zeta == top_zeta && eos < column))) {
+      choose(eos, eos_zeta);
+    } else {
+      choose(column, top_zeta);
+    }
+    return out;
+  }
+  // Sampling: eos with probability 1 - e^a, else the inverse-CDF walk of the non-eos exponentials.
+  if (cfg.top_k == 0 && !(cfg.cut < 1.0)) {
+    const double survival = special ? std::exp(a) : 1.0;
+    if (special && !(u < survival)) {
+      choose(eos, eos_zeta);
+      return out;
+    }
+    const double target = std::min(u / survival * sum, std::nextafter(sum, 0.0));
+    double running = 0.0;
+    int64_t last_positive = -1, column = -1;
+    spans.each([&](const float* x, int64_t n, int64_t offset) {
+      if (column >= 0) {
+        return;
+      }
+      int64_t last = -1;
+      const int64_t at = span_walk(x, n, best, scale, target, &running, &last);
+      if (last >= 0) {
+        last_positive = offset + last;
+      }
+      if (at >= 0) {
+        column = offset + at;
+      }
+    });
+    column = column >= 0 ? column : last_positive;
+    choose(column, static_cast<double>(row[column]) * inverse);
+    return out;
+  }
+  // Candidates: the top k (then eos merged in by rank and the list cut to k), or top-p's set above a floor.
+  candidates->clear();
+  auto add_eos = [&] {
+    if (special) {
+      candidates->push_back({eos_zeta, eos, std::exp(eos_log_prob)});
+    }
+  };
+  auto add_pairs = [&] {
+    for (const auto& [logit, column] : *pairs) {
+      const double zeta = static_cast<double>(logit) * inverse;
+      candidates->push_back({zeta, column, std::exp(zeta - log_norm)});
+    }
+  };
+  double mass = 1.0;  // what top-p's p is a share of
+  if (cfg.top_k > 1) {
+    top_columns(spans, cfg.top_k, pairs);
+    add_pairs();
+    add_eos();
+    std::sort(candidates->begin(), candidates->end(), ranks_before);
+    if (static_cast<int64_t>(candidates->size()) > cfg.top_k) {
+      candidates->resize(cfg.top_k);
+    }
+    mass = 0.0;
+    for (const Candidate& c : *candidates) {
+      mass += c.prob;
+    }
+    if (!(cfg.cut < 1.0)) {
+      kept->assign(candidates->begin(), candidates->end());
+    } else {
+      nucleus(*candidates, cfg.cut, mass, kept);
+    }
+  } else {
+    // Top-p alone: the smallest level whose mass (float32 sums) clears the cut with room for their
+    // rounding; the exact walk confirms it, else the next level.
+    const double survival = special ? std::exp(a) : 1.0;
+    int level = 0;
+    for (; level < kLevels - 1; ++level) {
+      const double eos_mass = special && eos_zeta >= floors[level] * inverse ? std::exp(eos_log_prob) : 0.0;
+      if (survival * level_sums[level] / sum + eos_mass >= cfg.cut + 1e-4) {
+        break;
+      }
+    }
+    for (;; ++level) {
+      columns_above(spans, floors[level], pairs);
+      candidates->clear();
+      add_pairs();
+      // Every token whose zeta is at least the floor's: a prefix of the ranking (eos by zeta_eos).
+      if (special && eos_zeta >= static_cast<double>(floors[level]) * inverse) {
+        add_eos();
+      }
+      if (nucleus(*candidates, cfg.cut, 1.0, kept) || level == kLevels - 1) {
+        break;
+      }
+    }
+  }
+  cumulative->clear();
+  double total = 0.0;
+  for (const Candidate& c : *kept) {
+    total += c.prob;
+    cumulative->push_back(total);
+  }
+  const Candidate& drawn = (*kept)[inverse_cdf(*cumulative, u)];
+  choose(drawn.column, drawn.zeta);
+  return out;
+}
+
+// tokens (B,) int64, log p (B,) float64 of each under the untruncated step distribution, ST's state
+// after the step (B,) float64 (empty for NMST and VA), and (1,) int64 the first row without a
+// distribution (B: none). ``logits`` (B, V) float32 with unit column stride; ``steps`` (B,) int64 t
+// per row (t <= 0: context); ``state`` ST's running log(1 - alpha) before the step (B,) float64 or
+// absent (0); ``uniforms`` (B,) float64 in [0, 1) (unread for greedy).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_rows(
+    const at::Tensor& logits, int64_t head, int64_t eos, double eps, double temperature, const at::Tensor& steps,
+    const std::optional<at::Tensor>& state, int64_t top_k, double cut, const at::Tensor& uniforms) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+                  logits.stride(1) == 1,
+              "select_rows: logits must be a (B, V) float32 CPU tensor with unit column stride");
+  const int64_t B = logits.size(0), V = logits.size(1), row_stride = logits.stride(0);
+  TORCH_CHECK(0 <= head && head <= 2, "select_rows: head must be 0 (NMST), 1 (ST) or 2 (VA)");
+  TORCH_CHECK(0 <= eos && eos < V && V >= 2, "select_rows: eos must be a column of logits");
+  TORCH_CHECK(temperature > 0.0 && top_k >= 0, "select_rows: temperature > 0 and top_k >= 0");
+  auto check_vector = [B](const at::Tensor& t, at::ScalarType dtype, const char* name) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.dim() == 1 && t.size(0) == B &&
+                    t.is_contiguous(),
+                "select_rows: ", name, " must be a contiguous (B,) CPU tensor of the documented dtype");
+  };
+  check_vector(steps, at::kLong, "steps");
+  check_vector(uniforms, at::kDouble, "uniforms");
+  const double* state_before = nullptr;
+  if (state.has_value()) {
+    check_vector(*state, at::kDouble, "state");
+    state_before = state->data_ptr<double>();
+  }
+  const auto options = logits.options();
+  at::Tensor tokens = at::empty({B}, options.dtype(at::kLong));
+  at::Tensor log_probs = at::empty({B}, options.dtype(at::kDouble));
+  at::Tensor states = at::empty({head == 1 ? B : 0}, options.dtype(at::kDouble));
+  at::Tensor bad = at::empty({1}, options.dtype(at::kLong));
+  const Settings cfg{head, eos, std::log1p(-eps), temperature, top_k, cut};
+  const float* base = logits.data_ptr<float>();
+  const int64_t* step = steps.data_ptr<int64_t>();
+  const double* u = uniforms.data_ptr<double>();
+  int64_t* token = tokens.data_ptr<int64_t>();
+  double* log_prob = log_probs.data_ptr<double>();
+  double* state_after = states.data_ptr<double>();
+  std::vector<char> ok(static_cast<size_t>(B), 1);
+  // Rows in parallel where the batch holds several: each row is sequential work of a few passes.
+  const int64_t grain = B * V >= (int64_t{1} << 18) ? 1 : B;
+  at::parallel_for(0, B, grain, [&](int64_t begin, int64_t end) {
+    std::vector<std::pair<float, int64_t>> pairs;
+    std::vector<Candidate> candidates, kept;
+    std::vector<double> cumulative;
+    for (int64_t b = begin; b < end; ++b) {
+      const RowResult r = select_row(base + b * row_stride, V, cfg, step[b], state_before ? state_before[b] : 0.0,
+                                     u[b], &pairs, &candidates, &kept, &cumulative);
+      ok[b] = r.ok;
+      token[b] = r.ok ? r.token : 0;
+      log_prob[b] = r.ok ? r.log_prob : std::numeric_limits<double>::quiet_NaN();
+      if (head == 1) {
+        state_after[b] = r.state;
+      }
+    }
+  });
+  int64_t first_bad = B;
+  for (int64_t b = 0; b < B; ++b) {
+    if (!ok[b]) {
+      first_bad = b;
+      break;
+    }
+  }
+  bad.data_ptr<int64_t>()[0] = first_bad;
+  return {tokens, log_probs, states, bad};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(nmst_fast_cpu, m) {
+  m.def("select_rows(Tensor logits, int head, int eos, float eps, float temperature, Tensor steps, Tensor? state, "
+        "int top_k, float cut, Tensor uniforms) -> (Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(nmst_fast_cpu, CPU, m) { m.impl("select_rows", &select_rows); }
