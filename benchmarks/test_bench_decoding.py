@@ -76,22 +76,25 @@ def test_selection_report_writes_its_table_as_json(tmp_path, capsys):
 
 
 def test_cpu_step_report_runs(tmp_path, capsys):
-    """``python -m benchmarks.cpu_step``: every strategy against the plain torch version, as a table and
-    as JSON; the plain version draws valid tokens."""
+    """``python -m benchmarks.cpu_step``: every strategy against the exp pass, the torch path and the plain torch
+    version, flat and peaked logits, as a table and as JSON; the plain version draws valid tokens."""
     import json
 
     from benchmarks import cpu_step
 
     threads = torch.get_num_threads()
-    cpu_step.main(["--batches", "2", "--vocabs", "300", "--calls", "2", "--repeats", "2", "--json",
+    cpu_step.main(["--batches", "2", "--vocabs", "300", "--calls", "2", "--repeats", "2", "--torch-path", "--json",
                    str(tmp_path / "c.json")])
     assert torch.get_num_threads() == threads  # the run's one thread is not left behind
     rows = json.loads((tmp_path / "c.json").read_text())
-    assert [r["strategy"] for r in rows] == list(cpu_step.STRATEGIES) and all(r["ratio"] > 0 for r in rows)
+    assert [r["strategy"] for r in rows] == list(cpu_step.STRATEGIES) * len(cpu_step.SHAPES)
+    assert all(r["ratio"] > 0 and r["floor_ratio"] > 0 and r["torch_path_us"] > 0 for r in rows)
     assert all(r["repeats"] == 2 and r["ratio_min"] <= r["ratio_max"] for r in rows)
-    assert len([line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 | 300 |")]) == 4
-    cpu_step.main(["--batches", "1", "--vocabs", "300", "--calls", "2", "--eos-inside"])
-    assert len([line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 | 300 |")]) == 4
+    printed = [line for line in capsys.readouterr().out.splitlines() if " | 2 | 300 |" in line]
+    assert len(printed) == len(cpu_step.STRATEGIES) * len(cpu_step.SHAPES)
+    cpu_step.main(["--batches", "1", "--vocabs", "300", "--calls", "2", "--eos-inside", "--shapes", "peaked"])
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| peaked | 1 | 300 |")]
+    assert len(printed) == len(cpu_step.STRATEGIES)
     logits = torch.randn(3, 300)
     logits[0, 299 - cpu_step.INSIDE] = logits[1, 299] = 30.0  # eos wins these rows (t = STEP)
     for inside in (False, True):

@@ -1,6 +1,6 @@
 """CPU row kernels in C++ over ATen's vectorized math (``head_row.h``): torch ops ``torch.ops.nmst_fast_cpu.*``
-(``row_lse.cpp``) and, in the same library, the head as a llama.cpp sampler (``llama_sampler.cpp``, C functions
-called through ctypes: :func:`native_library`).
+(``row_lse.cpp``, ``loss_rows.cpp``, ``select_rows.cpp``) and, in the same library, the head as a llama.cpp
+sampler (``llama_sampler.cpp``, C functions called through ctypes: :func:`native_library`).
 
 They are built on first use by torch's JIT extension builder (a C++ compiler and ninja; a few
 seconds, once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``, by default
@@ -20,6 +20,10 @@ vectors:
     ``nmst_fast.integrations.vllm.eos_column.host_eos_value`` computes it from the row pass's L_T
     (rows without a distribution keep theirs); returns ST's running sums after the step (A,) float64
     (empty for NMST).
+    ``select_rows(logits, head, eos, eps, temperature, steps, state, top_k, cut, uniforms)``: one decoding step's
+    token per row of ``logits`` (B, V) (``select_rows.cpp``; :mod:`nmst_fast.decoding.cpu_rows` documents the
+    arguments): (tokens (B,) int64, log p (B,) float64, ST's state after the step (B,) float64 or empty, (1,)
+    int64 the first row without a distribution, B if none).
 """
 
 from __future__ import annotations
