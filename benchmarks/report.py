@@ -108,7 +108,7 @@ def round_order(names: list[str], round_index: int) -> list[str]:
     return random.Random(round_index).sample(names, len(names))
 
 
-def measure_times(shape: Shape, rounds: int) -> dict[str, list[float]]:
+def measure_times(shape: Shape, rounds: int, skip: tuple[str, ...] = ()) -> dict[str, list[float]]:
     """Every round runs each case once (on a GPU: the allocator's cache emptied, one untimed step,
     then 5 timed back-to-back steps), in a fresh order each round (:func:`round_order`), in this process, on
     the same inputs.
@@ -118,7 +118,8 @@ def measure_times(shape: Shape, rounds: int) -> dict[str, list[float]]:
     warm-up step fails (a baseline this card or its wheel does not run) gets NaN times, and the
     others run on: one GPU call yields the whole table.
     """
-    cases = cases_for(shape.device)
+    cases = {name: fn for i, (name, fn) in enumerate(cases_for(shape.device).items())
+             if i == 0 or not any(part in name for part in skip)}  # the floor (first) always runs
     # On a GPU a case runs several steps back to back, as in training, so the host enqueues
     # ahead and the time is the device's steady state, not one step's launch latency.
     steps_per_round = 5 if shape.device == "cuda" else 1
@@ -182,8 +183,9 @@ def summarize(shape: Shape, times: dict[str, list[float]], extra_gb: dict[str, f
     return rows
 
 
-def run_report(shape: Shape, rounds: int, peak_tflops: Optional[float]) -> list[dict]:
-    times = measure_times(shape, rounds)
+def run_report(shape: Shape, rounds: int, peak_tflops: Optional[float], skip: tuple[str, ...] = ()) -> list[dict]:
+    """Times and extra memory of every case whose name holds none of ``skip``'s strings (the floor always runs)."""
+    times = measure_times(shape, rounds, skip)
     measure = _memory_in_process if shape.device == "cuda" else _memory_in_subprocess
     extra_gb = {}
     for name, ts in times.items():
@@ -241,6 +243,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the card's dense bf16 peak in TFLOP/s (default: from the card's name, if known)")
     parser.add_argument("--json", help="also write the rows of every shape to this file")
+    parser.add_argument("--skip", nargs="+", default=[], metavar="TEXT",
+                        help="leave out the cases whose name holds any of these (e.g. 'F.linear_cross_entropy', "
+                             "which takes about 300 s a step at --large on 2 cores); the floor always runs")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -260,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     peak = args.peak_tflops if args.peak_tflops is not None else dense_bf16_peak(device_name)
     results = []
     for shape in shapes:
-        rows = run_report(shape, rounds, peak)
+        rows = run_report(shape, rounds, peak, tuple(args.skip))
         results.append({"shape": shape.label(), "rows": rows})
         print(format_table(shape, rows, rounds, device_name, peak), flush=True)
     if args.json:

@@ -137,3 +137,13 @@ def test_a_case_that_did_not_run_is_not_run_again_for_its_memory(monkeypatch):
     rows = report.run_report(Shape(32, 16, 100, torch.float32, "cpu"), rounds=1, peak_tflops=None)
     assert measured == ["floor"]
     assert rows[0]["extra_gb"] == 0.25 and rows[1]["extra_gb"] != rows[1]["extra_gb"]
+
+
+def test_skipped_cases_are_left_out_and_the_floor_always_runs(monkeypatch):
+    import benchmarks.report as report
+    from benchmarks.cases import Shape, three_gemms
+
+    monkeypatch.setattr(report, "cases_for", lambda device: {"three GEMMs (floor)": three_gemms,
+                                                             "slow peer": three_gemms, "ours": three_gemms})
+    times = report.measure_times(Shape(32, 16, 100, torch.float32, "cpu"), rounds=1, skip=("slow", "GEMMs"))
+    assert list(times) == ["three GEMMs (floor)", "ours"]
