@@ -80,30 +80,34 @@ inline int64_t first_column_of(const float* x, int64_t n, float value) {
 // nucleus ends about 8 nats under its max).
 constexpr int kLevels = 7;
 constexpr double kLevelGaps[kLevels] = {3.0, 6.0, 9.0, 12.0, 16.0, 24.0, kInf};
+// Levels from this one on (a set that may hold most of the row) are split into kSublevels by one more pass.
+constexpr int kRefineFrom = 2;
+constexpr int kSublevels = 8;
 
-// sum of 2^((x - shift) * scale) over x[0, n), and the same sum over the entries >= each of
-// ``floors`` (raw logits), each added into ``sums`` (float32 lanes flushed into float64 as span_exp2_sum).
+// The sums of 2^((x - shift) * scale) over the entries of x[0, n) >= each of the ``Levels`` ``floors`` (raw
+// logits), each added into ``sums`` (float32 lanes flushed into float64 as span_exp2_sum).
+template <int Levels>
 inline void span_exp2_level_sums(const float* x, int64_t n, float shift, float scale, const float* floors,
                                  double* sums) {
   const Vec vshift(shift), vscale(scale), zero(0.f);
-  Vec vfloor[kLevels];
-  for (int j = 0; j < kLevels; ++j) {
+  Vec vfloor[Levels];
+  for (int j = 0; j < Levels; ++j) {
     vfloor[j] = Vec(floors[j]);
   }
   int64_t i = 0;
   while (i + kWidth <= n) {
-    Vec acc[kLevels];
-    for (int j = 0; j < kLevels; ++j) {
+    Vec acc[Levels];
+    for (int j = 0; j < Levels; ++j) {
       acc[j] = zero;
     }
     for (int64_t s = 0; s < kFlushSteps * kUnroll && i + kWidth <= n; ++s, i += kWidth) {
       const Vec v = Vec::loadu(x + i);
       const Vec e = ((v - vshift) * vscale).exp2();
-      for (int j = 0; j < kLevels; ++j) {
+      for (int j = 0; j < Levels; ++j) {
         acc[j] = acc[j] + Vec::blendv(zero, e, v >= vfloor[j]);
       }
     }
-    for (int j = 0; j < kLevels; ++j) {
+    for (int j = 0; j < Levels; ++j) {
       float lanes[kWidth];
       acc[j].store(lanes);
       for (int64_t k = 0; k < kWidth; ++k) {
@@ -113,7 +117,7 @@ inline void span_exp2_level_sums(const float* x, int64_t n, float shift, float s
   }
   for (; i < n; ++i) {
     const double e = std::exp2((x[i] - shift) * scale);
-    for (int j = 0; j < kLevels; ++j) {
+    for (int j = 0; j < Levels; ++j) {
       sums[j] += x[i] >= floors[j] ? e : 0.0;
     }
   }
@@ -170,6 +174,7 @@ struct Candidate {
   double zeta;
   int64_t column;
   double prob;
+  int64_t bucket;  // top-p's histogram bucket (nucleus)
 };
 
 inline bool ranks_before(const Candidate& a, const Candidate& b) {
@@ -251,7 +256,7 @@ int64_t inverse_cdf(const std::vector<double>& cumulative, double u) {
 // Histogram buckets of top-p's boundary search (on zeta between the candidates' lowest and highest).
 constexpr int64_t kBuckets = 2048;
 // Candidate sets up to this size are sorted whole.
-constexpr size_t kSortWhole = 4096;
+constexpr size_t kSortWhole = 256;
 
 // The kept prefix of the ranked ``candidates`` (modified: reordered) for top-p cut ``cut`` of ``mass``
 // (the mass top-p is taken against): the kept candidates in ``kept`` (any order, ties at the boundary by
@@ -294,8 +299,9 @@ bool nucleus(std::vector<Candidate>& candidates, double cut, double mass, std::v
     return std::min<int64_t>(kBuckets - 1, static_cast<int64_t>((top - zeta) / width));
   };
   std::vector<double> bucket_mass(kBuckets, 0.0);
-  for (const Candidate& c : candidates) {
-    bucket_mass[bucket(c.zeta)] += c.prob;
+  for (Candidate& c : candidates) {
+    c.bucket = bucket(c.zeta);
+    bucket_mass[c.bucket] += c.prob;
   }
   // The boundary bucket: the first whose end brings the mass to the cut.
   double before = 0.0;
@@ -305,8 +311,8 @@ bool nucleus(std::vector<Candidate>& candidates, double cut, double mass, std::v
   }
   // Candidates above the boundary bucket first (all kept), then the boundary bucket, sorted.
   auto mid = std::partition(candidates.begin(), candidates.end(),
-                            [&](const Candidate& c) { return bucket(c.zeta) < boundary; });
-  auto end = std::partition(mid, candidates.end(), [&](const Candidate& c) { return bucket(c.zeta) == boundary; });
+                            [&](const Candidate& c) { return c.bucket < boundary; });
+  auto end = std::partition(mid, candidates.end(), [&](const Candidate& c) { return c.bucket == boundary; });
   kept->assign(candidates.begin(), mid);
   if (walk(mid, end, before)) {
     return true;
@@ -362,7 +368,9 @@ RowResult select_row(const float* row, int64_t V, const Settings& cfg, int64_t s
     for (int j = 0; j < kLevels; ++j) {
       floors[j] = std::isfinite(kLevelGaps[j]) ? static_cast<float>(best - kLevelGaps[j] * cfg.temperature) : -kInfF;
     }
-    spans.each([&](const float* x, int64_t n, int64_t) { span_exp2_level_sums(x, n, best, scale, floors, level_sums); });
+    spans.each([&](const float* x, int64_t n, int64_t) {
+      span_exp2_level_sums<kLevels>(x, n, best, scale, floors, level_sums);
+    });
     sum = level_sums[kLevels - 1];
   } else {
     spans.each([&](const float* x, int64_t n, int64_t) { sum += span_exp2_sum(x, n, best, scale); });
@@ -430,13 +438,13 @@ RowResult select_row(const float* row, int64_t V, const Settings& cfg, int64_t s
   candidates->clear();
   auto add_eos = [&] {
     if (special) {
-      candidates->push_back({eos_zeta, eos, std::exp(eos_log_prob)});
+      candidates->push_back({eos_zeta, eos, std::exp(eos_log_prob), 0});
     }
   };
   auto add_pairs = [&] {
     for (const auto& [logit, column] : *pairs) {
       const double zeta = static_cast<double>(logit) * inverse;
-      candidates->push_back({zeta, column, std::exp(zeta - log_norm)});
+      candidates->push_back({zeta, column, std::exp(zeta - log_norm), 0});
     }
   };
   double mass = 1.0;  // what top-p's p is a share of
@@ -461,24 +469,46 @@ RowResult select_row(const float* row, int64_t V, const Settings& cfg, int64_t s
     // Top-p alone: the smallest level whose mass (float32 sums) clears the cut with room for their
     // rounding; the exact walk confirms it, else the next level.
     const double survival = special ? std::exp(a) : 1.0;
+    auto clears = [&](float at, double level_sum) {
+      const double eos_mass = special && eos_zeta >= static_cast<double>(at) * inverse ? std::exp(eos_log_prob) : 0.0;
+      return survival * level_sum / sum + eos_mass >= cfg.cut + 1e-4;
+    };
     int level = 0;
-    for (; level < kLevels - 1; ++level) {
-      const double eos_mass = special && eos_zeta >= floors[level] * inverse ? std::exp(eos_log_prob) : 0.0;
-      if (survival * level_sums[level] / sum + eos_mass >= cfg.cut + 1e-4) {
-        break;
+    while (level < kLevels - 1 && !clears(floors[level], level_sums[level])) {
+      ++level;
+    }
+    // A wide level (its set many times the nucleus on a long tail) is split once more: one pass for the sums
+    // above kSublevels floors between the level before and this one, the first that clears taken.
+    float cutoff = floors[level];
+    if (level >= kRefineFrom && level < kLevels - 1) {
+      float sub_floors[kSublevels];
+      double sub_sums[kSublevels] = {};
+      for (int j = 0; j < kSublevels; ++j) {
+        const double gap = kLevelGaps[level - 1] + (kLevelGaps[level] - kLevelGaps[level - 1]) * (j + 1) / kSublevels;
+        sub_floors[j] = j == kSublevels - 1 ? floors[level] : static_cast<float>(best - gap * cfg.temperature);
+      }
+      spans.each([&](const float* x, int64_t n, int64_t) {
+        span_exp2_level_sums<kSublevels>(x, n, best, scale, sub_floors, sub_sums);
+      });
+      for (int j = 0; j < kSublevels; ++j) {
+        if (clears(sub_floors[j], sub_sums[j])) {
+          cutoff = sub_floors[j];
+          break;
+        }
       }
     }
-    for (;; ++level) {
-      columns_above(spans, floors[level], pairs);
+    for (;;) {
+      columns_above(spans, cutoff, pairs);
       candidates->clear();
       add_pairs();
       // Every token whose zeta is at least the floor's: a prefix of the ranking (eos by zeta_eos).
-      if (special && eos_zeta >= static_cast<double>(floors[level]) * inverse) {
+      if (special && eos_zeta >= static_cast<double>(cutoff) * inverse) {
         add_eos();
       }
       if (nucleus(*candidates, cfg.cut, 1.0, kept) || level == kLevels - 1) {
         break;
       }
+      cutoff = cutoff > floors[level] ? floors[level] : floors[++level];  // a split level's own floor next
     }
   }
   cumulative->clear();
