@@ -13,18 +13,11 @@ from typing import Any, Optional
 
 import torch
 
-from ..kernels.cpu import row_kernels
 from .distribution import Steps, check_state, no_distribution_message, step_values
 from .truncation import TOP_P_SLACK
 
 _HEADS = {"nmst": 0, "st": 1, "va": 2}
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def cpu_kernels(device: torch.device) -> Optional[Any]:
-    """``torch.ops.nmst_fast_cpu`` where a step on ``device`` can use the selection kernel (a CPU device and the
-    kernels built), else None."""
-    return row_kernels() if device.type == "cpu" else None
 
 
 class CPURows:

@@ -25,9 +25,10 @@ from typing import Optional, Union
 import torch
 
 from ..backends import triton_available
+from ..kernels.cpu import row_kernels
 from ..kernels.host_math import NO_ROW
 from ..validation import check_float_tensor, check_int
-from .cpu_rows import KERNEL_DTYPES, CPURows, cpu_kernels
+from .cpu_rows import KERNEL_DTYPES, CPURows
 from .distribution import (
     Steps,
     check_head_args,
@@ -176,7 +177,7 @@ class DecodingStep:
                     generator: Optional[torch.Generator], first_size: Optional[int] = None) -> StepOutput:
         if self._cpu_rows_wanted and logits.dtype in KERNEL_DTYPES:
             if self._cpu_rows is None:
-                ops = cpu_kernels(self.device)
+                ops = row_kernels()  # None where the kernels do not build: the torch path from then on
                 if ops is None:
                     self._cpu_rows_wanted = False
                     return self._torch_step(logits, steps, state, generator, first_size)

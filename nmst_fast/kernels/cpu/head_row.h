@@ -105,6 +105,19 @@ inline double log1mexp(double a) {
 // Below this a = log(1 - alpha) is 1 - alpha = 0 in float64 (nmst_fast.decoding.distribution.LOG_SURVIVAL_FLOOR).
 constexpr double kLogSurvivalFloor = -1e300;
 
+// a = log(1 - alpha_t) of the NMST (``st`` false) or ST head at step ``step`` (t <= 0: context, a = 0) from the
+// eos logit s: NMST's logsigma(-s) + t * log1p(-eps), or ST's running sum before the step plus logsigma(s) +
+// log1p(-eps). ``*sum_after``: ST's running sum after the step (``sum_before`` at context steps; NMST: untouched).
+inline double step_log_survival(bool st, double s, int64_t step, double log1m_eps, double sum_before,
+                                double* sum_after) {
+  if (st) {
+    const double running = sum_before + (log_sigmoid(s) + log1m_eps);
+    *sum_after = step >= 1 ? running : sum_before;
+    return step >= 1 ? running : 0.0;
+  }
+  return step >= 1 ? log_sigmoid(-s) + static_cast<double>(step) * log1m_eps : 0.0;
+}
+
 // The eos entry of one head row at step ``step`` (t <= 0: context) with temperature ``temperature``,
 // from L = log sum_{v != eos} exp(z_v / T) and the row's eos logit s: returns whether the row has a
 // distribution (L finite, s neither NaN nor -inf); if so ``*eos_value`` = T * min(zeta_eos, L +
@@ -114,17 +127,9 @@ inline bool head_eos_value(double L, double s, int64_t step, double temperature,
                            double log1m_eps, double max_gap, double* eos_value, double* sum_after) {
   const bool live = std::abs(L) < std::numeric_limits<double>::infinity() &&
                     s > -std::numeric_limits<double>::infinity();  // false for NaN too
-  double log_survival = 0.0;
-  *sum_after = sum_before;
-  if (st) {
-    const double running = sum_before + (log_sigmoid(s) + log1m_eps);
-    log_survival = step >= 1 ? running : 0.0;
-    if (live && step >= 1) {
-      *sum_after = running;
-    }
-  } else if (step >= 1) {
-    log_survival = log_sigmoid(-s) + static_cast<double>(step) * log1m_eps;
-  }
+  double running = sum_before;
+  const double log_survival = step_log_survival(st, s, step, log1m_eps, sum_before, &running);
+  *sum_after = live ? running : sum_before;
   if (live) {
     const double zeta = L + log1mexp(log_survival) - std::max(log_survival, kLogSurvivalFloor);
     *eos_value = temperature * std::min(zeta, L + max_gap);

@@ -274,15 +274,16 @@ bool nucleus(std::vector<Candidate>& candidates, double cut, double mass, std::v
     }
     return false;
   };
-  if (candidates.size() <= kSortWhole) {
-    if (walk(candidates.begin(), candidates.end(), 0.0)) {
-      return true;
-    }
+  // Where the walk keeps every candidate, the nucleus ends inside them only if their whole mass reaches the cut.
+  auto all_reach_cut = [&] {
     double total = 0.0;
     for (const Candidate& c : candidates) {
       total += c.prob;
     }
     return total / mass >= cut;
+  };
+  if (candidates.size() <= kSortWhole) {
+    return walk(candidates.begin(), candidates.end(), 0.0) || all_reach_cut();
   }
   double top = -kInf, low = kInf;
   for (const Candidate& c : candidates) {
@@ -314,14 +315,7 @@ bool nucleus(std::vector<Candidate>& candidates, double cut, double mass, std::v
                             [&](const Candidate& c) { return c.bucket < boundary; });
   auto end = std::partition(mid, candidates.end(), [&](const Candidate& c) { return c.bucket == boundary; });
   kept->assign(candidates.begin(), mid);
-  if (walk(mid, end, before)) {
-    return true;
-  }
-  double total = 0.0;
-  for (const Candidate& c : candidates) {
-    total += c.prob;
-  }
-  return total / mass >= cut;
+  return walk(mid, end, before) || all_reach_cut();
 }
 
 struct RowResult {
@@ -376,14 +370,8 @@ RowResult select_row(const float* row, int64_t V, const Settings& cfg, int64_t s
     spans.each([&](const float* x, int64_t n, int64_t) { sum += span_exp2_sum(x, n, best, scale); });
   }
   const double L = static_cast<double>(best) * inverse + std::log(sum);
-  double a = 0.0;  // log(1 - alpha_t)
-  if (cfg.head == 0) {
-    a = step >= 1 ? log_sigmoid(-s) + static_cast<double>(step) * cfg.log1m_eps : 0.0;
-  } else if (cfg.head == 1) {
-    const double running = state_before + (log_sigmoid(s) + cfg.log1m_eps);
-    a = step >= 1 ? running : 0.0;
-    out.state = step >= 1 ? running : state_before;
-  }
+  const double a = special ? step_log_survival(cfg.head == 1, s, step, cfg.log1m_eps, state_before, &out.state)
+                           : 0.0;  // log(1 - alpha_t)
   const double floored = std::max(a, kLogSurvivalFloor);
   const double log_norm = L - floored;
   const double eos_log_prob = special ? log1mexp(a) : -kInf;
