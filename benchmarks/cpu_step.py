@@ -5,6 +5,8 @@
     python -m benchmarks.cpu_step --repeats 3     # medians over three whole runs
     python -m benchmarks.cpu_step --eos-inside    # eos 255 columns before the end (Llama 3's 128001)
     python -m benchmarks.cpu_step --torch-path    # also the torch path (impl="torch", the kernel's fallback)
+    python -m benchmarks.cpu_step --peer llama.cpp=.venv-llama-cpp/bin/python --peer vllm=.venv-vllm/bin/python
+                                                  # also llama.cpp's sampler chain and vLLM's CPU sampler
 
 Logits ``--shapes``: flat (N(0, 3²)) and peaked (a Zipf prior over a shuffled vocabulary, 8 − 1.1·ln rank, plus
 N(0, 1): a trained LM's rows put most of their mass on a few hundred tokens). The floor (``exp``): one vectorized
@@ -26,7 +28,10 @@ import functools
 import json
 import math
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -38,8 +43,10 @@ from .report import cpu_description
 
 EPS, STEP = 1e-5, 100
 INSIDE = 255  # --eos-inside: eos this many columns before the last (Llama 3: 128001 of 128256)
-STRATEGIES = {"greedy": (1, None), "top-k 50": (50, None), "top-p 0.9": (None, 0.9),
-              "top-k 40 + top-p 0.95": (40, 0.95), "sampling": (None, None)}
+# (top_k, top_p, min_p); llama.cpp's defaults are top-k 40, top-p 0.95, min-p 0.05
+STRATEGIES = {"greedy": (1, None, None), "top-k 50": (50, None, None), "top-p 0.9": (None, 0.9, None),
+              "top-k 40 + top-p 0.95": (40, 0.95, None), "min-p 0.05": (None, None, 0.05),
+              "top-k 40 + top-p 0.95 + min-p 0.05": (40, 0.95, 0.05), "sampling": (None, None, None)}
 SHAPES = ("flat", "peaked")
 
 
@@ -53,7 +60,7 @@ def shaped_logits(B: int, V: int, shape: str, seed: int = 0) -> torch.Tensor:
     return (prior.float() + torch.randn(B, V, generator=gen)).contiguous()
 
 
-def plain_step(top_k: Optional[int], top_p: Optional[float],
+def plain_step(top_k: Optional[int], top_p: Optional[float], min_p: Optional[float] = None,
                eos_inside: bool = False) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
     """The NMST step as a user would write it in torch (t = STEP): eos last (the other columns are a
     slice) or inside the vocabulary (its column masked for the softmax, then overwritten)."""
@@ -70,6 +77,8 @@ def plain_step(top_k: Optional[int], top_p: Optional[float],
             log_p = torch.cat([log_p, torch.log(-torch.expm1(log_survival))[:, None]], dim=1)
         if top_k == 1:
             return torch.argmax(log_p, dim=1)
+        if min_p is not None:  # the tokens below min_p times the row's most probable one out
+            log_p = log_p.masked_fill(log_p < log_p.amax(dim=1, keepdim=True) + math.log(min_p), -math.inf)
         if top_k is not None:
             values, tokens = torch.topk(log_p, top_k, dim=1)
             return tokens.gather(1, torch.multinomial(torch.softmax(values, dim=1), 1, generator=gen)).squeeze(1)
@@ -83,11 +92,11 @@ def plain_step(top_k: Optional[int], top_p: Optional[float],
     return step
 
 
-def our_step(top_k: Optional[int], top_p: Optional[float], V: int, eos_inside: bool = False,
-             impl: str = "auto") -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
+def our_step(top_k: Optional[int], top_p: Optional[float], V: int, eos_inside: bool = False, impl: str = "auto",
+             min_p: Optional[float] = None) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
     """A DecodingStep built once, called with its checks deferred, as ``generate`` calls it."""
     step = DecodingStep(head="nmst", eos_index=V - 1 - (INSIDE if eos_inside else 0), vocab_size=V, eps=EPS,
-                        top_k=top_k, top_p=top_p, impl=impl)
+                        top_k=top_k, top_p=top_p, min_p=min_p, impl=impl)
     return lambda logits, gen: step(logits, steps=STEP, generator=gen, defer_checks=True).tokens
 
 
@@ -117,11 +126,11 @@ def run(batches: tuple[int, ...] = (1, 8, 64), vocabs: tuple[int, ...] = (32000,
             for B in batches:
                 logits = shaped_logits(B, V, shape)
                 buffer = torch.empty_like(logits)
-                for name, (k, p) in STRATEGIES.items():
-                    steps = {"ours": our_step(k, p, V, eos_inside), "plain": plain_step(k, p, eos_inside),
+                for name, (k, p, m) in STRATEGIES.items():
+                    steps = {"ours": our_step(k, p, V, eos_inside, min_p=m), "plain": plain_step(k, p, m, eos_inside),
                              "exp": lambda _logits, _gen: torch.exp(logits, out=buffer)}
                     if torch_path:
-                        steps["torch_path"] = our_step(k, p, V, eos_inside, impl="torch")
+                        steps["torch_path"] = our_step(k, p, V, eos_inside, impl="torch", min_p=m)
                     timed = median_us({key: functools.partial(fn, logits, gen) for key, fn in steps.items()}, calls)
                     row = dict(shape=shape, batch=B, vocab=V, strategy=name, ours_us=timed["ours"],
                                plain_us=timed["plain"], exp_us=timed["exp"], ratio=timed["ours"] / timed["plain"],
@@ -147,6 +156,34 @@ def combine(runs: list[list[dict]]) -> list[dict]:
     return rows
 
 
+def _peer_argument(value: str) -> tuple[str, str]:
+    name, sep, python = value.partition("=")
+    if not sep or name not in ("llama.cpp", "vllm") or not python:
+        raise SystemExit(f"cpu_step: --peer takes llama.cpp=PYTHON or vllm=PYTHON, got {value!r}")
+    return name, python
+
+
+def peer_rows(name: str, python: str, args: argparse.Namespace) -> list[dict]:
+    """The rows of ``benchmarks.sampler_peers`` for peer ``name`` run by ``python`` (its environment's interpreter)
+    with this run's cases."""
+    with tempfile.TemporaryDirectory() as directory:
+        out = Path(directory) / "peer.json"
+        command = [python, "-m", "benchmarks.sampler_peers", name, "--batches", *map(str, args.batches),
+                   "--vocabs", *map(str, args.vocabs), "--shapes", *args.shapes, "--calls", str(args.calls),
+                   "--threads", str(args.threads), "--json", str(out)]
+        subprocess.run(command, check=True, cwd=Path(__file__).resolve().parent.parent)
+        return json.loads(out.read_text())
+
+
+def add_peer(rows: list[dict], name: str, timed: list[dict]) -> None:
+    """Put a peer's µs and ours / peer (both timed in its process) into the matching rows."""
+    by_case = {(r["shape"], r["batch"], r["vocab"], r["strategy"]): r for r in timed if "peer_us" in r}
+    for row in rows:
+        peer = by_case.get((row["shape"], row["batch"], row["vocab"], row["strategy"]))
+        if peer is not None:
+            row[f"{name}_us"], row[f"ours_over_{name}"] = peer["peer_us"], peer["ratio"]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
@@ -159,8 +196,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for both sides")
     parser.add_argument("--eos-inside", action="store_true",
                         help=f"eos {INSIDE} columns before the last (default: the last column)")
+    parser.add_argument("--peer", action="append", default=[], metavar="NAME=PYTHON",
+                        help="also time a peer (llama.cpp or vllm: benchmarks.sampler_peers) against ours in one "
+                             "process of the Python interpreter of its environment, e.g. "
+                             "llama.cpp=.venv-llama-cpp/bin/python (repeatable)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
+    peers = dict(_peer_argument(value) for value in args.peer)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -168,17 +210,23 @@ def main(argv: list[str] | None = None) -> None:
                             args.torch_path) for _ in range(args.repeats)])
     finally:
         torch.set_num_threads(threads)
+    for name, python in peers.items():
+        add_peer(rows, name, peer_rows(name, python, args))
     print(f"one NMST decoding step on the CPU ({cpu_description()}), torch {torch.__version__}, "
           f"{args.threads} thread(s); µs, medians of interleaved calls")
     path = " torch path |" if args.torch_path else ""
+    peer_head = "".join(f" {name} | ours / {name} (same process) |" for name in peers)
     print(f"| logits | B | V | strategy | ours | exp pass | ours / exp | ≤ 3·exp + 25 µs |{path} plain torch | "
-          f"ours / plain | range over repeats |\n|---|---:|---:|---|---:|---:|---:|---|{'---:|' * bool(path)}"
-          "---:|---:|---|")
+          f"ours / plain | range over repeats |{peer_head}\n|---|---:|---:|---|---:|---:|---:|---|"
+          f"{'---:|' * bool(path)}---:|---:|---|{'---:|---:|' * len(peers)}")
     for row in rows:
         torch_path = f" {row['torch_path_us']:.0f} |" if args.torch_path else ""
+        peer_cells = "".join(f" {row[f'{name}_us']:.0f} | {row[f'ours_over_{name}']:.2f} |"
+                             if f"{name}_us" in row else " — | — |" for name in peers)
         print(f"| {row['shape']} | {row['batch']} | {row['vocab']} | {row['strategy']} | {row['ours_us']:.0f} | "
               f"{row['exp_us']:.0f} | {row['floor_ratio']:.2f} | {'yes' if row['meets_goal'] else 'no'} |{torch_path} "
-              f"{row['plain_us']:.0f} | {row['ratio']:.2f} | {row['ratio_min']:.2f}–{row['ratio_max']:.2f} |")
+              f"{row['plain_us']:.0f} | {row['ratio']:.2f} | {row['ratio_min']:.2f}–{row['ratio_max']:.2f} |"
+              f"{peer_cells}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -98,10 +98,10 @@ def test_cpu_step_report_runs(tmp_path, capsys):
     logits = torch.randn(3, 300)
     logits[0, 299 - cpu_step.INSIDE] = logits[1, 299] = 30.0  # eos wins these rows (t = STEP)
     for inside in (False, True):
-        for k, p in cpu_step.STRATEGIES.values():
-            tokens = cpu_step.plain_step(k, p, inside)(logits, torch.Generator().manual_seed(0))
+        for k, p, m in cpu_step.STRATEGIES.values():
+            tokens = cpu_step.plain_step(k, p, m, inside)(logits, torch.Generator().manual_seed(0))
             assert tokens.shape == (3,) and bool(((tokens >= 0) & (tokens < 300)).all())
         # The plain version is the NMST step: its greedy token is the exact distribution's best.
         eos = 299 - (cpu_step.INSIDE if inside else 0)
         exact, _ = step_log_probs(logits.double(), head="nmst", eos_index=eos, eps=cpu_step.EPS, steps=cpu_step.STEP)
-        assert torch.equal(cpu_step.plain_step(1, None, inside)(logits, None), exact.argmax(dim=1))
+        assert torch.equal(cpu_step.plain_step(1, None, None, inside)(logits, None), exact.argmax(dim=1))

@@ -13,3 +13,16 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+@functools.cache
+def cpu_has_fp16_arithmetic() -> bool:
+    """Whether this CPU multiplies float16 natively (AVX512-FP16 or AMX-FP16): oneDNN's fp16 GEMMs then run
+    at least at fp32's rate. Without either they emulate fp16 about 100x slower than bf16 (AVX-512, AVX2)."""
+    import torch
+
+    get = getattr(torch.cpu, "get_capabilities", None)
+    if get is None:
+        return False
+    capabilities = get()
+    return bool(capabilities.get("avx512_fp16") or capabilities.get("amx_fp16"))

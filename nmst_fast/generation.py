@@ -74,14 +74,17 @@ class GenerationOutput:
     scores: torch.Tensor
 
 
-def _check(contexts, strategy: str, top_k, top_p, num_beams, max_length, temperature, impl) -> None:
+def _check(contexts, strategy: str, top_k, top_p, num_beams, max_length, temperature, impl, min_p=None) -> None:
     """Every argument, before the model runs (and for an empty batch as for any other)."""
     check_int_tensor("contexts", contexts)
     if contexts.dim() != 2:
         raise ValueError(f"contexts must be (B, Tc), got shape {tuple(contexts.shape)}")
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    check_truncation(top_k if strategy in ("top_k", "nucleus") else None, top_p if strategy == "nucleus" else None)
+    check_truncation(top_k if strategy in ("top_k", "nucleus") else None, top_p if strategy == "nucleus" else None,
+                     min_p)
+    if min_p is not None and strategy not in ("top_k", "nucleus"):
+        raise ValueError(f"min_p truncates the sampling strategies 'top_k' and 'nucleus', not {strategy!r}")
     check_temperature(temperature)
     check_impl(impl)
     check_int("max_length", max_length, 1)
@@ -143,6 +146,7 @@ def generate(
     strategy: str = "greedy",
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
     num_beams: Optional[int] = None,
     max_length: int = 1000,
     temperature: float = 1.0,
@@ -161,6 +165,8 @@ def generate(
         contexts: (B, Tc) int64 context tokens.
         strategy: "greedy", "top_k" (sampling from the top ``top_k``), "nucleus" (sampling
             from the top-``top_p`` mass; ``top_k`` may be combined) or "beam".
+        min_p: "top_k" and "nucleus" then keep the tokens with at least ``min_p`` times the most probable
+            one's probability (see :class:`nmst_fast.decoding.DecodingStep`).
         num_beams: beam width for "beam" (returns each item's best hypothesis).
         max_length: L, the most tokens generated per context.
         temperature: see :func:`nmst_fast.decoding.sample` (every strategy; greedy keeps the argmax
@@ -179,7 +185,7 @@ def generate(
         impl: token selection backend of the other strategies, see :func:`nmst_fast.decoding.sample`
             ("auto": the Triton kernels on CUDA); beam search ranks its candidates in torch.
     """
-    _check(contexts, strategy, top_k, top_p, num_beams, max_length, temperature, impl)
+    _check(contexts, strategy, top_k, top_p, num_beams, max_length, temperature, impl, min_p)
     max_length = int(max_length)
     num_beams = int(num_beams) if strategy == "beam" else num_beams
     if strategy == "beam":
@@ -196,7 +202,7 @@ def generate(
                             progress, temperature)
     return _sample_loop(model, contexts, 1 if strategy == "greedy" else top_k,
                         top_p if strategy == "nucleus" else None, max_length, temperature, generator, keep_tokens,
-                        progress, impl, strategy)
+                        progress, impl, strategy, min_p)
 
 
 # Rows the host knows to have finished leave the batch (their cache rows too) once they are at least
@@ -245,7 +251,7 @@ class _FinishedRows:
 
 
 def _sample_loop(model, contexts, k, p, max_length, temperature, generator, keep_tokens, progress, impl,
-                 strategy) -> GenerationOutput:
+                 strategy, min_p=None) -> GenerationOutput:
     """Greedy, top-k and nucleus decoding with no host sync per step: finished rows stay in the batch,
     masked (they take eos and add nothing to their score), until the host learns of them
     (:class:`_FinishedRows`) and drops them; the kernels' flags are read once, at the end."""
@@ -278,7 +284,8 @@ def _sample_loop(model, contexts, k, p, max_length, temperature, generator, keep
         else:
             if step is None:
                 step = DecodingStep(head=head.head, eos_index=head.eos_index, vocab_size=logits.shape[1],
-                                    device=device, eps=head.eps, top_k=k, top_p=p, temperature=temperature, impl=impl)
+                                    device=device, eps=head.eps, top_k=k, top_p=p, min_p=min_p,
+                                    temperature=temperature, impl=impl)
             out = step(logits, steps=t, state=state, generator=generator, defer_checks=True)
             tokens, log_p, state = torch.where(done, head.eos_index, out.tokens), out.log_probs, out.state
             finished = torch.isin(tokens, stops) & ~done

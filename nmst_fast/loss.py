@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import numbers
 import os
@@ -12,7 +13,7 @@ from typing import Optional
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.nmst_fast.*)
-from .backends import triton_available
+from .backends import cpu_has_fp16_arithmetic, triton_available
 from .fused import chunk_buffers, default_chunk_rows, dw_accumulator_dtype
 from .reference import reference_linear_nmst_loss
 from .validation import (
@@ -342,10 +343,23 @@ def _folded_logit_transforms(hidden, bias, options: _Options):
     return hidden, bias, softcap, eos_scale
 
 
+def _product_dtype_inputs(hidden, weight, bias, options: _Options):
+    """(hidden, weight, bias, options) as the op multiplies them: float16 on a CPU without fp16 arithmetic
+    (:func:`~nmst_fast.backends.cpu_has_fp16_arithmetic`) goes to float32, whose GEMMs run about 100x faster there
+    than the emulated fp16 ones, and are no less exact. Autograd rounds dh, dW and db back to float16 once, so
+    ``dw_dtype`` (a float16 accumulator) has nothing left to choose and is dropped."""
+    if not (hidden.dtype == torch.float16 and hidden.device.type == "cpu" and not cpu_has_fp16_arithmetic()):
+        return hidden, weight, bias, options
+    return (hidden.float(), weight.float(), None if bias is None else bias.float(),
+            dataclasses.replace(options, dw_dtype=None))
+
+
 def _fused_loss(hidden, weight, bias, targets, steps, options: _Options, backend: str,
                 autocasting: bool) -> torch.Tensor:
     """The fused op (``torch.ops.nmst_fast.linear_loss``) on the flattened rows."""
+    out_dtype = hidden.dtype
     hidden, bias, softcap, eos_scale = _folded_logit_transforms(hidden, bias, options)
+    hidden, weight, bias, options = _product_dtype_inputs(hidden, weight, bias, options)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     dw_dtype = options.dw_dtype or dw_accumulator_dtype(weight.dtype)
     summed_apart = hidden.device.type == "cpu" and weight.requires_grad and dw_dtype != weight.dtype
@@ -380,5 +394,5 @@ def _fused_loss(hidden, weight, bias, targets, steps, options: _Options, backend
     # The op's loss is at least fp32. Under autocast it stays so (AMP's losses are fp32: a GradScaler's
     # 65536 would be inf as an fp16 upstream gradient); otherwise it takes hidden's dtype, as F.cross_entropy.
     if not autocasting:
-        loss = loss.to(hidden.dtype)
+        loss = loss.to(out_dtype)
     return loss.view(targets.shape) if options.reduction == "none" else loss

@@ -146,15 +146,18 @@ def reference_linear_nmst_loss(
 # the (B, V) distribution materialized and fully sorted, which the decoding paths avoid.
 
 
-def truncated_distribution(log_probs: torch.Tensor, top_k: Optional[int], top_p: Optional[float]) -> torch.Tensor:
-    """(B, V) float64 probabilities after top-k then top-p truncation and renormalization.
+def truncated_distribution(log_probs: torch.Tensor, top_k: Optional[int], top_p: Optional[float],
+                           min_p: Optional[float] = None) -> torch.Tensor:
+    """(B, V) float64 probabilities after top-k, top-p and min-p truncation and renormalization.
 
     Ranks by probability with ties → lower index (a stable descending sort), keeps
-    the first k, renormalizes, then keeps the shortest prefix whose mass reaches p.
+    the first k, renormalizes, then keeps the shortest prefix whose mass reaches p, then the
+    tokens whose (untruncated) probability is at least ``min_p`` times the most probable one's.
     """
     log_probs = log_probs.to(torch.float64)
     order = torch.sort(log_probs, dim=1, descending=True, stable=True).indices
     probs = torch.exp(log_probs.gather(1, order))
+    untruncated = probs.clone()
     if top_k is not None:
         probs[:, top_k:] = 0.0
         probs = probs / probs.sum(dim=1, keepdim=True)
@@ -164,6 +167,9 @@ def truncated_distribution(log_probs: torch.Tensor, top_k: Optional[int], top_p:
         keep[:, 0] = True
         probs = torch.where(keep, probs, 0.0)
         probs = probs / probs.sum(dim=1, keepdim=True)
+    if min_p is not None and min_p > 0:
+        probs = torch.where(untruncated >= min_p * untruncated[:, :1], probs, 0.0)
+        probs = probs / probs.sum(dim=1, keepdim=True)
     return torch.zeros_like(probs).scatter_(1, order, probs)
 
 
@@ -172,7 +178,9 @@ def sort_based_sample(
     *,
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
     generator: Optional[torch.Generator] = None,
 ) -> torch.Tensor:
     """Draw one token per row (B,) from the truncated distribution."""
-    return torch.multinomial(truncated_distribution(log_probs, top_k, top_p), 1, generator=generator).squeeze(1)
+    return torch.multinomial(truncated_distribution(log_probs, top_k, top_p, min_p), 1,
+                             generator=generator).squeeze(1)

@@ -20,7 +20,8 @@ from helpers import g_test_p
 
 HEADS = ("nmst", "st", "va")
 EPS = 0.002
-TRUNCATIONS = [(None, None), (3, None), (30, None), (None, 0.6), (None, 0.95), (5, 0.7)]
+TRUNCATIONS = [(None, None, None), (3, None, None), (30, None, None), (None, 0.6, None), (None, 0.95, None),
+               (5, 0.7, None), (None, None, 0.1), (None, 0.95, 0.05), (None, 0.3, 0.02), (30, 0.9, 0.2), (5, None, 0.5)]
 
 
 def reference_log_probs(z: torch.Tensor, head: str, eos: int, t: int, temperature: float) -> torch.Tensor:
@@ -40,8 +41,9 @@ def st_state_before(z: torch.Tensor, eos: int, t: int) -> torch.Tensor:
     return (term * (t - 1)).reshape(1)
 
 
-def kernel_step(head: str, eos: int, V: int, top_k=None, top_p=None, temperature: float = 1.0) -> DecodingStep:
-    step = DecodingStep(head=head, eos_index=eos, vocab_size=V, eps=EPS, top_k=top_k, top_p=top_p,
+def kernel_step(head: str, eos: int, V: int, top_k=None, top_p=None, temperature: float = 1.0,
+                min_p=None) -> DecodingStep:
+    step = DecodingStep(head=head, eos_index=eos, vocab_size=V, eps=EPS, top_k=top_k, top_p=top_p, min_p=min_p,
                         temperature=temperature)
     assert step._cpu_rows_wanted and row_kernels() is not None
     return step
@@ -61,20 +63,20 @@ def small_row(gen: torch.Generator, V: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-@pytest.mark.parametrize("top_k,top_p", TRUNCATIONS)
+@pytest.mark.parametrize("top_k,top_p,min_p", TRUNCATIONS)
 @pytest.mark.parametrize("eos", ["first", "inside", "last"])
 @pytest.mark.parametrize("head", HEADS)
-def test_draws_follow_the_float64_reference(head, eos, top_k, top_p, temperature):
+def test_draws_follow_the_float64_reference(head, eos, top_k, top_p, min_p, temperature):
     seed = torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
     V = 24
     eos_index = {"first": 0, "inside": 11, "last": V - 1}[eos]
     row = small_row(gen, V)
     t = int(torch.randint(1, 60, (1,), generator=gen))
-    step = kernel_step(head, eos_index, V, top_k, top_p, temperature)
+    step = kernel_step(head, eos_index, V, top_k, top_p, temperature, min_p)
     out = draws_of(row, step, head, eos_index, t, 100_000, seed + 1)
     log_p = reference_log_probs(row, head, eos_index, t, temperature)
-    reference = truncated_distribution(log_p[None], top_k, top_p)[0]
+    reference = truncated_distribution(log_p[None], top_k, top_p, min_p)[0]
     assert g_test_p(out.tokens, reference) > 1e-5, f"seed={seed}"
     torch.testing.assert_close(out.log_probs, log_p[out.tokens], rtol=1e-6, atol=1e-6)
     if head == "st":
@@ -91,14 +93,18 @@ def long_row(gen: torch.Generator, V: int, shape: str) -> torch.Tensor:
     return z
 
 
-LONG_CASES = [(V, shape, k, p) for V in (32000, 151936) for shape in ("flat", "peaked")
+LONG_CASES = [(V, shape, k, p, None) for V in (32000, 151936) for shape in ("flat", "peaked")
               for k, p in [(None, 0.9), (50, None), (40, 0.95), (None, None)]]
-LONG_CASES += [(32000, "flat", 6000, 0.9)]  # a top-k list past the size sorted whole: its nucleus by histogram
+LONG_CASES += [(32000, "flat", 6000, 0.9, None)]  # a top-k list past the size sorted whole: its nucleus by histogram
+# min-p alone, under top-p 0.95 (llama.cpp's defaults: min-p binds on flat rows, top-p on peaked ones), and under
+# top-k 40 + top-p 0.95; 0.001 keeps thousands of a flat row's tokens
+LONG_CASES += [(V, shape, k, p, m) for V in (32000, 151936) for shape in ("flat", "peaked")
+               for k, p, m in [(None, None, 0.05), (None, 0.95, 0.05), (40, 0.95, 0.05), (None, 0.9, 0.001)]]
 
 
 @pytest.mark.parametrize("draws", [pytest.param(40_000, marks=pytest.mark.slow), 4_000])
-@pytest.mark.parametrize("V,shape,top_k,top_p", LONG_CASES)
-def test_long_rows_follow_the_float64_reference(V, shape, top_k, top_p, draws):
+@pytest.mark.parametrize("V,shape,top_k,top_p,min_p", LONG_CASES)
+def test_long_rows_follow_the_float64_reference(V, shape, top_k, top_p, min_p, draws):
     """At real vocabularies, eos inside: a draw outside the reference's support fails the G-test at once (the
     nucleus boundary exactly); flat rows put tens of thousands of tokens into top-p's candidate set."""
     seed = torch.seed() % 2**31
@@ -106,9 +112,10 @@ def test_long_rows_follow_the_float64_reference(V, shape, top_k, top_p, draws):
     eos = V - 255
     row = long_row(gen, V, shape)
     row[eos] = -3.0
-    step = kernel_step("nmst", eos, V, top_k, top_p, 0.8)
+    step = kernel_step("nmst", eos, V, top_k, top_p, 0.8, min_p)
     out = draws_of(row, step, "nmst", eos, 40, draws, seed + 1)
-    reference = truncated_distribution(reference_log_probs(row, "nmst", eos, 40, 0.8)[None], top_k, top_p)[0]
+    reference = truncated_distribution(reference_log_probs(row, "nmst", eos, 40, 0.8)[None], top_k, top_p,
+                                       min_p)[0]
     assert g_test_p(out.tokens, reference) > 1e-5, f"seed={seed}"
 
 

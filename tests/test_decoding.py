@@ -143,6 +143,52 @@ def test_sampling_distribution(head, t, top_k, top_p, draws):
     check_sampling_distribution(head, t, top_k, top_p, draws=draws)
 
 
+MIN_P_CASES = [(None, None, 0.1), (None, 0.9, 0.2), (None, 0.3, 0.02), (5, None, 0.3), (30, 0.9, 0.05),
+               (None, None, 0.0), (None, None, 1.0)]
+
+
+# The torch path's per-row host finish serves top-k only.
+MIN_P_PATHS = [(path, *case) for path in ("torch", "torch-host-rows", "cpu-kernel") for case in MIN_P_CASES
+               if path != "torch-host-rows" or case[0] is not None]
+
+
+@pytest.mark.parametrize("path,top_k,top_p,min_p", MIN_P_PATHS)
+@pytest.mark.parametrize("head", HEADS)
+def test_min_p_distribution(head, path, top_k, top_p, min_p):
+    """Min-p after top-k and top-p (the tokens with at least min_p times the most probable one's probability), on
+    every CPU path: the torch path's candidate lists, its per-row host finish (batches of up to 32 rows, top-k
+    only), and the C++ kernel; G-tested against the float64 reference, eos inside, at t = 30 and T = 0.7."""
+    seed = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
+    eos, eps, t, temperature, draws = 2, 0.002, 30, 0.7, GRID_FAST_DRAWS
+    z = _row(gen)
+    z[eos] = 1.5
+    log_p = _reference_log_probs(z / temperature if head == "va" else torch.cat(
+        [z[:eos] / temperature, z[eos:eos + 1], z[eos + 1:] / temperature]), head, eos, eps, t)
+    reference = truncated_distribution(log_p[None], top_k, top_p, min_p)[0]
+    state = _st_state_before(z, eos, eps, t) if head == "st" else None
+    step = nmst_fast.decoding.DecodingStep(head=head, eos_index=eos, vocab_size=z.numel(), eps=eps, top_k=top_k,
+                                           top_p=top_p, min_p=min_p, temperature=temperature,
+                                           impl="auto" if path == "cpu-kernel" else "torch")
+    rows = 32 if path == "torch-host-rows" else draws
+    draw_gen = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.cat([step(z.expand(rows, -1), steps=t, state=None if state is None else state.expand(rows),
+                             generator=draw_gen).tokens for _ in range(draws // rows)])
+    assert g_test_p(tokens, reference) > 1e-5, f"seed={seed}"
+
+
+@pytest.mark.parametrize("kw,error", [(dict(min_p=1.5), ValueError), (dict(min_p=-0.1), ValueError),
+                                      (dict(min_p="0.1"), TypeError), (dict(min_p=True), TypeError)])
+def test_bad_min_p(kw, error):
+    with pytest.raises(error, match="min_p"):
+        sample(torch.randn(2, 100), head="nmst", eos_index=0, **kw)
+
+
+def test_triton_refuses_min_p():
+    with pytest.raises(ValueError, match="min_p"):
+        nmst_fast.decoding.DecodingStep(head="nmst", eos_index=0, vocab_size=100, min_p=0.1, impl="triton")
+
+
 @pytest.mark.parametrize("t", [1, 7, 300])
 def test_eos_frequency_matches_alpha(t):
     gen = torch.Generator().manual_seed(5)

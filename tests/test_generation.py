@@ -225,7 +225,10 @@ def test_generate_checks_every_argument_before_the_model_runs():
         for kw, name in [(dict(strategy="top_k", top_k=0), "top_k"), (dict(strategy="nucleus", top_p=1.5), "top_p"),
                          (dict(strategy="nucleus", top_p=0.5, top_k=-2), "top_k"),
                          (dict(temperature=-1.0), "temperature"), (dict(impl="bogus"), "impl"),
-                         (dict(strategy="beam", num_beams=2, impl="triton"), "impl")]:
+                         (dict(strategy="beam", num_beams=2, impl="triton"), "impl"),
+                         (dict(strategy="top_k", top_k=3, min_p=1.5), "min_p"),
+                         (dict(strategy="greedy", min_p=0.1), "min_p"),
+                         (dict(strategy="beam", num_beams=2, min_p=0.1), "min_p")]:
             model.rows_seen.clear()
             with pytest.raises(ValueError, match=name):
                 generate(model, contexts, **kw)
@@ -430,3 +433,13 @@ def test_a_nan_row_is_reported_once_the_loop_ends():
     for impl in ("torch", "triton"):
         with pytest.raises(ValueError, match="row 0"):
             generate(model, _contexts(B=3).to(DEVICE), strategy="greedy", max_length=8, impl=impl)
+
+
+def test_min_p_truncates_the_sampled_tokens():
+    """generate's min_p reaches the step: with min_p = 1 only the most probable token of each step is ever drawn, as
+    greedy takes it (ties aside: random float logits have none)."""
+    model = TinyRNN()
+    greedy = generate(model, _contexts(), strategy="greedy", max_length=6)
+    drawn = generate(model, _contexts(), strategy="nucleus", top_p=0.99, min_p=1.0, max_length=6,
+                     generator=torch.Generator().manual_seed(0))
+    assert torch.equal(drawn.tokens, greedy.tokens) and torch.equal(drawn.lengths, greedy.lengths)

@@ -37,13 +37,26 @@ def peaked_targets(case: Case, gen: torch.Generator) -> None:
     case.targets.copy_(torch.where(case.targets == -100, -100, drawn))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+# float16 runs its products natively where the CPU has fp16 arithmetic, in float32 elsewhere: both ways on any CPU.
+DTYPES = [torch.bfloat16, pytest.param(torch.float16, id="float16-native"),
+          pytest.param(torch.float16, id="float16-in-float32")]
+
+
+@pytest.fixture
+def fp16_products(request, monkeypatch):
+    """Pin the float16 product path the test's id names."""
+    name = request.node.callspec.id
+    if "float16-" in name:
+        monkeypatch.setattr(nmst_fast.loss, "cpu_has_fp16_arithmetic", lambda: "float16-native" in name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head", ["nmst", "st", "va"])
 @pytest.mark.parametrize("rows, logit_scale", [("flat", 1.0), ("peaked", 8.0)])
 @pytest.mark.parametrize("softcap", [None, 20.0])
 @pytest.mark.parametrize("chunk_size", [97, None])  # 7 chunks of dW summed; one chunk (bf16: dW of one GEMM)
 def test_chunked_gradients_are_no_worse_than_the_materialized_ones(dtype, head, rows, logit_scale, softcap,
-                                                                     chunk_size):
+                                                                     chunk_size, fp16_products):
     seed = torch.seed() % 2**31  # fresh every run; printed on failure
     gen = torch.Generator().manual_seed(seed)
     case = make_case(gen, head=head, shape=(6, 100), H=64, V=3001, bias=True, logit_scale=logit_scale, eps=0.05)
@@ -105,3 +118,29 @@ def test_one_chunk_of_bf16_forms_dw_without_an_accumulator(reduction):
     first = torch.autograd.grad(loss, leaves, retain_graph=True)
     second = torch.autograd.grad(loss, leaves)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("dw_dtype", [None, torch.float16])
+def test_float16_products_keep_the_inputs_dtypes(native, dw_dtype, monkeypatch):
+    """Products in float32 (a CPU without fp16 arithmetic) or in float16: the loss, dh, dW and db come back in
+    float16 either way, and the float32 products' gradients are the float64 reference's rounded (dw_dtype, a
+    float16 accumulator, has nothing to choose there)."""
+    monkeypatch.setattr(nmst_fast.loss, "cpu_has_fp16_arithmetic", lambda: native)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    case = make_case(gen, head="nmst", shape=(3, 40), H=32, V=517, bias=True, eps=0.05)
+    leaves = [t.to(torch.float16).requires_grad_() for t in (case.hidden, case.weight, case.bias)]
+    loss = nmst_fast.linear_nmst_loss(leaves[0], leaves[1], case.targets, bias=leaves[2], eos_index=case.eos_index,
+                                      eps=case.eps, impl="chunked", chunk_size=37, dw_dtype=dw_dtype)
+    loss.backward()
+    assert loss.dtype == torch.float16 and all(t.grad.dtype == torch.float16 for t in leaves)
+    options = nmst_fast.loss._Options(head="nmst", eps=case.eps, eos_index=case.eos_index, ignore_index=-100,
+                                      reduction="mean", chunk_size=None, softcap=None, logit_scale=None,
+                                      temperature=1.0, dw_dtype=dw_dtype, vocab_size=517, group=None, vocab_start=0)
+    *products, used = nmst_fast.loss._product_dtype_inputs(*leaves, options)
+    assert [t.dtype for t in products] == [torch.float16 if native else torch.float32] * 3
+    assert used.dw_dtype == (dw_dtype if native else None)
+    truth = run(rounded(case, torch.float16), "reference", torch.float64)
+    tolerance = 2e-3 if native else 1e-3  # float16's half ulp, plus the native products' own rounding
+    for got, want in zip([loss.detach()] + [t.grad for t in leaves], truth):
+        assert relative_error(got.double(), want) <= tolerance

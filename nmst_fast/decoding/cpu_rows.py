@@ -1,5 +1,5 @@
 """Token selection of a decoding step on CPU rows by the C++ kernel ``select_rows`` (``kernels/cpu/select_rows.cpp``):
-greedy, sampling, top-k, top-p and top-k then top-p for the NMST, ST and VA heads, each row in a few vectorized
+greedy, sampling, top-k, top-p, min-p and their combinations for the NMST, ST and VA heads, each row in a few vectorized
 passes over its logits (no sort of the vocabulary), the head's scalars in float64.
 
 The draws take one float64 uniform per row from the caller's generator (``torch.rand``), so seeded runs reproduce;
@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 
 from .distribution import Steps, check_state, no_distribution_message, step_values
-from .truncation import TOP_P_SLACK
+from .truncation import TOP_P_SLACK, active_min_p
 
 _HEADS = {"nmst": 0, "st": 1, "va": 2}
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -24,10 +24,11 @@ class CPURows:
     """One strategy's selection on CPU rows; arguments as :class:`nmst_fast.decoding.DecodingStep`'s."""
 
     def __init__(self, ops: Any, *, head: str, eos_index: int, eps: float, temperature: float, top_k: Optional[int],
-                 top_p: Optional[float]):
+                 top_p: Optional[float], min_p: Optional[float] = None):
         self.ops, self.head, self.eos_index, self.eps, self.temperature = ops, head, eos_index, eps, temperature
         self.top_k = 0 if top_k is None else int(top_k)
         self.cut = 2.0 if top_p is None or top_p >= 1.0 else float(top_p) - TOP_P_SLACK
+        self.min_p = active_min_p(min_p) or 0.0
 
     def __call__(self, logits: torch.Tensor, steps: Steps, state: Optional[torch.Tensor],
                  generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -47,7 +48,7 @@ class CPURows:
                                   device=generator.device if generator is not None else logits.device).cpu()
         tokens, log_probs, states, bad = self.ops.select_rows(
             rows, _HEADS[self.head], self.eos_index, self.eps, self.temperature, t, before, self.top_k, self.cut,
-            uniforms)
+            self.min_p, uniforms)
         first_bad = int(bad)
         if first_bad < B:
             raise ValueError(no_distribution_message(first_bad))

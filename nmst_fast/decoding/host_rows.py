@@ -1,4 +1,4 @@
-"""Greedy, and top-k (then top-p) of up to MAX_ROWS rows, on the torch path: each row finished on the
+"""Greedy, and top-k (then top-p, min-p) of up to MAX_ROWS rows, on the torch path: each row finished on the
 host in Python floats (larger top-k batches: :mod:`.selection`).
 
 A CPU torch op costs 3–8 µs of dispatch however short its tensor, and a step's per-row part (head
@@ -31,7 +31,7 @@ from .distribution import (
     step_values,
 )
 from .selection import block_topk, first_max, top_tokens
-from .truncation import TOP_P_SLACK
+from .truncation import TOP_P_SLACK, active_min_p
 
 # Top-k batches up to this size go row by row: a row costs 10–20 µs of Python, the tensor path's
 # per-row ops about 0.4–0.9 ms a call whatever the batch (60–90 ops), so the host wins below some 40
@@ -41,13 +41,14 @@ MAX_ROWS = 32
 
 
 class HostRows:
-    """Greedy (``top_k=1``) or top-k (then top-p) selection for one head; arguments as
+    """Greedy (``top_k=1``) or top-k (then top-p, min-p) selection for one head; arguments as
     :class:`nmst_fast.decoding.DecodingStep`'s. Owns the ζ buffer of its calls."""
 
     def __init__(self, *, head: str, eos_index: int, eps: float, temperature: float, top_k: int,
-                 top_p: Optional[float]):
+                 top_p: Optional[float], min_p: Optional[float] = None):
         self.head, self.eos_index, self.eps, self.temperature, self.top_k = head, eos_index, eps, temperature, top_k
         self.cut = None if top_p is None or top_p >= 1.0 else top_p - TOP_P_SLACK
+        self.min_p = active_min_p(min_p)
         self._buffer = RowBuffer()
 
     def __call__(self, logits: torch.Tensor, steps: Steps, state: Optional[torch.Tensor],
@@ -132,6 +133,9 @@ class HostRows:
             mass = sum(weights)
             kept = 1 + sum(1 for before in accumulate(weights[:-1]) if before / mass < self.cut)
             weights = weights[:kept]
+        if self.min_p is not None:  # the ranks with at least min_p times the first's probability (a prefix)
+            floor = self.min_p * weights[0]
+            weights = weights[:sum(1 for w in weights if w >= floor)]
         cdf = list(accumulate(weights))
         # u < 1, but u · total may round up to total, which no entry exceeds: stay one ulp below it.
         chosen = bisect.bisect_right(cdf, min(uniform * cdf[-1], math.nextafter(cdf[-1], 0.0)))

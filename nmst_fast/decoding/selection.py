@@ -147,19 +147,24 @@ def block_topk(values: torch.Tensor, n: int) -> tuple[list[list[float]], list[li
 
 
 def truncated_candidates(
-    dist: StepDistribution, top_k: Optional[int], top_p: Optional[float], *, first_size: Optional[int] = None
+    dist: StepDistribution, top_k: Optional[int], top_p: Optional[float], min_p: Optional[float] = None, *,
+    first_size: Optional[int] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidates kept by top-k then top-p: (tokens (B, C) int64, renormalized probs (B, C) float64,
-    padded with 0). Top-p keeps the smallest rank-order prefix whose mass (renormalized over the top-k
-    set when both are given) reaches p. ``first_size``: top-p's first list size (default 64)."""
+    """Candidates kept by top-k, then top-p, then min-p: (tokens (B, C) int64, renormalized probs (B, C)
+    float64, padded with 0). Top-p keeps the smallest rank-order prefix whose mass (renormalized over the
+    top-k set when both are given) reaches p, min-p the tokens with at least ``min_p`` times the most
+    probable one's probability. ``first_size``: the first list size without top-k (default 64)."""
     V = dist.zeta.shape[1]
     k = top_k if top_k is not None else min(V, first_size or _FIRST_CANDIDATES)
     while True:
         tokens, log_p = ranked_candidates(dist, k)
         ranked_probs = torch.exp(log_p)
-        probs, covered = truncate(ranked_probs, top_k, top_p)
-        if top_p is None or k >= V or bool(covered.all()):  # top-k alone: its list is the answer
+        probs, covered = truncate(ranked_probs, top_k, top_p, min_p)
+        if top_k is not None or k >= V or bool(covered.all()):  # top-k: its list is the answer
             return tokens, probs
+        if top_p is None or top_p >= 1.0:  # min-p alone: a 4x longer list
+            k = min(V, 4 * k)
+            continue
         # Next size on the 4× grid, skipping sizes the missing mass proves too small: a row short by m
         # needs at least m / p_last more tokens (no later token is more probable; m / 0 = inf: all).
         missing = (top_p - ranked_probs.sum(dim=1)).clamp(min=0.0)
@@ -175,16 +180,18 @@ def select(
     *,
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
     generator: Optional[torch.Generator] = None,
     first_size: Optional[int] = None,
 ) -> torch.Tensor:
-    """One token per row (B,) from ``dist`` after optional top-k / top-p truncation (checked by the caller)."""
+    """One token per row (B,) from ``dist`` after optional top-k / top-p / min-p truncation (checked by the
+    caller)."""
     if top_k == 1:
         return greedy(dist)
-    if untruncated(top_k, top_p):
+    if untruncated(top_k, top_p, min_p):
         # By blocks of rows on CPU (``distribution.BLOCK_ENTRIES``): each (rows, V) float64 table is small.
         parts = [draw(dist.log_probs(rows).exp_(), generator, overwrite=True).squeeze(1)
                  for rows in row_blocks(dist.zeta)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
-    tokens, probs = truncated_candidates(dist, top_k, top_p, first_size=first_size)
+    tokens, probs = truncated_candidates(dist, top_k, top_p, min_p, first_size=first_size)
     return tokens.gather(1, draw(probs, generator)).squeeze(1)

@@ -4,8 +4,9 @@
 then: the Triton kernels (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``) — greedy, sampling and
 top-k (then top-p) in the one-launch split-V scan (``kernels/scan_select.py``), top-p alone by
 rejection rounds (``kernels/row_draw.py``) — the C++ selection kernel on CPU (:mod:`.cpu_rows`; float32,
-bfloat16 and float16 logits), or the torch path (``impl="torch"``, float64 logits, or a CPU without the
-built kernels: :mod:`.host_rows` for greedy and for top-k of small batches, :mod:`.selection` otherwise).
+bfloat16 and float16 logits; every strategy, min-p included), or the torch path (``impl="torch"``, float64
+logits, min-p on CUDA, or a CPU without the built kernels: :mod:`.host_rows` for greedy and for top-k of small
+batches, :mod:`.selection` otherwise).
 
 The kernels flag on the device the first row with no distribution and the first row the rejection
 rounds left without a token. ``defer_checks=True`` collects the flags over calls for
@@ -39,7 +40,7 @@ from .distribution import (
 )
 from .host_rows import MAX_ROWS, HostRows
 from .selection import select
-from .truncation import TOP_P_SLACK, check_truncation, untruncated
+from .truncation import TOP_P_SLACK, active_min_p, check_truncation, untruncated
 
 
 @dataclass
@@ -58,12 +59,17 @@ def check_impl(impl: object) -> None:
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
 
 
-def kernels_serve(impl: str, device: torch.device, top_k: Optional[int]) -> bool:
+def kernels_serve(impl: str, device: torch.device, top_k: Optional[int], min_p: Optional[float] = None) -> bool:
     """Whether the Triton kernels serve this strategy on ``device``: greedy, sampling, top-p alone and
-    top-k (then top-p) with k up to ``row_scan.MAX_CANDIDATES``. "auto" takes them on CUDA; "triton"
-    insists (CPU tensors need ``TRITON_INTERPRET=1``)."""
+    top-k (then top-p) with k up to ``row_scan.MAX_CANDIDATES``, without min-p. "auto" takes them on CUDA;
+    "triton" insists (CPU tensors need ``TRITON_INTERPRET=1``)."""
     check_impl(impl)
     if impl == "torch" or (impl == "auto" and device.type != "cuda"):
+        return False
+    if active_min_p(min_p) is not None and top_k != 1:  # greedy keeps its one token whatever min_p is
+        if impl == "triton":
+            raise ValueError("impl='triton' does not serve min_p; use impl='torch' (or 'auto': the torch path on "
+                             "CUDA, the C++ kernel on CPU)")
         return False
     servable = triton_available()  # greedy, sampling and top-p alone; top-k when the scan's list holds k
     if servable and top_k not in (None, 1):
@@ -88,6 +94,8 @@ class DecodingStep:
         device: where the logits live.
         top_k: keep the k most probable tokens (ties → lower index); ``top_k=1`` is greedy.
         top_p: keep the smallest most-probable set with mass >= p (after top-k, if both).
+        min_p: keep the tokens whose probability is at least ``min_p`` times the most probable one's (after
+            top-k and top-p, if given; 0 or None: off), as llama.cpp's, vLLM's and HF's min-p.
         temperature: divides non-eos logits (all logits for "va"); p(eos) of NMST/ST is unchanged.
         impl: "auto" (the Triton kernels on CUDA when they serve the strategy, see
             :func:`kernels_serve`; the C++ selection kernel on CPU; torch otherwise), "triton" or "torch"
@@ -96,15 +104,16 @@ class DecodingStep:
 
     def __init__(self, *, head: str, eos_index: int, vocab_size: int, device: Union[str, torch.device] = "cpu",
                  eps: float = 1e-5, top_k: Optional[int] = None, top_p: Optional[float] = None,
-                 temperature: float = 1.0, impl: str = "auto"):
+                 min_p: Optional[float] = None, temperature: float = 1.0, impl: str = "auto"):
         check_int("vocab_size", vocab_size, 2)  # eos and one other token
         check_head_args(head, eos_index, int(vocab_size), eps, temperature)
-        check_truncation(top_k, top_p)
+        check_truncation(top_k, top_p, min_p)
         self.head, self.eos_index, self.eps, self.temperature = head, int(eos_index), float(eps), float(temperature)
         self.vocab_size, self.device, self.top_k, self.top_p = int(vocab_size), torch.device(device), top_k, top_p
-        self.kernels = kernels_serve(impl, self.device, top_k)
+        self.min_p = active_min_p(min_p)
+        self.kernels = kernels_serve(impl, self.device, top_k, self.min_p)
         self._greedy = top_k == 1
-        plain = untruncated(top_k, top_p)
+        plain = untruncated(top_k, top_p, self.min_p)
         # The kernels' truncation: top-k's list (None for greedy and sampling) and the top-p threshold
         # (p less the float64 slack the torch path allows; None: no top-p).
         self._list = None if plain else top_k
@@ -112,7 +121,8 @@ class DecodingStep:
         self._rejection = not plain and top_k is None  # top-p alone: the row draw
         # Greedy, and top-k of up to host_rows.MAX_ROWS rows, on the torch path: each row finished on the host.
         self._host_rows = None if top_k is None else HostRows(head=head, eos_index=self.eos_index, eps=self.eps,
-                                                               temperature=self.temperature, top_k=top_k, top_p=top_p)
+                                                               temperature=self.temperature, top_k=top_k, top_p=top_p,
+                                                               min_p=self.min_p)
         # (2,) int32 on the device: the rows the deferred calls flagged since the last check (NO_ROW: none).
         self._flags: Optional[torch.Tensor] = None
         # (3,) int64 on the device: the draws' RNG state (step_common.rng_state), seeded from _rng_source.
@@ -182,13 +192,15 @@ class DecodingStep:
                     self._cpu_rows_wanted = False
                     return self._torch_step(logits, steps, state, generator, first_size)
                 self._cpu_rows = CPURows(ops, head=self.head, eos_index=self.eos_index, eps=self.eps,
-                                         temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+                                         temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                         min_p=self.min_p)
             return StepOutput(*self._cpu_rows(logits, steps, state, generator))
         if self._host_rows is not None and (self._greedy or logits.shape[0] <= MAX_ROWS):
             return StepOutput(*self._host_rows(logits, steps, state, generator))
         dist = effective_logits(logits, head=self.head, eos_index=self.eos_index, eps=self.eps, steps=steps,
                                 state=state, temperature=self.temperature)
-        tokens = select(dist, top_k=self.top_k, top_p=self.top_p, generator=generator, first_size=first_size)
+        tokens = select(dist, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, generator=generator,
+                        first_size=first_size)
         return StepOutput(tokens, dist.token_log_probs(tokens), dist.state)
 
     def _kernel_step(self, logits: torch.Tensor, steps: Steps, state: Optional[torch.Tensor],
@@ -234,6 +246,7 @@ def sample(
     state: Optional[torch.Tensor] = None,
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
     temperature: float = 1.0,
     generator: Optional[torch.Generator] = None,
     impl: str = "auto",
@@ -248,6 +261,6 @@ def sample(
     if logits.dim() != 2:  # the step checks the rest (the head's arguments, V >= 2 with eos_index)
         raise ValueError(f"logits must be (B, V), got shape {tuple(logits.shape)}")
     step = DecodingStep(head=head, eos_index=eos_index, vocab_size=logits.shape[1], device=logits.device, eps=eps,
-                        top_k=top_k, top_p=top_p, temperature=temperature, impl=impl)
+                        top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature, impl=impl)
     out = step(logits, steps=steps, state=state, generator=generator)
     return out.tokens, out.state

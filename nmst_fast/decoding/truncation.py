@@ -1,5 +1,5 @@
 """Ranked-candidate algebra of the torch path: eos placed among the ranked non-eos tokens by its
-exact float64 ζ_eos, top-k / top-p on the ranked list, and inverse-CDF draws."""
+exact float64 ζ_eos, top-k / top-p / min-p on the ranked list, and inverse-CDF draws."""
 
 from __future__ import annotations
 
@@ -13,15 +13,25 @@ from ..validation import check_int
 TOP_P_SLACK = 1e-12  # a cumulative mass within this of p counts as reaching p (float64 round-off)
 
 
-def check_truncation(top_k: object, top_p: object) -> None:
+def check_truncation(top_k: object, top_p: object, min_p: object = None) -> None:
     check_int("top_k", top_k, 1, optional=True)
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
-        raise ValueError(f"top_p must lie in (0, 1] or be None, got {top_p!r}")
+    for name, value, low in (("top_p", top_p, "(0, 1]"), ("min_p", min_p, "[0, 1]")):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a float in {low} or None, got {type(value).__name__}")
+        if not (0 < value <= 1 or (name == "min_p" and value == 0)):
+            raise ValueError(f"{name} must lie in {low} or be None, got {value!r}")
 
 
-def untruncated(top_k: Optional[int], top_p: Optional[float]) -> bool:
-    """Greedy (top_k = 1; top-p after top-1 keeps that one token) or plain sampling: no candidate list."""
-    return top_k == 1 or (top_k is None and (top_p is None or top_p >= 1.0))
+def active_min_p(min_p: Optional[float]) -> Optional[float]:
+    """``min_p`` as the truncation uses it: None where it keeps every token (None or 0)."""
+    return None if min_p is None or min_p == 0 else float(min_p)
+
+
+def untruncated(top_k: Optional[int], top_p: Optional[float], min_p: Optional[float] = None) -> bool:
+    """Greedy (top_k = 1; top-p and min-p after top-1 keep that one token) or plain sampling: no candidate list."""
+    return top_k == 1 or (top_k is None and (top_p is None or top_p >= 1.0) and active_min_p(min_p) is None)
 
 
 def insert_eos(
@@ -43,25 +53,34 @@ def insert_eos(
 
 
 def truncate(
-    probs: torch.Tensor, top_k: Optional[int], top_p: Optional[float]
+    probs: torch.Tensor, top_k: Optional[int], top_p: Optional[float], min_p: Optional[float] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k then top-p on rank-ordered probabilities (B, C) float64: the top-k tokens when ``top_k``
-    is given (renormalized here), else the C most probable. Top-p keeps the smallest prefix whose mass
-    reaches p (at least one token). Returns (renormalized probs, dropped ranks at 0; covered (B,)
-    bool, False where the top-p prefix may extend past the C candidates)."""
+    """Top-k, then top-p, then min-p on rank-ordered step probabilities (B, C) float64 (untruncated: each
+    row's first is its most probable token): the top-k tokens when ``top_k`` is given, else the C most
+    probable. Top-p keeps the smallest prefix whose mass (renormalized over the top-k set) reaches p (at
+    least one token); min-p the tokens with at least ``min_p`` times the first's probability. Returns
+    (renormalized probs, dropped ranks at 0; covered (B,) bool, False where the kept prefix may extend past
+    the C candidates)."""
     covered = torch.ones(probs.shape[0], dtype=torch.bool, device=probs.device)
-    if top_k is not None:
-        probs = probs / probs.sum(dim=1, keepdim=True)
-    if top_p is None or top_p >= 1.0:
+    kept = probs / probs.sum(dim=1, keepdim=True) if top_k is not None else probs
+    if top_p is not None and top_p < 1.0:
+        cumulative = torch.cumsum(kept, dim=1)
+        if top_k is None:
+            covered = cumulative[:, -1] >= top_p - TOP_P_SLACK
+        mass_before = cumulative - kept  # keep rank j while the mass strictly before it is short of p
+        keep = mass_before < top_p - TOP_P_SLACK
+        keep[:, 0] = True
+        kept = torch.where(keep, kept, 0.0)
+    min_p = active_min_p(min_p)
+    if min_p is not None:
+        floor = min_p * probs[:, :1]
+        if top_k is None:  # the candidates hold min-p's whole set once their last falls below its floor
+            below = probs[:, -1] < floor[:, 0]
+            covered = below if top_p is None or top_p >= 1.0 else covered | below
+        kept = torch.where(probs >= floor, kept, 0.0)
+    if kept is probs:
         return probs, covered
-    cumulative = torch.cumsum(probs, dim=1)
-    if top_k is None:
-        covered = cumulative[:, -1] >= top_p - TOP_P_SLACK
-    mass_before = cumulative - probs  # keep rank j while the mass strictly before it is short of p
-    keep = mass_before < top_p - TOP_P_SLACK
-    keep[:, 0] = True
-    probs = torch.where(keep, probs, 0.0)
-    return probs / probs.sum(dim=1, keepdim=True), covered
+    return kept / kept.sum(dim=1, keepdim=True), covered
 
 
 def draw(probs: torch.Tensor, generator: Optional[torch.Generator], *, overwrite: bool = False) -> torch.Tensor:

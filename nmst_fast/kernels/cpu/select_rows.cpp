@@ -1,6 +1,6 @@
 // One decoding step's token selection on float32 CPU rows, for the NMST, ST and VA heads: greedy,
-// sampling, top-k, top-p and top-k then top-p, with temperature dividing the non-eos logits (every
-// logit for VA). A row takes a few passes over its V logits and no sort of the vocabulary:
+// sampling, top-k, top-p, min-p and their combinations (top-k, then top-p, then min-p), with temperature
+// dividing the non-eos logits (every logit for VA). A row takes a few passes over its V logits and no sort of the vocabulary:
 //   1. the max of the non-eos logits (NaN refused);
 //   2. the sum of exp((z - max) / T), giving L_T and the head's scalars (a = log(1 - alpha_t), the
 //      eos log-probability and effective logit zeta_eos) in float64; top-p alone also sums the mass
@@ -12,7 +12,8 @@
 //      sorting only the boundary bucket.
 // Tokens rank by probability, ties to the lower index: non-eos tokens by their logit, eos by zeta_eos.
 // Top-k keeps the k best (eos counted), top-p the smallest most-probable prefix whose mass reaches p
-// (after top-k: of the top-k set's renormalized mass); the draw is the inverse CDF of the kept weights
+// (after top-k: of the top-k set's renormalized mass), min-p the tokens whose probability is at least
+// min_p times the most probable one's (of the step distribution, before any renormalization); the draw is the inverse CDF of the kept weights
 // at the caller's uniform, as nmst_fast.decoding.host_rows finishes a row.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -332,6 +333,7 @@ struct Settings {
   double temperature;
   int64_t top_k;  // 0: none; 1: greedy
   double cut;     // top-p's p less the float64 slack; >= 1: none
+  double min_p;   // min-p's ratio; <= 0: none
 };
 
 RowResult select_row(const float* row, int64_t V, const Settings& cfg, int64_t step, double state_before, double u,
@@ -396,7 +398,8 @@ RowResult select_row(const float* row, int64_t V, const Settings& cfg, int64_t s
     return out;
   }
   // Sampling: eos with probability 1 - e^a, else the inverse-CDF walk of the non-eos exponentials.
-  if (cfg.top_k == 0 && !(cfg.cut < 1.0)) {
+  const bool min_p = cfg.min_p > 0.0;
+  if (cfg.top_k == 0 && !(cfg.cut < 1.0) && !min_p) {
     const double survival = special ? std::exp(a) : 1.0;
     if (special && !(u < survival)) {
       choose(eos, eos_zeta);
@@ -435,6 +438,11 @@ RowResult select_row(const float* row, int64_t V, const Settings& cfg, int64_t s
       candidates->push_back({zeta, column, std::exp(zeta - log_norm), 0});
     }
   };
+  // Min-p's floor: a probability of min_p times the most probable token's (eos or the best other one).
+  const double min_prob = min_p ? cfg.min_p * std::max(std::exp(top_zeta - log_norm), special ? std::exp(eos_log_prob)
+                                                                                              : 0.0)
+                                : 0.0;
+  auto below_min_p = [&](const Candidate& c) { return c.prob < min_prob; };
   double mass = 1.0;  // what top-p's p is a share of
   if (cfg.top_k > 1) {
     top_columns(spans, cfg.top_k, pairs);
@@ -452,6 +460,29 @@ RowResult select_row(const float* row, int64_t V, const Settings& cfg, int64_t s
       kept->assign(candidates->begin(), candidates->end());
     } else {
       nucleus(*candidates, cfg.cut, mass, kept);
+    }
+    kept->erase(std::remove_if(kept->begin(), kept->end(), below_min_p), kept->end());
+  } else if (min_p) {
+    // Min-p's set, then top-p's nucleus inside it where the set's mass reaches the cut (both are prefixes of the
+    // ranking: the shorter one is kept). The set is collected above a floor on the logits a little under the
+    // exact one (float32 rounding), then cut by the probabilities themselves.
+    const double zeta_floor = std::log(min_prob) + log_norm;
+    const double logit_floor = zeta_floor * cfg.temperature;
+    columns_above(spans, std::nextafter(static_cast<float>(logit_floor - 1e-6 * (1.0 + std::abs(logit_floor))),
+                                        -kInfF),
+                  pairs);
+    candidates->clear();
+    add_pairs();
+    add_eos();
+    candidates->erase(std::remove_if(candidates->begin(), candidates->end(), below_min_p), candidates->end());
+    double total = 0.0;
+    for (const Candidate& c : *candidates) {
+      total += c.prob;
+    }
+    if (cfg.cut < 1.0 && total >= cfg.cut) {
+      nucleus(*candidates, cfg.cut, 1.0, kept);
+    } else {
+      kept->assign(candidates->begin(), candidates->end());
     }
   } else {
     // Top-p alone: the smallest level whose mass (float32 sums) clears the cut with room for their
@@ -517,14 +548,14 @@ RowResult select_row(const float* row, int64_t V, const Settings& cfg, int64_t s
 // absent (0); ``uniforms`` (B,) float64 in [0, 1) (unread for greedy).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_rows(
     const at::Tensor& logits, int64_t head, int64_t eos, double eps, double temperature, const at::Tensor& steps,
-    const std::optional<at::Tensor>& state, int64_t top_k, double cut, const at::Tensor& uniforms) {
+    const std::optional<at::Tensor>& state, int64_t top_k, double cut, double min_p, const at::Tensor& uniforms) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
                   logits.stride(1) == 1,
               "select_rows: logits must be a (B, V) float32 CPU tensor with unit column stride");
   const int64_t B = logits.size(0), V = logits.size(1), row_stride = logits.stride(0);
   TORCH_CHECK(0 <= head && head <= 2, "select_rows: head must be 0 (NMST), 1 (ST) or 2 (VA)");
   TORCH_CHECK(0 <= eos && eos < V && V >= 2, "select_rows: eos must be a column of logits");
-  TORCH_CHECK(temperature > 0.0 && top_k >= 0, "select_rows: temperature > 0 and top_k >= 0");
+  TORCH_CHECK(temperature > 0.0 && top_k >= 0 && min_p <= 1.0, "select_rows: temperature > 0, top_k >= 0, min_p <= 1");
   auto check_vector = [B](const at::Tensor& t, at::ScalarType dtype, const char* name) {
     TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.dim() == 1 && t.size(0) == B &&
                     t.is_contiguous(),
@@ -542,7 +573,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_rows(
   at::Tensor log_probs = at::empty({B}, options.dtype(at::kDouble));
   at::Tensor states = at::empty({head == 1 ? B : 0}, options.dtype(at::kDouble));
   at::Tensor bad = at::empty({1}, options.dtype(at::kLong));
-  const Settings cfg{head, eos, std::log1p(-eps), temperature, top_k, cut};
+  const Settings cfg{head, eos, std::log1p(-eps), temperature, top_k, cut, min_p};
   const float* base = logits.data_ptr<float>();
   const int64_t* step = steps.data_ptr<int64_t>();
   const double* u = uniforms.data_ptr<double>();
@@ -582,7 +613,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_rows(
 
 TORCH_LIBRARY_FRAGMENT(nmst_fast_cpu, m) {
   m.def("select_rows(Tensor logits, int head, int eos, float eps, float temperature, Tensor steps, Tensor? state, "
-        "int top_k, float cut, Tensor uniforms) -> (Tensor, Tensor, Tensor, Tensor)");
+        "int top_k, float cut, float min_p, Tensor uniforms) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(nmst_fast_cpu, CPU, m) { m.impl("select_rows", &select_rows); }
