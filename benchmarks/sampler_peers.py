@@ -72,7 +72,7 @@ def llama_cpp_step(logits: torch.Tensor, top_k: Optional[int], top_p: Optional[f
             tokens.append(int(ids[candidates.selected]))
         return tokens
 
-    step.chain = chain  # kept alive with the step
+    step.keep = (chain, filled, work)  # what the raw pointers point into lives as long as the step
     return step
 
 

@@ -26,3 +26,12 @@ def cpu_has_fp16_arithmetic() -> bool:
         return False
     capabilities = get()
     return bool(capabilities.get("avx512_fp16") or capabilities.get("amx_fp16"))
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (oneDNN's bf16 GEMMs then run on them: about 5x fp32's rate)."""
+    import torch
+
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe is not None and probe())

@@ -29,6 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from . import head_math, logits
+from .backends import cpu_has_amx
 from .kernels.cpu import row_kernels
 from .row_ops import CpuRowOps, SparseGrad, TorchRowOps, TritonRowOps
 from .settings import HeadSettings
@@ -76,8 +77,8 @@ def default_chunk_rows(
     is large (Gemma's 256000 × 2304 in float32: 2.4 GB) the chunks grow with it, and the traffic stays a few
     percent of the GEMMs; and where all the rows' logits take no more than the accumulator and the fixed budget
     together, they are one chunk, whose dW needs no accumulator (:func:`direct_dw`). Chunks are balanced (4096
-    rows at <= 1001 per chunk become 5 x 820, not 4 x 1001 + 92): a thin last chunk runs its three GEMMs at poor
-    efficiency. ``buffers``: how many (chunk, V)
+    rows at <= 1001 per chunk become 4 x 832 + 768, not 4 x 1001 + 92: a thin last chunk runs its three GEMMs at
+    poor efficiency), in multiples of :data:`LANE_ALIGN` rows where there are several. ``buffers``: how many (chunk, V)
     tensors the row pass holds at once (2 for the torch row pass with a softcap): they share the budget.
     """
     base = _CHUNK_BYTES["cuda" if device.type == "cuda" else "cpu"]
@@ -86,14 +87,23 @@ def default_chunk_rows(
         return max(1, num_rows)  # one chunk, no bigger than the accumulator it spares (direct_dw)
     budget = max(base, accumulator_bytes // 2) // buffers
     max_rows = max(1, budget // (vocab_size * element))
+    if max_rows >= LANE_ALIGN:  # chunks of a multiple of LANE_ALIGN rows within the budget
+        max_rows -= max_rows % LANE_ALIGN
     num_chunks = max(1, -(-num_rows // max_rows))  # 0 rows (an empty batch): one empty chunk
-    return max(1, -(-num_rows // num_chunks))
+    rows = max(1, -(-num_rows // num_chunks))
+    # a multiple of LANE_ALIGN tokens where there are several chunks (the CPU kernels' threads then share no cache
+    # line of a vocabulary-major chunk; see _chunk_loop); no more than max_rows, itself such a multiple
+    return rows if num_chunks == 1 or max_rows < LANE_ALIGN else -(-rows // LANE_ALIGN) * LANE_ALIGN
 
 
 # A chunk buffer's leading dimension is padded to a multiple of this many elements (128 bytes in bf16):
 # cuBLAS runs tensor-core GEMMs at full rate only when the output's leading dimension is aligned, and
 # an odd V (GPT-2's 50257) would otherwise leave every (chunk, V) GEMM misaligned.
 ROW_ALIGN = 64
+
+
+# Chunks of several hold a multiple of this many tokens: 64 bytes of a vocabulary-major bf16 row, a cache line.
+LANE_ALIGN = 32
 
 
 def padded_stride(n: int) -> int:
@@ -205,10 +215,13 @@ def _accumulate_dw_(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, first:
     a, b = dz.t(), h
     if acc.dtype != a.dtype and not a.is_cuda:
         block = torch.empty(min(DW_BLOCK_ROWS, a.shape[0]), b.shape[1], dtype=a.dtype, device=a.device)
+        kernels = row_kernels() if acc.dtype == torch.float32 else None
         for v0 in range(0, a.shape[0], DW_BLOCK_ROWS):
             v1 = min(v0 + DW_BLOCK_ROWS, a.shape[0])
             product = torch.mm(a[v0:v1], b, out=block[: v1 - v0])
-            if first:
+            if kernels is not None:  # one pass: torch's add_ of a bf16 product first copies it into float32
+                kernels.accumulate_(acc[v0:v1], product, first)
+            elif first:
                 acc[v0:v1].copy_(product)
             else:
                 acc[v0:v1].add_(product)
@@ -253,7 +266,11 @@ def _chunk_loop(
     of :data:`ROW_ALIGN` (whatever V is, every GEMM meets tensor-core alignment). ``vocab_major``
     stores a chunk's logits as (V, rows) and hands the row pass the transposed view: MKL forms
     W·hᵀ (a tall output) ~1.7x faster than h·Wᵀ (a wide one) for the same FLOPs, which outweighs
-    the strided row reductions on CPU.
+    the strided row reductions on CPU. Its row stride is the chunk's rows themselves: oneDNN's bf16 GEMMs
+    read past K in an A operand whose row stride exceeds K (torch 2.13, small N: tests/test_low_precision.py), so
+    the dW products' A = the chunk may carry no padding. :func:`default_chunk_rows` makes the rows a multiple
+    of :data:`LANE_ALIGN` instead, so that every vocabulary row starts a cache line and the CPU kernels'
+    threads, which split the rows at multiples of LANE_ALIGN tokens, never write to one line.
     Triton's row kernels need unit stride along V, so they use the row-major layout.
     """
     need_dh, need_dw, need_db = need
@@ -270,6 +287,7 @@ def _chunk_loop(
     # One flat buffer, reused: each chunk views a prefix of it in its own shape; row-major, the row
     # stride is V padded to a multiple of ROW_ALIGN elements (see padded_stride).
     ld = padded_stride(V)
+    weight_t = transposed_weight(weight) if need_dh and vocab_major and dh_from_transposed_weight(weight) else None
     buffer = torch.empty(min(chunk_rows, N) * (V if vocab_major else ld), dtype=hidden.dtype, device=hidden.device)
     for start in range(0, N, chunk_rows):
         stop = min(start + chunk_rows, N)
@@ -289,7 +307,7 @@ def _chunk_loop(
                 torch.addmm(bias, h, weight.t(), out=z)
         sparse = row_pass(start, stop, z)
         if dh is not None:
-            _dh_chunk(dh[start:stop], z, weight, sparse)
+            _dh_chunk(dh[start:stop], z, weight, sparse, weight_t)
         if dw is not None:
             _accumulate_dw_(dw, z, h, first=start == 0)
             if sparse is not None:
@@ -303,22 +321,44 @@ def _chunk_loop(
     return dh, dw, db  # dW, db still in their accumulators' dtype: the callers cast once, at the end
 
 
-def _dh_chunk(out: torch.Tensor, dz: torch.Tensor, weight: torch.Tensor, sparse: Optional[SparseGrad]) -> None:
+def dh_from_transposed_weight(weight: torch.Tensor) -> bool:
+    """Whether dh's products take Wᵀ (H, V) as a contiguous copy: bf16 on a CPU with AMX, where oneDNN forms
+    Wᵀ·dzᵀ from it about 1.9x faster than dz·W from W (and W·hᵀ, the logits, stays as fast), which repays the copy
+    (a (V, H) transpose by blocks, V·H·2 bytes of memory while the call runs) from the first chunk on."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_has_amx()
+
+
+# Vocabulary rows per block of the blocked transpose (a whole-matrix strided copy runs about 3x slower).
+_TRANSPOSE_ROWS = 2048
+
+
+def transposed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Wᵀ (H, V), contiguous, copied by blocks of vocabulary rows."""
+    out = torch.empty(weight.shape[1], weight.shape[0], dtype=weight.dtype, device=weight.device)
+    for v0 in range(0, weight.shape[0], _TRANSPOSE_ROWS):
+        out[:, v0:v0 + _TRANSPOSE_ROWS].copy_(weight[v0:v0 + _TRANSPOSE_ROWS].t())
+    return out
+
+
+def _dh_chunk(out: torch.Tensor, dz: torch.Tensor, weight: torch.Tensor, sparse: Optional[SparseGrad],
+              weight_t: Optional[torch.Tensor] = None) -> None:
     """out (rows, H) = dz · W: the chunk's GEMM in dz's dtype, plus the entries its row pass left out (``sparse``),
-    added in out's dtype (:func:`dh_dtype`)."""
+    added in out's dtype (:func:`dh_dtype`). With ``weight_t``, Wᵀ (H, V) contiguous
+    (:func:`dh_from_transposed_weight`), the GEMM forms (dz · W)ᵀ = Wᵀ · dzᵀ."""
+    same_dtype = weight_t is None and out.dtype == dz.dtype  # the GEMM writes out itself
     if sparse is None:
-        if out.dtype == dz.dtype:
+        if same_dtype:
             torch.mm(dz, weight, out=out)
         else:
-            out.copy_(torch.mm(dz, weight))
+            out.copy_(torch.mm(dz, weight) if weight_t is None else torch.mm(weight_t, dz.t()).t())
         return
     left_out = weight[sparse.targets].to(out.dtype) * sparse.target_values.to(out.dtype).unsqueeze(1)
     if sparse.eos_values is not None:
         left_out.addr_(sparse.eos_values.to(out.dtype), weight[sparse.eos_index].to(out.dtype))
-    if out.dtype == dz.dtype:
+    if same_dtype:
         torch.addmm(left_out, dz, weight, out=out)
     else:  # a bf16 / fp16 product, rounded once, joins the left-out entries in float32
-        out.copy_(left_out.add_(torch.mm(dz, weight)))
+        out.copy_(left_out.add_(torch.mm(dz, weight) if weight_t is None else torch.mm(weight_t, dz.t()).t()))
 
 
 def _add_sparse_dw_(acc: torch.Tensor, h: torch.Tensor, sparse: SparseGrad) -> None:

@@ -157,7 +157,7 @@ def test_the_first_build_on_a_machine_says_so_and_how_long_it_took(monkeypatch, 
 def test_the_build_flags_follow_torchs_capability():
     assert "-mavx512f" in cpu.build_flags("AVX512") and "-DCPU_CAPABILITY_AVX512" in cpu.build_flags("AVX512")
     assert "-mavx2" in cpu.build_flags("AVX2") and not any("avx512" in f for f in cpu.build_flags("AVX2"))
-    assert cpu.build_flags("SVE256") == ["-O3", "-ffp-contract=off", "-DCPU_CAPABILITY=DEFAULT"]
+    assert cpu.build_flags("SVE256") == ["-O3", "-ffp-contract=off", "-fopenmp", "-DCPU_CAPABILITY=DEFAULT"]
 
 
 # Each build registers the same op namespace, so every other capability is built in its own process.

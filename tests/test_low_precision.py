@@ -144,3 +144,42 @@ def test_float16_products_keep_the_inputs_dtypes(native, dw_dtype, monkeypatch):
     tolerance = 2e-3 if native else 1e-3  # float16's half ulp, plus the native products' own rounding
     for got, want in zip([loss.detach()] + [t.grad for t in leaves], truth):
         assert relative_error(got.double(), want) <= tolerance
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("chunk_size", [97, 600, None])
+def test_the_chunk_loop_reads_only_what_it_wrote(dtype, chunk_size, monkeypatch):
+    """Every tensor the fused path allocates with torch.empty starts as NaN: a GEMM or kernel reading memory it
+    was not given (oneDNN's bf16 GEMMs read past K in an A operand whose row stride exceeds K, torch 2.13, where a
+    padded chunk was tried) leaks NaN into the loss or the gradients."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    case = make_case(gen, head="nmst", shape=(6, 100), H=64, V=3001, bias=True, eps=0.05)
+    want = run(case, "reference", torch.float64)
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    got = run(case, "chunked", dtype, chunk_size=chunk_size)
+    monkeypatch.undo()
+    for name, g, w in zip(("loss", "dh", "dW", "db"), got, want):
+        assert bool(torch.isfinite(g).all()), name
+        assert relative_error(g, w) < 0.05, name
+
+
+@pytest.mark.parametrize("N", [1, 31, 4096, 4097, 100_003])
+@pytest.mark.parametrize("V", [3001, 50257, 256000])
+def test_chunks_of_several_hold_whole_cache_lines_of_tokens(N, V):
+    """Several chunks: each a multiple of LANE_ALIGN rows, within the byte budget, balanced (the last no thinner
+    than needed); one chunk: all the rows."""
+    for dtype in (torch.bfloat16, torch.float32):
+        rows = fused.default_chunk_rows(N, V, dtype, torch.device("cpu"), accumulator_bytes=V * 768 * 4)
+        chunks = -(-N // rows)
+        if chunks > 1:
+            budget = max(fused._CHUNK_BYTES["cpu"], V * 768 * 4 // 2)
+            assert rows % fused.LANE_ALIGN == 0 and rows * V * dtype.itemsize <= budget
+            assert N - (chunks - 1) * rows > 0
+        else:
+            assert rows == N

@@ -57,8 +57,11 @@ CAPABILITY_FLAGS = {
 def build_flags(capability: str) -> list[str]:
     """The C++ flags for ``capability`` (torch's name: "AVX512", "AVX2"; any other builds portable code)."""
     # -ffp-contract=off: no fused multiply-adds the source does not write, so the head's float64 scalars
-    # round as the library's Python formulas do.
-    common = ["-O3", "-ffp-contract=off"]
+    # round as the library's Python formulas do. -fopenmp: at::parallel_for is an OpenMP loop only where _OPENMP
+    # is defined (ATen/ParallelOpenMP.h); without it every kernel ran on one thread whatever torch's thread count.
+    # The library then takes torch's own OpenMP runtime (libgomp.so.1, loaded with torch), whose thread count
+    # torch.set_num_threads sets.
+    common = ["-O3", "-ffp-contract=off", "-fopenmp"]
     if capability not in CAPABILITY_FLAGS:
         return [*common, "-DCPU_CAPABILITY=DEFAULT"]
     return [*common, f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", *CAPABILITY_FLAGS[capability]]
@@ -80,7 +83,7 @@ def build(capability: Optional[str] = None) -> Any:
     try:
         os.environ["PATH"] = _with_ninja(path)
         cpp_extension.load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=build_flags(capability),
-                           is_python_module=False, verbose=False)
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     finally:
         os.environ["PATH"] = path
     return torch.ops.nmst_fast_cpu

@@ -15,6 +15,8 @@
 //     shift[r]) · (sech²(z / c) with a softcap) for every v != eos, rounded once to z's dtype; then z[eos, r] <- 0
 //     (eos >= 0) and z[targets[r], r] <- values[r] where targets[r] >= 0. shift is taken as the nearest value of
 //     the compute type and scale corrected for that rounding, so shift may be L itself.
+//   accumulate_(acc, src, first):  acc <- src or acc + src for a float32 acc and a bfloat16 / float16 src (a dW
+//     block's product), in one pass.
 //   scale_cast(src, scale, dtype) -> out:  a gradient (a float32 accumulator, or a bf16 dW of one GEMM) times scale
 //     in float32, rounded once to dtype (bfloat16 or float16), in one pass. torch's mul into an output of another dtype computes into a
 //     float32 temporary first and casts it in a second pass: at Gemma's 256000 × 2304 weight, 6× slower.
@@ -40,6 +42,18 @@ using at::vec::Vectorized;
 
 constexpr int64_t kBlock = 256;  // vocabulary entries per block of chunk_lse: a thread's block stays in L2
 constexpr int64_t kGrain = 256;  // columns per task at least: a thread streams whole stretches of each row
+// Threads split the columns at multiples of kGroup (64 bytes of bfloat16): where the row stride is a multiple of it
+// too (nmst_fast.fused.LANE_ALIGN), no two threads write to one cache line.
+constexpr int64_t kGroup = 32;
+
+// f(first, last) over [0, R) in parallel, the stretches' bounds multiples of kGroup (but the last).
+template <typename F>
+inline void parallel_columns(int64_t R, const F& f) {
+  const int64_t groups = (R + kGroup - 1) / kGroup;
+  at::parallel_for(0, groups, kGrain / kGroup, [&](int64_t g0, int64_t g1) {
+    f(g0 * kGroup, std::min(R, g1 * kGroup));
+  });
+}
 
 // How compute values (float, or double for double storage) are read from and written to storage T, kStep lanes
 // at a time as two vectors a, b; ``n`` < kStep lanes at the end of a thread's columns (the rest read as 0, not
@@ -230,7 +244,7 @@ std::tuple<at::Tensor, at::Tensor> chunk_lse(const at::Tensor& z, int64_t eos, d
   at::Tensor lse = at::empty({R}, z.options().dtype(at::kDouble));
   at::Tensor row_max = at::empty({R}, z.options().dtype(at::kDouble));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, z.scalar_type(), "chunk_lse", [&] {
-    at::parallel_for(0, R, kGrain, [&](int64_t first, int64_t last) {
+    parallel_columns(R, [&](int64_t first, int64_t last) {
       span_lse<scalar_t>(z.const_data_ptr<scalar_t>(), ld, V_, eos, softcap, first, last, lse.data_ptr<double>(),
                          row_max.data_ptr<double>());
     });
@@ -254,7 +268,7 @@ void chunk_grad_(at::Tensor& z, const at::Tensor& shift, const at::Tensor& scale
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, z.scalar_type(), "chunk_grad_", [&] {
     scalar_t* base = z.data_ptr<scalar_t>();
-    at::parallel_for(0, R, kGrain, [&](int64_t first, int64_t last) {
+    parallel_columns(R, [&](int64_t first, int64_t last) {
       span_grad<scalar_t>(base, ld, V_, eos, softcap, first, last, shifts, scales);
     });
     if (eos >= 0) {
@@ -318,6 +332,40 @@ at::Tensor scale_cast(const at::Tensor& src, double scale, at::ScalarType dtype)
   return out;
 }
 
+// acc <- src (first) or acc + src, src's bfloat16 / float16 values read into float32: the sum of a dW block's product
+// into its float32 accumulator in one pass (torch's add_ of another dtype first copies src into a float32 temporary).
+void accumulate_(at::Tensor& acc, const at::Tensor& src, bool first) {
+  TORCH_CHECK(acc.device().is_cpu() && acc.scalar_type() == at::kFloat && acc.is_contiguous() && src.device().is_cpu() &&
+                  src.is_contiguous() && src.sizes() == acc.sizes() &&
+                  (src.scalar_type() == at::kBFloat16 || src.scalar_type() == at::kHalf),
+              "accumulate_: acc must be a contiguous float32 CPU tensor and src a contiguous bfloat16 / float16 one of "
+              "its shape");
+  float* out = acc.data_ptr<float>();
+  const int64_t n = acc.numel();
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(src.scalar_type(), "accumulate_", [&] {
+    const scalar_t* from = src.const_data_ptr<scalar_t>();
+    using L = Lanes<scalar_t>;
+    using V = Vectorized<float>;
+    constexpr int64_t W = V::size();
+    at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
+      int64_t i = begin;
+      for (; i + 2 * W <= end; i += 2 * W) {
+        V a, b;
+        L::load(from + i, 2 * W, a, b);
+        if (!first) {
+          a = a + V::loadu(out + i);
+          b = b + V::loadu(out + i + W);
+        }
+        a.store(out + i);
+        b.store(out + i + W);
+      }
+      for (; i < end; ++i) {
+        out[i] = (first ? 0.f : out[i]) + static_cast<float>(from[i]);
+      }
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(nmst_fast_cpu, m) {
@@ -325,10 +373,12 @@ TORCH_LIBRARY_FRAGMENT(nmst_fast_cpu, m) {
   m.def("chunk_grad_(Tensor(a!) z, Tensor shift, Tensor scale, int eos, Tensor targets, Tensor values, "
         "float softcap) -> ()");
   m.def("scale_cast(Tensor src, float scale, ScalarType dtype) -> Tensor");
+  m.def("accumulate_(Tensor(a!) acc, Tensor src, bool first) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(nmst_fast_cpu, CPU, m) {
   m.impl("chunk_lse", &chunk_lse);
   m.impl("chunk_grad_", &chunk_grad_);
   m.impl("scale_cast", &scale_cast);
+  m.impl("accumulate_", &accumulate_);
 }
