@@ -203,15 +203,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     peers = dict(_peer_argument(value) for value in args.peer)
-    threads = torch.get_num_threads()
+    peer_timings = {name: peer_rows(name, python, args) for name, python in peers.items()}  # first: a failing peer
+    threads = torch.get_num_threads()  # environment fails the run before the long part
     torch.set_num_threads(args.threads)
     try:
         rows = combine([run(tuple(args.batches), tuple(args.vocabs), args.calls, args.eos_inside, tuple(args.shapes),
                             args.torch_path) for _ in range(args.repeats)])
     finally:
         torch.set_num_threads(threads)
-    for name, python in peers.items():
-        add_peer(rows, name, peer_rows(name, python, args))
+    for name, timed in peer_timings.items():
+        add_peer(rows, name, timed)
     print(f"one NMST decoding step on the CPU ({cpu_description()}), torch {torch.__version__}, "
           f"{args.threads} thread(s); µs, medians of interleaved calls")
     path = " torch path |" if args.torch_path else ""

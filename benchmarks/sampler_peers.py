@@ -84,6 +84,7 @@ def vllm_step(logits: torch.Tensor, top_k: Optional[int], top_p: Optional[float]
     own = logits.clone()
     if top_k == 1:
         return lambda: own.argmax(dim=-1)
+    import vllm._C  # noqa: F401  (registers torch.ops._C.*, the CPU sampler's fused_gumbel_argmax among them)
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
     sampler = TopKTopPSampler()
