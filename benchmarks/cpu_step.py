@@ -114,6 +114,17 @@ def median_us(steps: dict[str, Callable[[], object]], calls: int) -> dict[str, f
     return {name: statistics.median(values) * 1e6 for name, values in times.items()}
 
 
+def cases(shapes: tuple[str, ...], vocabs: tuple[int, ...], batches: tuple[int, ...]):
+    """Every case of a run, in its order: (logits shape, V, B, the (B, V) logits, strategy name, (top_k, top_p,
+    min_p)); one logits tensor per (shape, V, B), shared by its strategies."""
+    for shape in shapes:
+        for V in vocabs:
+            for B in batches:
+                logits = shaped_logits(B, V, shape)
+                for name, truncation in STRATEGIES.items():
+                    yield shape, V, B, logits, name, truncation
+
+
 def run(batches: tuple[int, ...] = (1, 8, 64), vocabs: tuple[int, ...] = (32000, 50257, 128256, 151936),
         calls: int = 20, eos_inside: bool = False, shapes: tuple[str, ...] = SHAPES,
         torch_path: bool = False) -> list[dict]:
@@ -121,24 +132,19 @@ def run(batches: tuple[int, ...] = (1, 8, 64), vocabs: tuple[int, ...] = (32000,
     torch path with ``torch_path``), and the ratios."""
     rows = []
     gen = torch.Generator().manual_seed(0)
-    for shape in shapes:
-        for V in vocabs:
-            for B in batches:
-                logits = shaped_logits(B, V, shape)
-                buffer = torch.empty_like(logits)
-                for name, (k, p, m) in STRATEGIES.items():
-                    steps = {"ours": our_step(k, p, V, eos_inside, min_p=m), "plain": plain_step(k, p, m, eos_inside),
-                             "exp": lambda _logits, _gen: torch.exp(logits, out=buffer)}
-                    if torch_path:
-                        steps["torch_path"] = our_step(k, p, V, eos_inside, impl="torch", min_p=m)
-                    timed = median_us({key: functools.partial(fn, logits, gen) for key, fn in steps.items()}, calls)
-                    row = dict(shape=shape, batch=B, vocab=V, strategy=name, ours_us=timed["ours"],
-                               plain_us=timed["plain"], exp_us=timed["exp"], ratio=timed["ours"] / timed["plain"],
-                               floor_ratio=timed["ours"] / timed["exp"],
-                               meets_goal=timed["ours"] <= 3 * timed["exp"] + 25)
-                    if torch_path:
-                        row["torch_path_us"] = timed["torch_path"]
-                    rows.append(row)
+    for shape, V, B, logits, name, (k, p, m) in cases(shapes, vocabs, batches):
+        buffer = torch.empty_like(logits)
+        steps = {"ours": our_step(k, p, V, eos_inside, min_p=m), "plain": plain_step(k, p, m, eos_inside),
+                 "exp": lambda _logits, _gen, buffer=buffer: torch.exp(_logits, out=buffer)}
+        if torch_path:
+            steps["torch_path"] = our_step(k, p, V, eos_inside, impl="torch", min_p=m)
+        timed = median_us({key: functools.partial(fn, logits, gen) for key, fn in steps.items()}, calls)
+        row = dict(shape=shape, batch=B, vocab=V, strategy=name, ours_us=timed["ours"], plain_us=timed["plain"],
+                   exp_us=timed["exp"], ratio=timed["ours"] / timed["plain"], floor_ratio=timed["ours"] / timed["exp"],
+                   meets_goal=timed["ours"] <= 3 * timed["exp"] + 25)
+        if torch_path:
+            row["torch_path_us"] = timed["torch_path"]
+        rows.append(row)
     return rows
 
 

@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from .cpu_step import SHAPES, STRATEGIES, median_us, our_step, shaped_logits
+from .cpu_step import SHAPES, cases, median_us, our_step
 
 PEERS = ("llama.cpp", "vllm")
 
@@ -102,19 +102,14 @@ def run(peer: str, batches: tuple[int, ...], vocabs: tuple[int, ...], calls: int
     """One row per (logits shape, B, V, strategy): µs of ours and of the peer, interleaved, and ours / peer."""
     rows = []
     gen = torch.Generator().manual_seed(0)
-    for shape in shapes:
-        for V in vocabs:
-            for B in batches:
-                logits = shaped_logits(B, V, shape)
-                for name, (k, p, m) in STRATEGIES.items():
-                    theirs = MAKERS[peer](logits, k, p, m)
-                    row = dict(shape=shape, batch=B, vocab=V, strategy=name, peer=peer)
-                    if theirs is not None:
-                        timed = median_us({"ours": functools.partial(our_step(k, p, V, min_p=m), logits, gen),
-                                           "peer": theirs}, calls)
-                        row.update(ours_us=timed["ours"], peer_us=timed["peer"],
-                                   ratio=timed["ours"] / timed["peer"])
-                    rows.append(row)
+    for shape, V, B, logits, name, (k, p, m) in cases(shapes, vocabs, batches):
+        theirs = MAKERS[peer](logits, k, p, m)
+        row = dict(shape=shape, batch=B, vocab=V, strategy=name, peer=peer)
+        if theirs is not None:
+            timed = median_us({"ours": functools.partial(our_step(k, p, V, min_p=m), logits, gen), "peer": theirs},
+                              calls)
+            row.update(ours_us=timed["ours"], peer_us=timed["peer"], ratio=timed["ours"] / timed["peer"])
+        rows.append(row)
     return rows
 
 

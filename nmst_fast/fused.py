@@ -346,11 +346,15 @@ def _dh_chunk(out: torch.Tensor, dz: torch.Tensor, weight: torch.Tensor, sparse:
     added in out's dtype (:func:`dh_dtype`). With ``weight_t``, Wᵀ (H, V) contiguous
     (:func:`dh_from_transposed_weight`), the GEMM forms (dz · W)ᵀ = Wᵀ · dzᵀ."""
     same_dtype = weight_t is None and out.dtype == dz.dtype  # the GEMM writes out itself
+
+    def product() -> torch.Tensor:
+        return torch.mm(dz, weight) if weight_t is None else torch.mm(weight_t, dz.t()).t()
+
     if sparse is None:
         if same_dtype:
             torch.mm(dz, weight, out=out)
         else:
-            out.copy_(torch.mm(dz, weight) if weight_t is None else torch.mm(weight_t, dz.t()).t())
+            out.copy_(product())
         return
     left_out = weight[sparse.targets].to(out.dtype) * sparse.target_values.to(out.dtype).unsqueeze(1)
     if sparse.eos_values is not None:
@@ -358,7 +362,7 @@ def _dh_chunk(out: torch.Tensor, dz: torch.Tensor, weight: torch.Tensor, sparse:
     if same_dtype:
         torch.addmm(left_out, dz, weight, out=out)
     else:  # a bf16 / fp16 product, rounded once, joins the left-out entries in float32
-        out.copy_(left_out.add_(torch.mm(dz, weight) if weight_t is None else torch.mm(weight_t, dz.t()).t()))
+        out.copy_(left_out.add_(product()))
 
 
 def _add_sparse_dw_(acc: torch.Tensor, h: torch.Tensor, sparse: SparseGrad) -> None:
