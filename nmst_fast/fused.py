@@ -416,7 +416,9 @@ def fused_forward(
     need: tuple[bool, bool, bool],
     shard: Optional[VocabShard] = None,
     dw_dtype: Optional[torch.dtype] = None,
-) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    statistics: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor],
+           Optional[torch.Tensor]]:
     """Loss (and, for "mean"/"sum", the gradients) of the fused head.
 
     Args:
@@ -427,14 +429,20 @@ def fused_forward(
             [shard.start, shard.start + V) and ``targets`` / ``cfg.eos_index`` are global: the loss,
             L and dh come out whole on every rank, dW and db for this rank's rows.
         dw_dtype: dW's accumulator dtype (default: at least fp32; the weight's bf16 / fp16 to halve it).
+        statistics: also the head's per-token statistics, from the chunks' own logits (no gradient asked, no
+            ``shard``): one more read of each chunk, no other product.
     Returns:
         loss (() or (N,), in at least float32), L (N,) in at least float32, dh (hidden's dtype),
-        dW, db (or None). dW and db stay in at least fp32 (their accumulators; dW in bf16 where
+        dW, db (or None), and with ``statistics`` (N, 4) float64: entropy, log Σ p², the mean effective logit and
+        whether the target is the most probable token (1 / 0; see :func:`~nmst_fast.head_math.row_statistics`),
+        else None. dW and db stay in at least fp32 (their accumulators; dW in bf16 where
         :func:`direct_dw`): backward scales them by the upstream gradient and casts to the parameters' dtype in
         one pass. For "mean" the three are the gradients of the *sum*, which backward divides by the active-row
         count (where :func:`direct_dw`, of the mean itself).
     """
     want_grad = any(need)
+    if statistics and (want_grad or (shard is not None and shard.group is not None)):
+        raise ValueError("the fused statistics need a pass without gradients and the whole vocabulary")
     shard = shard or VocabShard(0, weight.shape[0])
     direct = direct_dw(hidden.shape[0], chunk_rows, weight.dtype, hidden.device, dw_dtype)
 
@@ -465,6 +473,7 @@ def fused_forward(
     z_target = torch.empty(N, dtype=stats_dtype, device=hidden.device)
     row_ops = row_ops_for(backend, hidden.device, cfg.softcap)
     local_eos = shard.local(cfg.eos_index)  # -1: another rank holds eos
+    sums = torch.empty(N, 5, dtype=torch.float64, device=hidden.device) if statistics else None
 
     def row_pass(start: int, stop: int, z: torch.Tensor) -> Optional[SparseGrad]:
         p = prep()
@@ -482,9 +491,13 @@ def fused_forward(
             )
             return _local_coefficients(coefs, shard, local_lse, lse[start:stop], targets_here)
 
-        local_lse, chunk_target, sparse = row_ops.lse_and_grad_(
-            z, shard.local_tokens(targets_here), local_eos, coefficients if want_grad else None
-        )
+        if sums is not None:  # no gradient, no shard
+            local_lse, chunk_target, sums[start:stop] = row_ops.lse_and_statistics(z, targets_here, local_eos)
+            sparse = None
+        else:
+            local_lse, chunk_target, sparse = row_ops.lse_and_grad_(
+                z, shard.local_tokens(targets_here), local_eos, coefficients if want_grad else None
+            )
         if not want_grad:
             lse[start:stop] = shard.global_lse(local_lse)
         z_target[start:stop] = chunk_target if shard.group is None else torch.where(
@@ -503,7 +516,12 @@ def fused_forward(
     # At least fp32 (the caller casts it back to hidden's dtype outside autocast): under AMP the loss
     # stays fp32, so a GradScaler's 65536 reaches backward as a finite fp32 upstream gradient.
     loss = _reduce(losses, p.rows, reduction).to(stats_dtype)
-    return loss, lse, dh, dw, db
+    row_stats = None
+    if sums is not None:
+        entropy, log_sum_sq, mean, top = head_math.row_statistics(cfg.head, lse, p.s, p.log_surv, sums,
+                                                                  weight.shape[0], cfg.eos_index)
+        row_stats = torch.stack([entropy, log_sum_sq, mean, (top == p.rows.safe).to(torch.float64)], dim=1)
+    return loss, lse, dh, dw, db, row_stats
 
 
 def _local_coefficients(coefs: head_math.GradCoefficients, shard: VocabShard, local_lse: torch.Tensor,

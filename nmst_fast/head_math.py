@@ -28,6 +28,9 @@ from .logmath import log1mexp, log_sigmoid, segmented_cumsum
 
 _F64 = torch.float64
 
+# a = −inf (eos certain) would make L − a and ζ_eos inf − inf; any a below this is 1 − α = 0 in float64.
+LOG_SURVIVAL_FLOOR = -1e300
+
 
 @dataclass
 class GradCoefficients:
@@ -163,3 +166,45 @@ def grad_coefficients(
     # Non-eos targets: ℓ = −a − z_y + L, so the non-eos part is the split softmax minus one-hot.
     non_eos_weight = torch.where(targets_eos, 0.0, w)
     return GradCoefficients(coef_lse=non_eos_weight, grad_eos=eos_grads, grad_target=-non_eos_weight)
+
+
+def head_terms(non_eos_lse, log_surv):
+    """(log_norm = L − a, ζ_eos = L + log(1 − e^a) − a, log p(eos) = log(1 − e^a)) from L and
+    a = log(1 − α_t): (B,) float64 tensors (float32 ones: the floor is float32's lowest), or one row's floats."""
+    if isinstance(log_surv, torch.Tensor):
+        floored = log_surv.clamp(min=max(LOG_SURVIVAL_FLOOR, torch.finfo(log_surv.dtype).min))
+    else:
+        floored = max(log_surv, LOG_SURVIVAL_FLOOR)
+    eos_log_prob = log1mexp(log_surv)
+    return non_eos_lse - floored, non_eos_lse + eos_log_prob - floored, eos_log_prob
+
+
+def row_statistics(head: str, lse: torch.Tensor, s: torch.Tensor, log_surv: torch.Tensor | None, sums: torch.Tensor,
+                   vocab_size: int, eos_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token statistics of the head's distribution softmax(ζ) from a row pass's sums: (entropy, log Σ p²,
+    the mean of ζ, the most probable token), each (N,), float64 but the last (int64; ties to the lower index).
+
+    ζ_v = y_v for v ≠ eos (the logits as the row pass sees them: a temperature folded in), ζ_eos = L + log(1 − e^a)
+    − a for NMST / ST (−inf where a = 0: the mean then averages the other V − 1), ζ_eos = s for VA. ``sums`` (N, 5)
+    float64 is the row pass's ``statistics``: Σ q·y, Σ q², Σ y (q_v = e^(y_v − L), the non-eos softmax), the max of
+    the non-eos y and its first column. With x = e^a (1 for VA but through L's merge with s): p_v = x·q_v, so
+    −Σ p log p = −p_eos log p_eos − x·(Σ q·y − log_norm) and Σ p² = p_eos² + x²·Σ q²."""
+    lse, s = lse.to(_F64), s.to(_F64)
+    weighted, squares, total, top, column = sums.unbind(1)
+    column = column.long()
+    if head == "va":
+        all_lse = torch.logaddexp(lse, s)
+        log_norm, eos_zeta, eos_log_prob = all_lse, s, s - all_lse
+        survival = torch.exp(lse - all_lse)  # the non-eos share of the mass
+        mean = (total + s) / vocab_size
+    else:
+        log_norm, eos_zeta, eos_log_prob = head_terms(lse, log_surv.to(_F64))
+        survival = torch.exp(lse - log_norm)
+        mean = torch.where(log_surv == 0, total / (vocab_size - 1), (total + eos_zeta) / vocab_size)
+    eos_term = torch.where(torch.isneginf(eos_log_prob), 0.0, eos_log_prob.exp() * eos_log_prob)
+    # Σ_{v≠eos} p_v log p_v = x·Σ q_v (y_v − log_norm), Σ q = 1
+    entropy = -eos_term - torch.where(survival == 0, 0.0, survival * (weighted - log_norm))
+    log_sum_sq = torch.logaddexp(2 * eos_log_prob, torch.log(squares) + 2 * (lse - log_norm))
+    best_log_prob = top - log_norm
+    eos_first = (eos_log_prob > best_log_prob) | ((eos_log_prob == best_log_prob) & (eos_index < column))
+    return entropy, log_sum_sq, mean, torch.where(eos_first, eos_index, column)

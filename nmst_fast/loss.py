@@ -16,6 +16,7 @@ from . import ops  # noqa: F401  (registers torch.ops.nmst_fast.*)
 from .backends import cpu_has_fp16_arithmetic, triton_available
 from .fused import chunk_buffers, default_chunk_rows, dw_accumulator_dtype
 from .reference import reference_linear_nmst_loss
+from .statistics import materialized_statistics
 from .validation import (
     HEADS,
     IMPLS,
@@ -246,22 +247,74 @@ def linear_nmst_loss(
         Scalar loss (or per-position losses) in ``hidden``'s dtype; under ``torch.autocast`` in
         float32 (as AMP's losses; float64 unchanged), with the op itself in autocast's dtype.
     """
+    return _linear_loss(hidden, weight, targets, bias, steps, validate, dict(
+        head=head, eps=eps, eos_index=eos_index, ignore_index=ignore_index, reduction=reduction, impl=impl,
+        chunk_size=chunk_size, softcap=softcap, logit_scale=logit_scale, temperature=temperature, dw_dtype=dw_dtype,
+        process_group=process_group, vocab_start=vocab_start))[0]
+
+
+STATISTICS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+def linear_nmst_loss_with_statistics(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    eos_index: int,
+    eps: float = 1e-5,
+    head: str = "nmst",
+    steps: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    impl: str = "auto",
+    chunk_size: Optional[int] = None,
+    validate: bool = True,
+    softcap: Optional[float] = None,
+    logit_scale: Optional[float] = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`linear_nmst_loss` with ``reduction="none"``, and the statistics of each position's step distribution
+    (the one decoding draws from at ``temperature``) that TRL's trainers log, from the same pass over the logits:
+    the fused backends read each chunk's logits once more for them, with no second product.
+
+    Arguments as :func:`linear_nmst_loss`'s. Returns the per-position NLL (``targets``' shape; differentiable as
+    the loss) and a dict of ``targets``-shaped tensors, without gradients: "entropy" (−Σ p log p),
+    "log_sum_sq_probs" (log Σ p²), "mean_logits" (the mean effective logit ζ, whose softmax the distribution is:
+    the logits / T but ζ_eos = L + log(1 − e^a) − a for NMST / ST, averaged over the other V − 1 where p(eos) = 0)
+    in float64, and "is_top1" (bool: the target is the most probable token, ties to the lower index). Ignored
+    positions get 0 / False. ``impl="reference"`` computes them on the materialized log-probabilities.
+    """
+    loss, stats = _linear_loss(hidden, weight, targets, bias, steps, validate, dict(
+        head=head, eps=eps, eos_index=eos_index, ignore_index=ignore_index, reduction="none", impl=impl,
+        chunk_size=chunk_size, softcap=softcap, logit_scale=logit_scale, temperature=temperature, dw_dtype=None,
+        process_group=None, vocab_start=None), statistics=True)
+    active = (targets != ignore_index).reshape(targets.shape)
+    stats = torch.where(active.unsqueeze(-1), stats.view(*targets.shape, 4), 0.0)
+    out = dict(zip(STATISTICS, stats.unbind(-1)))
+    out["is_top1"] = out["is_top1"] > 0.5
+    return loss, out
+
+
+def _linear_loss(hidden, weight, targets, bias, steps, validate: bool, arguments: dict,
+                 statistics: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A checked call: (the loss, with ``statistics`` the (N, 4) float64 row statistics, else None)."""
     autocasting = _autocasting(hidden)
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
-    options = _checked_options(hidden, weight, targets, bias, head=head, eps=eps, eos_index=eos_index,
-                               ignore_index=ignore_index, reduction=reduction, impl=impl, chunk_size=chunk_size,
-                               softcap=softcap, logit_scale=logit_scale, temperature=temperature, dw_dtype=dw_dtype,
-                               process_group=process_group, vocab_start=vocab_start, validate=validate)
+    options = _checked_options(hidden, weight, targets, bias, validate=validate, **arguments)
     # One integer dtype from here on: in uint8, `targets != -100` compares with -100 wrapped to 156.
     targets = targets.long()
-    steps = expand_steps(steps, targets, head, hidden.dim() == 3)
+    steps = expand_steps(steps, targets, options.head, hidden.dim() == 3)
     if validate and should_check_data():
-        check_data(head=head, vocab_size=options.vocab_size, targets=targets, ignore_index=ignore_index, steps=steps,
-                   tensors=[("hidden", hidden), ("weight", weight), ("bias", bias)], group=process_group)
-    backend = resolve_impl(impl, hidden.device, hidden.dtype)
+        check_data(head=options.head, vocab_size=options.vocab_size, targets=targets, ignore_index=options.ignore_index,
+                   steps=steps, tensors=[("hidden", hidden), ("weight", weight), ("bias", bias)],
+                   group=options.group)
+    backend = resolve_impl(arguments["impl"], hidden.device, hidden.dtype)
     if backend == "reference":
-        return _reference_loss(hidden, weight, bias, targets, steps, options, autocasting)
-    return _fused_loss(hidden, weight, bias, targets, steps, options, backend, autocasting)
+        loss = _reference_loss(hidden, weight, bias, targets, steps, options, autocasting)
+        stats = _reference_statistics(hidden, weight, bias, targets, steps, options) if statistics else None
+        return loss, stats
+    return _fused_loss(hidden, weight, bias, targets, steps, options, backend, autocasting, statistics)
 
 
 @dataclass(frozen=True)
@@ -354,9 +407,17 @@ def _product_dtype_inputs(hidden, weight, bias, options: _Options):
             dataclasses.replace(options, dw_dtype=None))
 
 
-def _fused_loss(hidden, weight, bias, targets, steps, options: _Options, backend: str,
-                autocasting: bool) -> torch.Tensor:
-    """The fused op (``torch.ops.nmst_fast.linear_loss``) on the flattened rows."""
+def _reference_statistics(hidden, weight, bias, targets, steps, options: _Options) -> torch.Tensor:
+    """(N, 4) float64 row statistics (as the fused op's) on the materialized float64 log-probabilities."""
+    return materialized_statistics(hidden, weight, bias, targets, steps, head=options.head,
+                                   eos_index=options.eos_index, eps=options.eps, temperature=options.temperature,
+                                   softcap=options.softcap, logit_scale=options.logit_scale)
+
+
+def _fused_loss(hidden, weight, bias, targets, steps, options: _Options, backend: str, autocasting: bool,
+                statistics: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The fused op (``torch.ops.nmst_fast.linear_loss``) on the flattened rows: (the loss, the row statistics
+    or None)."""
     out_dtype = hidden.dtype
     hidden, bias, softcap, eos_scale = _folded_logit_transforms(hidden, bias, options)
     hidden, weight, bias, options = _product_dtype_inputs(hidden, weight, bias, options)
@@ -368,7 +429,7 @@ def _fused_loss(hidden, weight, bias, targets, steps, options: _Options, backend
         buffers=chunk_buffers(backend, hidden.device, softcap),
         accumulator_bytes=weight.numel() * dw_dtype.itemsize if summed_apart else 0)
     grad_on = torch.is_grad_enabled()
-    loss, _lse, _dh, _dw, _db = torch.ops.nmst_fast.linear_loss(
+    loss, _lse, _dh, _dw, _db, row_stats = torch.ops.nmst_fast.linear_loss(
         flat_hidden,
         weight.contiguous(),
         bias,
@@ -390,9 +451,10 @@ def _fused_loss(hidden, weight, bias, targets, steps, options: _Options, backend
         options.vocab_start,
         None if options.dw_dtype == dw_accumulator_dtype(weight.dtype) else options.dw_dtype,
         eos_scale,
+        statistics,
     )
     # The op's loss is at least fp32. Under autocast it stays so (AMP's losses are fp32: a GradScaler's
     # 65536 would be inf as an fp16 upstream gradient); otherwise it takes hidden's dtype, as F.cross_entropy.
     if not autocasting:
         loss = loss.to(out_dtype)
-    return loss.view(targets.shape) if options.reduction == "none" else loss
+    return (loss.view(targets.shape) if options.reduction == "none" else loss), (row_stats if statistics else None)

@@ -60,8 +60,11 @@ def linear_loss(
     vocab_start: int = 0,
     dw_dtype: Optional[torch.dtype] = None,
     eos_scale: float = 1.0,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns (loss in at least fp32, lse (N,) float64, dh, dW, db); grads are empty unless computed in this pass.
+    statistics: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (loss in at least fp32, lse (N,) float64, dh, dW, db, statistics); grads are empty unless computed
+    in this pass; ``statistics`` (reduction "none" only): (N, 4) float64 of each row's entropy, log Σ p², mean
+    effective logit and top-1 flag (:func:`nmst_fast.head_math.row_statistics`), else empty.
 
     dW and db come in at least fp32 (the accumulators; dW in ``dw_dtype`` when given), dh in
     :func:`~nmst_fast.fused.dh_dtype` (at least fp32 on CPU): backward scales and casts them."""
@@ -72,17 +75,19 @@ def linear_loss(
     # The caller cast the inputs for autocast (loss._autocast_inputs); inside, autocast would
     # re-cast the driver's own small matmuls (the eos GEMV) while its out= GEMMs keep the inputs' dtype.
     with torch.autocast(hidden.device.type, enabled=False):
-        loss, lse, dh, dw, db = fused_forward(
+        loss, lse, dh, dw, db, row_stats = fused_forward(
             hidden, weight, bias, targets, steps, cfg, reduction=reduction, backend=backend, chunk_rows=chunk_rows,
             need=need, shard=VocabShard.of(vocab_group, vocab_start, weight.shape[0]), dw_dtype=dw_dtype,
+            statistics=statistics,
         )
-    return loss, lse, _empty_like_none(dh, hidden), _empty_like_none(dw, weight), _empty_like_none(db, weight)
+    return (loss, lse, _empty_like_none(dh, hidden), _empty_like_none(dw, weight), _empty_like_none(db, weight),
+            _empty_like_none(row_stats, lse))
 
 
 @linear_loss.register_fake
 def _(hidden, weight, bias, targets, steps, seq_len, head, eos_index, eps, ignore_index, reduction, backend,
       chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap=None, vocab_group=None, vocab_start=0,
-      dw_dtype=None, eos_scale=1.0):
+      dw_dtype=None, eos_scale=1.0, statistics=False):
     N = hidden.shape[0]
     in_forward = reduction != "none"
     loss = hidden.new_empty((N,) if reduction == "none" else (), dtype=torch.promote_types(hidden.dtype, torch.float32))
@@ -94,7 +99,8 @@ def _(hidden, weight, bias, targets, steps, seq_len, head, eos_index, eps, ignor
     dw = torch.empty_like(weight, dtype=acc) if (need_grad_weight and in_forward) else weight.new_empty(0)
     db = (torch.empty_like(bias, dtype=torch.promote_types(bias.dtype, torch.float32))
           if (need_grad_bias and in_forward and bias is not None) else weight.new_empty(0))
-    return loss, lse, dh, dw, db
+    row_stats = hidden.new_empty((N, 4) if statistics else (0,), dtype=torch.float64)
+    return loss, lse, dh, dw, db, row_stats
 
 
 @torch.library.custom_op("nmst_fast::linear_loss_backward", mutates_args=())
@@ -176,11 +182,11 @@ def _(acc, scale, dtype, backend):
 def _setup_context(ctx, inputs, output):
     (hidden, weight, bias, targets, steps, seq_len, head, eos_index, eps, ignore_index, reduction, backend,
      chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap, vocab_group, vocab_start,
-     dw_dtype, eos_scale) = inputs
-    loss, lse, dh, dw, db = output
+     dw_dtype, eos_scale, _statistics) = inputs
+    loss, lse, dh, dw, db, row_stats = output
     # Only the loss is differentiable. Without these two calls autograd would hand
     # backward zero-filled gradients for lse/dh/dW/db: a V×H allocation for nothing.
-    ctx.mark_non_differentiable(lse, dh, dw, db)
+    ctx.mark_non_differentiable(lse, dh, dw, db, row_stats)
     ctx.set_materialize_grads(False)
     ctx.reduction = reduction
     ctx.static = dict(zip(_STATIC_ARGS, (seq_len, head, eos_index, eps, ignore_index, backend, chunk_rows,
@@ -199,10 +205,10 @@ def _setup_context(ctx, inputs, output):
         ctx.save_for_backward(dh, dw, db, targets if reduction == "mean" else None)
 
 
-def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db):
+def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db, _grad_statistics):
     st = ctx.static
     if grad_loss is None:  # grads are not materialized: None means the loss got no gradient
-        return (None,) * 21
+        return (None,) * 22
     if torch.is_grad_enabled():
         # create_graph=True: the gradients come from the forward (or a recomputation) as constants,
         # so their own derivatives would be silently zero. Refuse rather than give wrong Hessians.
@@ -229,7 +235,7 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db):
         dw if st["need_grad_weight"] else None,
         db if (st["need_grad_bias"] and ctx.has_bias) else None,
     )
-    return grads + (None,) * 18
+    return grads + (None,) * 19
 
 
 linear_loss.register_autograd(_backward, setup_context=_setup_context)

@@ -20,6 +20,9 @@ Contract:
   ``eos_index`` -1: the chunk holds no eos column (a vocabulary shard without it).
   ``grad_from_lse_(z, lse, targets, eos_index, coefficients)`` writes dz when
   L is already known (the recompute backward) and returns ``sparse`` likewise.
+  ``lse_and_statistics(z, targets, eos_index)`` (no gradient): (L, z_target, sums), sums (rows, 5) float64 of
+  Σ e^(y−L)·y, Σ e^(2(y−L)), Σ y, max y and its first column over the non-eos columns, what
+  :func:`nmst_fast.head_math.row_statistics` turns into the head's per-token statistics.
 
   With ``softcap`` c (given to the constructor) z holds the raw logits x, the head sees
   y = c · tanh(x / c): L, z_target and the coefficients are y's, and the dz written is the
@@ -100,6 +103,11 @@ class CpuRowOps:
         sparse = self._write_grad_(z, row_max, coefs.coef_lse * torch.exp(row_max - lse), lse, coefs, targets,
                                    eos_index, y_target, sech_target, raw_eos)
         return lse, z_target, sparse
+
+    def lse_and_statistics(self, z: torch.Tensor, targets: torch.Tensor,
+                           eos_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        lse, z_target, _ = self.lse_and_grad_(z, targets, eos_index, None)  # z is left as it is
+        return lse, z_target, self._kernels.chunk_statistics(z.t(), eos_index, self.softcap or 0.0, lse.contiguous())
 
     def grad_from_lse_(
         self, z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, eos_index: int, coefs: GradCoefficients
@@ -208,6 +216,40 @@ class TorchRowOps:
             self._chain_cap_(z, u)
         return lse, z_target, None  # float64: L − z_target stays exact to the sum's rounding at any |L|
 
+    # Rows per block of the statistics' copies (a (block, V) temporary, not a second chunk).
+    _STATISTICS_ROWS = 256
+
+    def lse_and_statistics(self, z: torch.Tensor, targets: torch.Tensor,
+                           eos_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = z.shape[0]
+        stats_dtype = torch.promote_types(z.dtype, torch.float32)
+        lse = torch.empty(rows, dtype=torch.float64, device=z.device)
+        z_target = torch.empty(rows, dtype=stats_dtype, device=z.device)
+        sums = torch.empty(rows, 5, dtype=torch.float64, device=z.device)
+        for r0 in range(0, rows, self._STATISTICS_ROWS):
+            r1 = min(r0 + self._STATISTICS_ROWS, rows)
+            y = z[r0:r1].to(stats_dtype, copy=True)
+            if self.softcap is not None:
+                y.div_(self.softcap).tanh_().mul_(self.softcap)
+            z_target[r0:r1] = y.gather(1, targets[r0:r1].unsqueeze(1)).squeeze(1)
+            off_eos = torch.ones(y.shape[1], dtype=torch.bool, device=y.device)
+            if eos_index >= 0:
+                off_eos[eos_index] = False
+            top = y.masked_fill(~off_eos, float("-inf"))
+            column = top.argmax(dim=1)  # the first column of the max
+            row_max = top.gather(1, column.unsqueeze(1))
+            q = torch.exp(top - row_max)
+            total = q.sum(dim=1, keepdim=True)
+            q.div_(total)
+            lse[r0:r1] = row_max.squeeze(1).double() + total.squeeze(1).double().log()
+            kept = y.masked_fill_(~off_eos, 0.0)
+            sums[r0:r1, 0] = (q * kept).sum(dim=1, dtype=torch.float64)
+            sums[r0:r1, 1] = q.square().sum(dim=1, dtype=torch.float64)
+            sums[r0:r1, 2] = kept.sum(dim=1, dtype=torch.float64)
+            sums[r0:r1, 3] = row_max.squeeze(1).double()
+            sums[r0:r1, 4] = column.double()
+        return lse, z_target, sums
+
     def grad_from_lse_(
         self, z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, eos_index: int, coefs: GradCoefficients
     ) -> None:
@@ -240,6 +282,19 @@ class TritonRowOps:
         if coefficients is not None:
             self.grad_from_lse_(z, lse, targets, eos_index, coefficients(lse))
         return lse, z_target, None
+
+    def lse_and_statistics(self, z: torch.Tensor, targets: torch.Tensor,
+                           eos_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        lse, z_target = self._kernels.split_lse(z, targets, eos_index, self.softcap)
+        return lse, z_target, self._statistics(z, lse, eos_index)
+
+    def _statistics(self, z: torch.Tensor, lse: torch.Tensor, eos_index: int) -> torch.Tensor:
+        out = self._kernels.split_statistics(z, lse, eos_index, self.softcap)
+        rounding = torch.exp(lse.float().double() - lse)  # the kernel shifts by L rounded to float32
+        rounding = torch.where(torch.isfinite(rounding), rounding, 1.0)
+        out[:, 0] *= rounding
+        out[:, 1] *= rounding.square()
+        return out
 
     def grad_from_lse_(
         self, z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, eos_index: int, coefs: GradCoefficients

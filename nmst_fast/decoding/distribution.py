@@ -19,8 +19,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..head_math import nmst_log_survival, st_step_survival
-from ..logmath import log1mexp
+from ..head_math import head_terms, nmst_log_survival, st_step_survival
 from ..validation import HEADS, check_choice, check_eps, check_float_tensor, check_index, check_temperature
 
 Steps = Union[int, torch.Tensor]
@@ -102,10 +101,6 @@ def check_state(state: object, batch: int, device: torch.device, *, values: bool
     return state.to(device)
 
 
-# a = −inf (eos certain) would make L − a and ζ_eos inf − inf; any a below this is 1 − α = 0 in float64.
-LOG_SURVIVAL_FLOOR = -1e300
-
-
 def eos_terms(
     non_eos_lse: torch.Tensor, eos_logit: torch.Tensor, *, head: str, eps: float, steps: Steps,
     state: Optional[torch.Tensor],
@@ -124,17 +119,6 @@ def eos_terms(
             check_state(state, B, eos_logit.device).to(torch.float64)
         log_surv, next_state = st_step_survival(prev, eos_logit, t, eps)
     return (*head_terms(non_eos_lse, log_surv), next_state)
-
-
-def head_terms(non_eos_lse, log_surv):
-    """(log_norm = L − a, ζ_eos = L + log(1 − e^a) − a, log p(eos) = log(1 − e^a)) from L and
-    a = log(1 − α_t): (B,) float64 tensors (float32 ones: the floor is float32's lowest), or one row's floats."""
-    if isinstance(log_surv, torch.Tensor):
-        floored = log_surv.clamp(min=max(LOG_SURVIVAL_FLOOR, torch.finfo(log_surv.dtype).min))
-    else:
-        floored = max(log_surv, LOG_SURVIVAL_FLOOR)
-    eos_log_prob = log1mexp(log_surv)
-    return non_eos_lse - floored, non_eos_lse + eos_log_prob - floored, eos_log_prob
 
 
 def check_rows(non_eos_lse: torch.Tensor, eos_logit: Optional[torch.Tensor] = None) -> None:

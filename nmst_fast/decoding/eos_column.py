@@ -13,10 +13,10 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from ..head_math import nmst_log_survival, st_step_survival
+from ..head_math import head_terms, nmst_log_survival, st_step_survival
 from ..kernels.cpu import row_kernels
 from ..settings import HeadSettings
-from .distribution import RowBuffer, exp_sum, head_terms, row_blocks
+from .distribution import RowBuffer, exp_sum, row_blocks
 
 # ζ_eos − L is the logit of α_t; beyond this (α_t = 1 in float32) it is held here so that float32
 # stays finite and p(eos) rounds to 1.

@@ -18,14 +18,13 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..head_math import nmst_log_survival, st_step_survival
+from ..head_math import head_terms, nmst_log_survival, st_step_survival
 from .distribution import (
     BLOCK_ENTRIES,
     RowBuffer,
     Steps,
     check_state,
     exp_sum,
-    head_terms,
     no_distribution_message,
     row_blocks,
     step_values,

@@ -19,9 +19,10 @@ What the trainers then see (``model(..., labels=…, fused_lm_head=True)`` → `
   policy's HF ``generate`` at TRL's temperature samples the same distribution (it decodes the head:
   :mod:`nmst_fast.integrations.hf.generation`);
 * ``entropy``, ``is_top1``, ``log_sum_sq_probs`` and ``mean_logits`` of the head's distribution (the mean
-  of its effective logits ζ, whose softmax it is: the raw logits / T for VA), from a second chunked pass
-  over the supervised rows (:mod:`nmst_fast.integrations.hf.statistics`); ``entropy`` is differentiable
-  (GRPO's entropy bonus);
+  of its effective logits ζ, whose softmax it is: the raw logits / T for VA), from the same pass over the
+  logits as the log-probabilities (:func:`nmst_fast.linear_nmst_loss_with_statistics`: no second product);
+  ``entropy`` is differentiable (GRPO's entropy bonus: backward then recomputes the logits,
+  :func:`nmst_fast.statistics.entropy_with_gradient`);
 * ``loss``: −Σ log_probs / (``num_items_in_batch`` or the label count), plus the MoE load-balancing term
   when the config asks for router logits, as TRL's own.
 

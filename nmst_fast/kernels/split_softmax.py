@@ -5,6 +5,8 @@ One program handles one row and walks V in BLOCK_V tiles, so any V works
 Arithmetic is fp32 whatever the storage dtype (bf16/fp16/fp32).
 
 * ``split_lse``: L = logsumexp over non-eos columns (online max/sum) and z_target.
+* ``split_statistics``: with L known, the sums the head's per-token statistics need (Σ e^(z−L)·z, Σ e^(2(z−L)),
+  Σ z over the non-eos columns) and the non-eos max and its first column, in one read.
 * ``split_softmax_grad_``: overwrite the row with its logit gradient
   dz_v = coef · exp(z_v − L) (v ≠ eos), dz_eos = grad_eos, plus grad_target at the target.
 
@@ -80,6 +82,51 @@ def _split_lse_kernel(
 
 
 @triton.jit
+def _split_statistics_kernel(
+    z_ptr,
+    z_row_stride,
+    shift_ptr,
+    out_ptr,
+    V,
+    eos_index,
+    softcap,
+    BLOCK_V: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * z_row_stride
+    shift = tl.load(shift_ptr + row)
+    shift = tl.where(shift == shift, shift, 0.0)  # a NaN row's sums are NaN anyway
+    weighted = tl.full((), 0.0, tl.float32)
+    squares = tl.full((), 0.0, tl.float32)
+    total = tl.full((), 0.0, tl.float32)
+    best = tl.full((), float("-inf"), tl.float32)
+    top_column = tl.full((), -1, tl.int64)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        keep = (cols < V) & (cols != eos_index)
+        x = tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            x = _softcap(x, softcap)[0]
+        e = tl.where(keep, tl.exp(x - shift), 0.0)
+        weighted += tl.sum(e * tl.where(keep, x, 0.0), axis=0)
+        squares += tl.sum(e * e, axis=0)
+        total += tl.sum(tl.where(keep, x, 0.0), axis=0)
+        masked = tl.where(keep, x, float("-inf"))
+        tile_best = tl.max(masked, axis=0)
+        # the tile's first column of its max (the smallest index among ties)
+        tile_where = tl.min(tl.where((masked == tile_best) & keep, cols, V), axis=0).to(tl.int64)
+        higher = tile_best > best
+        top_column = tl.where(higher, tile_where, top_column)
+        best = tl.where(higher, tile_best, best)
+    tl.store(out_ptr + row * 5 + 0, weighted.to(tl.float64))
+    tl.store(out_ptr + row * 5 + 1, squares.to(tl.float64))
+    tl.store(out_ptr + row * 5 + 2, total.to(tl.float64))
+    tl.store(out_ptr + row * 5 + 3, best.to(tl.float64))
+    tl.store(out_ptr + row * 5 + 4, top_column.to(tl.float64))
+
+
+@triton.jit
 def _split_softmax_grad_kernel(
     z_ptr,
     z_row_stride,
@@ -118,7 +165,7 @@ def _split_softmax_grad_kernel(
 # Launch shape per kernel: (BLOCK_V cap, num_warps), from a sweep over a (2048, 256000) bf16
 # chunk on an H200 (benchmarks/profile_loss.py): the read-only LSE pass peaks with 4 warps,
 # the read+write gradient pass with 16. Benchmarks override these to sweep tilings.
-LAUNCH = {"lse": (4096, 4), "grad": (4096, 16)}
+LAUNCH = {"lse": (4096, 4), "statistics": (4096, 4), "grad": (4096, 16)}
 
 
 def _launch_args(kernel: str, V: int, softcap) -> dict:
@@ -163,6 +210,21 @@ def split_lse(
         _split_lse_kernel[(rows,)](z, z.stride(0), targets, lse, z_target, V, eos_index, _check_softcap(softcap),
                                    **_launch_args("lse", V, softcap))
     return lse, z_target
+
+
+def split_statistics(z: torch.Tensor, shift: torch.Tensor, eos_index: int,
+                     softcap: Optional[float] = None) -> torch.Tensor:
+    """Per row of ``z`` (rows, V) over its non-eos columns y (capped with ``softcap``): (rows, 5) float64 of
+    Σ e^(y − m)·y, Σ e^(2(y − m)), Σ y, max y and its first column, m = ``shift`` (rows,) as float32 (the row's L:
+    the caller corrects the first two for its rounding)."""
+    if z.dim() != 2 or z.stride(1) != 1:
+        raise ValueError("z must be a 2-D tensor with unit stride along V")
+    rows, V = z.shape
+    out = torch.empty(rows, 5, device=z.device, dtype=torch.float64)
+    if rows:
+        _split_statistics_kernel[(rows,)](z, z.stride(0), shift.float().contiguous(), out, V, eos_index,
+                                          _check_softcap(softcap), **_launch_args("statistics", V, softcap))
+    return out
 
 
 def split_softmax_grad_(

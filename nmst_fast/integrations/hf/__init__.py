@@ -12,9 +12,8 @@
 
 Modules: :mod:`.structure` (the decoder stack, the output layer, the config's post-processing), :mod:`.settings`
 (which head a model carries), :mod:`.probe` (the check that the fused path sees the model's own logits),
-:mod:`.steps` (the step rules), :mod:`.scoring` (the core), :mod:`.statistics` (entropy and friends of the head's
-distribution), :mod:`.patch` (the NMST model classes), :mod:`.generation` (decoding), :mod:`.checkpoint` (saved
-models: opening, upgrading, exporting).
+:mod:`.steps` (the step rules), :mod:`.scoring` (the core), :mod:`.patch` (the NMST model classes),
+:mod:`.generation` (decoding), :mod:`.checkpoint` (saved models: opening, upgrading, exporting).
 """
 
 from .checkpoint import export_plain, upgrade_checkpoint

@@ -22,9 +22,8 @@ from typing import Optional
 
 import torch
 
-from ...decoding.distribution import head_terms
 from ...decoding.eos_column import MAX_EOS_LOGIT_GAP, tempered_non_eos_lse
-from ...head_math import log_survival
+from ...head_math import head_terms, log_survival
 from ...settings import HeadSettings
 from ...validation import check_int_tensor
 from .steps import scored_steps

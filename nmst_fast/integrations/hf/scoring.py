@@ -17,14 +17,12 @@ from typing import Any, Optional
 
 import torch
 
-from ...loss import linear_nmst_loss
+from ...loss import STATISTICS, linear_nmst_loss, linear_nmst_loss_with_statistics
 from ...settings import HeadSettings
+from ...statistics import entropy_with_gradient
 from ...validation import check_int_tensor, check_temperature
-from .statistics import head_statistics
 from .steps import scored_steps
 from .structure import check_output_weight, in_output_layer, linear_of, logit_postprocessing, output_layer
-
-STATISTICS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
 @dataclass
@@ -68,13 +66,16 @@ def score_labels(model: Any, hidden: torch.Tensor, labels: torch.Tensor, setting
             gradient is formed in the same pass).
         dtype: run the head in this dtype (hidden, weight and bias cast, autocast off); None: as they come.
         impl: the fused loss's backend; None: the model's (``apply_nmst(impl=)``), else "auto".
-        statistics: names from :data:`STATISTICS` to compute too, in the same layer call.
+        statistics: names from :data:`STATISTICS` to compute too, from the same pass over the logits (reduction
+            "none" only); the entropy keeps its gradient (:func:`nmst_fast.statistics.entropy_with_gradient`).
         steps_name: what errors call ``steps`` (the caller's argument name).
     """
     check_temperature(temperature)
     unknown = set(statistics) - set(STATISTICS)
     if unknown:
         raise ValueError(f"unknown statistics {sorted(unknown)}: the head gives {list(STATISTICS)}")
+    if statistics and reduction != "none":
+        raise ValueError(f"statistics come per target: reduction must be 'none', got {reduction!r}")
     if labels.shape != hidden.shape[:2]:
         raise ValueError(f"labels must be (B, T)={tuple(hidden.shape[:2])} like input_ids, got {tuple(labels.shape)}")
     labels = labels.to(hidden.device)
@@ -104,22 +105,42 @@ def score_labels(model: Any, hidden: torch.Tensor, labels: torch.Tensor, setting
             h, weight = h.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
         context = torch.autocast(h.device.type, enabled=False) if dtype is not None else contextlib.nullcontext()
+        head_steps = None if head == "va" else steps
+        stats = {}
         with context:
-            if reduction != "none" or head == "st":  # every row: ST's running sum goes along T
-                nll = linear_nmst_loss(h, weight, labels, bias=bias, steps=None if head == "va" else steps,
-                                       reduction=reduction, **common)
+            if statistics:
+                nll, stats = _with_statistics(h, weight, bias, labels, head_steps, mask, head == "st", common)
+            elif reduction != "none" or head == "st":  # every row: ST's running sum goes along T
+                nll = linear_nmst_loss(h, weight, labels, bias=bias, steps=head_steps, reduction=reduction, **common)
             else:  # the scored rows alone
                 rows = linear_nmst_loss(h[mask], weight, labels[mask], bias=bias,
-                                        steps=None if head == "va" else steps[mask], reduction="none", **common)
+                                        steps=None if head_steps is None else head_steps[mask], reduction="none",
+                                        **common)
                 nll = rows.new_zeros(mask.shape).masked_scatter(mask, rows)
             if reduction == "none":
                 nll = nll.to(torch.promote_types(nll.dtype, torch.float32))
-            stats = {}
-            if statistics:
-                stats = head_statistics(h, weight, bias, labels, steps, mask, head=head, eos_index=settings.eos_index,
-                                        eps=settings.eps, temperature=temperature, softcap=softcap, logit_scale=scale,
-                                        outputs=tuple(statistics))
-        return nll, stats
+            if "entropy" in stats and torch.is_grad_enabled() and any(
+                    t is not None and t.requires_grad for t in (h, weight, bias)):
+                stats["entropy"] = entropy_with_gradient(
+                    stats["entropy"], h, weight, bias, labels, steps, mask, head=head, eos_index=settings.eos_index,
+                    eps=settings.eps, temperature=temperature, softcap=softcap, logit_scale=scale)
+        return nll, {name: stats[name] for name in statistics}
 
     nll, stats = in_output_layer(layer, hidden, compute)
     return LabelScores(nll=nll, targets=labels, steps=steps, mask=mask, statistics=stats)
+
+
+def _with_statistics(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
+                     steps: Optional[torch.Tensor], mask: torch.Tensor, every_row: bool,
+                     common: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The NLL (B, T) and the :data:`STATISTICS` (B, T) (0 / False off ``mask``; entropy, log Σ p² and the mean in at
+    least float32, without gradients) of one pass: every row where ``every_row`` (ST), else the scored rows."""
+    if every_row:
+        nll, stats = linear_nmst_loss_with_statistics(h, weight, labels, bias=bias, steps=steps, **common)
+    else:
+        rows, row_stats = linear_nmst_loss_with_statistics(
+            h[mask], weight, labels[mask], bias=bias, steps=None if steps is None else steps[mask], **common)
+        nll = rows.new_zeros(mask.shape).masked_scatter(mask, rows)
+        stats = {name: value.new_zeros(mask.shape).masked_scatter(mask, value) for name, value in row_stats.items()}
+    dtype = torch.promote_types(h.dtype, torch.float32)
+    return nll, {name: value if value.dtype == torch.bool else value.to(dtype) for name, value in stats.items()}

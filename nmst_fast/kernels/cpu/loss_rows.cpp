@@ -15,6 +15,9 @@
 //     shift[r]) · (sech²(z / c) with a softcap) for every v != eos, rounded once to z's dtype; then z[eos, r] <- 0
 //     (eos >= 0) and z[targets[r], r] <- values[r] where targets[r] >= 0. shift is taken as the nearest value of
 //     the compute type and scale corrected for that rounding, so shift may be L itself.
+//   chunk_statistics(z, eos, softcap, shift) -> (R, 5) float64:  per row, over y[v] for v != eos: sum exp(y - shift)·y,
+//     sum exp(2·(y - shift)), sum y, max y and its first v (the entropy's, log sum p²'s and the mean's sums and the
+//     most probable token, nmst_fast.head_math.row_statistics; shift is the row's L). One read of the chunk.
 //   accumulate_(acc, src, first):  acc <- src or acc + src for a float32 acc and a bfloat16 / float16 src (a dW
 //     block's product), in one pass.
 //   scale_cast(src, scale, dtype) -> out:  a gradient (a float32 accumulator, or a bf16 dW of one GEMM) times scale
@@ -221,6 +224,67 @@ void span_grad(T* z, int64_t ld, int64_t V_, int64_t eos, double softcap, int64_
   });
 }
 
+template <typename T>
+void span_statistics(const T* z, int64_t ld, int64_t V_, int64_t eos, double softcap, int64_t first, int64_t last,
+                     const double* shift_in, double* out) {
+  using L = Lanes<T>;
+  using V = typename L::V;
+  using C = typename L::C;
+  constexpr int64_t W = V::size();
+  const int64_t n = last - first, padded = (n + L::kStep - 1) / L::kStep * L::kStep;
+  const C cap = static_cast<C>(softcap), inv_cap = softcap > 0 ? static_cast<C>(1.0 / softcap) : C(0);
+  const C lowest = -std::numeric_limits<C>::infinity();
+  // the shift as the compute type holds it (0 where it is not finite); the sums are corrected for its rounding
+  std::vector<C> shift(padded, C(0)), weighted(padded), squares(padded), total(padded);
+  std::vector<C> best(padded, lowest), where(padded, C(-1));
+  for (int64_t k = 0; k < n; ++k) {
+    if (std::isfinite(shift_in[first + k])) {
+      shift[k] = static_cast<C>(shift_in[first + k]);
+    }
+  }
+  std::vector<double> run_weighted(n, 0.0), run_squares(n, 0.0), run_total(n, 0.0);
+  for (int64_t v0 = 0; v0 < V_; v0 += kBlock) {
+    const int64_t v1 = std::min(V_, v0 + kBlock);
+    std::fill(weighted.begin(), weighted.end(), C(0));
+    std::fill(squares.begin(), squares.end(), C(0));
+    std::fill(total.begin(), total.end(), C(0));
+    walk<L, T>(v0, v1, eos, first, last, [&](int64_t v, int64_t c, int64_t lanes) {
+      V y[2];
+      L::load(z + v * ld + c, lanes, y[0], y[1]);
+      const int64_t k = c - first;
+      const V column(static_cast<C>(v));  // exact: V < 2^24
+      for (int64_t h = 0; h < 2; ++h) {
+        const int64_t at = k + h * W;
+        if (softcap > 0) {
+          y[h] = capped<L>(y[h], cap, inv_cap, nullptr);
+        }
+        const V e = L::exp(y[h] - V::loadu(shift.data() + at));
+        (V::loadu(weighted.data() + at) + e * y[h]).store(weighted.data() + at);
+        (V::loadu(squares.data() + at) + e * e).store(squares.data() + at);
+        (V::loadu(total.data() + at) + y[h]).store(total.data() + at);
+        const V top = V::loadu(best.data() + at);
+        const V higher = y[h] > top;  // strictly: the first v of the max stays
+        V::blendv(top, y[h], higher).store(best.data() + at);
+        V::blendv(V::loadu(where.data() + at), column, higher).store(where.data() + at);
+      }
+    });
+    for (int64_t k = 0; k < n; ++k) {
+      run_weighted[k] += weighted[k];
+      run_squares[k] += squares[k];
+      run_total[k] += total[k];
+    }
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    const double s = shift_in[first + k], rounding = std::exp(static_cast<double>(shift[k]) - s);
+    double* row = out + (first + k) * 5;
+    row[0] = run_weighted[k] * rounding;
+    row[1] = run_squares[k] * rounding * rounding;
+    row[2] = run_total[k];
+    row[3] = best[k];
+    row[4] = where[k];
+  }
+}
+
 void check_chunk(const at::Tensor& z, int64_t eos, const char* op) {
   TORCH_CHECK(z.device().is_cpu() && z.dim() == 2 && (z.size(1) <= 1 || z.stride(1) == 1) &&
                   (z.size(0) <= 1 || z.stride(0) >= z.size(1)),
@@ -250,6 +314,21 @@ std::tuple<at::Tensor, at::Tensor> chunk_lse(const at::Tensor& z, int64_t eos, d
     });
   });
   return {lse, row_max};
+}
+
+at::Tensor chunk_statistics(const at::Tensor& z, int64_t eos, double softcap, const at::Tensor& shift) {
+  check_chunk(z, eos, "chunk_statistics");
+  const int64_t V_ = z.size(0), R = z.size(1), ld = z.stride(0);
+  TORCH_CHECK(V_ < (int64_t{1} << 24), "chunk_statistics: the chunk's vocabulary must be under 2^24 entries");
+  const double* shifts = rows_of(shift, R, "chunk_statistics", "shift");
+  at::Tensor out = at::empty({R, 5}, z.options().dtype(at::kDouble));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, z.scalar_type(), "chunk_statistics", [&] {
+    parallel_columns(R, [&](int64_t first, int64_t last) {
+      span_statistics<scalar_t>(z.const_data_ptr<scalar_t>(), ld, V_, eos, softcap, first, last, shifts,
+                                out.data_ptr<double>());
+    });
+  });
+  return out;
 }
 
 void chunk_grad_(at::Tensor& z, const at::Tensor& shift, const at::Tensor& scale, int64_t eos,
@@ -372,6 +451,7 @@ TORCH_LIBRARY_FRAGMENT(nmst_fast_cpu, m) {
   m.def("chunk_lse(Tensor z, int eos, float softcap) -> (Tensor, Tensor)");
   m.def("chunk_grad_(Tensor(a!) z, Tensor shift, Tensor scale, int eos, Tensor targets, Tensor values, "
         "float softcap) -> ()");
+  m.def("chunk_statistics(Tensor z, int eos, float softcap, Tensor shift) -> Tensor");
   m.def("scale_cast(Tensor src, float scale, ScalarType dtype) -> Tensor");
   m.def("accumulate_(Tensor(a!) acc, Tensor src, bool first) -> ()");
 }
@@ -379,6 +459,7 @@ TORCH_LIBRARY_FRAGMENT(nmst_fast_cpu, m) {
 TORCH_LIBRARY_IMPL(nmst_fast_cpu, CPU, m) {
   m.impl("chunk_lse", &chunk_lse);
   m.impl("chunk_grad_", &chunk_grad_);
+  m.impl("chunk_statistics", &chunk_statistics);
   m.impl("scale_cast", &scale_cast);
   m.impl("accumulate_", &accumulate_);
 }
