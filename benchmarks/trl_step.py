@@ -1,5 +1,5 @@
-"""One TRL ``SFTTrainer`` training step with the head against the same trainer on the plain model:
-``python -m benchmarks.trl_step``.
+"""One TRL training step (``SFTTrainer``, or ``GRPOTrainer`` with ``--trainer grpo``) with the head against the same
+trainer on the plain model: ``python -m benchmarks.trl_step``.
 
 The model: a random-init float32 Qwen3 of Qwen3-0.6B's width and vocabulary (V = 151936, H = 1024, tied embeddings)
 with ``--layers`` decoder layers; the head's copy patched by :func:`nmst_fast.integrations.hf.apply_nmst`. The data:
@@ -9,6 +9,10 @@ train_dataset=…, processing_class=…)`` with TRL's defaults (its logged entro
 plain model's from TRL's own fused head, the head's from the fused loss's pass). Over ``--rounds`` rounds the two
 alternate, each round a ``train()`` of two steps whose second is timed (the first allocates the optimizer's state);
 the table holds each one's median step and the median of the rounds' ratios head / plain. ``--json PATH`` writes it.
+
+GRPO: the prompts alone, ``--num-generations`` completions of ``--completion`` tokens each sampled by HF ``generate``
+(the head's sampling on the patched model), a length reward, TRL's defaults otherwise (no reference model); a step
+is the generation, the scoring and the update.
 """
 
 from __future__ import annotations
@@ -50,14 +54,37 @@ def _model(vocab: int, hidden: int, layers: int, eos: int):
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def _dataset(vocab: int, seq: int, rows: int):
+def _dataset(vocab: int, seq: int, rows: int, prompts_only: bool = False):
     from datasets import Dataset
 
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1, vocab - 1, (rows, seq), generator=gen).tolist()
     half = seq // 2
-    return Dataset.from_dict({"prompt": [" ".join(f"w{i}" for i in row[:half]) for row in ids],
-                              "completion": [" ".join(f"w{i}" for i in row[half:]) for row in ids]})
+    columns = {"prompt": [" ".join(f"w{i}" for i in row[:half]) for row in ids]}
+    if not prompts_only:
+        columns["completion"] = [" ".join(f"w{i}" for i in row[half:]) for row in ids]
+    return Dataset.from_dict(columns)
+
+
+def _length_reward(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def _trainer(args: argparse.Namespace, model, tokenizer, out: str, timer):
+    common = dict(output_dir=out, max_steps=2, per_device_train_batch_size=args.batch, report_to="none",
+                  logging_steps=1, save_strategy="no", use_cpu=True, dataloader_num_workers=0, seed=0)
+    if args.trainer == "grpo":
+        from trl import GRPOConfig, GRPOTrainer
+
+        config = GRPOConfig(**common, max_completion_length=args.completion, num_generations=args.num_generations)
+        return GRPOTrainer(model=model, reward_funcs=_length_reward, args=config,
+                           train_dataset=_dataset(args.vocab, args.seq, 2 * args.batch, prompts_only=True),
+                           processing_class=tokenizer, callbacks=[timer])
+    from trl import SFTConfig, SFTTrainer
+
+    config = SFTConfig(**common, max_length=args.seq + 2)
+    return SFTTrainer(model=model, args=config, train_dataset=_dataset(args.vocab, args.seq, 2 * args.batch),
+                      processing_class=tokenizer, callbacks=[timer])
 
 
 class _StepTimer:
@@ -76,25 +103,19 @@ class _StepTimer:
 
 def run(args: argparse.Namespace) -> dict:
     from transformers import TrainerCallback
-    from trl import SFTConfig, SFTTrainer
 
     from nmst_fast.integrations.hf import apply_nmst
 
     tokenizer = _tokenizer(args.vocab)
     plain = _model(args.vocab, args.hidden, args.layers, tokenizer.eos_token_id)
     head = apply_nmst(copy.deepcopy(plain), head="nmst", eps=1e-5)
-    data = _dataset(args.vocab, args.seq, 2 * args.batch)
     timer_type = type("StepTimer", (_StepTimer, TrainerCallback), {})
     times: dict[str, list[float]] = {"plain model": [], "NMST head": []}
     with tempfile.TemporaryDirectory() as out:
         trainers = {}
         for name, model in (("plain model", plain), ("NMST head", head)):
             timer = timer_type()
-            config = SFTConfig(output_dir=out, max_steps=2, per_device_train_batch_size=args.batch, report_to="none",
-                               logging_steps=1, save_strategy="no", use_cpu=True, dataloader_num_workers=0, seed=0,
-                               max_length=args.seq + 2)
-            trainers[name] = (SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
-                                         callbacks=[timer]), timer)
+            trainers[name] = (_trainer(args, model, tokenizer, out, timer), timer)
         for r in range(args.rounds):
             for name in (trainers if r % 2 == 0 else reversed(list(trainers))):
                 trainer, timer = trainers[name]
@@ -102,9 +123,10 @@ def run(args: argparse.Namespace) -> dict:
                 trainer.train()
                 times[name].append(timer.seconds[-1])
         logged = {name: sorted(k for k in trainer.state.log_history[0] if k in ("entropy", "mean_token_accuracy"))
-                  for name, (trainer, _) in trainers.items()}
+                  for name, (trainer, _) in trainers.items()}  # GRPO's entropy is its own key
     ratios = [h / p for h, p in zip(times["NMST head"], times["plain model"])]
-    return {"shape": dict(V=args.vocab, H=args.hidden, layers=args.layers, B=args.batch, T=args.seq),
+    return {"trainer": args.trainer,
+            "shape": dict(V=args.vocab, H=args.hidden, layers=args.layers, B=args.batch, T=args.seq),
             "threads": torch.get_num_threads(), "rounds": args.rounds, "logged": logged,
             "median_s": {name: statistics.median(ts) for name, ts in times.items()},
             "head_over_plain": statistics.median(ratios), "ratio_range": (min(ratios), max(ratios))}
@@ -113,11 +135,14 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.trl_step", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trainer", choices=("sft", "grpo"), default="sft")
     parser.add_argument("--vocab", type=int, default=QWEN3_06B["vocab_size"])
     parser.add_argument("--hidden", type=int, default=QWEN3_06B["hidden_size"])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--completion", type=int, default=16, help="GRPO: tokens per completion")
+    parser.add_argument("--num-generations", type=int, default=2, help="GRPO: completions per prompt")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)

@@ -166,13 +166,18 @@ def _eos_column_grads(eos_grads: torch.Tensor, cfg: HeadConfig) -> torch.Tensor:
 @dataclass
 class _RowTargets:
     active: torch.Tensor  # bool (N,): target is not ignore_index
-    safe: torch.Tensor  # int64 (N,): target, 0 where ignored (a valid column to gather)
+    safe: torch.Tensor  # int64 (N,): target, 0 where ignored or outside the vocabulary (a valid column to gather)
     is_eos: torch.Tensor  # bool (N,): active and target == eos
 
     @classmethod
-    def build(cls, targets: torch.Tensor, cfg: HeadConfig) -> "_RowTargets":
+    def build(cls, targets: torch.Tensor, cfg: HeadConfig, shard: "VocabShard") -> "_RowTargets":
+        """A target outside [0, V) (the caller refuses it after the pass: loss.py) reads column 0 meanwhile; a
+        vocabulary shard's kernels see only its own (``VocabShard.local_tokens``)."""
         active = targets != cfg.ignore_index
-        safe = torch.where(active, targets, 0).long()
+        readable = active & (targets >= 0)
+        if shard.group is None:
+            readable &= targets < shard.size
+        safe = torch.where(readable, targets, 0).long()
         return cls(active=active, safe=safe, is_eos=active & (safe == cfg.eos_index))
 
 
@@ -432,7 +437,8 @@ def fused_forward(
         statistics: also the head's per-token statistics, from the chunks' own logits (no gradient asked, no
             ``shard``): one more read of each chunk, no other product.
     Returns:
-        loss (() or (N,), in at least float32), L (N,) in at least float32, dh (hidden's dtype),
+        loss (() or (N,), in at least float32), L (N,) float64 (NaN on a row with a non-finite logit, eos's
+        included: the caller's data check), dh (hidden's dtype),
         dW, db (or None), and with ``statistics`` (N, 4) float64: entropy, log Σ p², the mean effective logit and
         whether the target is the most probable token (1 / 0; see :func:`~nmst_fast.head_math.row_statistics`),
         else None. dW and db stay in at least fp32 (their accumulators; dW in bf16 where
@@ -451,7 +457,7 @@ def fused_forward(
         # The head's O(N) scalar math (a few dozen small kernels) is first asked for by the first
         # row pass, i.e. after the first chunk's GEMM is queued: on a GPU those kernels are
         # launched while that GEMM runs instead of holding it back.
-        rows = _RowTargets.build(targets, cfg)
+        rows = _RowTargets.build(targets, cfg, shard)
         s = _head_eos_logits(hidden, weight, bias, cfg, shard)
         log_surv = None if cfg.head == "va" else head_math.log_survival(cfg.head, s, steps, cfg.eps, cfg.seq_len)
         # Unit row weights for every reduction: "mean" forms the gradients of the sum and backward
@@ -510,6 +516,8 @@ def fused_forward(
     if dh is not None:
         shard.sum_(dh)
     p = prep()
+    # L is NaN on a row with a non-finite logit (the row pass's flag); its eos logit, which the pass skips, joins it
+    lse = torch.where(torch.isfinite(p.s), lse, float("nan"))
     z_target_exact = torch.where(p.rows.is_eos, p.s.to(stats_dtype), z_target)
     losses = head_math.row_losses(cfg.head, lse, p.s, z_target_exact, p.rows.is_eos, p.log_surv)
     losses = torch.where(p.rows.active, losses, 0.0)
@@ -554,7 +562,7 @@ def fused_backward_from_lse(
     """Gradients for reduction="none": recompute each chunk's logits and weight rows by ``grad_rows`` (N,).
     ``lse`` is the forward's (global) L; ``shard`` as in :func:`fused_forward`."""
     shard = shard or VocabShard(0, weight.shape[0])
-    rows = _RowTargets.build(targets, cfg)
+    rows = _RowTargets.build(targets, cfg, shard)
     s = _head_eos_logits(hidden, weight, bias, cfg, shard)
     row_weight = torch.where(rows.active, grad_rows.to(torch.float64), 0.0)
     eos_grads = None

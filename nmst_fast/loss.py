@@ -31,7 +31,9 @@ from .validation import (
     check_same_device,
     check_temperature,
     expand_steps,
+    raise_value_errors,
     should_check_data,
+    value_flags,
 )
 from .vocab_shard import check_vocab_shards, group_name_of
 
@@ -215,8 +217,10 @@ def linear_nmst_loss(
             math: not for fp64), "chunked" or "reference" (materializes logits; the spec).
         chunk_size: rows per chunk for the fused backends (default: a fixed
             byte budget for the (chunk, V) logits buffer).
-        validate: run the data checks (target range, step signs, NaN/inf), one
-            host sync; they are skipped automatically under ``torch.compile``.
+        validate: run the data checks (target range, step signs, NaN/inf in hidden, weight and bias), one
+            host sync; they are skipped automatically under ``torch.compile``. The fused backends take them after
+            their pass, before returning: their row pass flags non-finite logits, so no separate scan of the
+            weight runs (logits that overflow their dtype from finite inputs are refused too).
         process_group, vocab_start: vocabulary-parallel (Megatron's layout): ``weight`` (and
             ``bias``) hold the rows [vocab_start, vocab_start + weight.shape[0]) of the global
             vocabulary, one contiguous slice per rank of ``process_group`` (uneven slices are fine;
@@ -305,16 +309,35 @@ def _linear_loss(hidden, weight, targets, bias, steps, validate: bool, arguments
     # One integer dtype from here on: in uint8, `targets != -100` compares with -100 wrapped to 156.
     targets = targets.long()
     steps = expand_steps(steps, targets, options.head, hidden.dim() == 3)
-    if validate and should_check_data():
-        check_data(head=options.head, vocab_size=options.vocab_size, targets=targets, ignore_index=options.ignore_index,
-                   steps=steps, tensors=[("hidden", hidden), ("weight", weight), ("bias", bias)],
-                   group=options.group)
+    checking = validate and should_check_data()
+    inputs = [("hidden", hidden), ("weight", weight), ("bias", bias)]
     backend = resolve_impl(arguments["impl"], hidden.device, hidden.dtype)
     if backend == "reference":
+        if checking:
+            check_data(head=options.head, vocab_size=options.vocab_size, targets=targets,
+                       ignore_index=options.ignore_index, steps=steps, tensors=inputs, group=options.group)
         loss = _reference_loss(hidden, weight, bias, targets, steps, options, autocasting)
         stats = _reference_statistics(hidden, weight, bias, targets, steps, options) if statistics else None
         return loss, stats
-    return _fused_loss(hidden, weight, bias, targets, steps, options, backend, autocasting, statistics)
+    # The fused op's data checks cost no pass of their own: the O(N) verdicts are formed on the device now, the
+    # op's row pass turns a row's L to NaN where any of its logits is not finite (the kernels clamp bad targets),
+    # and all of them are taken in one sync after the op, before anything it computed is returned.
+    if checking:
+        names, flags = value_flags(head=options.head, vocab_size=options.vocab_size, targets=targets,
+                                   ignore_index=options.ignore_index, steps=steps)
+        # eos's own row, which the row pass skips and a softcap would make finite (c·tanh(inf / c) = c): H values.
+        # Every rank of a vocabulary-parallel group forms the same verdicts (False where it holds no eos row).
+        eos_row = options.eos_index - options.vocab_start
+        owned = 0 <= eos_row < weight.shape[0]
+        for name, t in (("weight", weight), ("bias", bias)):
+            names.append(name)
+            flags.append(~torch.isfinite(t[eos_row]).all() if owned and t is not None
+                         else torch.zeros((), dtype=torch.bool, device=hidden.device))
+    loss, lse, stats = _fused_loss(hidden, weight, bias, targets, steps, options, backend, autocasting, statistics)
+    if checking:
+        raise_value_errors([*names, "logits"], [*flags, ~torch.isfinite(lse).all()], vocab_size=options.vocab_size,
+                           ignore_index=options.ignore_index, tensors=inputs, group=options.group)
+    return loss, stats
 
 
 @dataclass(frozen=True)
@@ -415,9 +438,9 @@ def _reference_statistics(hidden, weight, bias, targets, steps, options: _Option
 
 
 def _fused_loss(hidden, weight, bias, targets, steps, options: _Options, backend: str, autocasting: bool,
-                statistics: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The fused op (``torch.ops.nmst_fast.linear_loss``) on the flattened rows: (the loss, the row statistics
-    or None)."""
+                statistics: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The fused op (``torch.ops.nmst_fast.linear_loss``) on the flattened rows: (the loss, L per row (NaN where a
+    logit is not finite), the row statistics or None)."""
     out_dtype = hidden.dtype
     hidden, bias, softcap, eos_scale = _folded_logit_transforms(hidden, bias, options)
     hidden, weight, bias, options = _product_dtype_inputs(hidden, weight, bias, options)
@@ -429,7 +452,7 @@ def _fused_loss(hidden, weight, bias, targets, steps, options: _Options, backend
         buffers=chunk_buffers(backend, hidden.device, softcap),
         accumulator_bytes=weight.numel() * dw_dtype.itemsize if summed_apart else 0)
     grad_on = torch.is_grad_enabled()
-    loss, _lse, _dh, _dw, _db, row_stats = torch.ops.nmst_fast.linear_loss(
+    loss, lse, _dh, _dw, _db, row_stats = torch.ops.nmst_fast.linear_loss(
         flat_hidden,
         weight.contiguous(),
         bias,
@@ -457,4 +480,4 @@ def _fused_loss(hidden, weight, bias, targets, steps, options: _Options, backend
     # 65536 would be inf as an fp16 upstream gradient); otherwise it takes hidden's dtype, as F.cross_entropy.
     if not autocasting:
         loss = loss.to(out_dtype)
-    return (loss.view(targets.shape) if options.reduction == "none" else loss), (row_stats if statistics else None)
+    return (loss.view(targets.shape) if options.reduction == "none" else loss), lse, (row_stats if statistics else None)

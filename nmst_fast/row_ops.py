@@ -12,7 +12,8 @@ implementations share one contract so the chunk driver is backend-agnostic:
 Contract:
   ``lse_and_grad_(z, targets, eos_index, coefficients)`` returns (L, z_target, sparse), L and z_target each (rows,):
   L = logsumexp over non-eos columns in float64 (the loss L − z_target keeps its digits at large
-  |L|), z_target in at least float32. If ``coefficients``
+  |L|; NaN on a row with a NaN or infinite logit, before any cap: the fused loss's data check), z_target in at
+  least float32. If ``coefficients``
   is given it is called with L and must return :class:`GradCoefficients`;
   z is then overwritten with dz (see :mod:`nmst_fast.head_math`), but for ``sparse``: None, or a
   :class:`SparseGrad`, entries of dz the pass left out of the chunk (0 there) for the driver to add to
@@ -51,6 +52,11 @@ class SparseGrad:
     target_values: torch.Tensor
     eos_index: int
     eos_values: Optional[torch.Tensor]
+
+
+def _finite_rows(z: torch.Tensor) -> torch.Tensor:
+    """(rows,) bool: every logit of the row finite (eos's too), from its min and max (NaN propagates to both)."""
+    return torch.isfinite(z.amin(dim=1)) & torch.isfinite(z.amax(dim=1))
 
 
 class CpuRowOps:
@@ -204,12 +210,13 @@ class TorchRowOps:
         self, z: torch.Tensor, targets: torch.Tensor, eos_index: int, coefficients: Optional[CoefficientsFn]
     ) -> tuple[torch.Tensor, torch.Tensor, None]:
         stats_dtype = torch.promote_types(z.dtype, torch.float32)
+        finite = _finite_rows(z)
         u = self._cap_(z, keep_for_grad=coefficients is not None)
         z_target = z.gather(1, targets.unsqueeze(1)).squeeze(1).to(stats_dtype)
         row_max = self._exp_shifted_(z, eos_index)
         # Sum in z's precision (>= fp32): torch's sum with dtype=float64 is ~20x slower on CPU.
         sum_exp = z.sum(dim=1, dtype=stats_dtype).to(torch.float64)
-        lse = row_max + torch.log(sum_exp)
+        lse = torch.where(finite, row_max + torch.log(sum_exp), float("nan"))
         if coefficients is not None:
             coefs = coefficients(lse)
             self._finish_grad_(z, coefs.coef_lse / sum_exp, coefs, targets, eos_index)
@@ -229,6 +236,7 @@ class TorchRowOps:
         for r0 in range(0, rows, self._STATISTICS_ROWS):
             r1 = min(r0 + self._STATISTICS_ROWS, rows)
             y = z[r0:r1].to(stats_dtype, copy=True)
+            finite = _finite_rows(y)
             if self.softcap is not None:
                 y.div_(self.softcap).tanh_().mul_(self.softcap)
             z_target[r0:r1] = y.gather(1, targets[r0:r1].unsqueeze(1)).squeeze(1)
@@ -241,7 +249,8 @@ class TorchRowOps:
             q = torch.exp(top - row_max)
             total = q.sum(dim=1, keepdim=True)
             q.div_(total)
-            lse[r0:r1] = row_max.squeeze(1).double() + total.squeeze(1).double().log()
+            lse[r0:r1] = torch.where(finite, row_max.squeeze(1).double() + total.squeeze(1).double().log(),
+                                     float("nan"))
             kept = y.masked_fill_(~off_eos, 0.0)
             sums[r0:r1, 0] = (q * kept).sum(dim=1, dtype=torch.float64)
             sums[r0:r1, 1] = q.square().sum(dim=1, dtype=torch.float64)

@@ -1,11 +1,11 @@
 """Argument checks shared by the public entry points.
 
-Every check raises ``ValueError``/``TypeError`` naming the offending argument
-*before* any kernel runs. Structural checks (types, shapes, devices, dtypes,
-ranges of Python scalars) are free and always run. Data checks (target range,
-step signs, non-finite values) need one host sync; they are batched into a
-single ``.tolist()`` and skipped while ``torch.compile`` traces, where a sync
-would break the graph.
+Every check raises ``ValueError``/``TypeError`` naming the offending argument. Structural checks (types, shapes,
+devices, dtypes, ranges of Python scalars) are free and run before any kernel. Data checks (target range, step
+signs, non-finite values) need one host sync; they are batched into a single ``.tolist()`` and skipped while
+``torch.compile`` traces, where a sync would break the graph. The fused loss takes their verdicts after its pass,
+before it returns anything (:func:`value_flags`, :func:`raise_value_errors`): its row pass flags a row with a
+non-finite logit (hidden, weight or bias holding NaN or inf), so the (V, H) weight is never scanned apart.
 """
 
 from __future__ import annotations
@@ -129,6 +129,61 @@ def should_check_data() -> bool:
     return not torch.compiler.is_compiling()
 
 
+def value_flags(*, head: str, vocab_size: int, targets: torch.Tensor, ignore_index: int,
+                steps: Optional[torch.Tensor]) -> tuple[list[str], list[torch.Tensor]]:
+    """The O(N) value checks' verdicts as device scalars (no sync): a target outside [0, V) that is not
+    ``ignore_index`` ("targets"), a negative NMST step ("steps"). ``vocab_size`` -1: not known (not checked)."""
+    names, flags = ["targets"], []
+    active = targets != ignore_index
+    out_of_range = targets < 0 if vocab_size < 0 else (targets < 0) | (targets >= vocab_size)
+    flags.append((active & out_of_range).any())
+    if head == "nmst" and steps is not None:
+        names.append("steps")
+        flags.append((steps < 0).any())
+    return names, flags
+
+
+def _non_finite(t: torch.Tensor) -> torch.Tensor:
+    # min and max are finite exactly when every value is (NaN propagates through both): one read of the tensor in
+    # its own dtype (a float32 sum would first copy a bf16 weight; an elementwise isfinite writes a bool copy of it)
+    return ~torch.isfinite(torch.stack(torch.aminmax(t))).all()
+
+
+def _or_over(verdicts: torch.Tensor, group) -> list[bool]:
+    """The verdicts OR-ed over ``group``'s ranks (every rank then raises together), on the host: the one sync."""
+    if group is not None:
+        verdicts = verdicts.to(torch.int32)
+        torch.distributed.all_reduce(verdicts, op=torch.distributed.ReduceOp.MAX, group=group)
+    return verdicts.bool().tolist()
+
+
+def raise_value_errors(names: list[str], flags: list[torch.Tensor], *, vocab_size: int, ignore_index: int,
+                       tensors: list[tuple[str, Optional[torch.Tensor]]], group=None) -> None:
+    """Take the verdicts (one host sync; OR-ed over a process ``group``) and raise the first bad one's error.
+
+    A verdict named "logits" (a row pass met a non-finite logit) is traced to its cause only then: the first of
+    ``tensors`` holding NaN or inf (scanned now, OR-ed over the group too), or the logits' overflow of their dtype.
+    """
+    for name, is_bad in zip(names, _or_over(torch.stack(flags), group)):
+        if not is_bad:
+            continue
+        if name == "targets":
+            raise ValueError(
+                f"targets holds a value outside [0, V={vocab_size}) that is not ignore_index={ignore_index}"
+            )
+        if name == "steps":
+            raise ValueError("steps must be >= 0 for head='nmst' (0 marks a context position)")
+        if name == "logits":
+            present = [(n, t) for n, t in tensors if t is not None and t.numel()]
+            culprits = _or_over(torch.stack([_non_finite(t) for _, t in present]), group) if present else []
+            for (culprit, _), bad in zip(present, culprits):
+                if bad:
+                    raise ValueError(f"{culprit} contains NaN or inf")
+            dtype = present[0][1].dtype if present else "their dtype"
+            raise ValueError(f"the logits hidden @ weight.T (+ bias) overflow {dtype}: NaN or inf from finite inputs")
+        raise ValueError(f"{name} contains NaN or inf")
+
+
 def check_data(
     *,
     head: str,
@@ -139,35 +194,13 @@ def check_data(
     tensors: list[tuple[str, Optional[torch.Tensor]]],
     group=None,
 ) -> None:
-    """Value checks that need to look at data, done with a single host sync. With a process
-    ``group`` the verdicts are OR-ed over its ranks first, so every rank raises together."""
-    names: list[str] = []
-    flags: list[torch.Tensor] = []
-    active = targets != ignore_index
-    names.append("targets")
-    flags.append((active & ((targets < 0) | (targets >= vocab_size))).any())
-    if head == "nmst" and steps is not None:
-        names.append("steps")
-        flags.append((steps < 0).any())
+    """Value checks that need to look at data, before any kernel, done with a single host sync: the
+    :func:`value_flags` and every value of ``tensors`` finite. With a process ``group`` the verdicts are OR-ed over
+    its ranks first, so every rank raises together."""
+    names, flags = value_flags(head=head, vocab_size=vocab_size, targets=targets, ignore_index=ignore_index,
+                               steps=steps)
     for name, t in tensors:
         if t is not None and t.numel():
             names.append(name)
-            # min and max are finite exactly when every value is (NaN propagates through both): one read of the
-            # tensor in its own dtype (a float32 sum would first copy a bf16 weight; an elementwise isfinite
-            # writes a bool copy of it)
-            flags.append(~torch.isfinite(torch.stack(torch.aminmax(t))).all())
-    verdicts = torch.stack(flags)
-    if group is not None:
-        verdicts = verdicts.to(torch.int32)
-        torch.distributed.all_reduce(verdicts, op=torch.distributed.ReduceOp.MAX, group=group)
-    bad = verdicts.bool().tolist()
-    for name, is_bad in zip(names, bad):
-        if not is_bad:
-            continue
-        if name == "targets":
-            raise ValueError(
-                f"targets holds a value outside [0, V={vocab_size}) that is not ignore_index={ignore_index}"
-            )
-        if name == "steps":
-            raise ValueError("steps must be >= 0 for head='nmst' (0 marks a context position)")
-        raise ValueError(f"{name} contains NaN or inf")
+            flags.append(_non_finite(t))
+    raise_value_errors(names, flags, vocab_size=vocab_size, ignore_index=ignore_index, tensors=tensors, group=group)

@@ -75,19 +75,25 @@ def test_lse_with_a_softcap_and_a_strided_chunk(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_extreme_and_infinite_logits(dtype):
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_extreme_and_non_finite_logits(dtype, softcap):
+    """Extreme finite logits keep L exact; a token with any NaN or infinite logit but eos's (before the cap, which
+    would make an infinite one finite) gets L and m NaN: the fused loss's data check."""
     gen = torch.Generator().manual_seed(9)
     z = chunk(600, 40, dtype, gen, scale=3e3)
-    z[:, 3] = float("-inf")  # a token with no finite logit: L = -inf
-    z[:, 4] = float("-inf")
-    z[17, 4] = 2.0  # one finite logit
+    check_lse(z, 0, softcap)
+    z[:, 3] = float("-inf")  # every logit
+    z[17, 4] = float("inf")  # one
     z[100:, 5] = float("-inf")  # blocks of -inf only after the first
-    lse, row_max = check_lse(z, 0)
-    assert lse[3] == row_max[3] == float("-inf") and lse[4] == row_max[4] == 2.0
-    z[7, 6] = float("inf")
     z[8, 7] = float("nan")
-    lse, row_max = kernels().chunk_lse(z, 0, 0.0)
-    assert lse[6] == row_max[6] == float("inf") and lse[7].isnan() and row_max[7].isnan()
+    z[0, 8] = float("inf")  # eos's row: not the pass's
+    lse, row_max = kernels().chunk_lse(z, 0, softcap or 0.0)
+    bad = torch.zeros(40, dtype=torch.bool)
+    bad[[3, 4, 5, 7]] = True
+    assert lse[bad].isnan().all() and row_max[bad].isnan().all()
+    want_lse, want_max = reference_lse(z[:, ~bad], 0, softcap)
+    torch.testing.assert_close(lse[~bad], want_lse, atol=LSE_ATOL[dtype], rtol=0)
+    torch.testing.assert_close(row_max[~bad], want_max, atol=LSE_ATOL[dtype], rtol=0)
 
 
 def reference_grad(z, shift, scale, eos, targets, values, softcap) -> torch.Tensor:

@@ -18,11 +18,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # One launch variant of each kernel, the cheaper ones to compile: the one-launch step's draw and its
-# top-k finish (the lanes' candidate lists), the row draw, the loss's two row kernels (softcap on) and
+# top-k finish (the lanes' candidate lists), the row draw, the loss's three row kernels (softcap on) and
 # the gradient's cast.
 FAST_VARIANTS = ("scan_select nmst draw float32 splits=2", "scan_select nmst top_k=4 top_p=None float32 splits=2",
                  "row draw nmst float32 wide", "split_lse bf16 softcap", "split_softmax_grad bf16 softcap",
-                 "scale_cast float32 -> bfloat16")
+                 "split_statistics bf16 softcap", "scale_cast float32 -> bfloat16")
 
 
 def _compile_check(ptx_dir: Path, *flags: str, triton_dir: str | None = None) -> str:

@@ -1,4 +1,6 @@
-"""Bad input gets a clear error naming the argument, before any kernel runs."""
+"""Bad input gets a clear error naming the argument: structural errors before any kernel runs; bad values (targets
+out of range, negative NMST steps, NaN / inf in hidden, weight or bias) from the fused loss's own pass, one verdict
+taken after it and before anything it computed is returned (no separate scan of the weight), in every backend."""
 
 import pytest
 import torch
@@ -7,12 +9,20 @@ import nmst_fast
 import nmst_fast.ops
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def no_kernel_may_run(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a kernel ran before the input was rejected")
 
     monkeypatch.setattr(nmst_fast.ops, "fused_forward", forbidden)
+
+
+@pytest.fixture(params=["cpu_kernels", "torch_ops", "triton"])
+def impl(request, monkeypatch):
+    """The fused backends: the C++ row kernels, torch's row ops (where those cannot build), Triton's (interpreter)."""
+    if request.param == "torch_ops":
+        monkeypatch.setattr("nmst_fast.fused.row_kernels", lambda: None)
+    return "triton" if request.param == "triton" else "chunked"
 
 
 def _args(**over):
@@ -53,18 +63,18 @@ def _call(**over):
         (dict(chunk_size=0), ValueError, "chunk_size"),
     ],
 )
-def test_structural_errors(over, exc, name):
+def test_structural_errors(no_kernel_may_run, over, exc, name):
     with pytest.raises(exc, match=name):
         _call(**over)
 
 
-def test_unknown_impl():
+def test_unknown_impl(no_kernel_may_run):
     with pytest.raises(ValueError, match="impl"):
         kw = _args()
         nmst_fast.linear_nmst_loss(kw.pop("hidden"), kw.pop("weight"), kw.pop("targets"), impl="cuda", **kw)
 
 
-def test_st_needs_sequences_and_flat_nmst_needs_steps():
+def test_st_needs_sequences_and_flat_nmst_needs_steps(no_kernel_may_run):
     h, W, y = torch.randn(6, 8), torch.randn(11, 8), torch.randint(0, 11, (6,))
     with pytest.raises(ValueError, match="st"):
         nmst_fast.linear_nmst_loss(h, W, y, eos_index=0, head="st")
@@ -72,43 +82,81 @@ def test_st_needs_sequences_and_flat_nmst_needs_steps():
         nmst_fast.linear_nmst_loss(h, W, y, eos_index=0, head="nmst")
 
 
+def _value_call(impl, reduction="mean", **over):
+    """The loss with gradients wanted, through ``impl``: the error must come before any of them reaches a tensor."""
+    kw = _args(**over)
+    hidden, weight = kw.pop("hidden").requires_grad_(), kw.pop("weight").requires_grad_()
+    try:
+        nmst_fast.linear_nmst_loss(hidden, weight, kw.pop("targets"), impl=impl, reduction=reduction,
+                                   **kw).sum().backward()
+    finally:
+        assert hidden.grad is None and weight.grad is None
+
+
 @pytest.mark.parametrize("bad", [11, -5, 100])
-def test_target_out_of_range(bad):
+def test_target_out_of_range(impl, bad):
     y = torch.randint(0, 11, (2, 4))
     y[1, 2] = bad
     with pytest.raises(ValueError, match="targets"):
-        _call(targets=y)
+        _value_call(impl, targets=y)
 
 
-def test_negative_steps_for_nmst():
+def test_negative_steps_for_nmst(impl):
     steps = torch.tensor([[1, 2, 3, 4], [0, -1, 1, 2]])
     with pytest.raises(ValueError, match="steps"):
-        _call(steps=steps)
+        _value_call(impl, steps=steps, reduction="none")
 
 
+# the Triton interpreter computes in numpy, which warns on x − x of an infinite x: the pass's own flag
+NON_FINITE_WARNINGS = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+
+@NON_FINITE_WARNINGS
 @pytest.mark.parametrize("which", ["hidden", "weight", "bias"])
-@pytest.mark.parametrize("value", [float("nan"), float("inf")])
-def test_non_finite_inputs(which, value):
-    kw = _args(bias=torch.randn(11))
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", ["a non-eos entry", "eos's row", "an ignored position"])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_non_finite_inputs(impl, which, value, where, softcap):
+    """Found by the row pass whichever entry holds it, under a softcap too (c·tanh(inf / c) = c is finite: the pass
+    looks at the logits before the cap), then named by a scan of the three inputs."""
+    kw = _args(bias=torch.randn(11), softcap=softcap)
     kw[which] = kw[which].clone()
-    kw[which].view(-1)[3] = value
-    with pytest.raises(ValueError, match=which):
-        _call(**kw)
+    if where == "eos's row" and which != "hidden":
+        kw[which].view(11, -1)[10, 0] = value  # eos_index is V - 1 = 10
+    elif where == "an ignored position":
+        kw["targets"][1, 3] = -100
+        if which == "hidden":
+            kw[which][1, 3, 2] = value
+        else:
+            kw[which].view(11, -1)[3, 0] = value
+    else:
+        kw[which].view(-1)[3] = value
+    with pytest.raises(ValueError, match=f"{which} contains NaN or inf"):
+        _value_call(impl, **kw)
 
 
-def test_inf_among_huge_finite_values_is_found():
-    kw = _args(bias=torch.full((11,), 3e38))  # the screening sum overflows on these alone
+@NON_FINITE_WARNINGS
+def test_inf_among_huge_finite_values_is_found(impl):
+    kw = _args(bias=torch.full((11,), 3e38))  # logits overflow on these alone
     kw["bias"][4] = -float("inf")
     with pytest.raises(ValueError, match="bias"):
-        _call(**kw)
+        _value_call(impl, **kw)
 
 
-def test_device_mismatch():
+@NON_FINITE_WARNINGS
+def test_logits_that_overflow_from_finite_inputs_are_refused(impl):
+    """Finite inputs whose logits overflow their dtype would give an inf or NaN loss."""
+    kw = _args(hidden=torch.full((2, 4, 8), 1e20), weight=torch.full((11, 8), 1e20))
+    with pytest.raises(ValueError, match="overflow"):
+        _value_call(impl, **kw)
+
+
+def test_device_mismatch(no_kernel_may_run):
     with pytest.raises(ValueError, match="weight"):
         _call(weight=torch.randn(11, 8, device="meta"))
 
 
-def test_triton_on_cpu_needs_interpreter(monkeypatch):
+def test_triton_on_cpu_needs_interpreter(no_kernel_may_run, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU tensors: only the interpreter can run them
     kw = _args()
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):

@@ -155,6 +155,10 @@ def launches() -> list[Launch]:
                            lambda: split_softmax.split_softmax_grad_(zb, targets, torch.zeros(4), *stats, 5,
                                                                      softcap=softcap),
                            f"split_softmax_grad bf16{cap}", {}))
+        out.append(_record(split_softmax, "_split_statistics_kernel",
+                           lambda: split_softmax.split_statistics(zb, torch.zeros(4, dtype=torch.float64), 5,
+                                                                  softcap=softcap),
+                           f"split_statistics bf16{cap}", {}))
     # fp32 accumulators to every parameter dtype; the loss's bf16 / fp16 dh to its own dtype.
     for src_dtype, dtype in [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
                              (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),

@@ -4,7 +4,8 @@ One program handles one row and walks V in BLOCK_V tiles, so any V works
 (not only multiples of the block) and no row has to fit in registers.
 Arithmetic is fp32 whatever the storage dtype (bf16/fp16/fp32).
 
-* ``split_lse``: L = logsumexp over non-eos columns (online max/sum) and z_target.
+* ``split_lse``: L = logsumexp over non-eos columns (online max/sum) and z_target; L is NaN on a row where
+  any non-eos logit (before a cap) is NaN or infinite (the fused loss's data check).
 * ``split_statistics``: with L known, the sums the head's per-token statistics need (Σ e^(z−L)·z, Σ e^(2(z−L)),
   Σ z over the non-eos columns) and the non-eos max and its first column, in one read.
 * ``split_softmax_grad_``: overwrite the row with its logit gradient
@@ -63,13 +64,16 @@ def _split_lse_kernel(
         cols = start + tl.arange(0, BLOCK_V)
         keep = (cols < V) & (cols != eos_index)
         x = tl.load(z_row + cols, mask=keep, other=float("-inf")).to(tl.float32)
+        # x − x of the raw logits joins the sum: 0 while every one is finite, NaN (and L with it) from the first
+        # NaN or infinite one on, a cap or not
+        raw = tl.where(keep, x - x, 0.0)
         if SOFTCAP:
             x = tl.where(keep, _softcap(x, softcap)[0], float("-inf"))  # masked columns stay -inf, not -c
         new_max = tl.maximum(running_max, tl.max(x, axis=0))
         # A tile holding only eos/out-of-range columns leaves the max at -inf; shift by 0 then,
         # since exp(-inf - -inf) would be NaN.
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+        running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift) + raw, axis=0)
         running_max = new_max
     # L in float64 from the fp32 (max, sum): rounding m + log(sum) to fp32 cost ulp(|L|) (1e-3 at
     # |L| = 1e4) in the loss L − z_target; this keeps it at the sum's own ~1e-7.

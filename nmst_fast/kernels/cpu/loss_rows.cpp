@@ -8,9 +8,10 @@
 // contiguously (so the hardware prefetchers follow), its tokens' running statistics in arrays that stay in L1.
 //
 //   chunk_lse(z, eos, softcap) -> (L, m):  (R,) float64 L = log sum_{v != eos} exp(y[v, r]) and (R,) float64 m =
-//     the max of those y, y = z, or c·tanh(z / c) with a softcap c > 0 (0: none). One read of the chunk: each
-//     block of kBlock vocabulary entries is read twice while it sits in cache (its max, then the sum of
-//     exp(y - block max)), and the blocks merge in float64.
+//     the max of those y, y = z, or c·tanh(z / c) with a softcap c > 0 (0: none); both NaN on a row where any z
+//     (before the cap) is NaN or infinite: the fused loss's data check. One read of the chunk: each block of kBlock
+//     vocabulary entries is read twice while it sits in cache (its max, then the sum of exp(y - block max)), and
+//     the blocks merge in float64.
 //   chunk_grad_(z, shift, scale, eos, targets, values, softcap):  in place, z[v, r] <- scale[r]·exp(y[v, r] -
 //     shift[r]) · (sech²(z / c) with a softcap) for every v != eos, rounded once to z's dtype; then z[eos, r] <- 0
 //     (eos >= 0) and z[targets[r], r] <- values[r] where targets[r] >= 0. shift is taken as the nearest value of
@@ -159,17 +160,24 @@ void span_lse(const T* z, int64_t ld, int64_t V_, int64_t eos, double softcap, i
     for (int64_t k = 0; k < padded; ++k) {  // a column of -inf only (or none) in the block: exp(-inf - 0) = 0
       shift[k] = block_max[k] == lowest ? C(0) : block_max[k];
     }
+    // The sum also takes z - z of the raw logits (before a cap): 0 while every one is finite, NaN from the first
+    // NaN or infinite one on, which the merge below carries to L and m.
     walk<L, T>(v0, v1, eos, first, last, [&](int64_t v, int64_t c, int64_t lanes) {
       V a, b;
-      values(v, c, lanes, a, b);
+      L::load(z + v * ld + c, lanes, a, b);
+      const V raw_a = a - a, raw_b = b - b;
+      if (softcap > 0) {
+        a = capped<L>(a, cap, inv_cap, nullptr);
+        b = capped<L>(b, cap, inv_cap, nullptr);
+      }
       const int64_t k = c - first;
       C* sum = block_sum.data() + k;
-      (V::loadu(sum) + L::exp(a - V::loadu(shift.data() + k))).store(sum);
-      (V::loadu(sum + W) + L::exp(b - V::loadu(shift.data() + k + W))).store(sum + W);
+      (V::loadu(sum) + (L::exp(a - V::loadu(shift.data() + k)) + raw_a)).store(sum);
+      (V::loadu(sum + W) + (L::exp(b - V::loadu(shift.data() + k + W)) + raw_b)).store(sum + W);
     });
     for (int64_t k = 0; k < n; ++k) {  // merge the block into the running max and sum, in float64
       const double m = block_max[k], s = block_sum[k];
-      if (std::isnan(m)) {
+      if (std::isnan(m) || std::isnan(s)) {
         run_max[k] = run_sum[k] = std::numeric_limits<double>::quiet_NaN();
       } else if (m > run_max[k]) {
         run_sum[k] = run_sum[k] * std::exp(run_max[k] - m) + s;
