@@ -9,7 +9,9 @@ one's own: the same C sampler), and the processor in llama-cpp-python's callback
 processor; the callback copies the step's logits out of its candidate records and back). Each greedy
 ``generate`` takes ``--new-tokens`` tokens (eos does not stop ``generate``) from the same prompt, B = 1; the four
 alternate over ``--rounds`` rounds and the table holds the medians of the time per token and of each round's ratio
-to the plain run. Timed alone, warm: the sampler's step on V candidate records (one ctypes call,
+to the plain run. A second table: sampled ``generate`` calls (:data:`CHAINS`: llama.cpp's default cuts, and none),
+plain against ``load``, whose C sampler then draws the token itself (llama.cpp's own samplers draw the plain
+run's). Timed alone, warm: the sampler's step on V candidate records (one ctypes call,
 as llama.cpp's chain makes it without ctypes), and the copy of a step's logits out of the candidate records (a
 strided view), which the processor path makes in Python. ``--threads`` llama.cpp threads (default 1).
 """
@@ -51,9 +53,15 @@ def export_model(directory: Path, vocab: int, hidden: int, layers: int, dtype: s
     return export_gguf(directory, directory / "model.gguf", dtype=dtype)
 
 
+# Sampled chains (llama-cpp-python's generate arguments): llama.cpp's defaults, and the draw without cuts.
+CHAINS = {"top-k 40, top-p 0.95, min-p 0.05, T 0.8": dict(temp=0.8, top_k=40, top_p=0.95, min_p=0.05),
+          "no cuts, T 1": dict(temp=1.0, top_k=0, top_p=1.0, min_p=0.0)}
+
+
 def per_token(llm, prompt: list[int], new_tokens: int, **kwargs) -> float:
+    kwargs.setdefault("temp", 0.0)
     start = time.perf_counter()
-    for i, _ in enumerate(llm.generate(prompt, temp=0.0, reset=True, **kwargs)):
+    for i, _ in enumerate(llm.generate(prompt, reset=True, **kwargs)):
         if i + 1 == new_tokens:
             break
     return (time.perf_counter() - start) / new_tokens
@@ -76,6 +84,7 @@ def main() -> None:
     print("| V | plain ms / token | `load` ms / token | `load` / plain | processor of one's own ms / token | its ratio "
           "| in the callback ms / token | its ratio | sampler step alone µs | logits copy µs |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    sampled_rows = []
     for vocab in args.vocabs:
         with tempfile.TemporaryDirectory() as scratch:
             path = export_model(Path(scratch), vocab, args.hidden, args.layers)
@@ -109,6 +118,21 @@ def main() -> None:
             print(f"| {vocab} | {ms['plain']:.3f} | {ms['head']:.3f} | {ratio['head']:.3f} | {ms['own']:.3f} | "
                   f"{ratio['own']:.3f} | {ms['callback']:.3f} | {ratio['callback']:.3f} | {alone['step']:.0f} | "
                   f"{alone['copy']:.0f} |", flush=True)
+            for chain, sampling in CHAINS.items():  # sampled: the head's sampler draws the token itself
+                runs = {name: (lambda llm=llm: per_token(llm, prompt, args.new_tokens, **sampling))
+                        for name, llm in (("plain", plain), ("head", head))}
+                for run in runs.values():
+                    run()
+                times = {name: [] for name in runs}
+                for _ in range(args.rounds):
+                    for name, run in runs.items():
+                        times[name].append(run())
+                ratio = statistics.median(h / p for h, p in zip(times["head"], times["plain"]))
+                sampled_rows.append(f"| {vocab} | {chain} | {statistics.median(times['plain']) * 1e3:.3f} | "
+                                    f"{statistics.median(times['head']) * 1e3:.3f} | {ratio:.3f} |")
+    print("\n| V | sampled chain | plain ms / token | `load` ms / token | `load` / plain |")
+    print("|---:|---|---:|---:|---:|")
+    print("\n".join(sampled_rows), flush=True)
 
 
 def sampler_step(llm, records: np.ndarray):

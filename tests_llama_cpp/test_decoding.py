@@ -64,7 +64,8 @@ def greedy(llm: Llama, prompt: list[int], max_tokens: int, **kwargs) -> list[int
 
 def first_token(llm: Llama, prompt: list[int], seed: int, **kwargs) -> int:
     llm.set_seed(seed)
-    return int(next(llm.generate(prompt, min_p=0.0, **kwargs)))
+    kwargs.setdefault("min_p", 0.0)
+    return int(next(llm.generate(prompt, **kwargs)))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -122,7 +123,8 @@ def test_f16_and_q8_0_files_stop_by_t_half(dtype, exported, tokenizer):
         assert len(got) <= T_HALF and got[-1] == tokenizer.eos_token_id
 
 
-def step_one_distribution(llm: Llama, prompt: list[int], *, temperature: float, top_k, top_p) -> torch.Tensor:
+def step_one_distribution(llm: Llama, prompt: list[int], *, temperature: float, top_k, top_p,
+                          min_p=None) -> torch.Tensor:
     """The head's first-step distribution from llama.cpp's own logits of ``prompt``: tempered, then truncated."""
     llm.reset()
     llm.eval(prompt)
@@ -130,20 +132,27 @@ def step_one_distribution(llm: Llama, prompt: list[int], *, temperature: float, 
     head = llm.head
     log_p, _ = step_log_probs(logits, head=head.head, eos_index=head.eos_index, eps=head.eps, steps=1,
                               temperature=temperature)
-    return truncated_distribution(log_p, top_k, top_p)[0]
+    return truncated_distribution(log_p, top_k, top_p, min_p)[0]
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.6, None, None), (1.7, 20, None),
-                                                       (0.8, None, 0.7), (1.3, 30, 0.9)])
-def test_sampling_is_the_heads_tempered_truncated_distribution(temperature, top_k, top_p, exported, tokenizer):
-    """G-test of 1500 first tokens per prompt, two prompts (seeds 0…: a fixed, reproducible sample)."""
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p, penalty", [
+    (1.0, None, None, None, 1.0), (0.6, None, None, None, 1.0), (1.7, 20, None, None, 1.0),
+    (0.8, None, 0.7, None, 1.0), (1.3, 30, 0.9, None, 1.0), (0.8, 40, 0.95, 0.05, 1.0), (1.2, None, None, 0.1, 1.0),
+    (0.8, 40, 0.95, 0.05, 1.000001)])
+def test_sampling_is_the_heads_tempered_truncated_distribution(temperature, top_k, top_p, min_p, penalty, exported,
+                                                               tokenizer):
+    """G-test of 1500 first tokens per prompt, two prompts (seeds 0…: a fixed, reproducible sample); the head's
+    sampler draws them itself (llama.cpp's defaults among the cases: top-k 40, top-p 0.95, min-p 0.05), and, with a
+    repeat penalty (1.000001: no visible change of the distribution), hands them to llama.cpp's own samplers."""
     _, path = exported("llama")
     llm = load(path, **OPEN)
     g_total, df_total = 0.0, 0
     for prompt in prompts(tokenizer, 2):
-        probs = step_one_distribution(llm, prompt, temperature=temperature, top_k=top_k, top_p=top_p)
-        counts = Counter(first_token(llm, prompt, seed, temp=temperature, top_k=top_k or 0, top_p=top_p or 1.0)
+        probs = step_one_distribution(llm, prompt, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        counts = Counter(first_token(llm, prompt, seed, temp=temperature, top_k=top_k or 0, top_p=top_p or 1.0,
+                                     min_p=min_p or 0.0, repeat_penalty=penalty)
                          for seed in range(1500))
+        assert llm._nmst_sampler.state.draw == (penalty == 1.0)
         g, df = g_test(counts, probs)
         g_total, df_total = g_total + g, df_total + df
     assert chi2.sf(g_total, df_total) > 1e-3, (g_total, df_total)

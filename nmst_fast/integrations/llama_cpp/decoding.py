@@ -10,6 +10,9 @@ generated token; ST's running sum is kept across the steps.
 
 The head runs first in that chain as a sampler written in C (:mod:`.sampler`): no Python runs in a step, and a
 step's failure is kept and raised from ``sample`` as soon as llama.cpp returns, before its token reaches the caller.
+Where the rest of the chain is top-k, top-p, min-p and the draw alone (no penalties, grammar or other processors),
+the C sampler draws the token itself, with the library's CPU selection kernel and a generator seeded by the
+``Llama``'s seed, and is the chain's only sampler.
 :class:`NMSTLlama` does so in every call; an :class:`NMSTLogitsProcessor` given first among a call's processors (a
 ``Llama`` of one's own) is run that way too, its hooks on that instance standing for the subclass's overrides.
 Where the CPU kernels cannot be built, or the call puts another processor before it, the head runs as a processor in
@@ -41,7 +44,7 @@ from ...decoding.eos_column import write_eos_column
 from ...settings import HeadSettings
 from .buffers import AMX_CRASH, default_extra_buffer_types, risks_the_amx_crash
 from .metadata import ARCHITECTURE, read_file_keys, read_head
-from .sampler import HeadSampler, native_sampler_available
+from .sampler import Draw, HeadSampler, native_sampler_available
 
 __all__ = ["NMSTLlama", "NMSTLogitsProcessor", "load", "read_file_head"]
 
@@ -179,10 +182,14 @@ def _start_generation(llm: Llama, kwargs: dict, default: Optional[NMSTLogitsProc
         head.temperature = temperature
 
 
-def _head_first(llm: Llama, chain: Any) -> Any:
-    """``chain`` (built by ``Llama._init_sampler``) with the generation's C sampler put first, if it has one."""
+def _head_first(llm: Llama, init_sampler: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """The chain ``init_sampler`` (``Llama._init_sampler``) builds from ``args`` and ``kwargs``, with the generation's
+    C sampler put first, if it has one; alone, drawing the token itself, where the chain is one it covers."""
+    chain = init_sampler(*args, **kwargs)
     if llm._nmst_sampler is not None:
-        llm._nmst_sampler.put_first(chain)
+        bound = inspect.signature(init_sampler).bind(*args, **kwargs)
+        bound.apply_defaults()
+        llm._nmst_sampler.put_first(chain, Draw.of_chain(bound.arguments, llm._seed))
     return chain
 
 
@@ -247,7 +254,7 @@ def _install_hooks(llm: Llama) -> None:
         return create_completion(*args, **kwargs)
 
     llm.generate = hooked_generate
-    llm._init_sampler = lambda *args, **kwargs: _head_first(llm, init_sampler(*args, **kwargs))
+    llm._init_sampler = lambda *args, **kwargs: _head_first(llm, init_sampler, args, kwargs)
     llm.sample = lambda *args, **kwargs: _checked(llm, sample(*args, **kwargs), kwargs)
     llm.reset = hooked_reset
     llm.create_completion = hooked_create_completion
@@ -295,7 +302,7 @@ class NMSTLlama(Llama):
         return super().generate(tokens, *args, **kwargs)
 
     def _init_sampler(self, *args: Any, **kwargs: Any) -> Any:
-        return _head_first(self, super()._init_sampler(*args, **kwargs))
+        return _head_first(self, super()._init_sampler, args, kwargs)
 
     def sample(self, *args: Any, **kwargs: Any) -> int:
         return _checked(self, super().sample(*args, **kwargs), kwargs)

@@ -1,5 +1,7 @@
 """The head as a llama.cpp sampler, first in llama-cpp-python's sampler chain: every step's candidates become the
-head's step distribution in C (``nmst_fast/kernels/cpu/llama_sampler.cpp``), with no Python on the way.
+head's step distribution in C (``nmst_fast/kernels/cpu/llama_sampler.cpp``), with no Python on the way. Where the
+rest of the chain is one the CPU selection kernel covers (top-k, typical 1, top-p, min-p, temperature, the draw: no
+penalties, grammar or processors), the sampler draws the token itself (:class:`Draw`) and is the chain's only one.
 
 The sampler's interface is llama-cpp-python's own ctypes structure (so it matches the llama.cpp it was built with),
 its ``apply`` the C function of the CPU kernels' library, its context a state this object owns. It is inserted at
@@ -12,15 +14,46 @@ in the state and leaves the candidates as they are: :meth:`HeadSampler.error` re
 from __future__ import annotations
 
 import ctypes
+import random
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import llama_cpp
 
 from ...decoding.eos_column import MAX_EOS_LOGIT_GAP
+from ...decoding.truncation import TOP_P_SLACK
 from ...kernels.cpu.llama_sampler import apply_address, make_state, name_address, state_error
 from ...settings import HeadSettings
 
-__all__ = ["HeadSampler", "native_sampler_available"]
+__all__ = ["Draw", "HeadSampler", "native_sampler_available"]
+
+# llama.cpp's seed that asks for a random one (LLAMA_DEFAULT_SEED)
+RANDOM_SEED = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Draw:
+    """The cuts of a sampled step the head's sampler draws itself: ``top_k`` (0: none), ``top_p`` (>= 1: none),
+    ``min_p`` (<= 0: none), as llama.cpp's samplers of those names take them, and llama.cpp's ``seed``."""
+
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+
+    @classmethod
+    def of_chain(cls, arguments: dict, seed: int) -> Optional["Draw"]:
+        """The draw of a chain ``Llama._init_sampler`` builds from ``arguments`` (all of its parameters), where the
+        head's kernel covers it: a sampled chain (temperature 1: the head holds the call's) with no penalties,
+        grammar, processors or mirostat, typical_p >= 1. None otherwise (the chain keeps llama.cpp's samplers)."""
+        plain = (arguments["temp"] == 1.0 and not arguments["mirostat_mode"] and arguments["grammar"] is None
+                 and not arguments["logits_processor"] and arguments["repeat_penalty"] == 1.0
+                 and arguments["frequency_penalty"] == 0.0 and arguments["presence_penalty"] == 0.0
+                 and arguments["typical_p"] >= 1.0)
+        if not plain:
+            return None
+        return cls(top_k=max(int(arguments["top_k"]), 0), top_p=float(arguments["top_p"]),
+                   min_p=float(arguments["min_p"]), seed=int(seed))
 
 
 def native_sampler_available() -> bool:
@@ -52,13 +85,25 @@ class HeadSampler:
         self.state.error = 0
         self.state.error_step = 0
 
-    def put_first(self, chain: Any) -> None:
+    def put_first(self, chain: Any, draw: Optional[Draw] = None) -> None:
         """Insert this sampler at the head of ``chain`` (a ``llama_cpp._internals.LlamaSampler``) and list it among
-        its custom samplers, which llama-cpp-python removes, highest index first, before freeing the chain."""
+        its custom samplers, which llama-cpp-python removes, highest index first, before freeing the chain. With a
+        ``draw`` (a chain of llama.cpp's own samplers only, :meth:`Draw.of_chain`) those are freed instead and this
+        sampler draws each step's token itself."""
         handle = chain.sampler
         others = [llama_cpp.llama_sampler_chain_remove(handle, 0)
                   for _ in range(llama_cpp.llama_sampler_chain_n(handle))]
         llama_cpp.llama_sampler_chain_add(handle, ctypes.pointer(self._sampler))
+        self.state.draw = int(draw is not None)
+        if draw is not None:
+            self.state.top_k = draw.top_k
+            self.state.cut = draw.top_p - TOP_P_SLACK if draw.top_p < 1.0 else 2.0
+            self.state.min_p = draw.min_p if draw.min_p > 0.0 else 0.0
+            self.state.rng = random.SystemRandom().getrandbits(64) if draw.seed == RANDOM_SEED else draw.seed
+            for sampler in others:  # llama.cpp's own: the chain owned them
+                llama_cpp.llama_sampler_free(sampler)
+            chain.custom_samplers = [(0, self)]
+            return
         for sampler in others:
             llama_cpp.llama_sampler_chain_add(handle, sampler)
         chain.custom_samplers = [(0, self)] + [(index + 1, custom) for index, custom in chain.custom_samplers]

@@ -137,4 +137,12 @@ inline bool head_eos_value(double L, double s, int64_t step, double temperature,
   return live;
 }
 
+// One decoding step's token of one float32 row of width V (select_rows.cpp's select_row, whose settings these are:
+// head 0 NMST / 1 ST / 2 VA, top_k 0 none / 1 greedy, cut top-p's p less its slack (>= 1: none), min_p <= 0: none)
+// at the uniform u in [0, 1): returns whether the row has a distribution; *token the draw, *state_after ST's running
+// sum after the step.
+bool draw_row(const float* row, int64_t V, int64_t head, int64_t eos, double log1m_eps, double temperature,
+              int64_t top_k, double cut, double min_p, int64_t step, double state_before, double u, int64_t* token,
+              double* state_after);
+
 }  // namespace nmst_fast_cpu

@@ -6,8 +6,10 @@
 //
 // The candidates' logits are copied out of their (id, logit, p) records into a contiguous row for
 // head_row.h's row pass; the eos entry then becomes T * zeta_eos and every logit is divided by T, as
-// nmst_fast.integrations.llama_cpp.decoding.NMSTLogitsProcessor.apply does. t advances by one per
-// apply. A failure (error codes below) leaves the candidates as they are and is kept in the state for
+// nmst_fast.integrations.llama_cpp.decoding.NMSTLogitsProcessor.apply does. Where the state says ``draw``, the
+// sampler instead draws the step's token itself (select_rows.cpp's row selection: temperature, top-k, top-p,
+// min-p, then one uniform of its own generator) and marks it selected, the chain's only sampler. t advances by one
+// per apply. A failure (error codes below) leaves the candidates as they are and is kept in the state for
 // the caller to raise once llama.cpp returns; later applies do nothing until the state is reset.
 #include <cstddef>
 #include <cstdint>
@@ -50,6 +52,14 @@ struct nmst_head_sampler_state {
   int32_t error;       // 0, or the code of the first failure
   int32_t reserved;
   int64_t error_step;  // t of that failure
+  // The draw, where the chain's other samplers are ones select_rows.cpp covers (set by the Python side, which then
+  // leaves this sampler alone in the chain): 1 to draw the token here.
+  int32_t draw;
+  int32_t reserved2;
+  int64_t top_k;  // 0: none
+  double cut;     // top-p's p less its slack; >= 1: none
+  double min_p;   // <= 0: none
+  uint64_t rng;   // splitmix64's state: one uniform per step
 };
 
 // Error codes.
@@ -61,12 +71,24 @@ enum : int32_t {
 
 size_t nmst_head_sampler_state_size() { return sizeof(nmst_head_sampler_state); }
 
+// A uniform double in [0, 1) from splitmix64 (53 random bits), advancing ``state``.
+static double next_uniform(uint64_t* state) {
+  uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<double>(z >> 11) * 0x1.0p-53;
+}
+
 // llama_sampler_i.name (llama.cpp prints it where it lists a chain).
 const char* nmst_head_sampler_name(const nmst_llama_sampler*) { return "nmst-head"; }
 
 void nmst_head_sampler_apply(nmst_llama_sampler* sampler, nmst_llama_token_data_array* candidates) {
   auto* state = static_cast<nmst_head_sampler_state*>(sampler->ctx);
   if (state->error != 0) {
+    if (state->draw != 0) {
+      candidates->selected = 0;  // as below: the kept error is raised before this token reaches the caller
+    }
     return;
   }
   const int64_t V = state->vocabulary, eos = state->eos;
@@ -78,6 +100,9 @@ void nmst_head_sampler_apply(nmst_llama_sampler* sampler, nmst_llama_token_data_
   if (static_cast<int64_t>(candidates->size) != V || candidates->sorted || data[0].id != 0 || data[eos].id != eos ||
       data[V - 1].id != V - 1) {
     fail(kCandidates);
+    if (state->draw != 0 && candidates->size > 0) {
+      candidates->selected = 0;
+    }
     return;
   }
   thread_local std::vector<float> row;
@@ -86,6 +111,22 @@ void nmst_head_sampler_apply(nmst_llama_sampler* sampler, nmst_llama_token_data_
     row[v] = data[v].logit;
   }
   const double temperature = state->temperature;
+  if (state->draw != 0) {
+    int64_t token = 0;
+    double after = state->st_sum;
+    if (!nmst_fast_cpu::draw_row(row.data(), V, state->head, eos, state->log1m_eps, temperature, state->top_k,
+                                 state->cut, state->min_p, state->step, state->st_sum, next_uniform(&state->rng),
+                                 &token, &after)) {
+      const bool nan = std::isnan(nmst_fast_cpu::span_max(row.data(), V));
+      fail(nan ? kNaN : kNoDistribution);
+      candidates->selected = 0;  // llama.cpp asserts a selection; the caller raises the kept error instead
+      return;
+    }
+    candidates->selected = token;  // the candidates are the row in token order
+    state->st_sum = after;
+    state->step += 1;
+    return;
+  }
   if (state->head == 2) {
     const float best = nmst_fast_cpu::span_max(row.data(), V);
     if (std::isnan(best)) {

@@ -23,7 +23,8 @@ ERRORS = {
 
 
 class SamplerState(ctypes.Structure):
-    """``nmst_head_sampler_state``: the head, the step t of the next apply, ST's running sum, the first error."""
+    """``nmst_head_sampler_state``: the head, the step t of the next apply, ST's running sum, the first error, and
+    the draw where the sampler makes it (top-k, top-p's cut, min-p, its generator's state)."""
 
     _fields_ = [
         ("head", ctypes.c_int32),
@@ -37,6 +38,12 @@ class SamplerState(ctypes.Structure):
         ("error", ctypes.c_int32),
         ("reserved", ctypes.c_int32),
         ("error_step", ctypes.c_int64),
+        ("draw", ctypes.c_int32),
+        ("reserved2", ctypes.c_int32),
+        ("top_k", ctypes.c_int64),
+        ("cut", ctypes.c_double),
+        ("min_p", ctypes.c_double),
+        ("rng", ctypes.c_uint64),
     ]
 
 

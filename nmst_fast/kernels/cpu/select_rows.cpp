@@ -611,6 +611,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_rows(
 
 }  // namespace
 
+namespace nmst_fast_cpu {
+
+bool draw_row(const float* row, int64_t V, int64_t head, int64_t eos, double log1m_eps, double temperature,
+              int64_t top_k, double cut, double min_p, int64_t step, double state_before, double u, int64_t* token,
+              double* state_after) {
+  thread_local std::vector<std::pair<float, int64_t>> pairs;
+  thread_local std::vector<Candidate> candidates, kept;
+  thread_local std::vector<double> cumulative;
+  const Settings cfg{head, eos, log1m_eps, temperature, top_k, cut, min_p};
+  const RowResult r = select_row(row, V, cfg, step, state_before, u, &pairs, &candidates, &kept, &cumulative);
+  *token = r.token;
+  *state_after = r.state;
+  return r.ok;
+}
+
+}  // namespace nmst_fast_cpu
+
 TORCH_LIBRARY_FRAGMENT(nmst_fast_cpu, m) {
   m.def("select_rows(Tensor logits, int head, int eos, float eps, float temperature, Tensor steps, Tensor? state, "
         "int top_k, float cut, float min_p, Tensor uniforms) -> (Tensor, Tensor, Tensor, Tensor)");
