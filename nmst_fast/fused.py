@@ -30,8 +30,9 @@ import torch
 
 from . import head_math, logits
 from .backends import cpu_has_amx
+from .grad_filter import GradFilter
 from .kernels.cpu import row_kernels
-from .row_ops import CpuRowOps, SparseGrad, TorchRowOps, TritonRowOps
+from .row_ops import CpuRowOps, FilterOut, SparseGrad, TorchRowOps, TritonRowOps
 from .settings import HeadSettings
 from .vocab_shard import VocabShard
 
@@ -256,13 +257,20 @@ def _chunk_loop(
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     chunk_rows: int,
-    row_pass: Callable[[int, int, torch.Tensor], Optional[SparseGrad]],
+    row_pass: Callable[[int, int, torch.Tensor, Optional[FilterOut]], Optional[SparseGrad]],
     need: tuple[bool, bool, bool],
     vocab_major: bool,
     dw_dtype: Optional[torch.dtype] = None,
+    grad_filter: Optional[float] = None,
+    eos_column: int = -1,
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Run ``row_pass(start, stop, z)`` on each chunk's (rows, V) logits; fold the dz it leaves (and the entries
-    it returns as left out of the chunk, if any) into grads.
+    """Run ``row_pass(start, stop, z, filtered)`` on each chunk's (rows, V) logits; fold the dz it leaves (and the
+    entries it returns as left out of the chunk, if any) into grads.
+
+    With ``grad_filter`` (a threshold in (0, 1)), the row pass also fills ``filtered`` (see :mod:`nmst_fast.row_ops`),
+    and the dh and dW products skip every block of vocabulary entries whose entries all fall below the threshold,
+    adding back those blocks' sums times their mean rows (:mod:`nmst_fast.grad_filter`; ``eos_column``: eos's row of
+    ``weight``, or -1).
 
     Returns (dh in :func:`dh_dtype`, dW and db in at least fp32: their accumulators; dW in ``dw_dtype``
     when given), each None unless ``need`` asks for it.
@@ -294,6 +302,9 @@ def _chunk_loop(
     ld = padded_stride(V)
     weight_t = transposed_weight(weight) if need_dh and vocab_major and dh_from_transposed_weight(weight) else None
     buffer = torch.empty(min(chunk_rows, N) * (V if vocab_major else ld), dtype=hidden.dtype, device=hidden.device)
+    gate = None
+    if grad_filter is not None and (need_dh or need_dw) and N:
+        gate = GradFilter(grad_filter, weight, min(chunk_rows, N), eos_column)
     for start in range(0, N, chunk_rows):
         stop = min(start + chunk_rows, N)
         h = hidden[start:stop]
@@ -310,12 +321,25 @@ def _chunk_loop(
                 torch.mm(h, weight.t(), out=z)
             else:
                 torch.addmm(bias, h, weight.t(), out=z)
-        sparse = row_pass(start, stop, z)
+        filtered = None if gate is None else gate.report(stop - start)
+        sparse = row_pass(start, stop, z, filtered)
+        runs, skipped = ([(0, V)], []) if gate is None else gate.plan(filtered)
+        whole = runs == [(0, V)]
         if dh is not None:
-            _dh_chunk(dh[start:stop], z, weight, sparse, weight_t)
+            _dh_chunk(dh[start:stop], z, weight, sparse, weight_t if whole else None, None if whole else runs)
+            if skipped:
+                gate.correct_dh_(dh[start:stop], filtered, skipped)
         if dw is not None:
-            _accumulate_dw_(dw, z, h, first=start == 0)
+            if gate is None:
+                _accumulate_dw_(dw, z, h, first=start == 0)
+            else:
+                for v0, v1, first in gate.first_writes(runs):
+                    _accumulate_dw_(dw[v0:v1], z[:, v0:v1], h, first=first)
+                if skipped:
+                    gate.spread_(h, filtered, skipped)
             if sparse is not None:
+                if gate is not None:
+                    gate.store_zeros_(dw, gate.sparse_blocks(sparse))
                 _add_sparse_dw_(dw, h, sparse)
         if db is not None:
             db += z.sum(dim=0, dtype=acc_dtype)
@@ -323,6 +347,8 @@ def _chunk_loop(
                 db.index_add_(0, sparse.targets, sparse.target_values.to(db.dtype))
                 if sparse.eos_values is not None:
                     db[sparse.eos_index] += sparse.eos_values.sum().to(db.dtype)
+    if dw is not None and gate is not None:
+        gate.finish_dw_(dw)
     return dh, dw, db  # dW, db still in their accumulators' dtype: the callers cast once, at the end
 
 
@@ -346,24 +372,35 @@ def transposed_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _dh_chunk(out: torch.Tensor, dz: torch.Tensor, weight: torch.Tensor, sparse: Optional[SparseGrad],
-              weight_t: Optional[torch.Tensor] = None) -> None:
+              weight_t: Optional[torch.Tensor] = None, runs: Optional[list[tuple[int, int]]] = None) -> None:
     """out (rows, H) = dz · W: the chunk's GEMM in dz's dtype, plus the entries its row pass left out (``sparse``),
     added in out's dtype (:func:`dh_dtype`). With ``weight_t``, Wᵀ (H, V) contiguous
-    (:func:`dh_from_transposed_weight`), the GEMM forms (dz · W)ᵀ = Wᵀ · dzᵀ."""
+    (:func:`dh_from_transposed_weight`), the GEMM forms (dz · W)ᵀ = Wᵀ · dzᵀ. With ``runs`` (the gradient filter's
+    kept [v0, v1) stretches), only those columns' products, each added in out's dtype."""
     same_dtype = weight_t is None and out.dtype == dz.dtype  # the GEMM writes out itself
 
     def product() -> torch.Tensor:
         return torch.mm(dz, weight) if weight_t is None else torch.mm(weight_t, dz.t()).t()
 
-    if sparse is None:
+    left_out = None
+    if sparse is not None:
+        left_out = weight[sparse.targets].to(out.dtype) * sparse.target_values.to(out.dtype).unsqueeze(1)
+        if sparse.eos_values is not None:
+            left_out.addr_(sparse.eos_values.to(out.dtype), weight[sparse.eos_index].to(out.dtype))
+    if runs is not None:
+        out.zero_() if left_out is None else out.copy_(left_out)
+        for v0, v1 in runs:
+            if out.dtype == dz.dtype:
+                out.addmm_(dz[:, v0:v1], weight[v0:v1])
+            else:  # each stretch's bf16 / fp16 product, rounded once, joins the sum in float32
+                out.add_(torch.mm(dz[:, v0:v1], weight[v0:v1]))
+        return
+    if left_out is None:
         if same_dtype:
             torch.mm(dz, weight, out=out)
         else:
             out.copy_(product())
         return
-    left_out = weight[sparse.targets].to(out.dtype) * sparse.target_values.to(out.dtype).unsqueeze(1)
-    if sparse.eos_values is not None:
-        left_out.addr_(sparse.eos_values.to(out.dtype), weight[sparse.eos_index].to(out.dtype))
     if same_dtype:
         torch.addmm(left_out, dz, weight, out=out)
     else:  # a bf16 / fp16 product, rounded once, joins the left-out entries in float32
@@ -422,6 +459,7 @@ def fused_forward(
     shard: Optional[VocabShard] = None,
     dw_dtype: Optional[torch.dtype] = None,
     statistics: bool = False,
+    grad_filter: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor],
            Optional[torch.Tensor]]:
     """Loss (and, for "mean"/"sum", the gradients) of the fused head.
@@ -436,6 +474,7 @@ def fused_forward(
         dw_dtype: dW's accumulator dtype (default: at least fp32; the weight's bf16 / fp16 to halve it).
         statistics: also the head's per-token statistics, from the chunks' own logits (no gradient asked, no
             ``shard``): one more read of each chunk, no other product.
+        grad_filter: None, or the gradient filter's threshold in (0, 1) (see :func:`_chunk_loop`).
     Returns:
         loss (() or (N,), in at least float32), L (N,) float64 (NaN on a row with a non-finite logit, eos's
         included: the caller's data check), dh (hidden's dtype),
@@ -481,7 +520,7 @@ def fused_forward(
     local_eos = shard.local(cfg.eos_index)  # -1: another rank holds eos
     sums = torch.empty(N, 5, dtype=torch.float64, device=hidden.device) if statistics else None
 
-    def row_pass(start: int, stop: int, z: torch.Tensor) -> Optional[SparseGrad]:
+    def row_pass(start: int, stop: int, z: torch.Tensor, filtered: Optional[FilterOut]) -> Optional[SparseGrad]:
         p = prep()
         targets_here = p.rows.safe[start:stop]
 
@@ -502,7 +541,7 @@ def fused_forward(
             sparse = None
         else:
             local_lse, chunk_target, sparse = row_ops.lse_and_grad_(
-                z, shard.local_tokens(targets_here), local_eos, coefficients if want_grad else None
+                z, shard.local_tokens(targets_here), local_eos, coefficients if want_grad else None, filtered
             )
         if not want_grad:
             lse[start:stop] = shard.global_lse(local_lse)
@@ -511,7 +550,7 @@ def fused_forward(
         return sparse
 
     dh, dw, db = _chunk_loop(hidden, weight, bias, chunk_rows, row_pass, need, row_ops.vocab_major(hidden.device),
-                             weight.dtype if direct else dw_dtype)
+                             weight.dtype if direct else dw_dtype, grad_filter, local_eos)
     shard.sum_(z_target)
     if dh is not None:
         shard.sum_(dh)
@@ -558,9 +597,10 @@ def fused_backward_from_lse(
     need: tuple[bool, bool, bool],
     shard: Optional[VocabShard] = None,
     dw_dtype: Optional[torch.dtype] = None,
+    grad_filter: Optional[float] = None,
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Gradients for reduction="none": recompute each chunk's logits and weight rows by ``grad_rows`` (N,).
-    ``lse`` is the forward's (global) L; ``shard`` as in :func:`fused_forward`."""
+    ``lse`` is the forward's (global) L; ``shard`` and ``grad_filter`` as in :func:`fused_forward`."""
     shard = shard or VocabShard(0, weight.shape[0])
     rows = _RowTargets.build(targets, cfg, shard)
     s = _head_eos_logits(hidden, weight, bias, cfg, shard)
@@ -577,12 +617,12 @@ def fused_backward_from_lse(
     row_ops = row_ops_for(backend, hidden.device, cfg.softcap)
     local_targets, local_eos = shard.local_tokens(rows.safe), shard.local(cfg.eos_index)
 
-    def row_pass(start: int, stop: int, z: torch.Tensor) -> Optional[SparseGrad]:
+    def row_pass(start: int, stop: int, z: torch.Tensor, filtered: Optional[FilterOut]) -> Optional[SparseGrad]:
         return row_ops.grad_from_lse_(z, lse[start:stop], local_targets[start:stop], local_eos,
-                                      coefs.rows(start, stop))
+                                      coefs.rows(start, stop), filtered)
 
     dh, dw, db = _chunk_loop(hidden, weight, bias, chunk_rows, row_pass, need, row_ops.vocab_major(hidden.device),
-                             weight.dtype if direct else dw_dtype)
+                             weight.dtype if direct else dw_dtype, grad_filter, local_eos)
     if dh is not None:
         shard.sum_(dh)
     return (None if dh is None else dh.to(hidden.dtype), None if dw is None else dw.to(weight.dtype),

@@ -8,7 +8,7 @@ import math
 import numbers
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -32,6 +32,7 @@ from .validation import (
     check_temperature,
     expand_steps,
     raise_value_errors,
+    resolve_grad_filter,
     should_check_data,
     value_flags,
 )
@@ -188,6 +189,7 @@ def linear_nmst_loss(
     vocab_start: Optional[int] = None,
     dw_dtype: Optional[torch.dtype] = None,
     temperature: float = 1.0,
+    grad_filter: Union[None, float, str] = None,
 ) -> torch.Tensor:
     """NLL of ``targets`` under the NMST / ST / VA head on the logits
 
@@ -247,6 +249,14 @@ def linear_nmst_loss(
             so p(eos) does not depend on it; for "va" it divides every y (plain softmax of y / T). The fused
             backends fold 1/T into the logit scale and the cap (c·tanh(y / c) / T is (c/T)·tanh(·/(c/T)) of
             y / T) and read eos's logit back at T times the folded one: no extra pass.
+        grad_filter: the fused backends' gradient filter: None (default, off), a threshold g in (0, 1), or "auto"
+            (Cut Cross-Entropy's g = finfo(dtype).eps / 32 for bf16 (2⁻¹²) and fp16 (2⁻¹⁵) inputs, off for fp32
+            and fp64). dh's and dW's products skip every block of vocabulary entries (columns of a chunk of rows)
+            whose gradient entries are all below g times their row's weight: for the mean or sum, tokens whose
+            probability is below g on every row of the chunk. The loss and db are exact; eos's column, rows whose
+            target is eos and the one-hot terms of the targets are never filtered. A trained model's softmax puts
+            its mass on few tokens, so most blocks are skipped (docs/loss.md: what it saves and the error it
+            adds). ``impl="reference"`` ignores it.
     Returns:
         Scalar loss (or per-position losses) in ``hidden``'s dtype; under ``torch.autocast`` in
         float32 (as AMP's losses; float64 unchanged), with the op itself in autocast's dtype.
@@ -254,7 +264,7 @@ def linear_nmst_loss(
     return _linear_loss(hidden, weight, targets, bias, steps, validate, dict(
         head=head, eps=eps, eos_index=eos_index, ignore_index=ignore_index, reduction=reduction, impl=impl,
         chunk_size=chunk_size, softcap=softcap, logit_scale=logit_scale, temperature=temperature, dw_dtype=dw_dtype,
-        process_group=process_group, vocab_start=vocab_start))[0]
+        process_group=process_group, vocab_start=vocab_start, grad_filter=grad_filter))[0]
 
 
 STATISTICS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -292,7 +302,7 @@ def linear_nmst_loss_with_statistics(
     loss, stats = _linear_loss(hidden, weight, targets, bias, steps, validate, dict(
         head=head, eps=eps, eos_index=eos_index, ignore_index=ignore_index, reduction="none", impl=impl,
         chunk_size=chunk_size, softcap=softcap, logit_scale=logit_scale, temperature=temperature, dw_dtype=None,
-        process_group=None, vocab_start=None), statistics=True)
+        process_group=None, vocab_start=None, grad_filter=None), statistics=True)
     active = (targets != ignore_index).reshape(targets.shape)
     stats = torch.where(active.unsqueeze(-1), stats.view(*targets.shape, 4), 0.0)
     out = dict(zip(STATISTICS, stats.unbind(-1)))
@@ -354,6 +364,7 @@ class _Options:
     logit_scale: Optional[float]
     temperature: float
     dw_dtype: Optional[torch.dtype]
+    grad_filter: Optional[float]  # resolved: a threshold, or None (off)
     vocab_size: int  # the whole vocabulary's V (-1: a vocabulary shard's, not gathered)
     group: Optional["torch.distributed.ProcessGroup"]
     vocab_start: int
@@ -361,7 +372,7 @@ class _Options:
 
 def _checked_options(hidden, weight, targets, bias, *, head, eps, eos_index, ignore_index, reduction, impl,
                      chunk_size, softcap, logit_scale, temperature, dw_dtype, process_group, vocab_start,
-                     validate) -> _Options:
+                     grad_filter, validate) -> _Options:
     """Every structural check of a call (types, shapes, dtypes, devices, ranges of the Python scalars; a
     vocabulary-parallel call's shards, gathered once with ``validate``), before any kernel runs."""
     vocab_size = None
@@ -383,6 +394,7 @@ def _checked_options(hidden, weight, targets, bias, *, head, eps, eos_index, ign
                     softcap=None if softcap is None else float(softcap),
                     logit_scale=None if logit_scale is None else float(logit_scale),
                     temperature=float(temperature), dw_dtype=dw_dtype,
+                    grad_filter=resolve_grad_filter(grad_filter, hidden.dtype),
                     vocab_size=weight.shape[0] if vocab_size is None else vocab_size, group=process_group,
                     vocab_start=0 if process_group is None else int(vocab_start))
 
@@ -475,6 +487,7 @@ def _fused_loss(hidden, weight, bias, targets, steps, options: _Options, backend
         None if options.dw_dtype == dw_accumulator_dtype(weight.dtype) else options.dw_dtype,
         eos_scale,
         statistics,
+        options.grad_filter,
     )
     # The op's loss is at least fp32. Under autocast it stays so (AMP's losses are fp32: a GradScaler's
     # 65536 would be inf as an fp16 upstream gradient); otherwise it takes hidden's dtype, as F.cross_entropy.

@@ -61,6 +61,7 @@ def linear_loss(
     dw_dtype: Optional[torch.dtype] = None,
     eos_scale: float = 1.0,
     statistics: bool = False,
+    grad_filter: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (loss in at least fp32, lse (N,) float64, dh, dW, db, statistics); grads are empty unless computed
     in this pass; ``statistics`` (reduction "none" only): (N, 4) float64 of each row's entropy, log Σ p², mean
@@ -78,7 +79,7 @@ def linear_loss(
         loss, lse, dh, dw, db, row_stats = fused_forward(
             hidden, weight, bias, targets, steps, cfg, reduction=reduction, backend=backend, chunk_rows=chunk_rows,
             need=need, shard=VocabShard.of(vocab_group, vocab_start, weight.shape[0]), dw_dtype=dw_dtype,
-            statistics=statistics,
+            statistics=statistics, grad_filter=grad_filter,
         )
     return (loss, lse, _empty_like_none(dh, hidden), _empty_like_none(dw, weight), _empty_like_none(db, weight),
             _empty_like_none(row_stats, lse))
@@ -87,7 +88,7 @@ def linear_loss(
 @linear_loss.register_fake
 def _(hidden, weight, bias, targets, steps, seq_len, head, eos_index, eps, ignore_index, reduction, backend,
       chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap=None, vocab_group=None, vocab_start=0,
-      dw_dtype=None, eos_scale=1.0, statistics=False):
+      dw_dtype=None, eos_scale=1.0, statistics=False, grad_filter=None):
     N = hidden.shape[0]
     in_forward = reduction != "none"
     loss = hidden.new_empty((N,) if reduction == "none" else (), dtype=torch.promote_types(hidden.dtype, torch.float32))
@@ -127,6 +128,7 @@ def linear_loss_backward(
     vocab_start: int = 0,
     dw_dtype: Optional[torch.dtype] = None,
     eos_scale: float = 1.0,
+    grad_filter: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     cfg = HeadConfig(HeadSettings(head, eps, eos_index), ignore_index, seq_len, softcap, eos_scale)
     with torch.autocast(hidden.device.type, enabled=False):  # as in linear_loss
@@ -135,6 +137,7 @@ def linear_loss_backward(
             backend=backend, chunk_rows=chunk_rows,
             need=(need_grad_hidden, need_grad_weight, need_grad_bias and bias is not None),
             shard=VocabShard.of(vocab_group, vocab_start, weight.shape[0]), dw_dtype=dw_dtype,
+            grad_filter=grad_filter,
         )
     return _empty_like_none(dh, hidden), _empty_like_none(dw, weight), _empty_like_none(db, weight)
 
@@ -142,7 +145,7 @@ def linear_loss_backward(
 @linear_loss_backward.register_fake
 def _(grad_rows, hidden, weight, bias, targets, steps, lse, seq_len, head, eos_index, eps, ignore_index, backend,
       chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap=None, vocab_group=None, vocab_start=0,
-      dw_dtype=None, eos_scale=1.0):
+      dw_dtype=None, eos_scale=1.0, grad_filter=None):
     dh = torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty(0)
     dw = torch.empty_like(weight) if need_grad_weight else weight.new_empty(0)
     db = torch.empty_like(bias) if (need_grad_bias and bias is not None) else weight.new_empty(0)
@@ -151,7 +154,7 @@ def _(grad_rows, hidden, weight, bias, targets, steps, lse, seq_len, head, eos_i
 
 _STATIC_ARGS = ("seq_len", "head", "eos_index", "eps", "ignore_index", "backend", "chunk_rows",
                 "need_grad_hidden", "need_grad_weight", "need_grad_bias", "softcap", "vocab_group", "vocab_start",
-                "dw_dtype", "eos_scale")
+                "dw_dtype", "eos_scale", "grad_filter")
 
 
 @torch.library.custom_op("nmst_fast::scale_cast", mutates_args=())
@@ -182,7 +185,7 @@ def _(acc, scale, dtype, backend):
 def _setup_context(ctx, inputs, output):
     (hidden, weight, bias, targets, steps, seq_len, head, eos_index, eps, ignore_index, reduction, backend,
      chunk_rows, need_grad_hidden, need_grad_weight, need_grad_bias, softcap, vocab_group, vocab_start,
-     dw_dtype, eos_scale, _statistics) = inputs
+     dw_dtype, eos_scale, _statistics, grad_filter) = inputs
     loss, lse, dh, dw, db, row_stats = output
     # Only the loss is differentiable. Without these two calls autograd would hand
     # backward zero-filled gradients for lse/dh/dW/db: a V×H allocation for nothing.
@@ -191,7 +194,7 @@ def _setup_context(ctx, inputs, output):
     ctx.reduction = reduction
     ctx.static = dict(zip(_STATIC_ARGS, (seq_len, head, eos_index, eps, ignore_index, backend, chunk_rows,
                                          need_grad_hidden, need_grad_weight, need_grad_bias, softcap, vocab_group,
-                                         vocab_start, dw_dtype, eos_scale)))
+                                         vocab_start, dw_dtype, eos_scale, grad_filter)))
     ctx.has_bias = bias is not None
     # the forward's gradients are the mean's (not the sum's) where its dW comes out of one bf16 GEMM
     ctx.mean_folded = reduction == "mean" and direct_dw(hidden.shape[0], chunk_rows, weight.dtype, hidden.device,
@@ -208,7 +211,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db, _grad_statistics):
     st = ctx.static
     if grad_loss is None:  # grads are not materialized: None means the loss got no gradient
-        return (None,) * 22
+        return (None,) * 23
     if torch.is_grad_enabled():
         # create_graph=True: the gradients come from the forward (or a recomputation) as constants,
         # so their own derivatives would be silently zero. Refuse rather than give wrong Hessians.
@@ -235,7 +238,7 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db, _grad_sta
         dw if st["need_grad_weight"] else None,
         db if (st["need_grad_bias"] and ctx.has_bias) else None,
     )
-    return grads + (None,) * 19
+    return grads + (None,) * 20
 
 
 linear_loss.register_autograd(_backward, setup_context=_setup_context)

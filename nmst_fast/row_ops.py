@@ -21,6 +21,13 @@ Contract:
   ``eos_index`` -1: the chunk holds no eos column (a vocabulary shard without it).
   ``grad_from_lse_(z, lse, targets, eos_index, coefficients)`` writes dz when
   L is already known (the recompute backward) and returns ``sparse`` likewise.
+  Both take ``filtered``, None or a :class:`FilterOut` the pass fills for the gradient filter: for each column v,
+  the largest |dz| of the column the chunk holds, over the chunk's rows, divided by the largest |coef_lse| of the
+  rows (so that for unit row weights it is the largest probability of the token), and each row's sum of dz over
+  each block of columns. With it the pass keeps eos's column and the targets' one-hot terms out of the chunk, in
+  ``sparse``, where they dominate their entry (the target's p <= 1/2); a one-hot term it keeps in the chunk marks
+  its column inf. The filter, which skips the blocks of columns it finds small, then never drops them, and keeps a
+  block for a target only where the target is probable anyway.
   ``lse_and_statistics(z, targets, eos_index)`` (no gradient): (L, z_target, sums), sums (rows, 5) float64 of
   Σ e^(y−L)·y, Σ e^(2(y−L)), Σ y, max y and its first column over the non-eos columns, what
   :func:`nmst_fast.head_math.row_statistics` turns into the head's per-token statistics.
@@ -52,6 +59,71 @@ class SparseGrad:
     target_values: torch.Tensor
     eos_index: int
     eos_values: Optional[torch.Tensor]
+
+
+@dataclass
+class FilterOut:
+    """A row pass's report to the gradient filter: ``entry_max`` (V,) float32, each column's largest |dz| over the
+    chunk's rows relative to the rows' largest |coef_lse|, and ``block_sums`` (ceil(V / block), rows) float32, each
+    row's sum of dz over each ``block`` columns (what the chunk holds: no one-hot terms, 0 at eos)."""
+
+    entry_max: torch.Tensor
+    block_sums: torch.Tensor
+    block: int
+
+
+def _block_sums_(out: torch.Tensor, dz: torch.Tensor, block: int) -> None:
+    """out (ceil(V / block), rows) = each row's sum of the (rows, V) dz over each block of columns, in float32."""
+    V = dz.shape[1]
+    full = V // block
+    if full:
+        out[:full] = dz[:, :full * block].unflatten(1, (full, block)).sum(2, dtype=torch.float32).t()
+    if V % block:
+        out[full] = dz[:, full * block:].sum(1, dtype=torch.float32)
+
+
+def _relative_peaks_(entry_max: torch.Tensor, coef_lse: torch.Tensor) -> None:
+    """entry_max /= the rows' largest |coef_lse| (a chunk of rows without any leaves its zeros as they are)."""
+    entry_max.div_(coef_lse.abs().max().to(entry_max.dtype).clamp(min=torch.finfo(entry_max.dtype).tiny))
+
+
+def _report_(filtered: FilterOut, dz: torch.Tensor, coef_lse: torch.Tensor) -> None:
+    """``filtered`` as the contract says, from a written (rows, V) dz (its one-hot terms, if any, keep their blocks:
+    :func:`_keep_blocks_of_`)."""
+    filtered.entry_max.copy_(torch.linalg.vector_norm(dz, float("inf"), dim=0))
+    _relative_peaks_(filtered.entry_max, coef_lse)
+    _block_sums_(filtered.block_sums, dz, filtered.block)
+
+
+def _dominated(smooth_target: torch.Tensor, coefs: GradCoefficients, targets: torch.Tensor,
+               eos_index: int) -> torch.Tensor:
+    """(rows,) bool: the target's one-hot term dominates its entry of dz (|d + g| >= |d|, the target's p <= 1/2), so
+    it goes apart; elsewhere the chunk keeps d + g, the smaller entry, and its block is kept."""
+    one_hot = coefs.grad_target.to(torch.float64)
+    smooth = smooth_target.to(torch.float64)
+    return ((smooth + one_hot).abs() >= smooth.abs()) & (targets != eos_index)
+
+
+def _apart(coefs: GradCoefficients, targets: torch.Tensor, eos_index: int, dominated: torch.Tensor,
+           sech_target: Optional[torch.Tensor] = None, sech_eos: Optional[torch.Tensor] = None) -> SparseGrad:
+    """The dominated one-hot terms of the targets and eos's column as a :class:`SparseGrad` (times the cap's sech² at
+    those columns, where given), for a row pass that keeps them out of the chunk so that the gradient filter never
+    keeps a block for them, nor drops them."""
+    on_eos = targets == eos_index
+    one_hot = torch.where(dominated, coefs.grad_target.to(torch.float64), 0.0)
+    eos_values = None
+    if eos_index >= 0:
+        eos_values = coefs.grad_eos.to(torch.float64) + torch.where(on_eos, coefs.grad_target.double(), 0.0)
+        if sech_eos is not None:
+            eos_values = eos_values * sech_eos.to(torch.float64)
+    if sech_target is not None:
+        one_hot = one_hot * sech_target.to(torch.float64)
+    return SparseGrad(targets, one_hot, eos_index, eos_values)
+
+
+def _keep_blocks_of_(filtered: FilterOut, targets: torch.Tensor, dominated: torch.Tensor, eos_index: int) -> None:
+    """The blocks of the one-hot terms that stayed in the chunk are kept (the filter must not drop them)."""
+    filtered.entry_max.index_fill_(0, targets[~dominated & (targets != eos_index)], float("inf"))
 
 
 def _finite_rows(z: torch.Tensor) -> torch.Tensor:
@@ -96,7 +168,8 @@ class CpuRowOps:
         return raw_target, raw_eos
 
     def lse_and_grad_(
-        self, z: torch.Tensor, targets: torch.Tensor, eos_index: int, coefficients: Optional[CoefficientsFn]
+        self, z: torch.Tensor, targets: torch.Tensor, eos_index: int, coefficients: Optional[CoefficientsFn],
+        filtered: Optional[FilterOut] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Optional[SparseGrad]]:
         raw_target, raw_eos = self._gather(z, targets, eos_index)
         lse, row_max = self._kernels.chunk_lse(z.t(), eos_index, self.softcap or 0.0)
@@ -107,7 +180,7 @@ class CpuRowOps:
         coefs = coefficients(lse)
         # exp(y − L) as exp(y − m) · exp(m − L): the chunk's max m is a value of its dtype, exact as the shift
         sparse = self._write_grad_(z, row_max, coefs.coef_lse * torch.exp(row_max - lse), lse, coefs, targets,
-                                   eos_index, y_target, sech_target, raw_eos)
+                                   eos_index, y_target, sech_target, raw_eos, filtered)
         return lse, z_target, sparse
 
     def lse_and_statistics(self, z: torch.Tensor, targets: torch.Tensor,
@@ -116,24 +189,29 @@ class CpuRowOps:
         return lse, z_target, self._kernels.chunk_statistics(z.t(), eos_index, self.softcap or 0.0, lse.contiguous())
 
     def grad_from_lse_(
-        self, z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, eos_index: int, coefs: GradCoefficients
+        self, z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, eos_index: int, coefs: GradCoefficients,
+        filtered: Optional[FilterOut] = None,
     ) -> SparseGrad:
         raw_target, raw_eos = self._gather(z, targets, eos_index)
         y_target, sech_target = self._capped(raw_target)
         lse = lse.to(torch.float64)
         return self._write_grad_(z, lse, coefs.coef_lse, lse, coefs, targets, eos_index, y_target, sech_target,
-                                 raw_eos)
+                                 raw_eos, filtered)
 
     def _write_grad_(self, z, shift, scale, lse, coefs: GradCoefficients, targets, eos_index, y_target, sech_target,
-                     raw_eos) -> SparseGrad:
+                     raw_eos, filtered: Optional[FilterOut]) -> SparseGrad:
         on_eos = targets == eos_index
         smooth = torch.where(on_eos, 0.0, coefs.coef_lse * torch.exp(torch.where(on_eos, 0.0, y_target - lse)))
         one_hot = coefs.grad_target.to(torch.float64)
         if sech_target is not None:
             smooth, one_hot = smooth * sech_target, one_hot * sech_target
         left_out = ((smooth + one_hot).abs() >= smooth.abs()) & ~on_eos
+        report = () if filtered is None else (filtered.entry_max, filtered.block_sums, filtered.block)
         self._kernels.chunk_grad_(z.t(), shift, scale, eos_index, torch.where(on_eos, -1, targets),
-                                  torch.where(left_out, smooth, smooth + one_hot), self.softcap or 0.0)
+                                  torch.where(left_out, smooth, smooth + one_hot), self.softcap or 0.0, *report)
+        if filtered is not None:  # eos's column is 0 in the chunk: its gradient is in the SparseGrad
+            _relative_peaks_(filtered.entry_max, coefs.coef_lse)
+            _keep_blocks_of_(filtered, targets, left_out, eos_index)
         eos_values = None
         if eos_index >= 0:
             eos_values = coefs.grad_eos.to(torch.float64) + torch.where(on_eos, coefs.grad_target.double(), 0.0)
@@ -196,19 +274,37 @@ class TorchRowOps:
         z.sub_(row_max).exp_()
         return row_max.squeeze(1).to(torch.float64)
 
-    @staticmethod
     def _finish_grad_(
-        z: torch.Tensor, scale: torch.Tensor, coefs: GradCoefficients, targets: torch.Tensor, eos_index: int
-    ) -> None:
-        # z holds exp(z − m); scale = coef_L · exp(m − L) turns it into coef_L · exp(z − L).
+        self, z: torch.Tensor, scale: torch.Tensor, coefs: GradCoefficients, targets: torch.Tensor, eos_index: int,
+        u: Optional[torch.Tensor], filtered: Optional[FilterOut],
+    ) -> Optional[SparseGrad]:
+        """z (holding exp(z − m)) ← dz; with ``filtered`` (the gradient filter), the dominated one-hot terms and eos's
+        column are returned apart (z's eos column 0) and the filter's report written."""
+        # scale = coef_L · exp(m − L) turns exp(z − m) into coef_L · exp(z − L).
         z.mul_(scale.to(z.dtype).unsqueeze(1))
+        if filtered is None:
+            if eos_index >= 0:
+                z[:, eos_index] = coefs.grad_eos.to(z.dtype)
+            z.scatter_add_(1, targets.unsqueeze(1), coefs.grad_target.to(z.dtype).unsqueeze(1))
+            self._chain_cap_(z, u)
+            return None
         if eos_index >= 0:
-            z[:, eos_index] = coefs.grad_eos.to(z.dtype)
-        z.scatter_add_(1, targets.unsqueeze(1), coefs.grad_target.to(z.dtype).unsqueeze(1))
+            z[:, eos_index] = 0
+        dominated = _dominated(z.gather(1, targets.unsqueeze(1)).squeeze(1), coefs, targets, eos_index)
+        z.scatter_add_(1, targets.unsqueeze(1), torch.where(dominated | (targets == eos_index), 0.0,
+                                                            coefs.grad_target).to(z.dtype).unsqueeze(1))
+        self._chain_cap_(z, u)  # u now holds sech²(u)
+        _report_(filtered, z, coefs.coef_lse)
+        _keep_blocks_of_(filtered, targets, dominated, eos_index)
+        if u is None:
+            return _apart(coefs, targets, eos_index, dominated)
+        return _apart(coefs, targets, eos_index, dominated, u.gather(1, targets.unsqueeze(1)).squeeze(1),
+                      u[:, eos_index] if eos_index >= 0 else None)
 
     def lse_and_grad_(
-        self, z: torch.Tensor, targets: torch.Tensor, eos_index: int, coefficients: Optional[CoefficientsFn]
-    ) -> tuple[torch.Tensor, torch.Tensor, None]:
+        self, z: torch.Tensor, targets: torch.Tensor, eos_index: int, coefficients: Optional[CoefficientsFn],
+        filtered: Optional[FilterOut] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[SparseGrad]]:
         stats_dtype = torch.promote_types(z.dtype, torch.float32)
         finite = _finite_rows(z)
         u = self._cap_(z, keep_for_grad=coefficients is not None)
@@ -217,11 +313,11 @@ class TorchRowOps:
         # Sum in z's precision (>= fp32): torch's sum with dtype=float64 is ~20x slower on CPU.
         sum_exp = z.sum(dim=1, dtype=stats_dtype).to(torch.float64)
         lse = torch.where(finite, row_max + torch.log(sum_exp), float("nan"))
+        sparse = None
         if coefficients is not None:
             coefs = coefficients(lse)
-            self._finish_grad_(z, coefs.coef_lse / sum_exp, coefs, targets, eos_index)
-            self._chain_cap_(z, u)
-        return lse, z_target, None  # float64: L − z_target stays exact to the sum's rounding at any |L|
+            sparse = self._finish_grad_(z, coefs.coef_lse / sum_exp, coefs, targets, eos_index, u, filtered)
+        return lse, z_target, sparse  # L float64: L − z_target stays exact to the sum's rounding at any |L|
 
     # Rows per block of the statistics' copies (a (block, V) temporary, not a second chunk).
     _STATISTICS_ROWS = 256
@@ -260,13 +356,14 @@ class TorchRowOps:
         return lse, z_target, sums
 
     def grad_from_lse_(
-        self, z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, eos_index: int, coefs: GradCoefficients
-    ) -> None:
+        self, z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, eos_index: int, coefs: GradCoefficients,
+        filtered: Optional[FilterOut] = None,
+    ) -> Optional[SparseGrad]:
         u = self._cap_(z, keep_for_grad=True)
         # Shift by the row max (exact in z's dtype), not by L, so bf16 never rounds L.
         row_max = self._exp_shifted_(z, eos_index)
-        self._finish_grad_(z, coefs.coef_lse * torch.exp(row_max - lse.to(torch.float64)), coefs, targets, eos_index)
-        self._chain_cap_(z, u)
+        return self._finish_grad_(z, coefs.coef_lse * torch.exp(row_max - lse.to(torch.float64)), coefs, targets,
+                                  eos_index, u, filtered)
 
 
 class TritonRowOps:
@@ -285,12 +382,14 @@ class TritonRowOps:
         self.softcap = softcap  # applied on load by the kernels: no second buffer
 
     def lse_and_grad_(
-        self, z: torch.Tensor, targets: torch.Tensor, eos_index: int, coefficients: Optional[CoefficientsFn]
-    ) -> tuple[torch.Tensor, torch.Tensor, None]:
+        self, z: torch.Tensor, targets: torch.Tensor, eos_index: int, coefficients: Optional[CoefficientsFn],
+        filtered: Optional[FilterOut] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[SparseGrad]]:
         lse, z_target = self._kernels.split_lse(z, targets, eos_index, self.softcap)
+        sparse = None
         if coefficients is not None:
-            self.grad_from_lse_(z, lse, targets, eos_index, coefficients(lse))
-        return lse, z_target, None
+            sparse = self.grad_from_lse_(z, lse, targets, eos_index, coefficients(lse), filtered)
+        return lse, z_target, sparse
 
     def lse_and_statistics(self, z: torch.Tensor, targets: torch.Tensor,
                            eos_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -306,15 +405,26 @@ class TritonRowOps:
         return out
 
     def grad_from_lse_(
-        self, z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, eos_index: int, coefs: GradCoefficients
-    ) -> None:
-        self._kernels.split_softmax_grad_(
-            z,
-            targets,
-            lse,
-            coefs.coef_lse.float(),
-            coefs.grad_eos.float(),
-            coefs.grad_target.float(),
-            eos_index,
-            self.softcap,
-        )
+        self, z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, eos_index: int, coefs: GradCoefficients,
+        filtered: Optional[FilterOut] = None,
+    ) -> Optional[SparseGrad]:
+        sparse = None
+        grad_eos, grad_target = coefs.grad_eos.float(), coefs.grad_target.float()
+        if filtered is not None:  # the dominated one-hot terms and eos's column apart: the kernel writes 0 there
+            y = z.gather(1, targets.unsqueeze(1)).squeeze(1).double()
+            sech_target = sech_eos = None
+            if self.softcap is not None:
+                sech_target = torch.cosh(y / self.softcap).square().reciprocal()
+                y = self.softcap * torch.tanh(y / self.softcap)
+                if eos_index >= 0:
+                    sech_eos = torch.cosh(z[:, eos_index].double() / self.softcap).square().reciprocal()
+            dominated = _dominated(coefs.coef_lse * torch.exp(y - lse.double()), coefs, targets, eos_index)
+            sparse = _apart(coefs, targets, eos_index, dominated, sech_target, sech_eos)
+            grad_eos = torch.zeros_like(grad_eos)
+            grad_target = torch.where(dominated | (targets == eos_index), 0.0, grad_target)
+        self._kernels.split_softmax_grad_(z, targets, lse, coefs.coef_lse.float(), grad_eos, grad_target, eos_index,
+                                          self.softcap)
+        if filtered is not None:
+            _report_(filtered, z, coefs.coef_lse)
+            _keep_blocks_of_(filtered, targets, dominated, eos_index)
+        return sparse

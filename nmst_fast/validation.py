@@ -204,3 +204,18 @@ def check_data(
             names.append(name)
             flags.append(_non_finite(t))
     raise_value_errors(names, flags, vocab_size=vocab_size, ignore_index=ignore_index, tensors=tensors, group=group)
+
+
+def resolve_grad_filter(grad_filter, dtype: torch.dtype) -> Optional[float]:
+    """``linear_nmst_loss``'s ``grad_filter`` as a threshold, or None (off), for inputs of ``dtype``."""
+    if grad_filter is None:
+        return None
+    if isinstance(grad_filter, str):
+        if grad_filter != "auto":
+            raise ValueError(f'grad_filter must be None, "auto" or a float in (0, 1), got {grad_filter!r}')
+        return torch.finfo(dtype).eps / 32 if dtype in (torch.bfloat16, torch.float16) else None
+    if isinstance(grad_filter, bool) or not isinstance(grad_filter, numbers.Real):
+        raise TypeError(f'grad_filter must be None, "auto" or a float, got {type(grad_filter).__name__}')
+    if not 0.0 < float(grad_filter) < 1.0:
+        raise ValueError(f"grad_filter must be in (0, 1), got {grad_filter!r}")
+    return float(grad_filter)

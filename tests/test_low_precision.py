@@ -136,7 +136,8 @@ def test_float16_products_keep_the_inputs_dtypes(native, dw_dtype, monkeypatch):
     assert loss.dtype == torch.float16 and all(t.grad.dtype == torch.float16 for t in leaves)
     options = nmst_fast.loss._Options(head="nmst", eps=case.eps, eos_index=case.eos_index, ignore_index=-100,
                                       reduction="mean", chunk_size=None, softcap=None, logit_scale=None,
-                                      temperature=1.0, dw_dtype=dw_dtype, vocab_size=517, group=None, vocab_start=0)
+                                      temperature=1.0, dw_dtype=dw_dtype, grad_filter=None, vocab_size=517,
+                                      group=None, vocab_start=0)
     *products, used = nmst_fast.loss._product_dtype_inputs(*leaves, options)
     assert [t.dtype for t in products] == [torch.float16 if native else torch.float32] * 3
     assert used.dw_dtype == (dw_dtype if native else None)

@@ -146,3 +146,32 @@ def test_bad_flags_are_refused_before_anything_is_written(corpus, tmp_path, caps
             _run(corpus, tmp_path / "bad", *flags)
         assert exit_info.value.code == 2 and "Traceback" not in capsys.readouterr().err
         assert not (tmp_path / "bad").exists()
+
+
+def test_bf16_training_reaches_the_gradient_filter(corpus, tmp_path, monkeypatch):
+    """--bf16 trains under autocast, so the fused loss sees bf16 inputs and --grad-filter auto (off in float32)
+    filters; the run finishes with a finite perplexity, and a resumed run must match both flags."""
+    from nmst_fast import grad_filter
+
+    dtypes = []
+    init = grad_filter.GradFilter.__init__
+
+    def recorded(self, threshold, weight, *args):
+        dtypes.append((threshold, weight.dtype))
+        init(self, threshold, weight, *args)
+
+    monkeypatch.setattr(grad_filter.GradFilter, "__init__", recorded)
+    out = _run(corpus, tmp_path / "run", "--config", "llama", "--bf16", "--grad-filter", "auto", "--epochs", "1")
+    assert dtypes and set(dtypes) == {(2.0**-12, torch.bfloat16)}
+    assert 1 < json.loads((out / "results.json").read_text())["nmst"]["perplexity"] < float("inf")
+    settings = torch.load(out / "train_state.pt", weights_only=False)["settings"]  # what a resumed run must match
+    assert settings["bf16"] is True and settings["grad_filter"] == "auto"
+
+
+def test_a_bad_grad_filter_flag_is_refused(corpus, tmp_path, capsys):
+    for value in ("often", "2"):
+        with pytest.raises((SystemExit, ValueError)) as info:
+            _run(corpus, tmp_path / "bad", "--grad-filter", value)
+        if info.type is SystemExit:
+            assert info.value.code == 2
+        assert not (tmp_path / "bad").exists()

@@ -98,6 +98,11 @@ def parser(prog: str = "python -m train.hf", doc: str = __doc__, *, preset: bool
     p.add_argument("--eval-contexts", type=int, default=None, help="decode only the first N contexts (default all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--bf16", action="store_true",
+                   help="train under torch.autocast in bfloat16 (the weights and the optimizer stay float32)")
+    p.add_argument("--grad-filter", type=_grad_filter, default=None,
+                   help='the fused loss\'s gradient filter: "auto" (2^-12 in bf16; off in float32) or a threshold '
+                        "(nmst_fast.linear_nmst_loss's grad_filter); default off")
     p.add_argument("--out", type=Path)
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--fsdp", action="store_true",
@@ -108,8 +113,18 @@ def parser(prog: str = "python -m train.hf", doc: str = __doc__, *, preset: bool
     return p
 
 
+def _grad_filter(text: str):
+    """--grad-filter's value: "auto" or a float."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'must be "auto" or a float, got {text!r}') from None
+
+
 # The flags that define a run: resuming its state under other values would continue another run.
-RUN_DEFINING = ("head", "eps", "context_length", "lr", "epochs", "max_tokens", "seed")
+RUN_DEFINING = ("head", "eps", "context_length", "lr", "epochs", "max_tokens", "seed", "bf16", "grad_filter")
 
 
 def _check_arguments(args) -> None:
@@ -188,7 +203,7 @@ def load_model(args, tokenizer):
     else:
         model = _random_model(args.config, args.size, tokenizer)
     return apply_nmst(model, head=args.head, eps=args.eps, context_length=args.context_length,
-                      eos_token_id=tokenizer.eos_token_id)
+                      eos_token_id=tokenizer.eos_token_id, grad_filter=args.grad_filter)
 
 
 def _size(model) -> str:

@@ -282,15 +282,17 @@ def token_perplexity(model, seqs: list[list[int]], context_length: int, max_toke
     return metrics.perplexity(total, count)  # inf, not OverflowError, past a mean NLL of ~709.8
 
 
-def backward(step, batch, tokens: int, world: World, device: str, where: str = "") -> float:
+def backward(step, batch, tokens: int, world: World, device: str, where: str = "", bf16: bool = False) -> float:
     """Forward and backward of this rank's share ``batch`` of a global batch with ``tokens`` predicted
     tokens, through ``step`` (:func:`~train.distributed.shard`). The rank's summed loss is divided by ``tokens``, so the
     ranks' losses add up to the global mean; DDP and FSDP average the ranks' gradients, so it is
     multiplied by the world size before backward: the gradient is one process's on the global batch.
-    Returns the global mean loss (the same on every rank); Diverged, before backward, if it is not finite."""
+    Returns the global mean loss (the same on every rank); Diverged, before backward, if it is not finite.
+    ``bf16``: the forward under ``torch.autocast`` in bfloat16."""
     labels = class_labels(getattr(step, "module", step), batch.labels)  # DDP wraps the model as .module
-    loss = step(batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-                labels=labels.to(device), num_items_in_batch=tokens).loss
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+        loss = step(batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                    labels=labels.to(device), num_items_in_batch=tokens).loss
     value = require_finite(float(all_sum([loss.item()], world)), f"the training loss ({where})")
     (loss * world.size).backward()
     return value
@@ -316,7 +318,7 @@ def train_epochs(args, model, step, optimizer, schedule, seqs, pad, steps_per_ep
         for batch_no, (batch, tokens) in enumerate(bar, start=1):
             where = f"epoch {epoch + 1}, batch {batch_no}"
             optimizer.zero_grad(set_to_none=True)
-            value = backward(step, batch, tokens, world, args.device, where)
+            value = backward(step, batch, tokens, world, args.device, where, getattr(args, "bf16", False))
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
             require_finite(grad_norm, f"the gradient norm ({where})")
             optimizer.step()

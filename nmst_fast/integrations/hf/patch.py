@@ -19,14 +19,14 @@ import contextlib
 import functools
 import inspect
 import threading
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ...settings import HeadSettings
-from ...validation import IMPLS, check_choice, check_int_tensor
+from ...validation import IMPLS, check_choice, check_int_tensor, resolve_grad_filter
 from ..nmst_config import MODEL_TYPE, config_class_for
 from .generation import generate_with_head, step_logits
 from .head_logits import head_logits, position_steps
@@ -228,7 +228,7 @@ def has_head(model: Any) -> bool:
 
 def apply_nmst(model: Any, *, head: Optional[str] = None, eps: Optional[float] = None,
                context_length: Optional[int] = None, eos_token_id: Optional[int] = None,
-               impl: str = "auto") -> Any:
+               impl: str = "auto", grad_filter: Union[None, float, str] = None) -> Any:
     """Put a head on any HF causal LM (returns ``model``, now an ``NMST<its class>`` instance: see the module).
 
     With ``labels``, ``model(input_ids, labels=..., nmst_steps=None, ...)`` runs :func:`decoder_stack`,
@@ -254,11 +254,14 @@ def apply_nmst(model: Any, *, head: Optional[str] = None, eps: Optional[float] =
         eos_token_id: the token the head terminates with; None takes the config's (refused when the
             config lists several, as Llama 3's does: pick one).
         impl: the fused loss's backend (see :func:`nmst_fast.linear_nmst_loss`).
+        grad_filter: the fused loss's gradient filter in training (None: off; "auto" or a threshold, see
+            :func:`nmst_fast.linear_nmst_loss`); not saved with the model.
     Raises:
         TypeError / ValueError: not a causal LM, no linear output layer, no eos, bad settings, or a
         model whose own logits the fused path does not reproduce on a probe input (checked here).
     """
     check_choice("impl", impl, IMPLS)
+    resolve_grad_filter(grad_filter, torch.bfloat16)  # refuses a bad value now, not at the first training step
     settings = nmst_settings(model, head=head, eps=eps, context_length=context_length, eos_token_id=eos_token_id)
     base = own_class(model)
     shifted = probe_class(model, base, settings)
@@ -272,6 +275,7 @@ def apply_nmst(model: Any, *, head: Optional[str] = None, eps: Optional[float] =
     model._nmst_settings = settings
     model._nmst_shifts_labels = shifted
     model._nmst_impl = impl
+    model._nmst_grad_filter = grad_filter
     model.accepts_loss_kwargs = True  # HF Trainer then passes num_items_in_batch (one divisor per accumulated batch)
     _guard_the_stack(model)
     return model

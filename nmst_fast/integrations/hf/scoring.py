@@ -96,6 +96,7 @@ def score_labels(model: Any, hidden: torch.Tensor, labels: torch.Tensor, setting
     head = settings.head
     common = dict(eos_index=settings.eos_index, eps=settings.eps, head=head, softcap=softcap, logit_scale=scale,
                   temperature=temperature, impl=impl or getattr(model, "_nmst_impl", "auto"))
+    grad_filter = getattr(model, "_nmst_grad_filter", None)  # apply_nmst's (the statistics' pass has no gradient)
 
     def compute(h: torch.Tensor):
         linear = linear_of(layer)
@@ -111,11 +112,12 @@ def score_labels(model: Any, hidden: torch.Tensor, labels: torch.Tensor, setting
             if statistics:
                 nll, stats = _with_statistics(h, weight, bias, labels, head_steps, mask, head == "st", common)
             elif reduction != "none" or head == "st":  # every row: ST's running sum goes along T
-                nll = linear_nmst_loss(h, weight, labels, bias=bias, steps=head_steps, reduction=reduction, **common)
+                nll = linear_nmst_loss(h, weight, labels, bias=bias, steps=head_steps, reduction=reduction,
+                                       grad_filter=grad_filter, **common)
             else:  # the scored rows alone
                 rows = linear_nmst_loss(h[mask], weight, labels[mask], bias=bias,
                                         steps=None if head_steps is None else head_steps[mask], reduction="none",
-                                        **common)
+                                        grad_filter=grad_filter, **common)
                 nll = rows.new_zeros(mask.shape).masked_scatter(mask, rows)
             if reduction == "none":
                 nll = nll.to(torch.promote_types(nll.dtype, torch.float32))

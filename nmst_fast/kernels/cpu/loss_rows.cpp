@@ -15,7 +15,11 @@
 //   chunk_grad_(z, shift, scale, eos, targets, values, softcap):  in place, z[v, r] <- scale[r]·exp(y[v, r] -
 //     shift[r]) · (sech²(z / c) with a softcap) for every v != eos, rounded once to z's dtype; then z[eos, r] <- 0
 //     (eos >= 0) and z[targets[r], r] <- values[r] where targets[r] >= 0. shift is taken as the nearest value of
-//     the compute type and scale corrected for that rounding, so shift may be L itself.
+//     the compute type and scale corrected for that rounding, so shift may be L itself. With ``entry_max`` (V,)
+//     and ``block_sums`` (ceil(V / block), R), both float32: entry_max[v] <- max over r of |z[v, r]| and
+//     block_sums[b, r] <- the sum of z[v, r] over the b-th ``block`` entries, as first written (before the eos and
+//     target entries): what the gradient filter (nmst_fast.fused) reads to skip the vocabulary blocks whose
+//     products add little, and to add back their block means.
 //   chunk_statistics(z, eos, softcap, shift) -> (R, 5) float64:  per row, over y[v] for v != eos: sum exp(y - shift)·y,
 //     sum exp(2·(y - shift)), sum y, max y and its first v (the entropy's, log sum p²'s and the mean's sums and the
 //     most probable token, nmst_fast.head_math.row_statistics; shift is the row's L). One read of the chunk.
@@ -36,6 +40,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -196,7 +201,7 @@ void span_lse(const T* z, int64_t ld, int64_t V_, int64_t eos, double softcap, i
 
 template <typename T>
 void span_grad(T* z, int64_t ld, int64_t V_, int64_t eos, double softcap, int64_t first, int64_t last,
-               const double* shift, const double* scale) {
+               const double* shift, const double* scale, float* entry_max, float* block_sums, int64_t block) {
   using L = Lanes<T>;
   using V = typename L::V;
   using C = typename L::C;
@@ -212,8 +217,24 @@ void span_grad(T* z, int64_t ld, int64_t V_, int64_t eos, double softcap, int64_
     }
   }
   const C cap = static_cast<C>(softcap), inv_cap = softcap > 0 ? static_cast<C>(1.0 / softcap) : C(0);
+  V peak(0);  // entry v's running max |dz| over this thread's columns (padded lanes hold 0)
+  std::vector<C> sums(entry_max != nullptr ? padded : 0);  // the current block's sums, one per column
+  int64_t current = -1;                                    // that block
+  const int64_t R = ld;  // block_sums' row stride: the chunk's rows (its vocabulary-major stride)
+  auto flush = [&]() {
+    if (current >= 0) {
+      for (int64_t k = 0; k < n; ++k) {
+        block_sums[current * R + first + k] = static_cast<float>(sums[k]);
+      }
+      std::fill(sums.begin(), sums.end(), C(0));
+    }
+  };
   walk<L, T>(0, V_, eos, first, last, [&](int64_t v, int64_t c, int64_t lanes) {
     T* at = z + v * ld + c;
+    if (entry_max != nullptr && c == first && v / block != current) {
+      flush();
+      current = v / block;
+    }
     const int64_t k = c - first;
     V a, b;
     L::load(at, lanes, a, b);
@@ -229,7 +250,21 @@ void span_grad(T* z, int64_t ld, int64_t V_, int64_t eos, double softcap, int64_
       b = L::exp(b - sh_b) * sc_b;
     }
     L::store(at, a, b, lanes);
+    if (entry_max != nullptr) {
+      C* sum = sums.data() + k;
+      (V::loadu(sum) + a).store(sum);
+      (V::loadu(sum + W) + b).store(sum + W);
+      peak = at::vec::maximum(peak, at::vec::maximum(a.abs(), b.abs()));
+      if (c + L::kStep >= last) {  // the entry's last step: one horizontal max, then the next entry starts at 0
+        const auto top = at::vec::vec_reduce_all<C>([](V& x, V& y) { return at::vec::maximum(x, y); }, peak);
+        entry_max[v] = std::max(entry_max[v], static_cast<float>(top));
+        peak = V(0);
+      }
+    }
   });
+  if (entry_max != nullptr) {
+    flush();
+  }
 }
 
 template <typename T>
@@ -340,7 +375,9 @@ at::Tensor chunk_statistics(const at::Tensor& z, int64_t eos, double softcap, co
 }
 
 void chunk_grad_(at::Tensor& z, const at::Tensor& shift, const at::Tensor& scale, int64_t eos,
-                 const at::Tensor& targets, const at::Tensor& values, double softcap) {
+                 const at::Tensor& targets, const at::Tensor& values, double softcap,
+                 const std::optional<at::Tensor>& entry_max, const std::optional<at::Tensor>& block_sums,
+                 int64_t block) {
   check_chunk(z, eos, "chunk_grad_");
   const int64_t V_ = z.size(0), R = z.size(1), ld = z.stride(0);
   const double* shifts = rows_of(shift, R, "chunk_grad_", "shift");
@@ -353,10 +390,29 @@ void chunk_grad_(at::Tensor& z, const at::Tensor& shift, const at::Tensor& scale
   for (int64_t r = 0; r < R; ++r) {
     TORCH_CHECK(-1 <= target[r] && target[r] < V_, "chunk_grad_: target ", target[r], " is not a row of the chunk");
   }
+  float* peaks = nullptr;
+  std::vector<float> thread_peaks;  // one (V,) row per thread, merged below
+  if (entry_max.has_value()) {
+    TORCH_CHECK(entry_max->device().is_cpu() && entry_max->scalar_type() == at::kFloat && entry_max->dim() == 1 &&
+                    entry_max->size(0) == V_ && entry_max->is_contiguous(),
+                "chunk_grad_: entry_max must be a contiguous (V,) float32 CPU tensor");
+    peaks = entry_max->data_ptr<float>();
+    thread_peaks.assign(static_cast<size_t>(at::get_num_threads()) * V_, 0.f);
+    TORCH_CHECK(block > 0 && block_sums.has_value() && block_sums->device().is_cpu() &&
+                    block_sums->scalar_type() == at::kFloat && block_sums->dim() == 2 &&
+                    block_sums->size(0) == (V_ + block - 1) / block && block_sums->size(1) == R &&
+                    block_sums->is_contiguous(),
+                "chunk_grad_: with entry_max, block_sums must be a contiguous (ceil(V / block), R) float32 CPU tensor "
+                "and block positive");
+    TORCH_CHECK(R == 0 || z.size(0) <= 1 || ld == R, "chunk_grad_: with entry_max, the chunk's rows must be dense");
+    block_sums->zero_();
+  }
+  float* sums_out = peaks == nullptr ? nullptr : block_sums->data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, z.scalar_type(), "chunk_grad_", [&] {
     scalar_t* base = z.data_ptr<scalar_t>();
     parallel_columns(R, [&](int64_t first, int64_t last) {
-      span_grad<scalar_t>(base, ld, V_, eos, softcap, first, last, shifts, scales);
+      float* own = peaks == nullptr ? nullptr : thread_peaks.data() + at::get_thread_num() * V_;
+      span_grad<scalar_t>(base, ld, V_, eos, softcap, first, last, shifts, scales, own, sums_out, block);
     });
     if (eos >= 0) {
       std::fill(base + eos * ld, base + eos * ld + R, scalar_t(0));
@@ -367,6 +423,18 @@ void chunk_grad_(at::Tensor& z, const at::Tensor& shift, const at::Tensor& scale
       }
     }
   });
+  if (peaks != nullptr) {
+    const int64_t threads = static_cast<int64_t>(thread_peaks.size()) / std::max<int64_t>(V_, 1);
+    at::parallel_for(0, V_, 1 << 12, [&](int64_t v0, int64_t v1) {
+      for (int64_t v = v0; v < v1; ++v) {
+        float top = 0.f;
+        for (int64_t t = 0; t < threads; ++t) {
+          top = std::max(top, thread_peaks[t * V_ + v]);  // std::max keeps top where a NaN comes second
+        }
+        peaks[v] = top;
+      }
+    });
+  }
 }
 
 template <typename In, typename Out>
@@ -458,7 +526,7 @@ void accumulate_(at::Tensor& acc, const at::Tensor& src, bool first) {
 TORCH_LIBRARY_FRAGMENT(nmst_fast_cpu, m) {
   m.def("chunk_lse(Tensor z, int eos, float softcap) -> (Tensor, Tensor)");
   m.def("chunk_grad_(Tensor(a!) z, Tensor shift, Tensor scale, int eos, Tensor targets, Tensor values, "
-        "float softcap) -> ()");
+        "float softcap, Tensor(b!)? entry_max=None, Tensor(c!)? block_sums=None, int block=0) -> ()");
   m.def("chunk_statistics(Tensor z, int eos, float softcap, Tensor shift) -> Tensor");
   m.def("scale_cast(Tensor src, float scale, ScalarType dtype) -> Tensor");
   m.def("accumulate_(Tensor(a!) acc, Tensor src, bool first) -> ()");

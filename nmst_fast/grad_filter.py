@@ -1,0 +1,170 @@
+"""The fused loss's gradient filter: dh's and dW's products skip the blocks of vocabulary entries whose gradient
+entries, on every row of a chunk, fall below a threshold, and add back what those blocks carry on average.
+
+A trained model's softmax puts nearly all of a row's mass on a few hundred tokens, and the tokens that are probable
+anywhere in a chunk of rows cluster in the frequent part of the vocabulary. Cut Cross-Entropy skips such blocks
+outright (its ε = finfo(dtype).eps / 32, below bf16's resolution of a single product). Dropping them drops each
+row's tail mass too, and where the skipped rows of W share a component (a model's rare tokens do: their rows are
+pushed together along the unigram prior's direction), the dropped sum does not cancel: on peaked Zipf rows whose
+prior is such a component, dropping gave dh 30x the error of the unfiltered bf16 products. So for each skipped
+block b and row r this filter keeps the block's sum S_rb = Σ_{v∈b} dz_rv (the row pass reports it, at no extra read
+of the chunk) and adds
+
+    dh_r += Σ_b S_rb · mean_{v∈b} W_v          dW_v += (1 / |b|) Σ_r S_rb · h_r  (v ∈ b)
+
+which makes each skipped block's share of dh and its total share of dW exact for its mean weight row, and leaves
+only the entries' deviations from the block means (small, and of random sign). Both are products of the number of
+blocks, not of V: (rows × blocks) · (blocks × H) per chunk, and one pass over the corrected rows of dW at the end.
+
+Never filtered: the targets' one-hot terms and eos's column (the row pass hands them to the driver apart) and db.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .row_ops import FilterOut, SparseGrad
+
+# Vocabulary entries per block of the gradient filter: a skipped block spares a (rows × block) · (block × H) product
+# of dh and of dW; adjacent kept blocks are multiplied together.
+FILTER_BLOCK = 256
+
+
+def kept_runs(block_peaks: torch.Tensor, threshold: float, V: int) -> list[tuple[int, int]]:
+    """The [v0, v1) runs of adjacent blocks whose peak ``block_peaks`` (blocks,) is at or above ``threshold``."""
+    runs: list[tuple[int, int]] = []
+    for b, keep in enumerate((block_peaks >= threshold).tolist()):
+        if not keep:
+            continue
+        v0, v1 = b * FILTER_BLOCK, min(V, (b + 1) * FILTER_BLOCK)
+        if runs and runs[-1][1] == v0:
+            runs[-1] = (runs[-1][0], v1)
+        else:
+            runs.append((v0, v1))
+    return runs
+
+
+class GradFilter:
+    """One fused call's filter state over its chunks: the row pass's report buffers, which of dW's blocks hold a
+    product yet, and the skipped blocks' sums for dW (see the module's docstring).
+
+    Args:
+        threshold: g in (0, 1): a block is skipped where every entry's |dz| is below g times the chunk's largest row
+            coefficient (for unit row weights: every row's probability of each of its tokens is below g).
+        weight: (V, H), the chunk loop's; ``eos_column``: eos's row in it, or -1 (no eos in this vocabulary shard):
+            it is left out of its block's mean and of the spread.
+        chunk_rows: the most rows of a chunk.
+    """
+
+    def __init__(self, threshold: float, weight: torch.Tensor, chunk_rows: int, eos_column: int) -> None:
+        V, H = weight.shape
+        self.threshold = threshold
+        self.weight = weight
+        self.eos_column = eos_column
+        self.blocks = -(-V // FILTER_BLOCK)
+        device = weight.device
+        self._entry_max = torch.empty(V, dtype=torch.float32, device=device)
+        self._sums = torch.empty(self.blocks * chunk_rows, dtype=torch.float32, device=device)
+        self.written = [False] * self.blocks  # dW's blocks some chunk has stored its product in
+        self._spread = torch.zeros(self.blocks, H, dtype=torch.float32, device=device)  # Σ_r S_rb · h_r
+        self._spread_any = [False] * self.blocks
+        self._means: Optional[torch.Tensor] = None
+        counts = torch.full((self.blocks,), FILTER_BLOCK, dtype=torch.float32, device=device)
+        counts[-1] = V - (self.blocks - 1) * FILTER_BLOCK
+        if eos_column >= 0:
+            counts[eos_column // FILTER_BLOCK] -= 1
+        self._counts = counts.clamp(min=1)
+        self.kept_share: list[float] = []  # each chunk's share of the vocabulary kept (benchmarks report it)
+
+    def report(self, rows: int) -> FilterOut:
+        """The buffers a chunk of ``rows`` rows' pass fills."""
+        return FilterOut(self._entry_max, self._sums[: self.blocks * rows].view(self.blocks, rows), FILTER_BLOCK)
+
+    def plan(self, out: FilterOut) -> tuple[list[tuple[int, int]], list[int]]:
+        """(the kept runs, the skipped blocks) of the chunk whose pass filled ``out`` (one host sync)."""
+        V = out.entry_max.shape[0]
+        padded = torch.nn.functional.pad(out.entry_max, (0, self.blocks * FILTER_BLOCK - V))
+        peaks = padded.view(self.blocks, FILTER_BLOCK).amax(1)
+        runs = kept_runs(peaks, self.threshold, V)
+        kept = [False] * self.blocks
+        for v0, v1 in runs:
+            for b in range(v0 // FILTER_BLOCK, -(-v1 // FILTER_BLOCK)):
+                kept[b] = True
+        self.kept_share.append(sum(v1 - v0 for v0, v1 in runs) / max(V, 1))
+        return runs, [b for b, k in enumerate(kept) if not k]
+
+    def block_means(self) -> torch.Tensor:
+        """(blocks, H) float32: each block's mean row of W (eos's row left out), computed once."""
+        if self._means is None:
+            V, H = self.weight.shape
+            full = V // FILTER_BLOCK
+            sums = torch.empty(self.blocks, H, dtype=torch.float32, device=self.weight.device)
+            if full:
+                sums[:full] = self.weight[: full * FILTER_BLOCK].view(full, FILTER_BLOCK, H).sum(1, dtype=torch.float32)
+            if V % FILTER_BLOCK:
+                sums[full] = self.weight[full * FILTER_BLOCK:].sum(0, dtype=torch.float32)
+            if self.eos_column >= 0:
+                sums[self.eos_column // FILTER_BLOCK] -= self.weight[self.eos_column].float()
+            self._means = sums / self._counts.unsqueeze(1)
+        return self._means
+
+    def correct_dh_(self, dh: torch.Tensor, out: FilterOut, skipped: list[int]) -> None:
+        """dh (rows, H) += the skipped blocks' sums times their mean rows of W."""
+        index = torch.tensor(skipped, device=dh.device)
+        dh.add_((out.block_sums[index].t() @ self.block_means()[index]).to(dh.dtype))
+
+    def spread_(self, h: torch.Tensor, out: FilterOut, skipped: list[int]) -> None:
+        """Keep Σ_r S_rb · h_r of the chunk's skipped blocks, for :meth:`finish_dw_`."""
+        index = torch.tensor(skipped, device=h.device)
+        self._spread.index_add_(0, index, out.block_sums[index] @ h.float())
+        for b in skipped:
+            self._spread_any[b] = True
+
+    def first_writes(self, runs: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
+        """``runs`` split where dW's blocks change from unwritten to written: (v0, v1, first) with ``first`` for a
+        stretch no earlier chunk wrote (the product is stored there, not added); marks them written."""
+        out: list[tuple[int, int, bool]] = []
+        for v0, v1 in runs:
+            for b in range(v0 // FILTER_BLOCK, -(-v1 // FILTER_BLOCK)):
+                first = not self.written[b]
+                self.written[b] = True
+                lo, hi = b * FILTER_BLOCK, min(v1, (b + 1) * FILTER_BLOCK)
+                if out and out[-1][1] == lo and out[-1][2] == first:
+                    out[-1] = (out[-1][0], hi, first)
+                else:
+                    out.append((lo, hi, first))
+        return out
+
+    def store_zeros_(self, dw: torch.Tensor, blocks) -> None:
+        """Zero those of dW's ``blocks`` that no chunk has written yet, and mark them written."""
+        for b in blocks:
+            if not self.written[b]:
+                dw[b * FILTER_BLOCK:(b + 1) * FILTER_BLOCK].zero_()
+                self.written[b] = True
+
+    def sparse_blocks(self, sparse: SparseGrad) -> list[int]:
+        """The blocks that a row pass's left-out entries fall in (one host sync)."""
+        blocks = set((sparse.targets // FILTER_BLOCK).unique().tolist())
+        if sparse.eos_values is not None:
+            blocks.add(sparse.eos_index // FILTER_BLOCK)
+        return sorted(blocks)
+
+    def finish_dw_(self, dw: torch.Tensor) -> None:
+        """dW's rows of every block some chunk skipped += that block's kept sum spread evenly over its rows (eos's
+        left out); rows of blocks no chunk wrote hold only that (or 0)."""
+        spread = (self._spread / self._counts.unsqueeze(1)).to(dw.dtype)
+        eos_block = self.eos_column // FILTER_BLOCK if self.eos_column >= 0 else -1
+        for b in range(self.blocks):
+            rows = dw[b * FILTER_BLOCK:(b + 1) * FILTER_BLOCK]
+            if self.written[b] and not self._spread_any[b]:
+                continue
+            eos_row = dw[self.eos_column].clone() if b == eos_block else None
+            if not self.written[b]:
+                rows.zero_()
+            if self._spread_any[b]:
+                rows.add_(spread[b])
+            if eos_row is not None:  # eos's row takes no share of the spread: its own gradient came apart, exact
+                dw[self.eos_column] = eos_row if self.written[b] else 0
+        self.written = [True] * self.blocks
