@@ -101,12 +101,13 @@ def three_gemms_padded(x: Inputs) -> None:
     x.weight.grad = (z.t() @ h)[:V]
 
 
-def fused(head: str, impl: str, dw_dtype: Optional[torch.dtype] = None) -> Callable[[Inputs], None]:
+def fused(head: str, impl: str, dw_dtype: Optional[torch.dtype] = None,
+          grad_filter: Optional[str] = None) -> Callable[[Inputs], None]:
     def step(x: Inputs) -> None:
         _clear(x)
         loss = nmst_fast.linear_nmst_loss(
             x.hidden, x.weight, x.targets, eos_index=x.eos_index, head=head,
-            steps=None if head == "va" else x.steps, impl=impl, dw_dtype=dw_dtype,
+            steps=None if head == "va" else x.steps, impl=impl, dw_dtype=dw_dtype, grad_filter=grad_filter,
         )
         loss.backward()
 
@@ -201,6 +202,7 @@ def cases_for(device: str) -> dict[str, Callable[[Inputs], None]]:
         f"st {impl}": fused_st(impl),
         f"va {impl}": fused("va", impl),
         **({f"nmst {impl}, bf16 dW": fused("nmst", impl, dw_dtype=torch.bfloat16)} if gpu else {}),
+        **({f"nmst {impl}, grad_filter auto": fused("nmst", impl, grad_filter="auto")} if gpu else {}),
         **({"nmst chunked (torch row ops)": fused("nmst", "chunked")} if gpu else {}),
         "naive nmst (torch)": naive_nmst,
         "F.cross_entropy (logits)": naive_ce,

@@ -43,7 +43,7 @@ from nmst_fast import grad_filter
 from .cases import CPU_DEFAULT, CPU_LARGE, Shape, make_inputs
 
 ZIPF_EXPONENT = 1.1
-TOPICS = 4
+TOPICS = 8
 GAMMA = 2.5
 
 
@@ -54,6 +54,7 @@ class Workload:
     weight: torch.Tensor  # (V, H), requires grad
     targets: torch.Tensor  # (N,)
     note: str
+    eos: int = -1  # the head's eos (-1: the last token)
 
 
 def peaked_rows(N: int, H: int, V: int, *, gamma: float = GAMMA, seed: int = 0, dtype: torch.dtype = torch.float64,
@@ -125,7 +126,8 @@ def trained(model_dir: Path, data_dir: Path, rows: int, dtype: torch.dtype) -> W
     weight = model.get_output_embeddings().weight.detach().to(dtype).contiguous()
     targets = ids_t[1: rows + 1].clone()
     return Workload("trained", hidden.requires_grad_(), weight.requires_grad_(), targets,
-                    f"{model.config.model_type} from {model_dir}, H={hidden.shape[1]}, V={weight.shape[0]}")
+                    f"{getattr(model.config, 'base_model_type', model.config.model_type)} from {model_dir}",
+                    eos=model.config.eos_token_id)
 
 
 def softmax_profile(w: Workload, rows: int = 512) -> tuple[float, float]:
@@ -140,7 +142,7 @@ def _step(w: Workload, grad_filter_value) -> Callable[[], None]:
 
     def step() -> None:
         w.hidden.grad = w.weight.grad = None
-        loss = nmst_fast.linear_nmst_loss(w.hidden, w.weight, w.targets, eos_index=w.weight.shape[0] - 1,
+        loss = nmst_fast.linear_nmst_loss(w.hidden, w.weight, w.targets, eos_index=w.eos % w.weight.shape[0],
                                           steps=steps, grad_filter=grad_filter_value)
         loss.backward()
 
@@ -178,12 +180,12 @@ def kept_share(w: Workload) -> float:
 def gradient_errors(w: Workload, rows: int) -> dict[str, list[float]]:
     """{"unfiltered" | "filtered": [dh, dW relative errors]} of bf16 steps on the first ``rows`` rows against the
     float64 fused loss."""
-    sub = Workload(w.name, w.hidden[:rows].detach(), w.weight.detach(), w.targets[:rows], w.note)
+    sub = Workload(w.name, w.hidden[:rows].detach(), w.weight.detach(), w.targets[:rows], w.note, w.eos)
 
     def grads(dtype, g):
         h = sub.hidden.to(dtype, copy=True).requires_grad_()
         W = sub.weight.to(dtype, copy=True).requires_grad_()
-        x = Workload(w.name, h, W, sub.targets, w.note)
+        x = Workload(w.name, h, W, sub.targets, w.note, w.eos)
         _step(x, g)()
         return h.grad.double(), W.grad.double()
 

@@ -34,18 +34,22 @@ def _loss_and_grads(hidden, weight, bias, targets, steps, head, upstream, eos, *
     return loss.detach(), h.grad, w.grad, None if b is None else b.grad
 
 
-def _smooth_dz(hidden, weight, bias, targets, steps, head, upstream, eos):
+def _smooth_dz(hidden, weight, bias, targets, steps, head, upstream, eos, softcap=None):
     """The float64 reference's dz (N, V) without the targets' one-hot terms and eos's column: what the filter may
     skip."""
     logits = (hidden.double() @ weight.double().t() + (0 if bias is None else bias.double())).requires_grad_()
     eye = torch.eye(logits.shape[-1], dtype=torch.float64)
     loss = nmst_fast.linear_nmst_loss(logits, eye, targets, eos_index=eos, head=head, steps=steps,
-                                      reduction="none", impl="reference")
+                                      reduction="none", impl="reference", softcap=softcap)
     (dz,) = torch.autograd.grad(loss, logits, upstream.double())
     dz, targets, upstream = dz.reshape(-1, dz.shape[-1]), targets.reshape(-1), upstream.reshape(-1).double()
     rows = torch.arange(len(targets))
     keep = (targets != -100) & (targets != eos)
-    dz[rows[keep], targets[keep]] += upstream[keep]  # the one-hot term: -upstream at the target
+    one_hot = upstream[keep]
+    if softcap is not None:  # the cap's derivative at the target's raw logit
+        raw = logits.detach().reshape(-1, logits.shape[-1])[rows[keep], targets[keep]]
+        one_hot = one_hot / torch.cosh(raw / softcap).square()
+    dz[rows[keep], targets[keep]] += one_hot  # the one-hot term: -upstream at the target
     dz[:, eos] = 0
     return dz
 
@@ -78,8 +82,9 @@ def _case(seed, V, eos, bias):
 
 
 @pytest.mark.parametrize("head", HEADS)
-@pytest.mark.parametrize("seed,V,eos,bias", [(0, 1037, 1036, False), (1, 700, 300, True), (2, 513, 0, False)])
-def test_what_the_filter_changes_stays_within_its_bound(backend, head, seed, V, eos, bias, monkeypatch):
+@pytest.mark.parametrize("seed,V,eos,bias,softcap", [(0, 1037, 1036, False, None), (1, 700, 300, True, None),
+                                                      (2, 513, 0, False, 4.0)])
+def test_what_the_filter_changes_stays_within_its_bound(backend, head, seed, V, eos, bias, softcap, monkeypatch):
     kept = _count_kept(monkeypatch)
     hidden, weight, b, targets, steps, upstream = _case(seed, V, eos, bias)
     # Triton computes in float32: its inputs are float32, the bound's slack that float32's
@@ -88,12 +93,12 @@ def test_what_the_filter_changes_stays_within_its_bound(backend, head, seed, V, 
     impl = "triton" if backend == "triton" else "chunked"
     hidden, weight, b = hidden.to(dtype), weight.to(dtype), None if b is None else b.to(dtype)
     args = (hidden, weight, b, targets, steps, head, upstream.to(dtype), eos)
-    exact = _loss_and_grads(*args, impl=impl, chunk_size=32)
-    smooth = _smooth_dz(*args).view(-1, V).abs()
+    exact = _loss_and_grads(*args, impl=impl, chunk_size=32, softcap=softcap)
+    smooth = _smooth_dz(*args, softcap=softcap).view(-1, V).abs()
     probs_of_targets = smooth.gather(1, targets.view(-1, 1).clamp(min=0)).squeeze(1) / upstream.view(-1)
     assert probs_of_targets.max() < 0.5  # every target's one-hot term dominates its entry (the bound's premise)
     for g in (1e-3, 0.3):
-        got = _loss_and_grads(*args, impl=impl, chunk_size=32, grad_filter=g)
+        got = _loss_and_grads(*args, impl=impl, chunk_size=32, grad_filter=g, softcap=softcap)
         torch.testing.assert_close(got[0], exact[0], rtol=0, atol=0)  # the loss: no filter in the forward
         if b is not None:
             torch.testing.assert_close(got[3], exact[3], rtol=slack, atol=slack)
