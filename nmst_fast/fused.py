@@ -323,12 +323,14 @@ def _chunk_loop(
                 torch.addmm(bias, h, weight.t(), out=z)
         filtered = None if gate is None else gate.report(stop - start)
         sparse = row_pass(start, stop, z, filtered)
-        runs, skipped = ([(0, V)], []) if gate is None else gate.plan(filtered)
+        runs, skipped, heavy = ([(0, V)], [], None) if gate is None else gate.plan(filtered)
         whole = runs == [(0, V)]
         if dh is not None:
             _dh_chunk(dh[start:stop], z, weight, sparse, weight_t if whole else None, None if whole else runs)
             if skipped:
                 gate.correct_dh_(dh[start:stop], filtered, skipped)
+            if heavy is not None:
+                gate.heavy_dh_(dh[start:stop], z, heavy, skipped)
         if dw is not None:
             if gate is None:
                 _accumulate_dw_(dw, z, h, first=start == 0)
@@ -337,6 +339,8 @@ def _chunk_loop(
                     _accumulate_dw_(dw[v0:v1], z[:, v0:v1], h, first=first)
                 if skipped:
                     gate.spread_(h, filtered, skipped)
+                if heavy is not None:
+                    gate.heavy_dw_(dw, z, h, heavy, skipped, _accumulate_dw_)
             if sparse is not None:
                 if gate is not None:
                     gate.store_zeros_(dw, gate.sparse_blocks(sparse))

@@ -31,6 +31,10 @@ from .row_ops import FilterOut, SparseGrad
 # of dh and of dW; adjacent kept blocks are multiplied together.
 FILTER_BLOCK = 256
 
+# The largest share of a row's gradient mass (Σ |dz| over its non-eos entries) its skipped blocks may hold before
+# the row's skipped products are formed exactly (see GradFilter.plan): peaked rows hold a few percent there.
+TAIL_SHARE = 1 / 16
+
 
 def kept_runs(block_peaks: torch.Tensor, threshold: float, V: int) -> list[tuple[int, int]]:
     """The [v0, v1) runs of adjacent blocks whose peak ``block_peaks`` (blocks,) is at or above ``threshold``."""
@@ -82,18 +86,63 @@ class GradFilter:
         """The buffers a chunk of ``rows`` rows' pass fills."""
         return FilterOut(self._entry_max, self._sums[: self.blocks * rows].view(self.blocks, rows), FILTER_BLOCK)
 
-    def plan(self, out: FilterOut) -> tuple[list[tuple[int, int]], list[int]]:
-        """(the kept runs, the skipped blocks) of the chunk whose pass filled ``out`` (one host sync)."""
+    def plan(self, out: FilterOut) -> tuple[list[tuple[int, int]], list[int], Optional[torch.Tensor]]:
+        """(the kept runs, the skipped blocks, the heavy rows or None) of the chunk whose pass filled ``out`` (two
+        host syncs).
+
+        A row whose skipped blocks hold more than :data:`TAIL_SHARE` of its gradient's mass (a flat row: the
+        softmax's own tilt towards its hidden state lives in that tail, and no block mean carries it) is heavy: its
+        skipped products are formed exactly (:meth:`heavy_dh_`, :meth:`heavy_dw_`) and its sums leave the means'
+        correction. Where most rows are heavy the chunk skips nothing."""
         V = out.entry_max.shape[0]
         padded = torch.nn.functional.pad(out.entry_max, (0, self.blocks * FILTER_BLOCK - V))
         peaks = padded.view(self.blocks, FILTER_BLOCK).amax(1)
+        sums = out.block_sums.abs()
+        tail = (sums * (peaks < self.threshold).unsqueeze(1)).sum(0)
+        heavy_mask = tail > TAIL_SHARE * sums.sum(0)
+        rows = heavy_mask.shape[0]
+        heavy_count = int(heavy_mask.sum())
+        if 2 * heavy_count > rows:  # mostly flat rows: the dense products
+            peaks = torch.full_like(peaks, float("inf"))
         runs = kept_runs(peaks, self.threshold, V)
         kept = [False] * self.blocks
         for v0, v1 in runs:
             for b in range(v0 // FILTER_BLOCK, -(-v1 // FILTER_BLOCK)):
                 kept[b] = True
         self.kept_share.append(sum(v1 - v0 for v0, v1 in runs) / max(V, 1))
-        return runs, [b for b, k in enumerate(kept) if not k]
+        skipped = [b for b, k in enumerate(kept) if not k]
+        heavy = None
+        if skipped and heavy_count:
+            heavy = heavy_mask.nonzero().squeeze(1)
+            out.block_sums[:, heavy] = 0  # their skipped entries are multiplied exactly
+        return runs, skipped, heavy
+
+    @staticmethod
+    def skipped_runs(skipped: list[int], V: int) -> list[tuple[int, int]]:
+        """The [v0, v1) runs of adjacent skipped blocks."""
+        runs: list[tuple[int, int]] = []
+        for b in skipped:
+            v0, v1 = b * FILTER_BLOCK, min(V, (b + 1) * FILTER_BLOCK)
+            if runs and runs[-1][1] == v0:
+                runs[-1] = (runs[-1][0], v1)
+            else:
+                runs.append((v0, v1))
+        return runs
+
+    def heavy_dh_(self, dh: torch.Tensor, dz: torch.Tensor, heavy: torch.Tensor, skipped: list[int]) -> None:
+        """dh[heavy] += their skipped entries' products, exactly (each stretch's product in dz's dtype)."""
+        rows = dz[heavy]
+        extra = torch.zeros(len(heavy), dh.shape[1], dtype=dh.dtype, device=dh.device)
+        for v0, v1 in self.skipped_runs(skipped, dz.shape[1]):
+            extra.add_(torch.mm(rows[:, v0:v1], self.weight[v0:v1]).to(dh.dtype))
+        dh.index_add_(0, heavy, extra)
+
+    def heavy_dw_(self, dw: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, heavy: torch.Tensor,
+                  skipped: list[int], accumulate) -> None:
+        """dW's skipped stretches += the heavy rows' products there (``accumulate(acc, dz, h, first)``)."""
+        rows, inputs = dz[heavy], h[heavy]
+        for v0, v1, first in self.first_writes(self.skipped_runs(skipped, dz.shape[1])):
+            accumulate(dw[v0:v1], rows[:, v0:v1], inputs, first)
 
     def block_means(self) -> torch.Tensor:
         """(blocks, H) float32: each block's mean row of W (eos's row left out), computed once."""

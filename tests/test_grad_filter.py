@@ -216,3 +216,4 @@ def test_bf16_filtered_gradients_are_as_accurate_as_unfiltered_ones(chunk_size, 
     assert max(kept) < 0.6  # the workload is peaked enough for the filter to skip about half of the blocks or more
     for unfiltered, filtered in zip(errors[None], errors["auto"]):
         assert filtered <= 1.1 * unfiltered, errors
+
