@@ -329,8 +329,6 @@ def _chunk_loop(
             _dh_chunk(dh[start:stop], z, weight, sparse, weight_t if whole else None, None if whole else runs)
             if skipped:
                 gate.correct_dh_(dh[start:stop], filtered, skipped)
-            if heavy is not None:
-                gate.heavy_dh_(dh[start:stop], z, heavy, skipped)
         if dw is not None:
             if gate is None:
                 _accumulate_dw_(dw, z, h, first=start == 0)
@@ -339,12 +337,12 @@ def _chunk_loop(
                     _accumulate_dw_(dw[v0:v1], z[:, v0:v1], h, first=first)
                 if skipped:
                     gate.spread_(h, filtered, skipped)
-                if heavy is not None:
-                    gate.heavy_dw_(dw, z, h, heavy, skipped, _accumulate_dw_)
             if sparse is not None:
                 if gate is not None:
                     gate.store_zeros_(dw, gate.sparse_blocks(sparse))
                 _add_sparse_dw_(dw, h, sparse)
+        if heavy is not None:
+            gate.heavy_(None if dh is None else dh[start:stop], z, h, heavy, runs, dw, _accumulate_dw_)
         if db is not None:
             db += z.sum(dim=0, dtype=acc_dtype)
             if sparse is not None:
@@ -352,7 +350,7 @@ def _chunk_loop(
                 if sparse.eos_values is not None:
                     db[sparse.eos_index] += sparse.eos_values.sum().to(db.dtype)
     if dw is not None and gate is not None:
-        gate.finish_dw_(dw)
+        gate.finish_dw_(dw, _accumulate_dw_)
     return dh, dw, db  # dW, db still in their accumulators' dtype: the callers cast once, at the end
 
 

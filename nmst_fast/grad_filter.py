@@ -32,8 +32,9 @@ from .row_ops import FilterOut, SparseGrad
 FILTER_BLOCK = 256
 
 # The largest share of a row's gradient mass (Σ |dz| over its non-eos entries) its skipped blocks may hold before
-# the row's skipped products are formed exactly (see GradFilter.plan): peaked rows hold a few percent there.
-TAIL_SHARE = 1 / 16
+# the row's skipped products are formed exactly (see GradFilter.plan): rows of 2.4 nats hold 4% there on average,
+# 14% at most (benchmarks.grad_filter's synthetic rows), flat rows most of it.
+TAIL_SHARE = 1 / 8
 
 
 def kept_runs(block_peaks: torch.Tensor, threshold: float, V: int) -> list[tuple[int, int]]:
@@ -81,6 +82,8 @@ class GradFilter:
             counts[eos_column // FILTER_BLOCK] -= 1
         self._counts = counts.clamp(min=1)
         self.kept_share: list[float] = []  # each chunk's share of the vocabulary kept (benchmarks report it)
+        self._heavy: list[tuple[torch.Tensor, torch.Tensor]] = []  # heavy rows' skipped dz and hidden states
+        self._chunk_rows = chunk_rows
 
     def report(self, rows: int) -> FilterOut:
         """The buffers a chunk of ``rows`` rows' pass fills."""
@@ -92,8 +95,8 @@ class GradFilter:
 
         A row whose skipped blocks hold more than :data:`TAIL_SHARE` of its gradient's mass (a flat row: the
         softmax's own tilt towards its hidden state lives in that tail, and no block mean carries it) is heavy: its
-        skipped products are formed exactly (:meth:`heavy_dh_`, :meth:`heavy_dw_`) and its sums leave the means'
-        correction. Where most rows are heavy the chunk skips nothing."""
+        skipped products are formed exactly (:meth:`heavy_`) and its sums leave the means' correction. Where most
+        rows are heavy the chunk skips nothing."""
         V = out.entry_max.shape[0]
         padded = torch.nn.functional.pad(out.entry_max, (0, self.blocks * FILTER_BLOCK - V))
         peaks = padded.view(self.blocks, FILTER_BLOCK).amax(1)
@@ -117,32 +120,32 @@ class GradFilter:
             out.block_sums[:, heavy] = 0  # their skipped entries are multiplied exactly
         return runs, skipped, heavy
 
-    @staticmethod
-    def skipped_runs(skipped: list[int], V: int) -> list[tuple[int, int]]:
-        """The [v0, v1) runs of adjacent skipped blocks."""
-        runs: list[tuple[int, int]] = []
-        for b in skipped:
-            v0, v1 = b * FILTER_BLOCK, min(V, (b + 1) * FILTER_BLOCK)
-            if runs and runs[-1][1] == v0:
-                runs[-1] = (runs[-1][0], v1)
-            else:
-                runs.append((v0, v1))
-        return runs
+    def heavy_(self, dh: Optional[torch.Tensor], dz: torch.Tensor, h: torch.Tensor, heavy: torch.Tensor,
+               runs: list[tuple[int, int]], dw: Optional[torch.Tensor], accumulate) -> None:
+        """The heavy rows' skipped entries, multiplied exactly: dh[heavy] += them · W now (one product over V), and
+        for dW they are kept (the chunk's kept columns zeroed) and multiplied with their hidden states in one
+        product over V when enough rows are held (:meth:`flush_heavy_`), so dW's accumulator is not swept per
+        chunk. ``accumulate(acc, dz, h, first)`` sums a product into dW."""
+        rows = dz[heavy]  # (heavy, V), a copy
+        for v0, v1 in runs:
+            rows[:, v0:v1] = 0
+        if dh is not None:
+            dh.index_add_(0, heavy, torch.mm(rows, self.weight).to(dh.dtype))
+        if dw is not None:
+            self._heavy.append((rows, h[heavy]))
+            if sum(len(r) for r, _ in self._heavy) >= self._chunk_rows:
+                self.flush_heavy_(dw, accumulate)
 
-    def heavy_dh_(self, dh: torch.Tensor, dz: torch.Tensor, heavy: torch.Tensor, skipped: list[int]) -> None:
-        """dh[heavy] += their skipped entries' products, exactly (each stretch's product in dz's dtype)."""
-        rows = dz[heavy]
-        extra = torch.zeros(len(heavy), dh.shape[1], dtype=dh.dtype, device=dh.device)
-        for v0, v1 in self.skipped_runs(skipped, dz.shape[1]):
-            extra.add_(torch.mm(rows[:, v0:v1], self.weight[v0:v1]).to(dh.dtype))
-        dh.index_add_(0, heavy, extra)
-
-    def heavy_dw_(self, dw: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, heavy: torch.Tensor,
-                  skipped: list[int], accumulate) -> None:
-        """dW's skipped stretches += the heavy rows' products there (``accumulate(acc, dz, h, first)``)."""
-        rows, inputs = dz[heavy], h[heavy]
-        for v0, v1, first in self.first_writes(self.skipped_runs(skipped, dz.shape[1])):
-            accumulate(dw[v0:v1], rows[:, v0:v1], inputs, first)
+    def flush_heavy_(self, dw: torch.Tensor, accumulate) -> None:
+        """dW += the held heavy rows' skipped entries times their hidden states (dW's unwritten blocks zeroed
+        first)."""
+        if not self._heavy:
+            return
+        self.store_zeros_(dw, range(self.blocks))
+        rows = torch.cat([r for r, _ in self._heavy])
+        inputs = torch.cat([x for _, x in self._heavy])
+        self._heavy = []
+        accumulate(dw, rows, inputs, False)
 
     def block_means(self) -> torch.Tensor:
         """(blocks, H) float32: each block's mean row of W (eos's row left out), computed once."""
@@ -200,9 +203,13 @@ class GradFilter:
             blocks.add(sparse.eos_index // FILTER_BLOCK)
         return sorted(blocks)
 
-    def finish_dw_(self, dw: torch.Tensor) -> None:
+    def finish_dw_(self, dw: torch.Tensor, accumulate) -> None:
         """dW's rows of every block some chunk skipped += that block's kept sum spread evenly over its rows (eos's
-        left out); rows of blocks no chunk wrote hold only that (or 0)."""
+        left out); rows of blocks no chunk wrote hold only that (or 0); then the held heavy rows' products."""
+        self._spread_blocks_(dw)
+        self.flush_heavy_(dw, accumulate)
+
+    def _spread_blocks_(self, dw: torch.Tensor) -> None:
         spread = (self._spread / self._counts.unsqueeze(1)).to(dw.dtype)
         eos_block = self.eos_column // FILTER_BLOCK if self.eos_column >= 0 else -1
         for b in range(self.blocks):
