@@ -217,3 +217,24 @@ def test_bf16_filtered_gradients_are_as_accurate_as_unfiltered_ones(chunk_size, 
     for unfiltered, filtered in zip(errors[None], errors["auto"]):
         assert filtered <= 1.1 * unfiltered, errors
 
+
+
+def test_flat_rows_among_peaked_ones_keep_their_exact_gradient(monkeypatch):
+    """A flat row's skipped blocks hold most of its mass, and the softmax's tilt towards its hidden state, which no
+    block mean carries: such rows' skipped products are formed exactly, while the chunk's peaked rows skip."""
+    kept = _count_kept(monkeypatch)
+    gen = torch.Generator().manual_seed(7)
+    N, H, V = 256, 128, 8191
+    hidden, weight = peaked_rows(N, H, V, seed=7)
+    flat = slice(N - N // 8, N)
+    hidden[flat] = 0.05 * torch.randn(N // 8, H, generator=gen, dtype=torch.float64)  # every p near 1/V < 2^-12
+    targets = torch.randint(0, V, (N,), generator=gen)
+    steps = torch.arange(1, N + 1)
+    upstream = torch.ones(N, dtype=torch.float64)
+    exact = _loss_and_grads(hidden, weight, None, targets, steps, "nmst", upstream, V - 1, impl="chunked")
+    got = _loss_and_grads(hidden, weight, None, targets, steps, "nmst", upstream, V - 1, impl="chunked",
+                          grad_filter=2.0**-12)
+    assert min(kept) < 0.75  # the chunk skipped blocks
+    torch.testing.assert_close(got[1][flat], exact[1][flat], rtol=1e-9, atol=1e-12)
+    peaked_moved = (got[1][: N // 2] - exact[1][: N // 2]).norm()
+    assert peaked_moved > 1e-9 * exact[1].norm()  # the peaked rows took the block means instead
