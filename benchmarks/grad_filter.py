@@ -164,8 +164,8 @@ def kept_share(w: Workload) -> float:
     shares: list[float] = []
     runs = grad_filter.kept_runs
 
-    def counted(peaks, threshold, V):
-        out = runs(peaks, threshold, V)
+    def counted(keep, V):
+        out = runs(keep, V)
         shares.append(sum(v1 - v0 for v0, v1 in out) / V)
         return out
 

@@ -37,11 +37,11 @@ FILTER_BLOCK = 256
 TAIL_SHARE = 1 / 8
 
 
-def kept_runs(block_peaks: torch.Tensor, threshold: float, V: int) -> list[tuple[int, int]]:
-    """The [v0, v1) runs of adjacent blocks whose peak ``block_peaks`` (blocks,) is at or above ``threshold``."""
+def kept_runs(keep: list[bool], V: int) -> list[tuple[int, int]]:
+    """The [v0, v1) runs of adjacent blocks of a V-column vocabulary whose ``keep`` flag (one per block) is set."""
     runs: list[tuple[int, int]] = []
-    for b, keep in enumerate((block_peaks >= threshold).tolist()):
-        if not keep:
+    for b, kept in enumerate(keep):
+        if not kept:
             continue
         v0, v1 = b * FILTER_BLOCK, min(V, (b + 1) * FILTER_BLOCK)
         if runs and runs[-1][1] == v0:
@@ -90,8 +90,8 @@ class GradFilter:
         return FilterOut(self._entry_max, self._sums[: self.blocks * rows].view(self.blocks, rows), FILTER_BLOCK)
 
     def plan(self, out: FilterOut) -> tuple[list[tuple[int, int]], list[int], Optional[torch.Tensor]]:
-        """(the kept runs, the skipped blocks, the heavy rows or None) of the chunk whose pass filled ``out`` (two
-        host syncs).
+        """(the kept runs, the skipped blocks, the heavy rows or None) of the chunk whose pass filled ``out`` (one
+        host sync).
 
         A row whose skipped blocks hold more than :data:`TAIL_SHARE` of its gradient's mass (a flat row: the
         softmax's own tilt towards its hidden state lives in that tail, and no block mean carries it) is heavy: its
@@ -99,24 +99,19 @@ class GradFilter:
         rows are heavy the chunk skips nothing."""
         V = out.entry_max.shape[0]
         padded = torch.nn.functional.pad(out.entry_max, (0, self.blocks * FILTER_BLOCK - V))
-        peaks = padded.view(self.blocks, FILTER_BLOCK).amax(1)
+        below = padded.view(self.blocks, FILTER_BLOCK).amax(1) < self.threshold  # a NaN peak keeps its block
         sums = out.block_sums.abs()
-        tail = (sums * (peaks < self.threshold).unsqueeze(1)).sum(0)
-        heavy_mask = tail > TAIL_SHARE * sums.sum(0)
-        rows = heavy_mask.shape[0]
-        heavy_count = int(heavy_mask.sum())
-        if 2 * heavy_count > rows:  # mostly flat rows: the dense products
-            peaks = torch.full_like(peaks, float("inf"))
-        runs = kept_runs(peaks, self.threshold, V)
-        kept = [False] * self.blocks
-        for v0, v1 in runs:
-            for b in range(v0 // FILTER_BLOCK, -(-v1 // FILTER_BLOCK)):
-                kept[b] = True
+        heavy_mask = (sums * below.unsqueeze(1)).sum(0) > TAIL_SHARE * sums.sum(0)
+        flags = torch.cat([below, heavy_mask]).tolist()  # the plan's one host sync
+        skip, heavy_rows = flags[: self.blocks], [r for r, f in enumerate(flags[self.blocks:]) if f]
+        if 2 * len(heavy_rows) > len(flags) - self.blocks:  # mostly flat rows: the dense products
+            skip = [False] * self.blocks
+        runs = kept_runs([not s for s in skip], V)
         self.kept_share.append(sum(v1 - v0 for v0, v1 in runs) / max(V, 1))
-        skipped = [b for b, k in enumerate(kept) if not k]
+        skipped = [b for b, s in enumerate(skip) if s]
         heavy = None
-        if skipped and heavy_count:
-            heavy = heavy_mask.nonzero().squeeze(1)
+        if skipped and heavy_rows:
+            heavy = torch.tensor(heavy_rows, device=sums.device)
             out.block_sums[:, heavy] = 0  # their skipped entries are multiplied exactly
         return runs, skipped, heavy
 

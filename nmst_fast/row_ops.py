@@ -202,22 +202,19 @@ class CpuRowOps:
                      raw_eos, filtered: Optional[FilterOut]) -> SparseGrad:
         on_eos = targets == eos_index
         smooth = torch.where(on_eos, 0.0, coefs.coef_lse * torch.exp(torch.where(on_eos, 0.0, y_target - lse)))
-        one_hot = coefs.grad_target.to(torch.float64)
+        # sech² (the cap's chain factor) is a common positive factor of both terms: it leaves the rule unchanged
+        left_out = _dominated(smooth, coefs, targets, eos_index)
+        values = torch.where(left_out, smooth, smooth + coefs.grad_target.to(torch.float64))
         if sech_target is not None:
-            smooth, one_hot = smooth * sech_target, one_hot * sech_target
-        left_out = ((smooth + one_hot).abs() >= smooth.abs()) & ~on_eos
+            values = values * sech_target
         report = () if filtered is None else (filtered.entry_max, filtered.block_sums, filtered.block)
-        self._kernels.chunk_grad_(z.t(), shift, scale, eos_index, torch.where(on_eos, -1, targets),
-                                  torch.where(left_out, smooth, smooth + one_hot), self.softcap or 0.0, *report)
+        self._kernels.chunk_grad_(z.t(), shift, scale, eos_index, torch.where(on_eos, -1, targets), values,
+                                  self.softcap or 0.0, *report)
         if filtered is not None:  # eos's column is 0 in the chunk: its gradient is in the SparseGrad
             _relative_peaks_(filtered.entry_max, coefs.coef_lse)
             _keep_blocks_of_(filtered, targets, left_out, eos_index)
-        eos_values = None
-        if eos_index >= 0:
-            eos_values = coefs.grad_eos.to(torch.float64) + torch.where(on_eos, coefs.grad_target.double(), 0.0)
-            if self.softcap is not None:
-                eos_values = eos_values * self._capped(raw_eos)[1]
-        return SparseGrad(targets, torch.where(left_out, one_hot, 0.0), eos_index, eos_values)
+        sech_eos = self._capped(raw_eos)[1] if self.softcap is not None and eos_index >= 0 else None
+        return _apart(coefs, targets, eos_index, left_out, sech_target, sech_eos)
 
 
 class TorchRowOps:

@@ -59,8 +59,8 @@ def _count_kept(monkeypatch) -> list:
     kept = []
     runs = grad_filter.kept_runs
 
-    def counted(peaks, threshold, V):
-        out = runs(peaks, threshold, V)
+    def counted(keep, V):
+        out = runs(keep, V)
         kept.append(sum(v1 - v0 for v0, v1 in out) / V)
         return out
 
