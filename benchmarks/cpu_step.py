@@ -114,25 +114,26 @@ def median_us(steps: dict[str, Callable[[], object]], calls: int) -> dict[str, f
     return {name: statistics.median(values) * 1e6 for name, values in times.items()}
 
 
-def cases(shapes: tuple[str, ...], vocabs: tuple[int, ...], batches: tuple[int, ...]):
+def cases(shapes: tuple[str, ...], vocabs: tuple[int, ...], batches: tuple[int, ...],
+          strategies: tuple[str, ...] = tuple(STRATEGIES)):
     """Every case of a run, in its order: (logits shape, V, B, the (B, V) logits, strategy name, (top_k, top_p,
     min_p)); one logits tensor per (shape, V, B), shared by its strategies."""
     for shape in shapes:
         for V in vocabs:
             for B in batches:
                 logits = shaped_logits(B, V, shape)
-                for name, truncation in STRATEGIES.items():
-                    yield shape, V, B, logits, name, truncation
+                for name in strategies:
+                    yield shape, V, B, logits, name, STRATEGIES[name]
 
 
 def run(batches: tuple[int, ...] = (1, 8, 64), vocabs: tuple[int, ...] = (32000, 50257, 128256, 151936),
         calls: int = 20, eos_inside: bool = False, shapes: tuple[str, ...] = SHAPES,
-        torch_path: bool = False) -> list[dict]:
+        torch_path: bool = False, strategies: tuple[str, ...] = tuple(STRATEGIES)) -> list[dict]:
     """One row per (logits shape, B, V, strategy): µs of ours, of the exp pass, of the plain version (and of the
     torch path with ``torch_path``), and the ratios."""
     rows = []
     gen = torch.Generator().manual_seed(0)
-    for shape, V, B, logits, name, (k, p, m) in cases(shapes, vocabs, batches):
+    for shape, V, B, logits, name, (k, p, m) in cases(shapes, vocabs, batches, strategies):
         buffer = torch.empty_like(logits)
         steps = {"ours": our_step(k, p, V, eos_inside, min_p=m), "plain": plain_step(k, p, m, eos_inside),
                  "exp": lambda _logits, _gen, buffer=buffer: torch.exp(_logits, out=buffer)}
@@ -195,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--vocabs", type=int, nargs="+", default=[32000, 50257, 128256, 151936])
     parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
+    parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), default=list(STRATEGIES),
+                        help="the strategies to time (default: all; peers time all of theirs)")
     parser.add_argument("--calls", type=int, default=20, help="interleaved calls per case (median)")
     parser.add_argument("--torch-path", action="store_true", help="also time the torch path (impl='torch')")
     parser.add_argument("--repeats", type=int, default=1,
@@ -214,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     try:
         rows = combine([run(tuple(args.batches), tuple(args.vocabs), args.calls, args.eos_inside, tuple(args.shapes),
-                            args.torch_path) for _ in range(args.repeats)])
+                            args.torch_path, tuple(args.strategies)) for _ in range(args.repeats)])
     finally:
         torch.set_num_threads(threads)
     for name, timed in peer_timings.items():

@@ -189,6 +189,26 @@ def test_the_other_capabilities_build_and_agree(capability):
             want = coef * torch.exp(z.double() - lse)
             want[7] = 0
             torch.testing.assert_close(dz.double(), want, rtol=2**-7, atol=1e-7)  # float16: its subnormals
+        # The selection kernel (its vector paths: the band of top-p's boundary, the walks): on a peaked row, every
+        # draw in the float64 reference's support, each token's count within 5 sigma of the reference's.
+        import nmst_fast
+        from nmst_fast.reference import truncated_distribution
+        V, eos, draws = 32000, 31000, 20000
+        row = (torch.randn(V, generator=gen) - 1.1 * (torch.randperm(V, generator=gen).double() + 1).log().float()
+               + 8)
+        row[eos] = -3.0
+        log_p = nmst_fast.nmst_log_probs(row.double()[None], eos_index=eos, eps=1e-3, head="nmst",
+                                         steps=torch.tensor([40]))[0]
+        steps = torch.full((draws,), 40)
+        for top_k, top_p in ((0, 0.9), (0, 0.5), (40, 0.95), (0, None), (1, None)):
+            uniforms = torch.rand(draws, generator=gen, dtype=torch.float64)
+            tokens, _, _, bad = ops.select_rows(row.expand(draws, V), 0, eos, 1e-3, 1.0, steps, None, top_k,
+                                                top_p - 1e-12 if top_p else 2.0, 0.0, uniforms)
+            assert int(bad) == draws
+            want = truncated_distribution(log_p[None], top_k or None, top_p, None)[0]
+            counts = torch.bincount(tokens, minlength=V).double()
+            assert bool((want[counts > 0] > 0).all()), (top_k, top_p)
+            assert bool(((counts - draws * want).abs() <= 5 * (draws * want).sqrt() + 3).all()), (top_k, top_p)
         print("agree")
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)

@@ -52,6 +52,24 @@ inline float span_max(const float* x, int64_t n) {
   return nan ? std::numeric_limits<float>::quiet_NaN() : best;
 }
 
+// 2^x of float32 lanes x <= 0, inlined (Sleef's exp2 is a call, around which a pass spills every accumulator it
+// holds): 2^n * p(f) with n = round(x), f = x - n in [-1/2, 1/2] and p the degree-6 polynomial of Cephes' exp2f
+// (relative error below 2e-7); 0 below -126 (-inf included).
+inline Vec exp2_nonpositive(const Vec& x) {
+  const Vec n = x.round();
+  const Vec f = x - n;
+  Vec p(1.535336188319500e-4f);
+  p = at::vec::fmadd(p, f, Vec(1.339887440266574e-3f));
+  p = at::vec::fmadd(p, f, Vec(9.618437357674640e-3f));
+  p = at::vec::fmadd(p, f, Vec(5.550332471162809e-2f));
+  p = at::vec::fmadd(p, f, Vec(2.402264791363012e-1f));
+  p = at::vec::fmadd(p, f, Vec(6.931472028550421e-1f));
+  p = at::vec::fmadd(p, f, Vec(1.f));
+  // 2^n as the float whose exponent field is n + 127 (1..127 here)
+  const Vec two_n = at::vec::cast<float>(at::vec::convert_to_int_of_same_size((n + Vec(127.f)) * Vec(8388608.f)));
+  return Vec::blendv(Vec(0.f), p * two_n, x >= Vec(-126.f));
+}
+
 // sum of 2^((x - shift) * scale) over x[0, n), accumulated in double every kFlushSteps vector steps.
 inline double span_exp2_sum(const float* x, int64_t n, float shift, float scale) {
   const Vec vshift(shift), vscale(scale);
@@ -61,7 +79,7 @@ inline double span_exp2_sum(const float* x, int64_t n, float shift, float scale)
     Vec acc[kUnroll] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
     for (int64_t s = 0; s < kFlushSteps && i + kStep <= n; ++s, i += kStep) {
       for (int64_t k = 0; k < kUnroll; ++k) {
-        acc[k] = acc[k] + ((Vec::loadu(x + i + k * kWidth) - vshift) * vscale).exp2();
+        acc[k] = acc[k] + exp2_nonpositive((Vec::loadu(x + i + k * kWidth) - vshift) * vscale);
       }
     }
     float lanes[kWidth];

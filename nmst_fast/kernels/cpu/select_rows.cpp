@@ -1,15 +1,18 @@
 // One decoding step's token selection on float32 CPU rows, for the NMST, ST and VA heads: greedy,
 // sampling, top-k, top-p, min-p and their combinations (top-k, then top-p, then min-p), with temperature
-// dividing the non-eos logits (every logit for VA). A row takes a few passes over its V logits and no sort of the vocabulary:
+// dividing the non-eos logits (every logit for VA). A row takes a few passes over its V logits and no sort of the
+// vocabulary; the exponentials are 2^x in float32 lanes, inlined (exp2_nonpositive), summed in float32 blocks
+// flushed into float64:
 //   1. the max of the non-eos logits (NaN refused);
 //   2. the sum of exp((z - max) / T), giving L_T and the head's scalars (a = log(1 - alpha_t), the
 //      eos log-probability and effective logit zeta_eos) in float64; top-p alone also sums the mass
-//      above a few thresholds under the max, to pick the smallest candidate set that holds p;
+//      at or above a few floors under the max, which bracket the nucleus's boundary in a band of logits;
 //   3. by strategy: greedy, the first column of the max; sampling, one inverse-CDF walk of the same
-//      exponentials to the uniform's target; top-k, a scan keeping the k best in a heap (a vector
-//      compare against the k-th value skips nearly every column); top-p, the columns above the
-//      chosen threshold, whose nucleus boundary is found by a histogram of their probabilities,
-//      sorting only the boundary bucket.
+//      exponentials to the uniform's target (whole blocks passed while the running sum stays short of it);
+//      top-k, a scan keeping the k best in a heap (a vector compare against the k-th value skips nearly every
+//      column); top-p, the band's entries collected (compressed vector stores), split by their own sums until
+//      few are left, the boundary found among them by a histogram, sorting only the boundary bucket; the draw
+//      walks the row above the band or the band's kept tokens.
 // Tokens rank by probability, ties to the lower index: non-eos tokens by their logit, eos by zeta_eos.
 // Top-k keeps the k best (eos counted), top-p the smallest most-probable prefix whose mass reaches p
 // (after top-k: of the top-k set's renormalized mass), min-p the tokens whose probability is at least
@@ -58,6 +61,39 @@ inline uint32_t lane_mask(const Vec& compared) {
   return ~static_cast<uint32_t>(compared.zero_mask()) & ((uint32_t{1} << kWidth) - 1);
 }
 
+// The sum of v's lanes in float32 (the portable Vectorized's reduce_add does not build).
+inline float lane_sum(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return v.reduce_add();
+#else
+  float lanes[kWidth];
+  v.store(lanes);
+  float total = 0.f;
+  for (int64_t k = 0; k < kWidth; ++k) {
+    total += lanes[k];
+  }
+  return total;
+#endif
+}
+
+// The lanes of v in [low, high) as a bit mask (AVX-512: two compares into mask registers).
+inline uint32_t lanes_in(const Vec& v, const Vec& low, const Vec& high) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(v, low, _CMP_GE_OQ), v, high, _CMP_LT_OQ);
+#else
+  return lane_mask(v >= low) & lane_mask(v < high);
+#endif
+}
+
+// acc + (e where v >= floor, else 0) (AVX-512: a compare into a mask register and a masked add).
+inline Vec add_where_at_least(const Vec& acc, const Vec& v, const Vec& floor, const Vec& e) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_mask_add_ps(acc, _mm512_cmp_ps_mask(v, floor, _CMP_GE_OQ), acc, e);
+#else
+  return acc + Vec::blendv(Vec(0.f), e, v >= floor);
+#endif
+}
+
 // The first column in x[0, n) holding ``value`` (-1: none).
 inline int64_t first_column_of(const float* x, int64_t n, float value) {
   const Vec target(value);
@@ -81,8 +117,9 @@ inline int64_t first_column_of(const float* x, int64_t n, float value) {
 // nucleus ends about 8 nats under its max).
 constexpr int kLevels = 7;
 constexpr double kLevelGaps[kLevels] = {3.0, 6.0, 9.0, 12.0, 16.0, 24.0, kInf};
-// Levels from this one on (a set that may hold most of the row) are split into kSublevels by one more pass.
-constexpr int kRefineFrom = 2;
+// A band of top-p's candidates larger than this is split into kSublevels by the sums over its own entries, and
+// narrowed to the sublevel that holds the nucleus's boundary, until it is no larger (or no longer splits).
+constexpr int64_t kBandRefine = 256;
 constexpr int kSublevels = 8;
 
 // The sums of 2^((x - shift) * scale) over the entries of x[0, n) >= each of the ``Levels`` ``floors`` (raw
@@ -103,9 +140,9 @@ inline void span_exp2_level_sums(const float* x, int64_t n, float shift, float s
     }
     for (int64_t s = 0; s < kFlushSteps * kUnroll && i + kWidth <= n; ++s, i += kWidth) {
       const Vec v = Vec::loadu(x + i);
-      const Vec e = ((v - vshift) * vscale).exp2();
+      const Vec e = exp2_nonpositive((v - vshift) * vscale);
       for (int j = 0; j < Levels; ++j) {
-        acc[j] = acc[j] + Vec::blendv(zero, e, v >= vfloor[j]);
+        acc[j] = add_where_at_least(acc[j], v, vfloor[j], e);
       }
     }
     for (int j = 0; j < Levels; ++j) {
@@ -124,41 +161,63 @@ inline void span_exp2_level_sums(const float* x, int64_t n, float shift, float s
   }
 }
 
-// The inverse-CDF walk of one span: adds 2^((x - shift) * scale) of x[0, n) to *cumulative until it
-// passes ``target``; returns that column (-1 if it does not), keeping the last column of positive weight.
-inline int64_t span_walk(const float* x, int64_t n, float shift, float scale, double target, double* cumulative,
-                         int64_t* last_positive) {
-  const Vec vshift(shift), vscale(scale);
-  int64_t i = 0;
-  for (; i + kWidth <= n; i += kWidth) {
-    const Vec e = ((Vec::loadu(x + i) - vshift) * vscale).exp2();
-    float lanes[kWidth];
-    e.store(lanes);
-    double block = 0.0;
-    for (int64_t k = 0; k < kWidth; ++k) {
-      block += lanes[k];
+// The inverse-CDF walk of one span: adds 2^((x - shift) * scale) of x[0, n) (with ``Floored``, of its entries >=
+// ``floor`` only) to *cumulative until it passes ``target``; returns that column (-1 if it does not), keeping the
+// last column of positive weight. Blocks of kStep columns are summed in float32 lanes and passed whole while the
+// running sum stays at or below the target; the block that passes it is walked entry by entry in float64.
+template <bool Floored>
+inline int64_t span_walk(const float* x, int64_t n, float shift, float scale, float floor, double target,
+                         double* cumulative, int64_t* last_positive) {
+  const Vec vshift(shift), vscale(scale), vfloor(floor), zero(0.f);
+  auto weights = [&](int64_t at) {
+    const Vec v = Vec::loadu(x + at);
+    const Vec e = exp2_nonpositive((v - vshift) * vscale);
+    if constexpr (Floored) {
+      return add_where_at_least(zero, v, vfloor, e);
     }
-    if (block > 0.0) {
-      if (*cumulative + block > target) {
-        for (int64_t k = 0; k < kWidth; ++k) {
-          *cumulative += lanes[k];
-          if (lanes[k] > 0.f && *cumulative > target) {
-            return i + k;
-          }
+    return e;
+  };
+  int64_t i = 0, last_block = -1;  // the last block of positive weight passed whole
+  for (; i + kStep <= n; i += kStep) {
+    Vec e[kUnroll];
+    for (int64_t k = 0; k < kUnroll; ++k) {
+      e[k] = weights(i + k * kWidth);
+    }
+    const double block = lane_sum((e[0] + e[1]) + (e[2] + e[3]));
+    if (!(*cumulative + block > target)) {
+      *cumulative += block;
+      last_block = block > 0.0 ? i : last_block;
+      continue;
+    }
+    float lanes[kStep];
+    for (int64_t k = 0; k < kUnroll; ++k) {
+      e[k].store(lanes + k * kWidth);
+    }
+    for (int64_t k = 0; k < kStep; ++k) {
+      if (lanes[k] > 0.f) {
+        *cumulative += lanes[k];
+        *last_positive = i + k;
+        if (*cumulative > target) {
+          return i + k;
         }
-      } else {
-        *cumulative += block;
       }
-      for (int64_t k = kWidth - 1; k >= 0; --k) {
-        if (lanes[k] > 0.f) {
-          *last_positive = i + k;
-          break;
-        }
+    }
+    last_block = -1;  // its last positive column is recorded
+  }
+  if (last_block >= 0) {  // the last positive column of the last block passed whole
+    float lanes[kStep];
+    for (int64_t k = 0; k < kUnroll; ++k) {
+      weights(last_block + k * kWidth).store(lanes + k * kWidth);
+    }
+    for (int64_t k = kStep - 1; k >= 0; --k) {
+      if (lanes[k] > 0.f) {
+        *last_positive = std::max(*last_positive, last_block + k);
+        break;
       }
     }
   }
   for (; i < n; ++i) {
-    const double e = std::exp2((x[i] - shift) * scale);
+    const double e = Floored && !(x[i] >= floor) ? 0.0 : std::exp2((x[i] - shift) * scale);
     if (e > 0.0) {
       *cumulative += e;
       *last_positive = i;
@@ -168,6 +227,28 @@ inline int64_t span_walk(const float* x, int64_t n, float shift, float scale, do
     }
   }
   return -1;
+}
+
+// The inverse-CDF walk over the spans (see span_walk): the column where the running sum passes ``target``, else
+// the last column of positive weight.
+template <bool Floored>
+int64_t spans_walk(const Spans& spans, float shift, float scale, float floor, double target) {
+  double running = 0.0;
+  int64_t last_positive = -1, column = -1;
+  spans.each([&](const float* x, int64_t n, int64_t offset) {
+    if (column >= 0) {
+      return;
+    }
+    int64_t last = -1;
+    const int64_t at = span_walk<Floored>(x, n, shift, scale, floor, target, &running, &last);
+    if (last >= 0) {
+      last_positive = offset + last;
+    }
+    if (at >= 0) {
+      column = offset + at;
+    }
+  });
+  return column >= 0 ? column : last_positive;
 }
 
 // A ranked candidate: its zeta (logit / T; zeta_eos for eos), its column, its probability.
@@ -224,14 +305,14 @@ void top_columns(const Spans& spans, int64_t k, std::vector<std::pair<float, int
   });
 }
 
-// The columns of the spans whose logit is >= floor, appended as (logit, column).
-void columns_above(const Spans& spans, float floor, std::vector<std::pair<float, int64_t>>* out) {
+// The columns of the spans whose logit is in [low, high), appended as (logit, column).
+void columns_in(const Spans& spans, float low, float high, std::vector<std::pair<float, int64_t>>* out) {
   out->clear();
   spans.each([&](const float* x, int64_t n, int64_t offset) {
-    const Vec vfloor(floor);
+    const Vec vlow(low), vhigh(high);
     int64_t i = 0;
     for (; i + kWidth <= n; i += kWidth) {
-      uint32_t hits = lane_mask(Vec::loadu(x + i) >= vfloor);
+      uint32_t hits = lanes_in(Vec::loadu(x + i), vlow, vhigh);
       while (hits != 0) {
         const int64_t at = i + __builtin_ctz(hits);
         out->emplace_back(x[at], offset + at);
@@ -239,12 +320,105 @@ void columns_above(const Spans& spans, float floor, std::vector<std::pair<float,
       }
     }
     for (; i < n; ++i) {
-      if (x[i] >= floor) {
+      if (x[i] >= low && x[i] < high) {
         out->emplace_back(x[i], offset + i);
       }
     }
   });
 }
+
+// Top-p's band: the logits and columns of the spans' entries in [low, high), ``size`` of them (the buffers keep
+// their largest size between rows: a full vector store may write past ``size``).
+struct Band {
+  std::vector<float> x;
+  std::vector<int32_t> column;
+  int64_t size = 0;
+
+  void collect(const Spans& spans, int64_t V, float low, float high) {
+    if (static_cast<int64_t>(x.size()) < V + kWidth) {
+      x.resize(static_cast<size_t>(V + kWidth));
+      column.resize(static_cast<size_t>(V + kWidth));
+    }
+    size = 0;
+    spans.each([&](const float* row, int64_t n, int64_t offset) {
+      size = collect_span(row, n, offset, low, high, x.data(), column.data(), size);
+    });
+  }
+
+  // Appends the entries of row[0, n) in [low, high) at xs[count], columns[count] (columns from ``offset``);
+  // returns the new count. Branch-free on AVX-512: each vector's hits compressed in registers and stored whole (a
+  // compressing store to memory is slow on some CPUs), whether it has any or not.
+  static int64_t collect_span(const float* row, int64_t n, int64_t offset, float low, float high, float* xs,
+                              int32_t* columns, int64_t count) {
+    const Vec vlow(low), vhigh(high);
+    int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; i + kWidth <= n; i += kWidth) {
+      const __m512 v = _mm512_loadu_ps(row + i);
+      const __mmask16 hits = _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(v, vlow, _CMP_GE_OQ), v, vhigh, _CMP_LT_OQ);
+      const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(offset + i)), lanes);
+      _mm512_storeu_ps(xs + count, _mm512_maskz_compress_ps(hits, v));
+      _mm512_storeu_si512(columns + count, _mm512_maskz_compress_epi32(hits, at));
+      count += __builtin_popcount(hits);
+    }
+#else
+    for (; i + kWidth <= n; i += kWidth) {
+      uint32_t hits = lanes_in(Vec::loadu(row + i), vlow, vhigh);
+      while (hits != 0) {
+        const int64_t at = i + __builtin_ctz(hits);
+        xs[count] = row[at];
+        columns[count++] = static_cast<int32_t>(offset + at);
+        hits &= hits - 1;
+      }
+    }
+#endif
+    for (; i < n; ++i) {
+      if (row[i] >= low && row[i] < high) {
+        xs[count] = row[i];
+        columns[count++] = static_cast<int32_t>(offset + i);
+      }
+    }
+    return count;
+  }
+
+  // Keeps the entries in [low, high), in place (a compressed vector's store never passes the entries unread).
+  void narrow(float low, float high) {
+    const Vec vlow(low), vhigh(high);
+    int64_t count = 0, i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+    for (; i + kWidth <= size; i += kWidth) {
+      const __m512 v = _mm512_loadu_ps(x.data() + i);
+      const __m512i at = _mm512_loadu_si512(column.data() + i);
+      const __mmask16 hits = _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(v, vlow, _CMP_GE_OQ), v, vhigh, _CMP_LT_OQ);
+      _mm512_storeu_ps(x.data() + count, _mm512_maskz_compress_ps(hits, v));
+      _mm512_storeu_si512(column.data() + count, _mm512_maskz_compress_epi32(hits, at));
+      count += __builtin_popcount(hits);
+    }
+#endif
+    for (; i < size; ++i) {
+      if (x[i] >= low && x[i] < high) {
+        x[count] = x[i];
+        column[count++] = column[i];
+      }
+    }
+    size = count;
+  }
+
+  // The entries as candidates, appended: zeta = logit * inverse and probability factor * 2^((logit - shift) *
+  // scale), the exponentials in float32 lanes as the level sums that bracket the band (``scratch``: their buffer).
+  void candidates(float shift, float scale, double inverse, double factor, std::vector<float>* scratch,
+                  std::vector<Candidate>* out) const {
+    scratch->resize(static_cast<size_t>((size + kWidth - 1) / kWidth * kWidth));
+    const Vec vshift(shift), vscale(scale);
+    for (int64_t i = 0; i < size; i += kWidth) {
+      exp2_nonpositive((Vec::loadu(x.data() + i) - vshift) * vscale).store(scratch->data() + i);
+    }
+    for (int64_t i = 0; i < size; ++i) {
+      out->push_back({static_cast<double>(x[i]) * inverse, column[i], factor * (*scratch)[i], 0});
+    }
+  }
+};
 
 // Index of the draw among ``weights`` (rank order, positive sum) at uniform u: the first whose
 // cumulative sum exceeds u * total (u * total kept one ulp below the total).
@@ -260,9 +434,11 @@ constexpr int64_t kBuckets = 2048;
 constexpr size_t kSortWhole = 256;
 
 // The kept prefix of the ranked ``candidates`` (modified: reordered) for top-p cut ``cut`` of ``mass``
-// (the mass top-p is taken against): the kept candidates in ``kept`` (any order, ties at the boundary by
-// rank); returns false where the candidates' mass does not reach the cut (the nucleus goes past them).
-bool nucleus(std::vector<Candidate>& candidates, double cut, double mass, std::vector<Candidate>* kept) {
+// (the mass top-p is taken against), after ``before`` of it kept ahead of every candidate: the kept candidates
+// in ``kept`` (any order, ties at the boundary by rank); returns false where the candidates' mass does not reach
+// the cut (the nucleus goes past them).
+bool nucleus(std::vector<Candidate>& candidates, double cut, double mass, std::vector<Candidate>* kept,
+             double before = 0.0) {
   kept->clear();
   auto walk = [&](std::vector<Candidate>::iterator begin, std::vector<Candidate>::iterator end, double before) {
     std::sort(begin, end, ranks_before);
@@ -277,14 +453,14 @@ bool nucleus(std::vector<Candidate>& candidates, double cut, double mass, std::v
   };
   // Where the walk keeps every candidate, the nucleus ends inside them only if their whole mass reaches the cut.
   auto all_reach_cut = [&] {
-    double total = 0.0;
+    double total = before;
     for (const Candidate& c : candidates) {
       total += c.prob;
     }
     return total / mass >= cut;
   };
   if (candidates.size() <= kSortWhole) {
-    return walk(candidates.begin(), candidates.end(), 0.0) || all_reach_cut();
+    return walk(candidates.begin(), candidates.end(), before) || all_reach_cut();
   }
   double top = -kInf, low = kInf;
   for (const Candidate& c : candidates) {
@@ -306,17 +482,32 @@ bool nucleus(std::vector<Candidate>& candidates, double cut, double mass, std::v
     bucket_mass[c.bucket] += c.prob;
   }
   // The boundary bucket: the first whose end brings the mass to the cut.
-  double before = 0.0;
+  double running = before;
   int64_t boundary = 0;
-  while (boundary < kBuckets - 1 && (before + bucket_mass[boundary]) / mass < cut) {
-    before += bucket_mass[boundary++];
+  while (boundary < kBuckets - 1 && (running + bucket_mass[boundary]) / mass < cut) {
+    running += bucket_mass[boundary++];
   }
   // Candidates above the boundary bucket first (all kept), then the boundary bucket, sorted.
   auto mid = std::partition(candidates.begin(), candidates.end(),
                             [&](const Candidate& c) { return c.bucket < boundary; });
   auto end = std::partition(mid, candidates.end(), [&](const Candidate& c) { return c.bucket == boundary; });
   kept->assign(candidates.begin(), mid);
-  return walk(mid, end, before) || all_reach_cut();
+  return walk(mid, end, running) || all_reach_cut();
+}
+
+// A thread's buffers for its rows, kept between calls (a fresh band buffer of V entries was a large allocation,
+// zeroed and page-faulted, on every call).
+struct Workspace {
+  std::vector<std::pair<float, int64_t>> pairs;
+  std::vector<Candidate> candidates, kept;
+  std::vector<double> cumulative;
+  std::vector<float> scratch;
+  Band band;
+};
+
+Workspace& thread_workspace() {
+  thread_local Workspace workspace;
+  return workspace;
 }
 
 struct RowResult {
@@ -337,8 +528,12 @@ struct Settings {
 };
 
 RowResult select_row(const float* row, int64_t V, const Settings& cfg, int64_t step, double state_before, double u,
-                     std::vector<std::pair<float, int64_t>>* pairs, std::vector<Candidate>* candidates,
-                     std::vector<Candidate>* kept, std::vector<double>* cumulative) {
+                     Workspace& work) {
+  std::vector<std::pair<float, int64_t>>* pairs = &work.pairs;
+  std::vector<Candidate>*candidates = &work.candidates, *kept = &work.kept;
+  std::vector<double>* cumulative = &work.cumulative;
+  std::vector<float>* scratch = &work.scratch;
+  Band* band = &work.band;
   const bool special = cfg.head != 2;
   const int64_t eos = cfg.eos;
   const Spans spans = special ? Spans{row, eos, row + eos + 1, V - eos - 1, eos + 1} : Spans{row, V, row, 0, V};
@@ -406,22 +601,7 @@ RowResult select_row(const float* row, int64_t V, const Settings& cfg, int64_t s
       return out;
     }
     const double target = std::min(u / survival * sum, std::nextafter(sum, 0.0));
-    double running = 0.0;
-    int64_t last_positive = -1, column = -1;
-    spans.each([&](const float* x, int64_t n, int64_t offset) {
-      if (column >= 0) {
-        return;
-      }
-      int64_t last = -1;
-      const int64_t at = span_walk(x, n, best, scale, target, &running, &last);
-      if (last >= 0) {
-        last_positive = offset + last;
-      }
-      if (at >= 0) {
-        column = offset + at;
-      }
-    });
-    column = column >= 0 ? column : last_positive;
+    const int64_t column = spans_walk<false>(spans, best, scale, -kInfF, target);
     choose(column, static_cast<double>(row[column]) * inverse);
     return out;
   }
@@ -468,9 +648,9 @@ RowResult select_row(const float* row, int64_t V, const Settings& cfg, int64_t s
     // exact one (float32 rounding), then cut by the probabilities themselves.
     const double zeta_floor = std::log(min_prob) + log_norm;
     const double logit_floor = zeta_floor * cfg.temperature;
-    columns_above(spans, std::nextafter(static_cast<float>(logit_floor - 1e-6 * (1.0 + std::abs(logit_floor))),
+    columns_in(spans, std::nextafter(static_cast<float>(logit_floor - 1e-6 * (1.0 + std::abs(logit_floor))),
                                         -kInfF),
-                  pairs);
+               kInfF, pairs);
     candidates->clear();
     add_pairs();
     add_eos();
@@ -485,50 +665,95 @@ RowResult select_row(const float* row, int64_t V, const Settings& cfg, int64_t s
       kept->assign(candidates->begin(), candidates->end());
     }
   } else {
-    // Top-p alone: the smallest level whose mass (float32 sums) clears the cut with room for their
-    // rounding; the exact walk confirms it, else the next level.
+    // Top-p alone. The level sums bracket the nucleus's boundary: every token at or above ``high`` is kept (their
+    // mass is surely short of the cut), none under ``low`` (the mass at or above it surely reaches the cut). Only
+    // the band [low, high) is collected and ranked (nucleus(), after the mass above it); the draw walks either the
+    // row's columns at or above ``high`` or the band's kept tokens.
     const double survival = special ? std::exp(a) : 1.0;
-    auto clears = [&](float at, double level_sum) {
-      const double eos_mass = special && eos_zeta >= static_cast<double>(at) * inverse ? std::exp(eos_log_prob) : 0.0;
-      return survival * level_sum / sum + eos_mass >= cfg.cut + 1e-4;
+    const double eos_prob = special ? std::exp(eos_log_prob) : 0.0;
+    auto eos_at_or_above = [&](float at) { return special && eos_zeta >= static_cast<double>(at) * inverse; };
+    auto mass_at = [&](float at, double level_sum) {  // the step's mass at or above the floor ``at``
+      return survival * level_sum / sum + (eos_at_or_above(at) ? eos_prob : 0.0);
     };
+    constexpr double kMargin = 1e-4;  // room for the float32 sums' rounding
     int level = 0;
-    while (level < kLevels - 1 && !clears(floors[level], level_sums[level])) {
+    while (level < kLevels - 1 && mass_at(floors[level], level_sums[level]) < cfg.cut + kMargin) {
       ++level;
     }
-    // A wide level (its set many times the nucleus on a long tail) is split once more: one pass for the sums
-    // above kSublevels floors between the level before and this one, the first that clears taken.
-    float cutoff = floors[level];
-    if (level >= kRefineFrom && level < kLevels - 1) {
-      float sub_floors[kSublevels];
-      double sub_sums[kSublevels] = {};
-      for (int j = 0; j < kSublevels; ++j) {
-        const double gap = kLevelGaps[level - 1] + (kLevelGaps[level] - kLevelGaps[level - 1]) * (j + 1) / kSublevels;
-        sub_floors[j] = j == kSublevels - 1 ? floors[level] : static_cast<float>(best - gap * cfg.temperature);
-      }
-      spans.each([&](const float* x, int64_t n, int64_t) {
-        span_exp2_level_sums<kSublevels>(x, n, best, scale, sub_floors, sub_sums);
-      });
-      for (int j = 0; j < kSublevels; ++j) {
-        if (clears(sub_floors[j], sub_sums[j])) {
-          cutoff = sub_floors[j];
-          break;
-        }
-      }
-    }
-    for (;;) {
-      columns_above(spans, cutoff, pairs);
-      candidates->clear();
-      add_pairs();
-      // Every token whose zeta is at least the floor's: a prefix of the ranking (eos by zeta_eos).
-      if (special && eos_zeta >= static_cast<double>(cutoff) * inverse) {
-        add_eos();
-      }
-      if (nucleus(*candidates, cfg.cut, 1.0, kept) || level == kLevels - 1) {
+    float low = floors[level], high = kInfF;
+    double high_sum = 0.0;
+    for (int j = level - 1; j >= 0; --j) {
+      if (mass_at(floors[j], level_sums[j]) <= cfg.cut - kMargin) {
+        high = floors[j];
+        high_sum = level_sums[j];
         break;
       }
-      cutoff = cutoff > floors[level] ? floors[level] : floors[++level];  // a split level's own floor next
     }
+    double above = std::isfinite(high) ? mass_at(high, high_sum) : 0.0;
+    for (;;) {
+      band->collect(spans, V, low, high);
+      // A large band is split by its own entries' sums: the sublevel holding the boundary is kept, the mass above
+      // it joins ``above``.
+      while (band->size > kBandRefine && std::isfinite(high)) {
+        float sub_floors[kSublevels];
+        double sub_sums[kSublevels] = {};
+        for (int j = 0; j < kSublevels; ++j) {
+          sub_floors[j] = static_cast<float>(high - (static_cast<double>(high) - low) * (j + 1) / kSublevels);
+        }
+        sub_floors[kSublevels - 1] = low;
+        span_exp2_level_sums<kSublevels>(band->x.data(), band->size, best, scale, sub_floors, sub_sums);
+        const float old_low = low, old_high = high;
+        double next_above = above;
+        for (int j = 0; j < kSublevels; ++j) {
+          const bool eos_here = eos_at_or_above(sub_floors[j]) && !eos_at_or_above(old_high);
+          const double m = above + survival * sub_sums[j] / sum + (eos_here ? eos_prob : 0.0);
+          if (m >= cfg.cut + kMargin) {
+            low = sub_floors[j];
+            break;
+          }
+          if (m <= cfg.cut - kMargin) {
+            high = sub_floors[j];
+            next_above = m;
+          }
+        }
+        if (low == old_low && high == old_high) {
+          break;  // the boundary sits within the sums' rounding of a sublevel floor: the band as it is
+        }
+        above = next_above;
+        band->narrow(low, high);
+      }
+      candidates->clear();
+      band->candidates(best, scale, inverse, survival / sum, scratch, candidates);
+      if (eos_at_or_above(low) && !eos_at_or_above(high)) {
+        add_eos();
+      }
+      if (nucleus(*candidates, cfg.cut, 1.0, kept, above) || level == kLevels - 1) {
+        break;
+      }
+      // Rounding past the margin (the band's mass short of the cut): every token from the next level's floor up.
+      high = kInfF;
+      above = 0.0;
+      low = floors[++level];
+    }
+    double band = 0.0;
+    for (const Candidate& c : *kept) {
+      band += c.prob;
+    }
+    const double total = above + band;
+    double target = std::min(u * total, std::nextafter(total, 0.0));
+    if (target < above) {  // a token at or above ``high``: eos (when there) first, then the columns in order
+      if (eos_at_or_above(high)) {
+        if (target < eos_prob || !(survival > 0.0)) {
+          choose(eos, eos_zeta);
+          return out;
+        }
+        target -= eos_prob;
+      }
+      const int64_t column = spans_walk<true>(spans, best, scale, high, target / survival * sum);
+      choose(column, static_cast<double>(row[column]) * inverse);
+      return out;
+    }
+    u = (target - above) / band;  // the draw among the band's kept tokens
   }
   cumulative->clear();
   double total = 0.0;
@@ -584,12 +809,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_rows(
   // Rows in parallel where the batch holds several: each row is sequential work of a few passes.
   const int64_t grain = B * V >= (int64_t{1} << 18) ? 1 : B;
   at::parallel_for(0, B, grain, [&](int64_t begin, int64_t end) {
-    std::vector<std::pair<float, int64_t>> pairs;
-    std::vector<Candidate> candidates, kept;
-    std::vector<double> cumulative;
+    Workspace& work = thread_workspace();
     for (int64_t b = begin; b < end; ++b) {
       const RowResult r = select_row(base + b * row_stride, V, cfg, step[b], state_before ? state_before[b] : 0.0,
-                                     u[b], &pairs, &candidates, &kept, &cumulative);
+                                     u[b], work);
       ok[b] = r.ok;
       token[b] = r.ok ? r.token : 0;
       log_prob[b] = r.ok ? r.log_prob : std::numeric_limits<double>::quiet_NaN();
@@ -616,11 +839,8 @@ namespace nmst_fast_cpu {
 bool draw_row(const float* row, int64_t V, int64_t head, int64_t eos, double log1m_eps, double temperature,
               int64_t top_k, double cut, double min_p, int64_t step, double state_before, double u, int64_t* token,
               double* state_after) {
-  thread_local std::vector<std::pair<float, int64_t>> pairs;
-  thread_local std::vector<Candidate> candidates, kept;
-  thread_local std::vector<double> cumulative;
   const Settings cfg{head, eos, log1m_eps, temperature, top_k, cut, min_p};
-  const RowResult r = select_row(row, V, cfg, step, state_before, u, &pairs, &candidates, &kept, &cumulative);
+  const RowResult r = select_row(row, V, cfg, step, state_before, u, thread_workspace());
   *token = r.token;
   *state_after = r.state;
   return r.ok;
