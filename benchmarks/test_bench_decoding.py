@@ -95,6 +95,10 @@ def test_cpu_step_report_runs(tmp_path, capsys):
     cpu_step.main(["--batches", "1", "--vocabs", "300", "--calls", "2", "--eos-inside", "--shapes", "peaked"])
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| peaked | 1 | 300 |")]
     assert len(printed) == len(cpu_step.STRATEGIES)
+    cpu_step.main(["--batches", "1", "--vocabs", "300", "--calls", "2", "--shapes", "flat", "--strategies", "top-p 0.9",
+                   "greedy"])
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| flat | 1 | 300 |")]
+    assert [line.split(" | ")[3] for line in printed] == ["top-p 0.9", "greedy"]
     logits = torch.randn(3, 300)
     logits[0, 299 - cpu_step.INSIDE] = logits[1, 299] = 30.0  # eos wins these rows (t = STEP)
     for inside in (False, True):
