@@ -735,11 +735,11 @@ RowResult select_row(const float* row, int64_t V, const Settings& cfg, int64_t s
       above = 0.0;
       low = floors[++level];
     }
-    double band = 0.0;
+    double kept_mass = 0.0;  // the band's kept tokens' probability
     for (const Candidate& c : *kept) {
-      band += c.prob;
+      kept_mass += c.prob;
     }
-    const double total = above + band;
+    const double total = above + kept_mass;
     double target = std::min(u * total, std::nextafter(total, 0.0));
     if (target < above) {  // a token at or above ``high``: eos (when there) first, then the columns in order
       if (eos_at_or_above(high)) {
@@ -753,7 +753,7 @@ RowResult select_row(const float* row, int64_t V, const Settings& cfg, int64_t s
       choose(column, static_cast<double>(row[column]) * inverse);
       return out;
     }
-    u = (target - above) / band;  // the draw among the band's kept tokens
+    u = (target - above) / kept_mass;  // the draw among the band's kept tokens
   }
   cumulative->clear();
   double total = 0.0;
