@@ -199,11 +199,9 @@ def test_the_other_capabilities_build_and_agree(capability):
         row[eos] = -3.0
         log_p = nmst_fast.nmst_log_probs(row.double()[None], eos_index=eos, eps=1e-3, head="nmst",
                                          steps=torch.tensor([40]))[0]
-        steps = torch.full((draws,), 40)
         for top_k, top_p in ((0, 0.9), (0, 0.5), (40, 0.95), (0, None), (1, None)):
-            uniforms = torch.rand(draws, generator=gen, dtype=torch.float64)
-            tokens, _, _, bad = ops.select_rows(row.expand(draws, V), 0, eos, 1e-3, 1.0, steps, None, top_k,
-                                                top_p - 1e-12 if top_p else 2.0, 0.0, uniforms)
+            tokens, _, _, bad = ops.select_rows(row.expand(draws, V), 0, eos, 1e-3, 1.0, None, 40, None, top_k,
+                                                top_p - 1e-12 if top_p else 2.0, 0.0, gen)
             assert int(bad) == draws
             want = truncated_distribution(log_p[None], top_k or None, top_p, None)[0]
             counts = torch.bincount(tokens, minlength=V).double()

@@ -119,6 +119,30 @@ def test_long_rows_follow_the_float64_reference(V, shape, top_k, top_p, min_p, d
     assert g_test_p(out.tokens, reference) > 1e-5, f"seed={seed}"
 
 
+@pytest.mark.parametrize("order", ["ties", "ascending", "descending"])
+@pytest.mark.parametrize("top_k", [7, 50, 300])
+def test_top_k_set_with_ties_across_blocks_and_sorted_rows(order, top_k):
+    """Top-k reads only the vocabulary blocks whose max reaches the k-th largest block max, and collects the entries
+    equal to it only while fewer than k are: rows whose k-th value is tied across many blocks (ties go to the lower
+    column), and sorted rows (every large value in a few blocks, or in the last ones), draw from exactly the
+    reference's top-k set."""
+    seed = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
+    V, eos = 20000, 9000
+    if order == "ties":
+        row = (torch.randn(V, generator=gen) * 1.5).round()
+    else:
+        row = torch.linspace(-4.0, 4.0, V)
+        row = row.flip(0) if order == "descending" else row
+    row[eos] = -3.0
+    step = kernel_step("nmst", eos, V, top_k)
+    out = draws_of(row, step, "nmst", eos, 40, 20_000, seed + 1)
+    reference = truncated_distribution(reference_log_probs(row, "nmst", eos, 40, 1.0)[None], top_k, None, None)[0]
+    assert bool((reference[out.tokens] > 0).all()), f"seed={seed}"
+    assert int((reference > 0).sum()) == top_k
+    assert g_test_p(out.tokens, reference) > 1e-5, f"seed={seed}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("V", [2, 17, 50257])
 @pytest.mark.parametrize("head", ["nmst", "va"])

@@ -2,9 +2,9 @@
 greedy, sampling, top-k, top-p, min-p and their combinations for the NMST, ST and VA heads, each row in a few vectorized
 passes over its logits (no sort of the vocabulary), the head's scalars in float64.
 
-The draws take one float64 uniform per row from the caller's generator (``torch.rand``), so seeded runs reproduce;
-greedy draws none. float32, bfloat16 and float16 logits are served (the latter two read as float32); float64 logits,
-and every row where the kernels are not built, go the torch path.
+The draws take one float64 uniform per row from the caller's CPU generator (the kernel draws them as ``torch.rand``
+would), so seeded runs reproduce; greedy draws none. float32, bfloat16 and float16 logits are served (the latter two
+read as float32); float64 logits, and every row where the kernels are not built, go the torch path.
 """
 
 from __future__ import annotations
@@ -37,18 +37,15 @@ class CPURows:
         B = logits.shape[0]
         rows = logits if logits.dtype == torch.float32 and logits.stride(1) == 1 else logits.float().contiguous()
         t = step_values(steps, B, logits.device) if self.head != "va" else 1
-        t = torch.full((B,), t, dtype=torch.long) if isinstance(t, int) else t.contiguous()
+        per_row, step = (None, t) if isinstance(t, int) else (t.contiguous(), 0)
         before = None
         if self.head == "st" and state is not None:
             before = check_state(state, B, logits.device).double().contiguous()
-        if self.top_k == 1:
-            uniforms = torch.zeros(B, dtype=torch.float64)
-        else:
-            uniforms = torch.rand(B, dtype=torch.float64, generator=generator,
-                                  device=generator.device if generator is not None else logits.device).cpu()
+        if generator is not None and generator.device.type != "cpu":
+            raise ValueError(f"generator must be a CPU generator for CPU logits, got one on {generator.device}")
         tokens, log_probs, states, bad = self.ops.select_rows(
-            rows, _HEADS[self.head], self.eos_index, self.eps, self.temperature, t, before, self.top_k, self.cut,
-            self.min_p, uniforms)
+            rows, _HEADS[self.head], self.eos_index, self.eps, self.temperature, per_row, step, before, self.top_k,
+            self.cut, self.min_p, generator)
         first_bad = int(bad)
         if first_bad < B:
             raise ValueError(no_distribution_message(first_bad))

@@ -20,10 +20,10 @@ vectors:
     ``nmst_fast.integrations.vllm.eos_column.host_eos_value`` computes it from the row pass's L_T
     (rows without a distribution keep theirs); returns ST's running sums after the step (A,) float64
     (empty for NMST).
-    ``select_rows(logits, head, eos, eps, temperature, steps, state, top_k, cut, uniforms)``: one decoding step's
-    token per row of ``logits`` (B, V) (``select_rows.cpp``; :mod:`nmst_fast.decoding.cpu_rows` documents the
-    arguments): (tokens (B,) int64, log p (B,) float64, ST's state after the step (B,) float64 or empty, (1,)
-    int64 the first row without a distribution, B if none).
+    ``select_rows(logits, head, eos, eps, temperature, steps, step, state, top_k, cut, min_p, generator)``: one
+    decoding step's token per row of ``logits`` (B, V) (``select_rows.cpp``; :mod:`nmst_fast.decoding.cpu_rows`
+    documents the arguments): (tokens (B,) int64, log p (B,) float64, ST's state after the step (B,) float64 or
+    empty, (1,) int64 the first row without a distribution, B if none).
 """
 
 from __future__ import annotations

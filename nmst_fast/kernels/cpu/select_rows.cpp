@@ -3,14 +3,14 @@
 // dividing the non-eos logits (every logit for VA). A row takes a few passes over its V logits and no sort of the
 // vocabulary; the exponentials are 2^x in float32 lanes, inlined (exp2_nonpositive), summed in float32 blocks
 // flushed into float64:
-//   1. the max of the non-eos logits (NaN refused);
+//   1. the max of the non-eos logits (NaN refused), for top-k each block's;
 //   2. the sum of exp((z - max) / T), giving L_T and the head's scalars (a = log(1 - alpha_t), the
 //      eos log-probability and effective logit zeta_eos) in float64; top-p alone also sums the mass
 //      at or above a few floors under the max, which bracket the nucleus's boundary in a band of logits;
 //   3. by strategy: greedy, the first column of the max; sampling, one inverse-CDF walk of the same
 //      exponentials to the uniform's target (whole blocks passed while the running sum stays short of it);
-//      top-k, a scan keeping the k best in a heap (a vector compare against the k-th value skips nearly every
-//      column); top-p, the band's entries collected (compressed vector stores), split by their own sums until
+//      top-k, the entries of the blocks whose max (taken in pass 1) reaches the k-th largest block max, the k best
+//      of them selected; top-p, the band's entries collected (compressed vector stores), split by their own sums until
 //      few are left, the boundary found among them by a histogram, sorting only the boundary bucket; the draw
 //      walks the row above the band or the band's kept tokens.
 // Tokens rank by probability, ties to the lower index: non-eos tokens by their logit, eos by zeta_eos.
@@ -18,7 +18,9 @@
 // (after top-k: of the top-k set's renormalized mass), min-p the tokens whose probability is at least
 // min_p times the most probable one's (of the step distribution, before any renormalization); the draw is the inverse CDF of the kept weights
 // at the caller's uniform, as nmst_fast.decoding.host_rows finishes a row.
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/DistributionsHelper.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -27,7 +29,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
+#include <mutex>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -263,46 +267,71 @@ inline bool ranks_before(const Candidate& a, const Candidate& b) {
   return a.zeta > b.zeta || (a.zeta == b.zeta && a.column < b.column);
 }
 
-// The k best (logit, column) of the spans, ties to the lower column: a min-heap of the k best so far
-// (its top the worst); columns rise along the scan, so a later equal logit ranks lower and stays out.
-void top_columns(const Spans& spans, int64_t k, std::vector<std::pair<float, int64_t>>* heap) {
-  auto worse = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  };
-  heap->clear();
+// Entries per block of top-k's block maxima: a few hundred blocks at the usual vocabularies.
+constexpr int64_t kMaxBlock = 256;
+
+// The max of x[0, n) (NaN where any entry is NaN, -inf for n = 0), the max of each block of kMaxBlock entries
+// appended to ``maxima`` (the last block may be shorter).
+inline float span_block_maxima(const float* x, int64_t n, std::vector<float>* maxima) {
+  float best = -kInfF;
+  bool nan = false;
+  for (int64_t b = 0; b < n; b += kMaxBlock) {
+    const float m = span_max(x + b, std::min(kMaxBlock, n - b));
+    nan |= std::isnan(m);
+    best = std::max(best, m);
+    maxima->push_back(m);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : best;
+}
+
+// The k best (logit, column) of the spans, ties to the lower column, in ``pairs`` (unordered), from the spans'
+// block maxima (``maxima``: span_block_maxima's, the first span's blocks first). The k-th largest block max is at
+// most the k-th largest logit (k blocks reach it), so only the blocks that reach it are read and their entries at
+// or above it collected, those equal to it only while fewer than k are (ties go to the lower column, and columns
+// rise along the scan); the k best of those are selected. ``scratch``: a buffer.
+void top_columns(const Spans& spans, int64_t k, const std::vector<float>& maxima, std::vector<float>* scratch,
+                 std::vector<std::pair<float, int64_t>>* pairs) {
+  float floor = -kInfF;  // k blocks or fewer: every entry may be among the k best
+  if (static_cast<int64_t>(maxima.size()) > k) {
+    scratch->assign(maxima.begin(), maxima.end());
+    std::nth_element(scratch->begin(), scratch->begin() + (k - 1), scratch->end(), std::greater<float>());
+    floor = (*scratch)[k - 1];
+  }
+  pairs->clear();
+  int64_t ties = 0;  // entries equal to the floor collected
+  size_t block = 0;
+  const Vec vfloor(floor);
   spans.each([&](const float* x, int64_t n, int64_t offset) {
-    int64_t i = 0;
-    for (; i < n && static_cast<int64_t>(heap->size()) < k; ++i) {
-      heap->emplace_back(x[i], offset + i);
-      std::push_heap(heap->begin(), heap->end(), worse);
-    }
     auto offer = [&](int64_t at) {
-      if (x[at] > heap->front().first) {
-        std::pop_heap(heap->begin(), heap->end(), worse);
-        heap->back() = {x[at], offset + at};
-        std::push_heap(heap->begin(), heap->end(), worse);
+      if (x[at] > floor || ties++ < k) {
+        pairs->emplace_back(x[at], offset + at);
       }
     };
-    for (; i + kStep <= n; i += kStep) {
-      const Vec floor(heap->front().first);
-      const Vec above = at::vec::maximum(at::vec::maximum(Vec::loadu(x + i), Vec::loadu(x + i + kWidth)),
-                                         at::vec::maximum(Vec::loadu(x + i + 2 * kWidth),
-                                                          Vec::loadu(x + i + 3 * kWidth)));
-      if (lane_mask(above > floor) == 0) {
+    for (int64_t b0 = 0; b0 < n; b0 += kMaxBlock, ++block) {
+      if (!(maxima[block] >= floor)) {
         continue;
       }
-      for (int64_t u = 0; u < kUnroll; ++u) {
-        uint32_t hits = lane_mask(Vec::loadu(x + i + u * kWidth) > Vec(heap->front().first));
-        while (hits != 0) {
-          offer(i + u * kWidth + __builtin_ctz(hits));
-          hits &= hits - 1;
+      const int64_t b1 = std::min(n, b0 + kMaxBlock);
+      int64_t i = b0;
+      for (; i + kWidth <= b1; i += kWidth) {
+        for (uint32_t hits = lane_mask(Vec::loadu(x + i) >= vfloor); hits != 0; hits &= hits - 1) {
+          offer(i + __builtin_ctz(hits));
+        }
+      }
+      for (; i < b1; ++i) {
+        if (x[i] >= floor) {
+          offer(i);
         }
       }
     }
-    for (; i < n; ++i) {
-      offer(i);
-    }
   });
+  if (static_cast<int64_t>(pairs->size()) > k) {
+    std::nth_element(pairs->begin(), pairs->begin() + (k - 1), pairs->end(),
+                     [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+                       return a.first > b.first || (a.first == b.first && a.second < b.second);
+                     });
+    pairs->resize(k);
+  }
 }
 
 // The columns of the spans whose logit is in [low, high), appended as (logit, column).
@@ -502,6 +531,7 @@ struct Workspace {
   std::vector<Candidate> candidates, kept;
   std::vector<double> cumulative;
   std::vector<float> scratch;
+  std::vector<float> maxima;  // top-k's block maxima
   Band band;
 };
 
@@ -538,8 +568,14 @@ RowResult select_row(const float* row, int64_t V, const Settings& cfg, int64_t s
   const int64_t eos = cfg.eos;
   const Spans spans = special ? Spans{row, eos, row + eos + 1, V - eos - 1, eos + 1} : Spans{row, V, row, 0, V};
   RowResult out{0, 0.0, state_before, false};
-  // 1. The max of the non-eos logits.
-  const float left = span_max(spans.first, spans.first_size), right = span_max(spans.second, spans.second_size);
+  // 1. The max of the non-eos logits; for top-k, also each block's (top_columns).
+  std::vector<float>* maxima = &work.maxima;
+  maxima->clear();
+  const bool blocks = cfg.top_k > 1;
+  const float left = blocks ? span_block_maxima(spans.first, spans.first_size, maxima)
+                            : span_max(spans.first, spans.first_size);
+  const float right = blocks ? span_block_maxima(spans.second, spans.second_size, maxima)
+                             : span_max(spans.second, spans.second_size);
   const double s = special ? static_cast<double>(row[eos]) : 0.0;
   if (std::isnan(left) || std::isnan(right) || std::isnan(s)) {
     return out;
@@ -625,7 +661,7 @@ RowResult select_row(const float* row, int64_t V, const Settings& cfg, int64_t s
   auto below_min_p = [&](const Candidate& c) { return c.prob < min_prob; };
   double mass = 1.0;  // what top-p's p is a share of
   if (cfg.top_k > 1) {
-    top_columns(spans, cfg.top_k, pairs);
+    top_columns(spans, cfg.top_k, *maxima, scratch, pairs);
     add_pairs();
     add_eos();
     std::sort(candidates->begin(), candidates->end(), ranks_before);
@@ -769,11 +805,13 @@ RowResult select_row(const float* row, int64_t V, const Settings& cfg, int64_t s
 // tokens (B,) int64, log p (B,) float64 of each under the untruncated step distribution, ST's state
 // after the step (B,) float64 (empty for NMST and VA), and (1,) int64 the first row without a
 // distribution (B: none). ``logits`` (B, V) float32 with unit column stride; ``steps`` (B,) int64 t
-// per row (t <= 0: context); ``state`` ST's running log(1 - alpha) before the step (B,) float64 or
-// absent (0); ``uniforms`` (B,) float64 in [0, 1) (unread for greedy).
+// per row, or absent: ``step`` for every row (t <= 0: context); ``state`` ST's running log(1 - alpha) before the
+// step (B,) float64 or absent (0); one uniform in [0, 1) per row from ``generator`` (a CPU generator; absent:
+// torch's default one), as torch.rand(B, dtype=float64) draws them, none for greedy.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_rows(
-    const at::Tensor& logits, int64_t head, int64_t eos, double eps, double temperature, const at::Tensor& steps,
-    const std::optional<at::Tensor>& state, int64_t top_k, double cut, double min_p, const at::Tensor& uniforms) {
+    const at::Tensor& logits, int64_t head, int64_t eos, double eps, double temperature,
+    const std::optional<at::Tensor>& steps, int64_t step, const std::optional<at::Tensor>& state, int64_t top_k,
+    double cut, double min_p, std::optional<at::Generator> generator) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
                   logits.stride(1) == 1,
               "select_rows: logits must be a (B, V) float32 CPU tensor with unit column stride");
@@ -786,8 +824,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_rows(
                     t.is_contiguous(),
                 "select_rows: ", name, " must be a contiguous (B,) CPU tensor of the documented dtype");
   };
-  check_vector(steps, at::kLong, "steps");
-  check_vector(uniforms, at::kDouble, "uniforms");
+  const int64_t* row_steps = nullptr;
+  if (steps.has_value()) {
+    check_vector(*steps, at::kLong, "steps");
+    row_steps = steps->data_ptr<int64_t>();
+  }
   const double* state_before = nullptr;
   if (state.has_value()) {
     check_vector(*state, at::kDouble, "state");
@@ -800,8 +841,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_rows(
   at::Tensor bad = at::empty({1}, options.dtype(at::kLong));
   const Settings cfg{head, eos, std::log1p(-eps), temperature, top_k, cut, min_p};
   const float* base = logits.data_ptr<float>();
-  const int64_t* step = steps.data_ptr<int64_t>();
-  const double* u = uniforms.data_ptr<double>();
+  std::vector<double> u(static_cast<size_t>(B), 0.0);
+  if (top_k != 1) {
+    auto* gen = at::get_generator_or_default<at::CPUGeneratorImpl>(generator, at::detail::getDefaultCPUGenerator());
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    at::uniform_real_distribution<double> uniform(0.0, 1.0);
+    for (double& draw : u) {
+      draw = uniform(gen);
+    }
+  }
   int64_t* token = tokens.data_ptr<int64_t>();
   double* log_prob = log_probs.data_ptr<double>();
   double* state_after = states.data_ptr<double>();
@@ -811,8 +859,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_rows(
   at::parallel_for(0, B, grain, [&](int64_t begin, int64_t end) {
     Workspace& work = thread_workspace();
     for (int64_t b = begin; b < end; ++b) {
-      const RowResult r = select_row(base + b * row_stride, V, cfg, step[b], state_before ? state_before[b] : 0.0,
-                                     u[b], work);
+      const RowResult r = select_row(base + b * row_stride, V, cfg, row_steps ? row_steps[b] : step,
+                                     state_before ? state_before[b] : 0.0, u[b], work);
       ok[b] = r.ok;
       token[b] = r.ok ? r.token : 0;
       log_prob[b] = r.ok ? r.log_prob : std::numeric_limits<double>::quiet_NaN();
@@ -849,8 +897,8 @@ bool draw_row(const float* row, int64_t V, int64_t head, int64_t eos, double log
 }  // namespace nmst_fast_cpu
 
 TORCH_LIBRARY_FRAGMENT(nmst_fast_cpu, m) {
-  m.def("select_rows(Tensor logits, int head, int eos, float eps, float temperature, Tensor steps, Tensor? state, "
-        "int top_k, float cut, float min_p, Tensor uniforms) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("select_rows(Tensor logits, int head, int eos, float eps, float temperature, Tensor? steps, int step, "
+        "Tensor? state, int top_k, float cut, float min_p, Generator? generator) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(nmst_fast_cpu, CPU, m) { m.impl("select_rows", &select_rows); }
