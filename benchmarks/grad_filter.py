@@ -161,19 +161,8 @@ def _floor(w: Workload) -> Callable[[], None]:
 
 def kept_share(w: Workload) -> float:
     """The mean share of the vocabulary the filter's chunks keep in one filtered step."""
-    shares: list[float] = []
-    runs = grad_filter.kept_runs
-
-    def counted(keep, V):
-        out = runs(keep, V)
-        shares.append(sum(v1 - v0 for v0, v1 in out) / V)
-        return out
-
-    grad_filter.kept_runs = counted
-    try:
+    with grad_filter.recorded_kept_shares() as shares:
         _step(w, "auto")()
-    finally:
-        grad_filter.kept_runs = runs
     return statistics.fmean(shares)
 
 

@@ -21,7 +21,8 @@ Never filtered: the targets' one-hot terms and eos's column (the row pass hands 
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 
@@ -35,6 +36,22 @@ FILTER_BLOCK = 256
 # the row's skipped products are formed exactly (see GradFilter.plan): rows of 2.4 nats hold 4% there on average,
 # 14% at most (benchmarks.grad_filter's synthetic rows), flat rows most of it.
 TAIL_SHARE = 1 / 8
+
+
+# The list :func:`recorded_kept_shares` is recording into, or None.
+_kept_shares: Optional[list[float]] = None
+
+
+@contextlib.contextmanager
+def recorded_kept_shares() -> Iterator[list[float]]:
+    """Within the block, each filtered chunk's share of the vocabulary whose dh and dW products are kept, in the order
+    the chunks run (what the benchmarks report and the tests check of the filter's effect)."""
+    global _kept_shares
+    outer, _kept_shares = _kept_shares, []
+    try:
+        yield _kept_shares
+    finally:
+        _kept_shares = outer
 
 
 def kept_runs(keep: list[bool], V: int) -> list[tuple[int, int]]:
@@ -81,7 +98,6 @@ class GradFilter:
         if eos_column >= 0:
             counts[eos_column // FILTER_BLOCK] -= 1
         self._counts = counts.clamp(min=1)
-        self.kept_share: list[float] = []  # each chunk's share of the vocabulary kept (benchmarks report it)
         self._heavy: list[tuple[torch.Tensor, torch.Tensor]] = []  # heavy rows' skipped dz and hidden states
         self._chunk_rows = chunk_rows
 
@@ -107,7 +123,8 @@ class GradFilter:
         if 2 * len(heavy_rows) > len(flags) - self.blocks:  # mostly flat rows: the dense products
             skip = [False] * self.blocks
         runs = kept_runs([not s for s in skip], V)
-        self.kept_share.append(sum(v1 - v0 for v0, v1 in runs) / max(V, 1))
+        if _kept_shares is not None:
+            _kept_shares.append(sum(v1 - v0 for v0, v1 in runs) / max(V, 1))
         skipped = [b for b, s in enumerate(skip) if s]
         heavy = None
         if skipped and heavy_rows:

@@ -54,18 +54,11 @@ def _smooth_dz(hidden, weight, bias, targets, steps, head, upstream, eos, softca
     return dz
 
 
-def _count_kept(monkeypatch) -> list:
-    """Each filtered chunk's share of the vocabulary kept, as the calls after this one filter them."""
-    kept = []
-    runs = grad_filter.kept_runs
-
-    def counted(keep, V):
-        out = runs(keep, V)
-        kept.append(sum(v1 - v0 for v0, v1 in out) / V)
-        return out
-
-    monkeypatch.setattr(grad_filter, "kept_runs", counted)
-    return kept
+@pytest.fixture
+def kept():
+    """Each filtered chunk's share of the vocabulary kept, as the test's calls filter them."""
+    with grad_filter.recorded_kept_shares() as shares:
+        yield shares
 
 
 def _case(seed, V, eos, bias):
@@ -84,8 +77,7 @@ def _case(seed, V, eos, bias):
 @pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("seed,V,eos,bias,softcap", [(0, 1037, 1036, False, None), (1, 700, 300, True, None),
                                                       (2, 513, 0, False, 4.0)])
-def test_what_the_filter_changes_stays_within_its_bound(backend, head, seed, V, eos, bias, softcap, monkeypatch):
-    kept = _count_kept(monkeypatch)
+def test_what_the_filter_changes_stays_within_its_bound(backend, head, seed, V, eos, bias, softcap, kept):
     hidden, weight, b, targets, steps, upstream = _case(seed, V, eos, bias)
     # Triton computes in float32: its inputs are float32, the bound's slack that float32's
     dtype = torch.float32 if backend == "triton" else torch.float64
@@ -195,7 +187,7 @@ def test_a_bad_grad_filter_is_refused_before_any_kernel(bad, error, monkeypatch)
 
 
 @pytest.mark.parametrize("chunk_size", [128, None])  # None: one chunk, whose dW is one bf16 GEMM (direct_dw)
-def test_bf16_filtered_gradients_are_as_accurate_as_unfiltered_ones(chunk_size, monkeypatch):
+def test_bf16_filtered_gradients_are_as_accurate_as_unfiltered_ones(chunk_size, kept):
     """On peaked rows, "auto" (2^-12 in bf16) skips most blocks, and what it changes (the skipped entries' deviations
     from their blocks' means) is below bf16's own rounding of the products: the filtered bf16 gradients' error
     against float64 stays within 1.1x the unfiltered bf16 gradients' error."""
@@ -206,7 +198,6 @@ def test_bf16_filtered_gradients_are_as_accurate_as_unfiltered_ones(chunk_size, 
     targets[::17] = eos
     steps = torch.arange(N) % 100 + 1
     upstream = torch.ones(N, dtype=torch.float64)
-    kept = _count_kept(monkeypatch)
     exact = _loss_and_grads(hidden, weight, None, targets, steps, "nmst", upstream, eos, impl="chunked")
     errors = {}
     for g in (None, "auto"):
@@ -219,10 +210,9 @@ def test_bf16_filtered_gradients_are_as_accurate_as_unfiltered_ones(chunk_size, 
 
 
 
-def test_flat_rows_among_peaked_ones_keep_their_exact_gradient(monkeypatch):
+def test_flat_rows_among_peaked_ones_keep_their_exact_gradient(kept):
     """A flat row's skipped blocks hold most of its mass, and the softmax's tilt towards its hidden state, which no
     block mean carries: such rows' skipped products are formed exactly, while the chunk's peaked rows skip."""
-    kept = _count_kept(monkeypatch)
     gen = torch.Generator().manual_seed(7)
     N, H, V = 256, 128, 8191
     hidden, weight = peaked_rows(N, H, V, seed=7)
