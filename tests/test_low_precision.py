@@ -198,3 +198,11 @@ def test_dh_from_the_transposed_weight_or_the_weight(transposed, chunk_size, mon
     materialized = run(case, "reference", torch.bfloat16)
     truth = run(rounded(case, torch.bfloat16), "reference", torch.float64)
     assert relative_error(ours[1], truth[1]) <= 1.02 * relative_error(materialized[1], truth[1])
+
+
+@pytest.mark.parametrize("V", [1, fused._TRANSPOSE_ROWS - 1, fused._TRANSPOSE_ROWS + 1, 3 * fused._TRANSPOSE_ROWS + 7])
+def test_the_blocked_transpose_is_the_transpose(V):
+    """Wᵀ copied by blocks of vocabulary rows, V not a multiple of the block: every entry in place, bit for bit."""
+    weight = torch.randn(V, 37, dtype=torch.bfloat16)
+    out = fused.transposed_weight(weight)
+    assert out.is_contiguous() and torch.equal(out, weight.t())
