@@ -199,14 +199,16 @@ def test_the_other_capabilities_build_and_agree(capability):
         row[eos] = -3.0
         log_p = nmst_fast.nmst_log_probs(row.double()[None], eos_index=eos, eps=1e-3, head="nmst",
                                          steps=torch.tensor([40]))[0]
-        for top_k, top_p in ((0, 0.9), (0, 0.5), (40, 0.95), (0, None), (1, None)):
+        for top_k, top_p, min_p in ((0, 0.9, 0), (0, 0.5, 0), (40, 0.95, 0), (0, None, 0), (1, None, 0),
+                                    (0, None, 0.05), (40, 0.95, 0.05)):
             tokens, _, _, bad = ops.select_rows(row.expand(draws, V), 0, eos, 1e-3, 1.0, None, 40, None, top_k,
-                                                top_p - 1e-12 if top_p else 2.0, 0.0, gen)
+                                                top_p - 1e-12 if top_p else 2.0, min_p, gen)
             assert int(bad) == draws
-            want = truncated_distribution(log_p[None], top_k or None, top_p, None)[0]
+            want = truncated_distribution(log_p[None], top_k or None, top_p, min_p or None)[0]
             counts = torch.bincount(tokens, minlength=V).double()
-            assert bool((want[counts > 0] > 0).all()), (top_k, top_p)
-            assert bool(((counts - draws * want).abs() <= 5 * (draws * want).sqrt() + 3).all()), (top_k, top_p)
+            case = (top_k, top_p, min_p)
+            assert bool((want[counts > 0] > 0).all()), case
+            assert bool(((counts - draws * want).abs() <= 5 * (draws * want).sqrt() + 3).all()), case
         print("agree")
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)

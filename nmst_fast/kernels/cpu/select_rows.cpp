@@ -89,6 +89,23 @@ inline uint32_t lanes_in(const Vec& v, const Vec& low, const Vec& high) {
 #endif
 }
 
+// Calls f(i) for each i in [begin, end) with x[i] in [low, high), in order (NaN never is).
+template <typename F>
+inline void each_column_in(const float* x, int64_t begin, int64_t end, float low, float high, F&& f) {
+  const Vec vlow(low), vhigh(high);
+  int64_t i = begin;
+  for (; i + kWidth <= end; i += kWidth) {
+    for (uint32_t hits = lanes_in(Vec::loadu(x + i), vlow, vhigh); hits != 0; hits &= hits - 1) {
+      f(i + __builtin_ctz(hits));
+    }
+  }
+  for (; i < end; ++i) {
+    if (x[i] >= low && x[i] < high) {
+      f(i);
+    }
+  }
+}
+
 // acc + (e where v >= floor, else 0) (AVX-512: a compare into a mask register and a masked add).
 inline Vec add_where_at_least(const Vec& acc, const Vec& v, const Vec& floor, const Vec& e) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -300,7 +317,6 @@ void top_columns(const Spans& spans, int64_t k, const std::vector<float>& maxima
   pairs->clear();
   int64_t ties = 0;  // entries equal to the floor collected
   size_t block = 0;
-  const Vec vfloor(floor);
   spans.each([&](const float* x, int64_t n, int64_t offset) {
     auto offer = [&](int64_t at) {
       if (x[at] > floor || ties++ < k) {
@@ -308,20 +324,8 @@ void top_columns(const Spans& spans, int64_t k, const std::vector<float>& maxima
       }
     };
     for (int64_t b0 = 0; b0 < n; b0 += kMaxBlock, ++block) {
-      if (!(maxima[block] >= floor)) {
-        continue;
-      }
-      const int64_t b1 = std::min(n, b0 + kMaxBlock);
-      int64_t i = b0;
-      for (; i + kWidth <= b1; i += kWidth) {
-        for (uint32_t hits = lane_mask(Vec::loadu(x + i) >= vfloor); hits != 0; hits &= hits - 1) {
-          offer(i + __builtin_ctz(hits));
-        }
-      }
-      for (; i < b1; ++i) {
-        if (x[i] >= floor) {
-          offer(i);
-        }
+      if (maxima[block] >= floor) {  // the row's entries are finite (select_row checks its max)
+        each_column_in(x, b0, std::min(n, b0 + kMaxBlock), floor, kInfF, offer);
       }
     }
   });
@@ -334,25 +338,11 @@ void top_columns(const Spans& spans, int64_t k, const std::vector<float>& maxima
   }
 }
 
-// The columns of the spans whose logit is in [low, high), appended as (logit, column).
-void columns_in(const Spans& spans, float low, float high, std::vector<std::pair<float, int64_t>>* out) {
+// The columns of the spans whose logit is at least ``low``, appended as (logit, column).
+void columns_at_least(const Spans& spans, float low, std::vector<std::pair<float, int64_t>>* out) {
   out->clear();
   spans.each([&](const float* x, int64_t n, int64_t offset) {
-    const Vec vlow(low), vhigh(high);
-    int64_t i = 0;
-    for (; i + kWidth <= n; i += kWidth) {
-      uint32_t hits = lanes_in(Vec::loadu(x + i), vlow, vhigh);
-      while (hits != 0) {
-        const int64_t at = i + __builtin_ctz(hits);
-        out->emplace_back(x[at], offset + at);
-        hits &= hits - 1;
-      }
-    }
-    for (; i < n; ++i) {
-      if (x[i] >= low && x[i] < high) {
-        out->emplace_back(x[i], offset + i);
-      }
-    }
+    each_column_in(x, 0, n, low, kInfF, [&](int64_t at) { out->emplace_back(x[at], offset + at); });
   });
 }
 
@@ -379,9 +369,9 @@ struct Band {
   // compressing store to memory is slow on some CPUs), whether it has any or not.
   static int64_t collect_span(const float* row, int64_t n, int64_t offset, float low, float high, float* xs,
                               int32_t* columns, int64_t count) {
-    const Vec vlow(low), vhigh(high);
     int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX512)
+    const Vec vlow(low), vhigh(high);
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (; i + kWidth <= n; i += kWidth) {
       const __m512 v = _mm512_loadu_ps(row + i);
@@ -391,23 +381,11 @@ struct Band {
       _mm512_storeu_si512(columns + count, _mm512_maskz_compress_epi32(hits, at));
       count += __builtin_popcount(hits);
     }
-#else
-    for (; i + kWidth <= n; i += kWidth) {
-      uint32_t hits = lanes_in(Vec::loadu(row + i), vlow, vhigh);
-      while (hits != 0) {
-        const int64_t at = i + __builtin_ctz(hits);
-        xs[count] = row[at];
-        columns[count++] = static_cast<int32_t>(offset + at);
-        hits &= hits - 1;
-      }
-    }
 #endif
-    for (; i < n; ++i) {
-      if (row[i] >= low && row[i] < high) {
-        xs[count] = row[i];
-        columns[count++] = static_cast<int32_t>(offset + i);
-      }
-    }
+    each_column_in(row, i, n, low, high, [&](int64_t at) {
+      xs[count] = row[at];
+      columns[count++] = static_cast<int32_t>(offset + at);
+    });
     return count;
   }
 
@@ -684,9 +662,8 @@ RowResult select_row(const float* row, int64_t V, const Settings& cfg, int64_t s
     // exact one (float32 rounding), then cut by the probabilities themselves.
     const double zeta_floor = std::log(min_prob) + log_norm;
     const double logit_floor = zeta_floor * cfg.temperature;
-    columns_in(spans, std::nextafter(static_cast<float>(logit_floor - 1e-6 * (1.0 + std::abs(logit_floor))),
-                                        -kInfF),
-               kInfF, pairs);
+    columns_at_least(
+        spans, std::nextafter(static_cast<float>(logit_floor - 1e-6 * (1.0 + std::abs(logit_floor))), -kInfF), pairs);
     candidates->clear();
     add_pairs();
     add_eos();
