@@ -122,36 +122,36 @@ def test_a_failed_build_is_logged_and_leaves_torch_ops(monkeypatch, caplog):
     def no_compiler(**kwargs):
         raise RuntimeError("Error building extension 'nmst_fast_cpu': c++: not found")
 
-    cpu.row_kernels.cache_clear()
+    cpu.native_module.cache_clear()
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     try:
         with caplog.at_level(logging.WARNING, logger="nmst_fast"):
             assert cpu.row_kernels() is None
         assert "could not be built" in caplog.text and "c++: not found" in caplog.text
         monkeypatch.setenv(cpu.DISABLE_ENV, "0")
-        cpu.row_kernels.cache_clear()
+        cpu.native_module.cache_clear()
         assert cpu.row_kernels() is None
     finally:
-        cpu.row_kernels.cache_clear()
+        cpu.native_module.cache_clear()
 
 
 def test_the_first_build_on_a_machine_says_so_and_how_long_it_took(monkeypatch, caplog):
     built = object()
-    cpu.row_kernels.cache_clear()
+    cpu.native_module.cache_clear()
     monkeypatch.setattr(cpu, "build", lambda capability: built)
     try:
         monkeypatch.setattr(cpu, "_built_before", lambda capability: False)
         with caplog.at_level(logging.WARNING, logger="nmst_fast"):
-            assert cpu.row_kernels() is built
+            assert cpu.native_module() is built
         assert "building the CPU kernels" in caplog.text and "the CPU kernels are built (" in caplog.text
         caplog.clear()
-        cpu.row_kernels.cache_clear()
+        cpu.native_module.cache_clear()
         monkeypatch.setattr(cpu, "_built_before", lambda capability: True)
         with caplog.at_level(logging.WARNING, logger="nmst_fast"):
-            assert cpu.row_kernels() is built
+            assert cpu.native_module() is built
         assert caplog.text == ""  # a build already there: nothing to say
     finally:
-        cpu.row_kernels.cache_clear()
+        cpu.native_module.cache_clear()
 
 
 def test_the_build_flags_follow_torchs_capability():
@@ -168,7 +168,8 @@ def test_the_other_capabilities_build_and_agree(capability):
     script = textwrap.dedent(f"""
         import math, torch
         from nmst_fast.kernels import cpu
-        ops = cpu.build({capability!r})
+        module = cpu.build({capability!r})
+        ops = torch.ops.nmst_fast_cpu
         gen = torch.Generator().manual_seed(3)
         for V in (5, 17, 1000, 50257):
             rows = torch.randn(6, V, generator=gen) * 4
@@ -201,9 +202,9 @@ def test_the_other_capabilities_build_and_agree(capability):
                                          steps=torch.tensor([40]))[0]
         for top_k, top_p, min_p in ((0, 0.9, 0), (0, 0.5, 0), (40, 0.95, 0), (0, None, 0), (1, None, 0),
                                     (0, None, 0.05), (40, 0.95, 0.05)):
-            tokens, _, _, bad = ops.select_rows(row.expand(draws, V), 0, eos, 1e-3, 1.0, None, 40, None, top_k,
-                                                top_p - 1e-12 if top_p else 2.0, min_p, gen)
-            assert int(bad) == draws
+            tokens, _, _, bad = module.select_rows(row.expand(draws, V), V, 0, eos, 1e-3, 1.0, None, 40, None, top_k,
+                                                   top_p - 1e-12 if top_p else 2.0, min_p, gen)
+            assert bad == -1
             want = truncated_distribution(log_p[None], top_k or None, top_p, min_p or None)[0]
             counts = torch.bincount(tokens, minlength=V).double()
             case = (top_k, top_p, min_p)

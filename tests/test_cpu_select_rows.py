@@ -216,3 +216,51 @@ def test_seeded_draws_reproduce_and_strided_rows_are_read_in_place():
         first = step(rows, steps=4, generator=torch.Generator().manual_seed(5)).tokens
         again = step(rows.contiguous(), steps=4, generator=torch.Generator().manual_seed(5)).tokens
         assert torch.equal(first, again)
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_calls_after_the_first_check_their_arguments_as_the_first(head):
+    """After its first call a step hands a loop's call (one int step; ST without a state) to the kernel, which checks
+    the logits and the generator itself and declines what it does not serve: each bad argument still gets the
+    checked path's error, and other dtypes, layouts and per-row steps the tokens of the same values."""
+    V, eos = 300, 7
+    gen = torch.Generator().manual_seed(1)
+    z = torch.randn(4, V, generator=gen) * 2
+    step = kernel_step(head, eos, V, 20, 0.9)
+    step(z, steps=3)
+    assert step._cpu_rows is not None  # set up: the calls below go to the kernel first
+    with pytest.raises(TypeError, match="logits must be a torch.Tensor"):
+        step(z.tolist(), steps=3)
+    with pytest.raises(TypeError, match="logits must be a floating tensor"):
+        step(z.long(), steps=3)
+    for shape in (z[:, :-1], z[0], z[None]):
+        with pytest.raises(ValueError, match=r"logits must be \(B, V=300\)"):
+            step(shape, steps=3)
+    with pytest.raises(ValueError, match="logits are on meta"):
+        step(z.to("meta"), steps=3)
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        step(z, steps=3, generator=3)
+    bad = z.clone()
+    bad[2, 11] = math.nan
+    with pytest.raises(ValueError, match="logits row 2"):
+        step(bad, steps=3)
+    if head != "va":  # VA has no step
+        with pytest.raises(ValueError, match="steps must fit in int64"):
+            step(z, steps=2**63)
+        with pytest.raises(TypeError, match="steps must be an int"):
+            step(z, steps=True)
+    if head == "st":
+        with pytest.raises(ValueError, match="state row 1"):
+            step(z, steps=3, state=torch.tensor([0.0, math.nan, 0.0, 0.0], dtype=torch.float64))
+
+    def drawn(logits, steps=3):
+        return step(logits, steps=steps, generator=torch.Generator().manual_seed(5))
+
+    want = drawn(z)
+    assert torch.equal(drawn(z.bfloat16()).tokens, drawn(z.bfloat16().float()).tokens)
+    assert torch.equal(drawn(torch.stack([z, z], 2).reshape(4, 2 * V)[:, ::2]).tokens, want.tokens)  # stride 2
+    assert torch.equal(drawn(z, steps=torch.tensor([3, 3, 3, 3])).tokens, want.tokens)
+    torch.testing.assert_close(drawn(z, steps=torch.tensor([3, 3, 3, 3])).log_probs, want.log_probs, rtol=0, atol=0)
+    greedy = kernel_step(head, eos, V, top_k=1)
+    greedy(z, steps=3)
+    torch.testing.assert_close(greedy(z.double(), steps=3).tokens, greedy(z, steps=3).tokens)  # float64: torch path

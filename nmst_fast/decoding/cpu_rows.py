@@ -9,7 +9,7 @@ read as float32); float64 logits, and every row where the kernels are not built,
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -21,32 +21,47 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class CPURows:
-    """One strategy's selection on CPU rows; arguments as :class:`nmst_fast.decoding.DecodingStep`'s."""
+    """One strategy's selection on CPU rows; ``select``: the extension module's ``select_rows``
+    (:func:`nmst_fast.kernels.cpu.native_module`); the other arguments as :class:`nmst_fast.decoding.DecodingStep`'s."""
 
-    def __init__(self, ops: Any, *, head: str, eos_index: int, eps: float, temperature: float, top_k: Optional[int],
-                 top_p: Optional[float], min_p: Optional[float] = None):
-        self.ops, self.head, self.eos_index, self.eps, self.temperature = ops, head, eos_index, eps, temperature
+    def __init__(self, select: Callable[..., Any], *, head: str, eos_index: int, vocab_size: int, eps: float,
+                 temperature: float, top_k: Optional[int], top_p: Optional[float], min_p: Optional[float] = None):
+        self.select, self.head, self.eos_index, self.vocab_size = select, head, eos_index, vocab_size
+        self.eps, self.temperature = eps, temperature
         self.top_k = 0 if top_k is None else int(top_k)
         self.cut = 2.0 if top_p is None or top_p >= 1.0 else float(top_p) - TOP_P_SLACK
         self.min_p = active_min_p(min_p) or 0.0
 
+    def unchecked(self, logits: object, step: int, generator: object) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(tokens, log p) as :meth:`__call__`'s for NMST or VA rows, or ST's from its start (no state), at one int
+        ``step`` for every row, or None where ``logits`` is not a 2-D CPU float32, bfloat16 or float16 tensor of V
+        columns or ``generator`` is neither None nor a torch.Generator: the kernel checks its arguments itself, so a
+        decoding loop's call reads none of the tensor's attributes from Python (each such read cost microseconds where
+        a forward pass had evicted the caches); the caller's checks then name what is wrong."""
+        out = self.select(logits, self.vocab_size, _HEADS[self.head], self.eos_index, self.eps, self.temperature, None,
+                          step, None, self.top_k, self.cut, self.min_p, generator)
+        if out is None:
+            return None
+        tokens, log_probs, _, first_bad = out
+        if first_bad >= 0:
+            raise ValueError(no_distribution_message(first_bad))
+        return tokens, log_probs
+
     def __call__(self, logits: torch.Tensor, steps: Steps, state: Optional[torch.Tensor],
                  generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """(tokens (B,) int64, log p (B,) float64 of each under the untruncated step distribution, ST's next state
-        (B,) float64 or None) for ``logits`` (B, V) on the CPU."""
+        (B,) float64 or None) for ``logits`` (B, V) on the CPU, of a dtype in KERNEL_DTYPES (checked by the caller)."""
         B = logits.shape[0]
-        rows = logits if logits.dtype == torch.float32 and logits.stride(1) == 1 else logits.float().contiguous()
         t = step_values(steps, B, logits.device) if self.head != "va" else 1
         per_row, step = (None, t) if isinstance(t, int) else (t.contiguous(), 0)
         before = None
         if self.head == "st" and state is not None:
             before = check_state(state, B, logits.device).double().contiguous()
-        if generator is not None and generator.device.type != "cpu":
-            raise ValueError(f"generator must be a CPU generator for CPU logits, got one on {generator.device}")
-        tokens, log_probs, states, bad = self.ops.select_rows(
-            rows, _HEADS[self.head], self.eos_index, self.eps, self.temperature, per_row, step, before, self.top_k,
-            self.cut, self.min_p, generator)
-        first_bad = int(bad)
-        if first_bad < B:
+        out = self.select(logits, self.vocab_size, _HEADS[self.head], self.eos_index, self.eps, self.temperature,
+                          per_row, step, before, self.top_k, self.cut, self.min_p, generator)
+        if out is None:  # the logits are checked: the generator is not one
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        tokens, log_probs, states, first_bad = out
+        if first_bad >= 0:
             raise ValueError(no_distribution_message(first_bad))
-        return tokens, log_probs, states if self.head == "st" else None
+        return tokens, log_probs, states

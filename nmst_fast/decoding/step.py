@@ -26,7 +26,7 @@ from typing import Optional, Union
 import torch
 
 from ..backends import triton_available
-from ..kernels.cpu import row_kernels
+from ..kernels.cpu import native_module
 from ..kernels.host_math import NO_ROW
 from ..validation import check_float_tensor, check_int
 from .cpu_rows import KERNEL_DTYPES, CPURows
@@ -41,6 +41,8 @@ from .distribution import (
 from .host_rows import MAX_ROWS, HostRows
 from .selection import select
 from .truncation import TOP_P_SLACK, active_min_p, check_truncation, untruncated
+
+_INT64 = (-(2**63), 2**63 - 1)  # the kernels' range of t
 
 
 @dataclass
@@ -144,6 +146,11 @@ class DecodingStep:
             defer_checks: leave the kernels' flags for :meth:`check` (no host sync); a row without a
                 distribution yields some column in [0, V) until then.
         """
+        if self._cpu_rows is not None and type(steps) is int and (state is None or self.head != "st"):
+            # A decoding loop's call on CPU: the kernel checks the logits and the generator itself.
+            picked = self._cpu_rows.unchecked(logits, steps, generator) if _INT64[0] <= steps <= _INT64[1] else None
+            if picked is not None:
+                return StepOutput(*picked, None)
         self._check_logits(logits)
         if not self.kernels:
             return self._torch_step(logits, steps, state, generator)
@@ -187,13 +194,13 @@ class DecodingStep:
                     generator: Optional[torch.Generator], first_size: Optional[int] = None) -> StepOutput:
         if self._cpu_rows_wanted and logits.dtype in KERNEL_DTYPES:
             if self._cpu_rows is None:
-                ops = row_kernels()  # None where the kernels do not build: the torch path from then on
-                if ops is None:
+                module = native_module()  # None where the kernels do not build: the torch path from then on
+                if module is None:
                     self._cpu_rows_wanted = False
                     return self._torch_step(logits, steps, state, generator, first_size)
-                self._cpu_rows = CPURows(ops, head=self.head, eos_index=self.eos_index, eps=self.eps,
-                                         temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                                         min_p=self.min_p)
+                self._cpu_rows = CPURows(module.select_rows, head=self.head, eos_index=self.eos_index,
+                                         vocab_size=self.vocab_size, eps=self.eps, temperature=self.temperature,
+                                         top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
             return StepOutput(*self._cpu_rows(logits, steps, state, generator))
         if self._host_rows is not None and (self._greedy or logits.shape[0] <= MAX_ROWS):
             return StepOutput(*self._host_rows(logits, steps, state, generator))

@@ -1,6 +1,7 @@
 """CPU row kernels in C++ over ATen's vectorized math (``head_row.h``): torch ops ``torch.ops.nmst_fast_cpu.*``
-(``row_lse.cpp``, ``loss_rows.cpp``, ``select_rows.cpp``) and, in the same library, the head as a llama.cpp
-sampler (``llama_sampler.cpp``, C functions called through ctypes: :func:`native_library`).
+(``row_lse.cpp``, ``loss_rows.cpp``), the decoding step's selection (``select_rows.cpp``, a function of the
+extension module) and, in the same library, the head as a llama.cpp sampler (``llama_sampler.cpp``, C functions
+called through ctypes: :func:`native_library`).
 
 They are built on first use by torch's JIT extension builder (a C++ compiler and ninja; a few
 seconds, once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``, by default
@@ -20,10 +21,14 @@ vectors:
     ``nmst_fast.integrations.vllm.eos_column.host_eos_value`` computes it from the row pass's L_T
     (rows without a distribution keep theirs); returns ST's running sums after the step (A,) float64
     (empty for NMST).
-    ``select_rows(logits, head, eos, eps, temperature, steps, step, state, top_k, cut, min_p, generator)``: one
-    decoding step's token per row of ``logits`` (B, V) (``select_rows.cpp``; :mod:`nmst_fast.decoding.cpu_rows`
+
+The decoding step's selection is a function of the extension module (:func:`native_module`), called through pybind11
+rather than torch's dispatcher (a step's call comes after a forward pass has evicted the caches, where a dispatched
+call cost ~20 µs and this one ~5 µs):
+    ``select_rows(logits, vocab, head, eos, eps, temperature, steps, step, state, top_k, cut, min_p, generator)``:
+    one decoding step's token per row of ``logits`` (B, V) (``select_rows.cpp``; :mod:`nmst_fast.decoding.cpu_rows`
     documents the arguments): (tokens (B,) int64, log p (B,) float64, ST's state after the step (B,) float64 or
-    empty, (1,) int64 the first row without a distribution, B if none).
+    None, the first row without a distribution or -1), or None where the logits are not ones it serves.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import re
 import shutil
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Optional
 
 import torch
@@ -72,9 +78,10 @@ def library_name(capability: str) -> str:
     return re.sub(r"\W", "_", f"nmst_fast_cpu_{capability}_torch{torch.__version__}").lower()
 
 
-def build(capability: Optional[str] = None) -> Any:
-    """Build (or load the cached build of) the kernels for ``capability`` (default: torch's own) and
-    return ``torch.ops.nmst_fast_cpu``; raises what the build raises."""
+def build(capability: Optional[str] = None) -> ModuleType:
+    """Build (or load the cached build of) the kernels for ``capability`` (default: torch's own) and return the
+    extension module (its ``select_rows``; loading it registers the ops ``torch.ops.nmst_fast_cpu``); raises what the
+    build raises."""
     from torch.utils import cpp_extension
 
     capability = capability or torch.backends.cpu.get_cpu_capability()
@@ -82,17 +89,17 @@ def build(capability: Optional[str] = None) -> Any:
     path = os.environ.get("PATH", "")
     try:
         os.environ["PATH"] = _with_ninja(path)
-        cpp_extension.load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=build_flags(capability),
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        return cpp_extension.load(name=name, sources=[str(source) for source in SOURCES],
+                                  extra_cflags=build_flags(capability), extra_ldflags=["-fopenmp"],
+                                  is_python_module=True, verbose=False)
     finally:
         os.environ["PATH"] = path
-    return torch.ops.nmst_fast_cpu
 
 
 @functools.lru_cache(maxsize=None)
-def row_kernels() -> Optional[Any]:
-    """``torch.ops.nmst_fast_cpu`` for torch's CPU capability, built on the first call; None (logged
-    once) when ``NMST_FAST_CPU_KERNELS=0`` or the build fails."""
+def native_module() -> Optional[ModuleType]:
+    """The kernels' extension module for torch's CPU capability, built on the first call; None (logged once) when
+    ``NMST_FAST_CPU_KERNELS=0`` or the build fails."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         logger.info("%s=0: the CPU row kernels are off; torch ops compute their values", DISABLE_ENV)
         return None
@@ -103,15 +110,21 @@ def row_kernels() -> Optional[Any]:
                        "about 10-60 s)", capability, _build_directory(capability))
     try:
         start = time.perf_counter()
-        ops = build(capability)
+        module = build(capability)
         if first:
             logger.warning("nmst_fast: the CPU kernels are built (%.0f s)", time.perf_counter() - start)
-        return ops
+        return module
     except Exception as err:  # no compiler, no ninja, no Python headers: torch ops do the same work
         logger.warning("nmst_fast: the CPU row kernels could not be built (%s: %s); torch ops compute the same "
                        "values, more slowly (set %s=0 to skip the build)", type(err).__name__,
                        str(err).strip().splitlines()[-1] if str(err).strip() else "", DISABLE_ENV)
         return None
+
+
+def row_kernels() -> Optional[Any]:
+    """``torch.ops.nmst_fast_cpu`` for torch's CPU capability (:func:`native_module` built), or None where that is
+    None."""
+    return None if native_module() is None else torch.ops.nmst_fast_cpu
 
 
 def _build_directory(capability: str) -> Path:
@@ -129,13 +142,9 @@ def _built_before(capability: str) -> bool:
 @functools.lru_cache(maxsize=None)
 def native_library() -> Optional[ctypes.CDLL]:
     """The kernels' shared library for ctypes (its C functions: the llama.cpp sampler), or None where
-    :func:`row_kernels` is None."""
-    if row_kernels() is None:
-        return None
-    # torch's builder names a rebuild within one process <name>_v<n>
-    built = re.compile(re.escape(library_name(torch.backends.cpu.get_cpu_capability())) + r"(_v\d+)?")
-    (path,) = [path for path in torch.ops.loaded_libraries if built.fullmatch(Path(path).stem)]
-    return ctypes.CDLL(path)
+    :func:`native_module` is None."""
+    module = native_module()
+    return None if module is None else ctypes.CDLL(module.__file__)
 
 
 def _with_ninja(path: str) -> str:

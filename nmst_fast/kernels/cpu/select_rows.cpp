@@ -19,12 +19,14 @@
 // min_p times the most probable one's (of the step distribution, before any renormalization); the draw is the inverse CDF of the kept weights
 // at the caller's uniform, as nmst_fast.decoding.host_rows finishes a row.
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/DistributionsHelper.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
-#include <torch/library.h>
+#include <torch/csrc/Generator.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
@@ -41,6 +43,7 @@
 namespace {
 
 using namespace nmst_fast_cpu;
+namespace py = pybind11;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr float kInfF = std::numeric_limits<float>::infinity();
@@ -779,13 +782,15 @@ RowResult select_row(const float* row, int64_t V, const Settings& cfg, int64_t s
   return out;
 }
 
-// tokens (B,) int64, log p (B,) float64 of each under the untruncated step distribution, ST's state
-// after the step (B,) float64 (empty for NMST and VA), and (1,) int64 the first row without a
-// distribution (B: none). ``logits`` (B, V) float32 with unit column stride; ``steps`` (B,) int64 t
-// per row, or absent: ``step`` for every row (t <= 0: context); ``state`` ST's running log(1 - alpha) before the
-// step (B,) float64 or absent (0); one uniform in [0, 1) per row from ``generator`` (a CPU generator; absent:
-// torch's default one), as torch.rand(B, dtype=float64) draws them, none for greedy.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_rows(
+// tokens (B,) int64, log p (B,) float64 of each under the untruncated step distribution, ST's state after the step
+// (B,) float64 (undefined for NMST and VA), and the first row without a distribution (-1: none). ``logits`` (B, V)
+// float32 on the CPU with unit column stride; ``steps`` (B,) int64 t per row, or absent: ``step`` for every row
+// (t <= 0: context); ``state`` ST's running log(1 - alpha) before the step (B,) float64 or absent (0); one uniform in
+// [0, 1) per row from ``generator`` (a CPU generator; absent: torch's default one), as torch.rand(B,
+// dtype=float64) draws them, none for greedy. The outputs are allocated by at::detail::empty_cpu, not through the
+// dispatcher: a decoding step's call comes after a forward pass has evicted the caches, where each dispatched call
+// costs microseconds.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> select_rows(
     const at::Tensor& logits, int64_t head, int64_t eos, double eps, double temperature,
     const std::optional<at::Tensor>& steps, int64_t step, const std::optional<at::Tensor>& state, int64_t top_k,
     double cut, double min_p, std::optional<at::Generator> generator) {
@@ -811,11 +816,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_rows(
     check_vector(*state, at::kDouble, "state");
     state_before = state->data_ptr<double>();
   }
-  const auto options = logits.options();
-  at::Tensor tokens = at::empty({B}, options.dtype(at::kLong));
-  at::Tensor log_probs = at::empty({B}, options.dtype(at::kDouble));
-  at::Tensor states = at::empty({head == 1 ? B : 0}, options.dtype(at::kDouble));
-  at::Tensor bad = at::empty({1}, options.dtype(at::kLong));
+  at::Tensor tokens = at::detail::empty_cpu({B}, at::kLong, false);
+  at::Tensor log_probs = at::detail::empty_cpu({B}, at::kDouble, false);
+  at::Tensor states = head == 1 ? at::Tensor(at::detail::empty_cpu({B}, at::kDouble, false)) : at::Tensor();
   const Settings cfg{head, eos, std::log1p(-eps), temperature, top_k, cut, min_p};
   const float* base = logits.data_ptr<float>();
   std::vector<double> u(static_cast<size_t>(B), 0.0);
@@ -829,11 +832,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_rows(
   }
   int64_t* token = tokens.data_ptr<int64_t>();
   double* log_prob = log_probs.data_ptr<double>();
-  double* state_after = states.data_ptr<double>();
+  double* state_after = head == 1 ? states.data_ptr<double>() : nullptr;
   std::vector<char> ok(static_cast<size_t>(B), 1);
-  // Rows in parallel where the batch holds several: each row is sequential work of a few passes.
-  const int64_t grain = B * V >= (int64_t{1} << 18) ? 1 : B;
-  at::parallel_for(0, B, grain, [&](int64_t begin, int64_t end) {
+  auto rows = [&](int64_t begin, int64_t end) {
     Workspace& work = thread_workspace();
     for (int64_t b = begin; b < end; ++b) {
       const RowResult r = select_row(base + b * row_stride, V, cfg, row_steps ? row_steps[b] : step,
@@ -845,16 +846,64 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_rows(
         state_after[b] = r.state;
       }
     }
-  });
-  int64_t first_bad = B;
+  };
+  // Rows in parallel where the batch holds several: each row is sequential work of a few passes.
+  if (B * V >= (int64_t{1} << 18) && B > 1) {
+    at::parallel_for(0, B, 1, rows);
+  } else {
+    rows(0, B);
+  }
+  int64_t first_bad = -1;
   for (int64_t b = 0; b < B; ++b) {
     if (!ok[b]) {
       first_bad = b;
       break;
     }
   }
-  bad.data_ptr<int64_t>()[0] = first_bad;
-  return {tokens, log_probs, states, bad};
+  return {tokens, log_probs, states, first_bad};
+}
+
+// select_rows for Python callers (pybind11; a torch op's call through the dispatcher cost ~20 us where the caches
+// were cold, this one ~5 us). ``logits`` any object: None where it is not a 2-D CPU tensor of float32, bfloat16 or
+// float16 with ``vocab`` columns, or ``generator`` is neither None nor a torch.Generator (the caller's checks then
+// name the argument); bfloat16, float16 and strided rows are read as contiguous float32. A generator on another
+// device is refused with a ValueError naming it. Returns (tokens, log p, ST's state after the step or None, the
+// first row without a distribution or -1), as select_rows.
+py::object select_rows_py(const py::handle& logits_obj, int64_t vocab, int64_t head, int64_t eos, double eps,
+                          double temperature, std::optional<at::Tensor> steps, int64_t step,
+                          std::optional<at::Tensor> state, int64_t top_k, double cut, double min_p,
+                          const py::handle& generator_obj) {
+  if (!THPVariable_Check(logits_obj.ptr())) {
+    return py::none();
+  }
+  at::Tensor logits = THPVariable_Unpack(logits_obj.ptr());
+  const auto dtype = logits.scalar_type();
+  if (!logits.device().is_cpu() || logits.dim() != 2 || logits.size(1) != vocab ||
+      !(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf)) {
+    return py::none();
+  }
+  std::optional<at::Generator> generator;
+  if (!generator_obj.is_none()) {
+    if (!THPGenerator_Check(generator_obj.ptr())) {
+      return py::none();
+    }
+    generator = reinterpret_cast<THPGenerator*>(generator_obj.ptr())->cdata;
+    if (!generator->device().is_cpu()) {
+      throw py::value_error("generator must be a CPU generator for CPU logits, got one on " +
+                            generator->device().str());
+    }
+  }
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> out;
+  {
+    py::gil_scoped_release no_gil;
+    if (dtype != at::kFloat || logits.stride(1) != 1) {
+      logits = logits.to(at::kFloat).contiguous();
+    }
+    out = select_rows(logits, head, eos, eps, temperature, steps, step, state, top_k, cut, min_p, generator);
+  }
+  const at::Tensor& states = std::get<2>(out);
+  return py::make_tuple(std::get<0>(out), std::get<1>(out), states.defined() ? py::cast(states) : py::none(),
+                        std::get<3>(out));
 }
 
 }  // namespace
@@ -873,9 +922,11 @@ bool draw_row(const float* row, int64_t V, int64_t head, int64_t eos, double log
 
 }  // namespace nmst_fast_cpu
 
-TORCH_LIBRARY_FRAGMENT(nmst_fast_cpu, m) {
-  m.def("select_rows(Tensor logits, int head, int eos, float eps, float temperature, Tensor? steps, int step, "
-        "Tensor? state, int top_k, float cut, float min_p, Generator? generator) -> (Tensor, Tensor, Tensor, Tensor)");
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("select_rows", &select_rows_py,
+        "One decoding step's token per row: (tokens, log p, ST's state or None, first row without a distribution or "
+        "-1), or None where the logits or the generator are not ones it serves",
+        py::arg("logits"), py::arg("vocab"), py::arg("head"), py::arg("eos"), py::arg("eps"), py::arg("temperature"),
+        py::arg("steps"), py::arg("step"), py::arg("state"), py::arg("top_k"), py::arg("cut"), py::arg("min_p"),
+        py::arg("generator"));
 }
-
-TORCH_LIBRARY_IMPL(nmst_fast_cpu, CPU, m) { m.impl("select_rows", &select_rows); }
