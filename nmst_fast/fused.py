@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -263,6 +263,7 @@ def _chunk_loop(
     dw_dtype: Optional[torch.dtype] = None,
     grad_filter: Optional[float] = None,
     eos_column: int = -1,
+    group: Any = None,
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Run ``row_pass(start, stop, z, filtered)`` on each chunk's (rows, V) logits; fold the dz it leaves (and the
     entries it returns as left out of the chunk, if any) into grads.
@@ -270,7 +271,7 @@ def _chunk_loop(
     With ``grad_filter`` (a threshold in (0, 1)), the row pass also fills ``filtered`` (see :mod:`nmst_fast.row_ops`),
     and the dh and dW products skip every block of vocabulary entries whose entries all fall below the threshold,
     adding back those blocks' sums times their mean rows (:mod:`nmst_fast.grad_filter`; ``eos_column``: eos's row of
-    ``weight``, or -1).
+    ``weight``, or -1; ``group``: a vocabulary-parallel weight's process group, see :class:`GradFilter`).
 
     Returns (dh in :func:`dh_dtype`, dW and db in at least fp32: their accumulators; dW in ``dw_dtype``
     when given), each None unless ``need`` asks for it.
@@ -304,7 +305,7 @@ def _chunk_loop(
     buffer = torch.empty(min(chunk_rows, N) * (V if vocab_major else ld), dtype=hidden.dtype, device=hidden.device)
     gate = None
     if grad_filter is not None and (need_dh or need_dw) and N:
-        gate = GradFilter(grad_filter, weight, min(chunk_rows, N), eos_column)
+        gate = GradFilter(grad_filter, weight, min(chunk_rows, N), eos_column, group)
     for start in range(0, N, chunk_rows):
         stop = min(start + chunk_rows, N)
         h = hidden[start:stop]
@@ -554,7 +555,7 @@ def fused_forward(
         return sparse
 
     dh, dw, db = _chunk_loop(hidden, weight, bias, chunk_rows, row_pass, need, row_ops.vocab_major(hidden.device),
-                             weight.dtype if direct else dw_dtype, grad_filter, local_eos)
+                             weight.dtype if direct else dw_dtype, grad_filter, local_eos, shard.group)
     shard.sum_(z_target)
     if dh is not None:
         shard.sum_(dh)
@@ -583,7 +584,7 @@ def _local_coefficients(coefs: head_math.GradCoefficients, shard: VocabShard, lo
     if shard.group is None:
         return coefs
     return head_math.GradCoefficients(coefs.coef_lse * torch.exp(local_lse - lse), coefs.grad_eos,
-                                      torch.where(shard.owned(targets), coefs.grad_target, 0.0))
+                                      torch.where(shard.owned(targets), coefs.grad_target, 0.0), coefs.largest())
 
 
 def fused_backward_from_lse(
@@ -626,7 +627,7 @@ def fused_backward_from_lse(
                                       coefs.rows(start, stop), filtered)
 
     dh, dw, db = _chunk_loop(hidden, weight, bias, chunk_rows, row_pass, need, row_ops.vocab_major(hidden.device),
-                             weight.dtype if direct else dw_dtype, grad_filter, local_eos)
+                             weight.dtype if direct else dw_dtype, grad_filter, local_eos, shard.group)
     if dh is not None:
         shard.sum_(dh)
     return (None if dh is None else dh.to(hidden.dtype), None if dw is None else dw.to(weight.dtype),

@@ -22,9 +22,10 @@ Never filtered: the targets' one-hot terms and eos's column (the row pass hands 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed
 
 from .row_ops import FilterOut, SparseGrad
 
@@ -78,9 +79,13 @@ class GradFilter:
         weight: (V, H), the chunk loop's; ``eos_column``: eos's row in it, or -1 (no eos in this vocabulary shard):
             it is left out of its block's mean and of the spread.
         chunk_rows: the most rows of a chunk.
+        group: the process group a vocabulary-parallel weight is split over, or None: each row's gradient mass and
+            its skipped share (what makes a row heavy, see :meth:`plan`) are summed over it, so that every shard
+            decides as one process on the whole vocabulary would.
     """
 
-    def __init__(self, threshold: float, weight: torch.Tensor, chunk_rows: int, eos_column: int) -> None:
+    def __init__(self, threshold: float, weight: torch.Tensor, chunk_rows: int, eos_column: int,
+                 group: Any = None) -> None:
         V, H = weight.shape
         self.threshold = threshold
         self.weight = weight
@@ -100,6 +105,7 @@ class GradFilter:
         self._counts = counts.clamp(min=1)
         self._heavy: list[tuple[torch.Tensor, torch.Tensor]] = []  # heavy rows' skipped dz and hidden states
         self._chunk_rows = chunk_rows
+        self._group = group
 
     def report(self, rows: int) -> FilterOut:
         """The buffers a chunk of ``rows`` rows' pass fills."""
@@ -117,7 +123,10 @@ class GradFilter:
         padded = torch.nn.functional.pad(out.entry_max, (0, self.blocks * FILTER_BLOCK - V))
         below = padded.view(self.blocks, FILTER_BLOCK).amax(1) < self.threshold  # a NaN peak keeps its block
         sums = out.block_sums.abs()
-        heavy_mask = (sums * below.unsqueeze(1)).sum(0) > TAIL_SHARE * sums.sum(0)
+        masses = torch.stack([(sums * below.unsqueeze(1)).sum(0), sums.sum(0)])  # each row's skipped and whole mass
+        if self._group is not None:
+            torch.distributed.all_reduce(masses, group=self._group)
+        heavy_mask = masses[0] > TAIL_SHARE * masses[1]
         flags = torch.cat([below, heavy_mask]).tolist()  # the plan's one host sync
         skip, heavy_rows = flags[: self.blocks], [r for r, f in enumerate(flags[self.blocks:]) if f]
         if 2 * len(heavy_rows) > len(flags) - self.blocks:  # mostly flat rows: the dense products

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -34,14 +34,21 @@ LOG_SURVIVAL_FLOOR = -1e300
 
 @dataclass
 class GradCoefficients:
-    """Per-row coefficients of the logit gradient, each (N,) float64."""
+    """Per-row coefficients of the logit gradient, each (N,) float64. ``filter_scale``: what the gradient filter
+    measures |dz| against, the rows' largest |coef_lse| (None: coef_lse's own; a vocabulary shard's coefficients,
+    rescaled to its own L, carry the whole vocabulary's, so that every shard filters as one process would)."""
 
     coef_lse: torch.Tensor
     grad_eos: torch.Tensor
     grad_target: torch.Tensor
+    filter_scale: Optional[torch.Tensor] = None
 
     def rows(self, start: int, stop: int) -> "GradCoefficients":
         return GradCoefficients(self.coef_lse[start:stop], self.grad_eos[start:stop], self.grad_target[start:stop])
+
+    def largest(self) -> torch.Tensor:
+        """The filter's scale: ``filter_scale``, or the rows' largest |coef_lse| (0-dim float64)."""
+        return self.coef_lse.abs().max() if self.filter_scale is None else self.filter_scale
 
 
 def _along_time(x: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -82,16 +82,17 @@ def _block_sums_(out: torch.Tensor, dz: torch.Tensor, block: int) -> None:
         out[full] = dz[:, full * block:].sum(1, dtype=torch.float32)
 
 
-def _relative_peaks_(entry_max: torch.Tensor, coef_lse: torch.Tensor) -> None:
-    """entry_max /= the rows' largest |coef_lse| (a chunk of rows without any leaves its zeros as they are)."""
-    entry_max.div_(coef_lse.abs().max().to(entry_max.dtype).clamp(min=torch.finfo(entry_max.dtype).tiny))
+def _relative_peaks_(entry_max: torch.Tensor, coefs: GradCoefficients) -> None:
+    """entry_max /= the rows' largest |coef_lse| (GradCoefficients.largest; a chunk of rows without any leaves its
+    zeros as they are)."""
+    entry_max.div_(coefs.largest().to(entry_max.dtype).clamp(min=torch.finfo(entry_max.dtype).tiny))
 
 
-def _report_(filtered: FilterOut, dz: torch.Tensor, coef_lse: torch.Tensor) -> None:
+def _report_(filtered: FilterOut, dz: torch.Tensor, coefs: GradCoefficients) -> None:
     """``filtered`` as the contract says, from a written (rows, V) dz (its one-hot terms, if any, keep their blocks:
     :func:`_keep_blocks_of_`)."""
     filtered.entry_max.copy_(torch.linalg.vector_norm(dz, float("inf"), dim=0))
-    _relative_peaks_(filtered.entry_max, coef_lse)
+    _relative_peaks_(filtered.entry_max, coefs)
     _block_sums_(filtered.block_sums, dz, filtered.block)
 
 
@@ -211,7 +212,7 @@ class CpuRowOps:
         self._kernels.chunk_grad_(z.t(), shift, scale, eos_index, torch.where(on_eos, -1, targets), values,
                                   self.softcap or 0.0, *report)
         if filtered is not None:  # eos's column is 0 in the chunk: its gradient is in the SparseGrad
-            _relative_peaks_(filtered.entry_max, coefs.coef_lse)
+            _relative_peaks_(filtered.entry_max, coefs)
             _keep_blocks_of_(filtered, targets, left_out, eos_index)
         sech_eos = self._capped(raw_eos)[1] if self.softcap is not None and eos_index >= 0 else None
         return _apart(coefs, targets, eos_index, left_out, sech_target, sech_eos)
@@ -291,7 +292,7 @@ class TorchRowOps:
         z.scatter_add_(1, targets.unsqueeze(1), torch.where(dominated | (targets == eos_index), 0.0,
                                                             coefs.grad_target).to(z.dtype).unsqueeze(1))
         self._chain_cap_(z, u)  # u now holds sech²(u)
-        _report_(filtered, z, coefs.coef_lse)
+        _report_(filtered, z, coefs)
         _keep_blocks_of_(filtered, targets, dominated, eos_index)
         if u is None:
             return _apart(coefs, targets, eos_index, dominated)
@@ -422,6 +423,6 @@ class TritonRowOps:
         self._kernels.split_softmax_grad_(z, targets, lse, coefs.coef_lse.float(), grad_eos, grad_target, eos_index,
                                           self.softcap)
         if filtered is not None:
-            _report_(filtered, z, coefs.coef_lse)
+            _report_(filtered, z, coefs)
             _keep_blocks_of_(filtered, targets, dominated, eos_index)
         return sparse

@@ -1,7 +1,7 @@
 """The vocabulary-parallel loss on 3 gloo ranks under torchrun, and on a group of 2 of them, equals one
 process on the whole weight (tests/distributed/vocab_parallel_ranks.py checks every head, reduction
-and backend); a rank's bad input stops every rank with its error; bad arguments are refused before any
-collective."""
+and backend), with the gradient filter too; a rank's bad input stops every rank with its error; bad
+arguments are refused before any collective."""
 
 import pytest
 import torch
@@ -21,6 +21,16 @@ def test_vocab_parallel_equals_one_process():
     for ranks in (3, 2):
         for rank in range(ranks):
             assert f"rank {rank}/{ranks}: 18 cases equal to one process" in run.stdout
+
+
+def test_the_gradient_filter_on_shards_equals_one_process():
+    run = _torchrun(3, "--grad-filter")  # shards of whole filter blocks: each one's blocks are one process's
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    least = []
+    for rank in range(3):
+        line = next(line for line in run.stdout.splitlines() if line.startswith(f"rank {rank}/3: 12 filtered cases"))
+        least.append(float(line.rsplit(" ", 1)[1]))
+    assert min(least) < 1  # the filter did skip blocks
 
 
 @pytest.mark.parametrize("flags, error", [(("--fail-rank", "1"), "weight contains NaN or inf"),

@@ -1,6 +1,7 @@
 """Run under torchrun (gloo): the vocabulary-parallel loss equals one process's on the whole weight.
 
-    torchrun --standalone --nproc_per_node 3 tests/distributed/vocab_parallel_ranks.py [--fail-rank R | --overlap]
+    torchrun --standalone --nproc_per_node 3 tests/distributed/vocab_parallel_ranks.py [--fail-rank R | --overlap |
+                                                                                         --grad-filter]
 
 Without flags, every rank checks the loss over the whole group, then ranks 0 and 1 again over a group of
 the two of them.
@@ -10,7 +11,9 @@ whole weight (float64, chunked), then the vocab-parallel loss on its own uneven 
 loss, dh, and its slice of dW and db, for every head, reduction and backend, with eos and targets
 on either side of the shard boundaries. ``--fail-rank R``: rank R's weight slice holds a NaN, which
 must stop every rank with the same ValueError (none left waiting in a collective). ``--overlap``:
-the last rank claims its neighbour's first row too, which every rank must refuse.
+the last rank claims its neighbour's first row too, which every rank must refuse. ``--grad-filter``: the gradient
+filter on shards of whole filter blocks (of a larger vocabulary, peaked rows) equals one process's filter, and it
+skips blocks.
 """
 
 import argparse
@@ -19,7 +22,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from nmst_fast import linear_nmst_loss
+from benchmarks.grad_filter import peaked_rows
+from nmst_fast import grad_filter, linear_nmst_loss
 from train import distributed
 
 V, H, B, T = 37, 8, 3, 7
@@ -83,10 +87,50 @@ def check(rank: int, world: int, group) -> int:
     return cases
 
 
+def check_filtered(rank: int, world: int, group) -> tuple[int, float]:
+    """The filtered loss's gradients on shards that start at multiples of the filter's block (so each shard's blocks
+    are one process's) equal one process's, for every head and both backends, at two thresholds; returns the cases
+    and the least kept share of a chunk's vocabulary this rank's filter recorded."""
+    block = grad_filter.FILTER_BLOCK
+    vocab = block * (world + 1) + 77  # shards of 1, 1, ..., 2 blocks and a partial one
+    cuts = [block * r for r in range(world)] + [vocab]
+    lo, hi = cuts[rank], cuts[rank + 1]
+    cases, least = 0, 1.0
+    for j, head in enumerate(("nmst", "st", "va")):
+        eos = (block - 1, block, vocab - 1)[j]  # the last entry of a shard, the first of one, the last of all
+        hidden, weight = peaked_rows(3 * 37, 24, vocab, gamma=2.0, seed=j)
+        gen = torch.Generator().manual_seed(j)
+        targets = torch.randint(0, vocab, (3, 37), generator=gen)
+        targets[:, ::9], targets[1, 5] = eos, -100
+        steps = torch.arange(1, 38).repeat(3, 1)
+        for impl in ("chunked", "triton"):
+            dtype = torch.float64 if impl == "chunked" else torch.float32
+            # the filter's block sums and their corrections are float32 in every dtype, summed over the ranks
+            tol = dict(rtol=1e-6, atol=1e-8) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-5)
+            for g in (1e-3, 0.3):
+                args = dict(eos_index=eos, eps=0.05, head=head, steps=steps, grad_filter=g, impl=impl, chunk_size=32)
+                h = hidden.view(3, 37, -1).to(dtype)
+                full = [h.clone().requires_grad_(), weight.to(dtype).clone().requires_grad_()]
+                want = linear_nmst_loss(full[0], full[1], targets, **args)
+                want.backward()
+                mine = [h.clone().requires_grad_(), weight[lo:hi].to(dtype).clone().requires_grad_()]
+                with grad_filter.recorded_kept_shares() as shares:
+                    got = linear_nmst_loss(mine[0], mine[1], targets, process_group=group, vocab_start=lo, **args)
+                    got.backward()
+                least = min([least, *shares])
+                where = f"rank {rank} filtered {head} {impl} g {g}"
+                torch.testing.assert_close(got, want, **tol, msg=where)
+                torch.testing.assert_close(mine[0].grad, full[0].grad, **tol, msg=f"dh {where}")
+                torch.testing.assert_close(mine[1].grad, full[1].grad[lo:hi], **tol, msg=f"dW {where}")
+                cases += 1
+    return cases, least
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fail-rank", type=int)
     parser.add_argument("--overlap", action="store_true")
+    parser.add_argument("--grad-filter", action="store_true")
     args = parser.parse_args()
     # A rank that raises must not leave the others waiting: collectives time out instead of hanging.
     # Joined and left as the training commands do (train.distributed: its teardown ends gloo's threads).
@@ -105,6 +149,11 @@ def main() -> None:
                 w[0, 0] = float("nan")
             linear_nmst_loss(h, w, y, eos_index=V - 1, eps=0.05, process_group=group, vocab_start=lo)
             raise SystemExit("the bad input went unnoticed")
+        if args.grad_filter:
+            cases, least = check_filtered(rank, world, group)
+            print(f"rank {rank}/{world}: {cases} filtered cases equal to one process, least kept share {least:.3f}",
+                  flush=True)
+            return
         cases = check(rank, world, group)
         print(f"rank {rank}/{world}: {cases} cases equal to one process", flush=True)
         # The first two ranks again as a group of their own (the other ranks only join its creation):
