@@ -362,18 +362,13 @@ def dh_from_transposed_weight(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_has_amx()
 
 
-# Vocabulary rows per block of the blocked transpose: a block (128 × H) stays in L2 while it is read column by column
-# (at Gemma's 256000 × 2304 in bf16, blocks of 2048 rows, or the whole matrix at once, copied at 1.9 GB/s, blocks of
-# 64-256 rows at 3.1-3.4 GB/s on a Xeon with AMX).
-_TRANSPOSE_ROWS = 128
-
-
 def transposed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """Wᵀ (H, V), contiguous, copied by blocks of vocabulary rows."""
-    out = torch.empty(weight.shape[1], weight.shape[0], dtype=weight.dtype, device=weight.device)
-    for v0 in range(0, weight.shape[0], _TRANSPOSE_ROWS):
-        out[:, v0:v0 + _TRANSPOSE_ROWS].copy_(weight[v0:v0 + _TRANSPOSE_ROWS].t())
-    return out
+    """Wᵀ (H, V), contiguous: the CPU kernels' ``transpose_rows`` (by 16 x 16 blocks, into huge pages), or torch's copy
+    of the transposed view where they are not built."""
+    kernels = row_kernels()
+    if kernels is not None:
+        return kernels.transpose_rows(weight)
+    return weight.t().contiguous()
 
 
 def _dh_chunk(out: torch.Tensor, dz: torch.Tensor, weight: torch.Tensor, sparse: Optional[SparseGrad],

@@ -190,6 +190,8 @@ def test_the_other_capabilities_build_and_agree(capability):
             want = coef * torch.exp(z.double() - lse)
             want[7] = 0
             torch.testing.assert_close(dz.double(), want, rtol=2**-7, atol=1e-7)  # float16: its subnormals
+        w = torch.randn(70, 37, generator=gen).bfloat16()  # the transpose's 16 x 16 blocks and its edges
+        assert torch.equal(ops.transpose_rows(w), w.t())
         # The selection kernel (its vector paths: the band of top-p's boundary, the walks): on a peaked row, every
         # draw in the float64 reference's support, each token's count within 5 sigma of the reference's.
         import nmst_fast

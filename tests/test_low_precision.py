@@ -200,9 +200,15 @@ def test_dh_from_the_transposed_weight_or_the_weight(transposed, chunk_size, mon
     assert relative_error(ours[1], truth[1]) <= 1.02 * relative_error(materialized[1], truth[1])
 
 
-@pytest.mark.parametrize("V", [1, fused._TRANSPOSE_ROWS - 1, fused._TRANSPOSE_ROWS + 1, 3 * fused._TRANSPOSE_ROWS + 7])
-def test_the_blocked_transpose_is_the_transpose(V):
-    """Wᵀ copied by blocks of vocabulary rows, V not a multiple of the block: every entry in place, bit for bit."""
-    weight = torch.randn(V, 37, dtype=torch.bfloat16)
+@pytest.mark.parametrize("V,H", [(1, 37), (15, 16), (16, 15), (63, 48), (65, 37), (3 * 64 + 7, 2 * 16 + 5), (300, 1), (1100, 1001)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_blocked_transpose_is_the_transpose(V, H, dtype):
+    """Wᵀ by the kernels' 16 x 16 blocks in stretches of 64 rows, V and H not multiples of them: every entry in
+    place, bit for bit (NaN payloads and signed zeros included)."""
+    assert fused.row_kernels() is not None, "the CPU row kernels did not build"
+    weight = torch.randn(V, H).to(dtype)
+    weight.view(-1)[::7] = -0.0
+    bits = weight.view(torch.int16)
+    bits.view(-1)[3::11] = 0x7FC1  # NaNs with a payload
     out = fused.transposed_weight(weight)
-    assert out.is_contiguous() and torch.equal(out, weight.t())
+    assert out.is_contiguous() and out.shape == (H, V) and torch.equal(out.view(torch.int16), bits.t())
