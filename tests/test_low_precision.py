@@ -200,7 +200,8 @@ def test_dh_from_the_transposed_weight_or_the_weight(transposed, chunk_size, mon
     assert relative_error(ours[1], truth[1]) <= 1.02 * relative_error(materialized[1], truth[1])
 
 
-@pytest.mark.parametrize("V,H", [(1, 37), (15, 16), (16, 15), (63, 48), (65, 37), (3 * 64 + 7, 2 * 16 + 5), (300, 1), (1100, 1001)])
+@pytest.mark.parametrize("V,H", [(1, 37), (15, 16), (16, 15), (63, 48), (65, 37), (3 * 64 + 7, 2 * 16 + 5), (300, 1),
+                                 (1100, 1001)])  # the last: 2.2 MB, in huge pages
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_blocked_transpose_is_the_transpose(V, H, dtype):
     """Wᵀ by the kernels' 16 x 16 blocks in stretches of 64 rows, V and H not multiples of them: every entry in
