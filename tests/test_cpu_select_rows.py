@@ -250,8 +250,17 @@ def test_calls_after_the_first_check_their_arguments_as_the_first(head):
         with pytest.raises(TypeError, match="steps must be an int"):
             step(z, steps=True)
     if head == "st":
-        with pytest.raises(ValueError, match="state row 1"):
-            step(z, steps=3, state=torch.tensor([0.0, math.nan, 0.0, 0.0], dtype=torch.float64))
+        for bad_value in (math.nan, 0.5):
+            with pytest.raises(ValueError, match="state row 1"):
+                step(z, steps=3, state=torch.tensor([0.0, bad_value, 0.0, 0.0], dtype=torch.float64))
+        with pytest.raises(ValueError, match=r"state must have shape \(4,\)"):
+            step(z, steps=3, state=torch.zeros(3, dtype=torch.float64))
+        state = (-torch.rand(4, dtype=torch.float64, generator=gen)).float().double()  # float32's values
+        seeded = [step(z, steps=3, state=s, generator=torch.Generator().manual_seed(5))
+                  for s in (state, state.float(), torch.stack([state, state], 1)[:, 0])]
+        for other in seeded[1:]:  # float32 and strided states go the checked path: the same draws
+            assert torch.equal(other.tokens, seeded[0].tokens)
+            torch.testing.assert_close(other.state, seeded[0].state, rtol=0, atol=0)
 
     def drawn(logits, steps=3):
         return step(logits, steps=steps, generator=torch.Generator().manual_seed(5))

@@ -32,20 +32,21 @@ class CPURows:
         self.cut = 2.0 if top_p is None or top_p >= 1.0 else float(top_p) - TOP_P_SLACK
         self.min_p = active_min_p(min_p) or 0.0
 
-    def unchecked(self, logits: object, step: int, generator: object) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """(tokens, log p) as :meth:`__call__`'s for NMST or VA rows, or ST's from its start (no state), at one int
-        ``step`` for every row, or None where ``logits`` is not a 2-D CPU float32, bfloat16 or float16 tensor of V
-        columns or ``generator`` is neither None nor a torch.Generator: the kernel checks its arguments itself, so a
-        decoding loop's call reads none of the tensor's attributes from Python (each such read cost microseconds where
-        a forward pass had evicted the caches); the caller's checks then name what is wrong."""
+    def unchecked(self, logits: object, step: int, state: object,
+                  generator: object) -> Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
+        """:meth:`__call__`'s result at one int ``step`` for every row, or None where ``logits`` is not a 2-D CPU
+        float32, bfloat16 or float16 tensor of V columns, ST's ``state`` is neither None nor a contiguous (B,) float64
+        CPU tensor of values <= 0, or ``generator`` is neither None nor a torch.Generator: the kernel checks its
+        arguments itself, so a decoding loop's call reads none of the tensors' attributes from Python (each such read
+        cost microseconds where a forward pass had evicted the caches); the caller's checks then name what is wrong."""
         out = self.select(logits, self.vocab_size, _HEADS[self.head], self.eos_index, self.eps, self.temperature, None,
-                          step, None, self.top_k, self.cut, self.min_p, generator)
+                          step, state, self.top_k, self.cut, self.min_p, generator)
         if out is None:
             return None
-        tokens, log_probs, _, first_bad = out
+        tokens, log_probs, states, first_bad = out
         if first_bad >= 0:
             raise ValueError(no_distribution_message(first_bad))
-        return tokens, log_probs
+        return tokens, log_probs, states
 
     def __call__(self, logits: torch.Tensor, steps: Steps, state: Optional[torch.Tensor],
                  generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:

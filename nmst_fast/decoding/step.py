@@ -146,11 +146,11 @@ class DecodingStep:
             defer_checks: leave the kernels' flags for :meth:`check` (no host sync); a row without a
                 distribution yields some column in [0, V) until then.
         """
-        if self._cpu_rows is not None and type(steps) is int and (state is None or self.head != "st"):
-            # A decoding loop's call on CPU: the kernel checks the logits and the generator itself.
-            picked = self._cpu_rows.unchecked(logits, steps, generator) if _INT64[0] <= steps <= _INT64[1] else None
+        if self._cpu_rows is not None and type(steps) is int and _INT64[0] <= steps <= _INT64[1]:
+            # A decoding loop's call on CPU: the kernel checks the logits, ST's state and the generator itself.
+            picked = self._cpu_rows.unchecked(logits, steps, state, generator)
             if picked is not None:
-                return StepOutput(*picked, None)
+                return StepOutput(*picked)
         self._check_logits(logits)
         if not self.kernels:
             return self._torch_step(logits, steps, state, generator)

@@ -865,13 +865,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> select_rows(
 
 // select_rows for Python callers (pybind11; a torch op's call through the dispatcher cost ~20 us where the caches
 // were cold, this one ~5 us). ``logits`` any object: None where it is not a 2-D CPU tensor of float32, bfloat16 or
-// float16 with ``vocab`` columns, or ``generator`` is neither None nor a torch.Generator (the caller's checks then
+// float16 with ``vocab`` columns, ST's ``state`` (ignored for NMST and VA) is neither None nor a contiguous (B,)
+// float64 CPU tensor of values <= 0, or ``generator`` is neither None nor a torch.Generator (the caller's checks then
 // name the argument); bfloat16, float16 and strided rows are read as contiguous float32. A generator on another
 // device is refused with a ValueError naming it. Returns (tokens, log p, ST's state after the step or None, the
 // first row without a distribution or -1), as select_rows.
 py::object select_rows_py(const py::handle& logits_obj, int64_t vocab, int64_t head, int64_t eos, double eps,
                           double temperature, std::optional<at::Tensor> steps, int64_t step,
-                          std::optional<at::Tensor> state, int64_t top_k, double cut, double min_p,
+                          const py::handle& state_obj, int64_t top_k, double cut, double min_p,
                           const py::handle& generator_obj) {
   if (!THPVariable_Check(logits_obj.ptr())) {
     return py::none();
@@ -881,6 +882,23 @@ py::object select_rows_py(const py::handle& logits_obj, int64_t vocab, int64_t h
   if (!logits.device().is_cpu() || logits.dim() != 2 || logits.size(1) != vocab ||
       !(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf)) {
     return py::none();
+  }
+  std::optional<at::Tensor> state;
+  if (head == 1 && !state_obj.is_none()) {  // NMST and VA have no state
+    if (!THPVariable_Check(state_obj.ptr())) {
+      return py::none();
+    }
+    state = THPVariable_Unpack(state_obj.ptr());
+    if (!state->device().is_cpu() || state->scalar_type() != at::kDouble || state->dim() != 1 ||
+        state->size(0) != logits.size(0) || !state->is_contiguous()) {
+      return py::none();
+    }
+    const double* before = state->const_data_ptr<double>();
+    for (int64_t b = 0; b < state->size(0); ++b) {
+      if (!(before[b] <= 0.0)) {  // NaN or positive: not a log(1 - alpha)
+        return py::none();
+      }
+    }
   }
   std::optional<at::Generator> generator;
   if (!generator_obj.is_none()) {
