@@ -39,14 +39,7 @@ class CPURows:
         CPU tensor of values <= 0, or ``generator`` is neither None nor a torch.Generator: the kernel checks its
         arguments itself, so a decoding loop's call reads none of the tensors' attributes from Python (each such read
         cost microseconds where a forward pass had evicted the caches); the caller's checks then name what is wrong."""
-        out = self.select(logits, self.vocab_size, _HEADS[self.head], self.eos_index, self.eps, self.temperature, None,
-                          step, state, self.top_k, self.cut, self.min_p, generator)
-        if out is None:
-            return None
-        tokens, log_probs, states, first_bad = out
-        if first_bad >= 0:
-            raise ValueError(no_distribution_message(first_bad))
-        return tokens, log_probs, states
+        return self._select(logits, None, step, state, generator)
 
     def __call__(self, logits: torch.Tensor, steps: Steps, state: Optional[torch.Tensor],
                  generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -58,10 +51,18 @@ class CPURows:
         before = None
         if self.head == "st" and state is not None:
             before = check_state(state, B, logits.device).double().contiguous()
-        out = self.select(logits, self.vocab_size, _HEADS[self.head], self.eos_index, self.eps, self.temperature,
-                          per_row, step, before, self.top_k, self.cut, self.min_p, generator)
-        if out is None:  # the logits are checked: the generator is not one
+        picked = self._select(logits, per_row, step, before, generator)
+        if picked is None:  # the logits are checked: the generator is not one
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        return picked
+
+    def _select(self, logits: object, per_row: Optional[torch.Tensor], step: int, state: object,
+                generator: object) -> Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
+        """The kernel's call (None where it declines an argument), raising on the first row with no distribution."""
+        out = self.select(logits, self.vocab_size, _HEADS[self.head], self.eos_index, self.eps, self.temperature,
+                          per_row, step, state, self.top_k, self.cut, self.min_p, generator)
+        if out is None:
+            return None
         tokens, log_probs, states, first_bad = out
         if first_bad >= 0:
             raise ValueError(no_distribution_message(first_bad))

@@ -23,6 +23,7 @@ from ..head_math import head_terms, nmst_log_survival, st_step_survival
 from ..validation import HEADS, check_choice, check_eps, check_float_tensor, check_index, check_temperature
 
 Steps = Union[int, torch.Tensor]
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the range of one int t, as the kernels hold it
 
 
 @dataclass
@@ -66,7 +67,7 @@ def step_values(steps: Steps, batch: int, device: torch.device) -> Steps:
     """t as every path takes it: one int (fitting int64, as the kernels hold it) or a (batch,) int64
     tensor on ``device``; a TypeError or ValueError naming steps otherwise."""
     if isinstance(steps, numbers.Integral) and not isinstance(steps, bool):
-        if not -(2**63) <= int(steps) < 2**63:
+        if not INT64_MIN <= int(steps) <= INT64_MAX:
             raise ValueError(f"steps must fit in int64, got {int(steps)}")
         return int(steps)
     if not isinstance(steps, torch.Tensor) or steps.dtype.is_floating_point or steps.dtype == torch.bool:

@@ -31,6 +31,8 @@ from ..kernels.host_math import NO_ROW
 from ..validation import check_float_tensor, check_int
 from .cpu_rows import KERNEL_DTYPES, CPURows
 from .distribution import (
+    INT64_MAX,
+    INT64_MIN,
     Steps,
     check_head_args,
     check_state,
@@ -41,8 +43,6 @@ from .distribution import (
 from .host_rows import MAX_ROWS, HostRows
 from .selection import select
 from .truncation import TOP_P_SLACK, active_min_p, check_truncation, untruncated
-
-_INT64 = (-(2**63), 2**63 - 1)  # the kernels' range of t
 
 
 @dataclass
@@ -146,7 +146,7 @@ class DecodingStep:
             defer_checks: leave the kernels' flags for :meth:`check` (no host sync); a row without a
                 distribution yields some column in [0, V) until then.
         """
-        if self._cpu_rows is not None and type(steps) is int and _INT64[0] <= steps <= _INT64[1]:
+        if self._cpu_rows is not None and type(steps) is int and INT64_MIN <= steps <= INT64_MAX:
             # A decoding loop's call on CPU: the kernel checks the logits, ST's state and the generator itself.
             picked = self._cpu_rows.unchecked(logits, steps, state, generator)
             if picked is not None:
