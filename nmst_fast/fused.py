@@ -362,13 +362,22 @@ def dh_from_transposed_weight(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_has_amx()
 
 
+# Vocabulary rows per block of the fallback's transpose: a block (128 x H) stays in L2 while it is read column by
+# column (256000 x 2304 bf16 on a Xeon with AMX: 0.75 s by such blocks, 1.10 s as one copy of the transposed view,
+# 0.43 s by the kernels' transpose_rows).
+_TRANSPOSE_ROWS = 128
+
+
 def transposed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """Wᵀ (H, V), contiguous: the CPU kernels' ``transpose_rows`` (by 16 x 16 blocks, into huge pages), or torch's copy
-    of the transposed view where they are not built."""
+    """Wᵀ (H, V), contiguous: the CPU kernels' ``transpose_rows`` (by 16 x 16 blocks, into huge pages), or torch's
+    copies by blocks of vocabulary rows where they are not built."""
     kernels = row_kernels()
     if kernels is not None:
         return kernels.transpose_rows(weight)
-    return weight.t().contiguous()
+    out = torch.empty(weight.shape[1], weight.shape[0], dtype=weight.dtype, device=weight.device)
+    for v0 in range(0, weight.shape[0], _TRANSPOSE_ROWS):
+        out[:, v0:v0 + _TRANSPOSE_ROWS].copy_(weight[v0:v0 + _TRANSPOSE_ROWS].t())
+    return out
 
 
 def _dh_chunk(out: torch.Tensor, dz: torch.Tensor, weight: torch.Tensor, sparse: Optional[SparseGrad],

@@ -203,10 +203,14 @@ def test_dh_from_the_transposed_weight_or_the_weight(transposed, chunk_size, mon
 @pytest.mark.parametrize("V,H", [(1, 37), (15, 16), (16, 15), (63, 48), (65, 37), (3 * 64 + 7, 2 * 16 + 5), (300, 1),
                                  (1100, 1001)])  # the last: 2.2 MB, in huge pages
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_blocked_transpose_is_the_transpose(V, H, dtype):
-    """Wᵀ by the kernels' 16 x 16 blocks in stretches of 64 rows, V and H not multiples of them: every entry in
-    place, bit for bit (NaN payloads and signed zeros included)."""
+@pytest.mark.parametrize("kernels", [True, False])
+def test_the_blocked_transpose_is_the_transpose(V, H, dtype, kernels, monkeypatch):
+    """Wᵀ by the kernels' 16 x 16 blocks in stretches of 64 rows, or by torch's copies of 128-row blocks where the
+    kernels are not built, V and H not multiples of them: every entry in place, bit for bit (NaN payloads and signed
+    zeros included)."""
     assert fused.row_kernels() is not None, "the CPU row kernels did not build"
+    if not kernels:
+        monkeypatch.setattr(fused, "row_kernels", lambda: None)
     weight = torch.randn(V, H).to(dtype)
     weight.view(-1)[::7] = -0.0
     bits = weight.view(torch.int16)
