@@ -92,8 +92,9 @@ def default_chunk_rows(
         max_rows -= max_rows % LANE_ALIGN
     num_chunks = max(1, -(-num_rows // max_rows))  # 0 rows (an empty batch): one empty chunk
     rows = max(1, -(-num_rows // num_chunks))
-    # a multiple of LANE_ALIGN tokens where there are several chunks (the CPU kernels' threads then share no cache
-    # line of a vocabulary-major chunk; see _chunk_loop); no more than max_rows, itself such a multiple
+    # a multiple of LANE_ALIGN tokens where there are several chunks (each row of a vocabulary-major chunk then
+    # starts a cache line: the CPU kernels' threads share none; see _chunk_loop); no more than max_rows, itself such
+    # a multiple
     return rows if num_chunks == 1 or max_rows < LANE_ALIGN else -(-rows // LANE_ALIGN) * LANE_ALIGN
 
 
@@ -284,7 +285,7 @@ def _chunk_loop(
     read past K in an A operand whose row stride exceeds K (torch 2.13, small N: tests/test_low_precision.py), so
     the dW products' A = the chunk may carry no padding. :func:`default_chunk_rows` makes the rows a multiple
     of :data:`LANE_ALIGN` instead, so that every vocabulary row starts a cache line and the CPU kernels'
-    threads, which split the rows at multiples of LANE_ALIGN tokens, never write to one line.
+    threads, which split the vocabulary entries, never write to one line.
     Triton's row kernels need unit stride along V, so they use the row-major layout.
     """
     need_dh, need_dw, need_db = need

@@ -4,14 +4,15 @@
 // in float32 (a bfloat16 / float16 value is read once into float32 and the gradient rounded once on its way out).
 //
 // Vocabulary-major, a chunk's rows are contiguous lanes: every vector instruction serves 8-32 tokens at one
-// vocabulary entry. Each thread takes a stretch of the columns and walks every vocabulary row's part of it
-// contiguously (so the hardware prefetchers follow), its tokens' running statistics in arrays that stay in L1.
+// vocabulary entry. Each thread takes a stretch of the vocabulary entries and walks their rows whole (one stream
+// of memory per thread, prefetched a few rows ahead), its tokens' running statistics in arrays that stay in L1;
+// the threads' partial statistics merge in float64.
 //
 //   chunk_lse(z, eos, softcap) -> (L, m):  (R,) float64 L = log sum_{v != eos} exp(y[v, r]) and (R,) float64 m =
 //     the max of those y, y = z, or c·tanh(z / c) with a softcap c > 0 (0: none); both NaN on a row where any z
-//     (before the cap) is NaN or infinite: the fused loss's data check. One read of the chunk: each block of kBlock
-//     vocabulary entries is read twice while it sits in cache (its max, then the sum of exp(y - block max)), and
-//     the blocks merge in float64.
+//     (before the cap) is NaN or infinite: the fused loss's data check. One read of the chunk: each block of up to
+//     256 vocabulary entries (kBlockBytes) is read twice while it sits in cache (its max, then the sum of
+//     exp(y - block max)), and the blocks merge in float64.
 //   chunk_grad_(z, shift, scale, eos, targets, values, softcap):  in place, z[v, r] <- scale[r]·exp(y[v, r] -
 //     shift[r]) · (sech²(z / c) with a softcap) for every v != eos, rounded once to z's dtype; then z[eos, r] <- 0
 //     (eos >= 0) and z[targets[r], r] <- values[r] where targets[r] >= 0. shift is taken as the nearest value of
@@ -58,21 +59,6 @@
 namespace {
 
 using at::vec::Vectorized;
-
-constexpr int64_t kBlock = 256;  // vocabulary entries per block of chunk_lse: a thread's block stays in L2
-constexpr int64_t kGrain = 256;  // columns per task at least: a thread streams whole stretches of each row
-// Threads split the columns at multiples of kGroup (64 bytes of bfloat16): where the row stride is a multiple of it
-// too (nmst_fast.fused.LANE_ALIGN), no two threads write to one cache line.
-constexpr int64_t kGroup = 32;
-
-// f(first, last) over [0, R) in parallel, the stretches' bounds multiples of kGroup (but the last).
-template <typename F>
-inline void parallel_columns(int64_t R, const F& f) {
-  const int64_t groups = (R + kGroup - 1) / kGroup;
-  at::parallel_for(0, groups, kGrain / kGroup, [&](int64_t g0, int64_t g1) {
-    f(g0 * kGroup, std::min(R, g1 * kGroup));
-  });
-}
 
 // How compute values (float, or double for double storage) are read from and written to storage T, kStep lanes
 // at a time as two vectors a, b; ``n`` < kStep lanes at the end of a thread's columns (the rest read as 0, not
@@ -130,208 +116,236 @@ inline typename L::V capped(typename L::V x, typename L::C cap, typename L::C in
   return V(cap) * V::blendv(t, V(0) - t, u < V(0));
 }
 
-// A thread's columns [first, last) of a (V, R) chunk at ``base`` (row stride ld): ``body(v, column, lanes)`` for
-// each vocabulary entry v != eos in [v0, v1) and each step of kStep columns, walking each row contiguously.
-template <typename L, typename T, typename F>
-inline void walk(int64_t v0, int64_t v1, int64_t eos, int64_t first, int64_t last, F&& body) {
-  for (int64_t v = v0; v < v1; ++v) {
-    if (v == eos) continue;
-    for (int64_t c = first; c < last; c += L::kStep) {
-      body(v, c, std::min(L::kStep, last - c));
-    }
-  }
-}
+// Threads split the chunk's vocabulary entries: each walks whole rows (its R lanes contiguous), so every thread
+// streams its own stretch of memory, and software prefetches kAhead entries ahead keep that stream in flight. (Split
+// by columns instead, each thread read half of every row and skipped the other half: the in-place gradient pass ran
+// at half the rate of torch's exp_ on the same memory.)
+constexpr int64_t kAhead = 2;
+constexpr int64_t kBlockBytes = int64_t{512} << 10;  // a block of chunk_lse's entries stays in L2 between its two reads
+constexpr int64_t kTaskEntries = int64_t{1} << 15;   // at least this many of the chunk's values per task
 
-template <typename T>
-void span_lse(const T* z, int64_t ld, int64_t V_, int64_t eos, double softcap, int64_t first, int64_t last,
-              double* lse_out, double* max_out) {
-  using L = Lanes<T>;
-  using V = typename L::V;
-  using C = typename L::C;
-  constexpr int64_t W = V::size();
-  const int64_t n = last - first, padded = (n + L::kStep - 1) / L::kStep * L::kStep;
-  const C cap = static_cast<C>(softcap), inv_cap = softcap > 0 ? static_cast<C>(1.0 / softcap) : C(0);
-  const C lowest = -std::numeric_limits<C>::infinity();
-  std::vector<C> block_max(padded), shift(padded), block_sum(padded);
-  std::vector<double> run_max(n, -std::numeric_limits<double>::infinity()), run_sum(n, 0.0);
-  auto values = [&](int64_t v, int64_t c, int64_t lanes, V& a, V& b) {
-    L::load(z + v * ld + c, lanes, a, b);
-    if (softcap > 0) {
-      a = capped<L>(a, cap, inv_cap, nullptr);
-      b = capped<L>(b, cap, inv_cap, nullptr);
-    }
-  };
-  for (int64_t v0 = 0; v0 < V_; v0 += kBlock) {
-    const int64_t v1 = std::min(V_, v0 + kBlock);
-    std::fill(block_max.begin(), block_max.end(), lowest);
-    std::fill(block_sum.begin(), block_sum.end(), C(0));
-    walk<L, T>(v0, v1, eos, first, last, [&](int64_t v, int64_t c, int64_t lanes) {
-      V a, b;
-      values(v, c, lanes, a, b);
-      C* m = block_max.data() + (c - first);
-      at::vec::maximum(V::loadu(m), a).store(m);
-      at::vec::maximum(V::loadu(m + W), b).store(m + W);
-    });
-    for (int64_t k = 0; k < padded; ++k) {  // a column of -inf only (or none) in the block: exp(-inf - 0) = 0
-      shift[k] = block_max[k] == lowest ? C(0) : block_max[k];
-    }
-    // The sum also takes z - z of the raw logits (before a cap): 0 while every one is finite, NaN from the first
-    // NaN or infinite one on, which the merge below carries to L and m.
-    walk<L, T>(v0, v1, eos, first, last, [&](int64_t v, int64_t c, int64_t lanes) {
-      V a, b;
-      L::load(z + v * ld + c, lanes, a, b);
-      const V raw_a = a - a, raw_b = b - b;
-      if (softcap > 0) {
-        a = capped<L>(a, cap, inv_cap, nullptr);
-        b = capped<L>(b, cap, inv_cap, nullptr);
-      }
-      const int64_t k = c - first;
-      C* sum = block_sum.data() + k;
-      (V::loadu(sum) + (L::exp(a - V::loadu(shift.data() + k)) + raw_a)).store(sum);
-      (V::loadu(sum + W) + (L::exp(b - V::loadu(shift.data() + k + W)) + raw_b)).store(sum + W);
-    });
-    for (int64_t k = 0; k < n; ++k) {  // merge the block into the running max and sum, in float64
-      const double m = block_max[k], s = block_sum[k];
-      if (std::isnan(m) || std::isnan(s)) {
-        run_max[k] = run_sum[k] = std::numeric_limits<double>::quiet_NaN();
-      } else if (m > run_max[k]) {
-        run_sum[k] = run_sum[k] * std::exp(run_max[k] - m) + s;
-        run_max[k] = m;
-      } else if (m != -std::numeric_limits<double>::infinity()) {
-        run_sum[k] += s * std::exp(m - run_max[k]);
-      }
-    }
-  }
-  for (int64_t k = 0; k < n; ++k) {
-    const double m = run_max[k];
-    lse_out[first + k] = std::isfinite(m) ? m + std::log(run_sum[k]) : m;
-    max_out[first + k] = m;
-  }
-}
-
-template <typename T>
-void span_grad(T* z, int64_t ld, int64_t V_, int64_t eos, double softcap, int64_t first, int64_t last,
-               const double* shift, const double* scale, float* entry_max, float* block_sums, int64_t block) {
-  using L = Lanes<T>;
-  using V = typename L::V;
-  using C = typename L::C;
-  constexpr int64_t W = V::size();
-  const int64_t n = last - first, padded = (n + L::kStep - 1) / L::kStep * L::kStep;
-  // the shift as the compute type holds it; the scale takes the difference: exp(y - s) = exp(y - s_C)·exp(s_C - s)
-  std::vector<C> shifts(padded, C(0)), scales(padded, C(0));
-  for (int64_t k = 0; k < n; ++k) {
-    const double s = shift[first + k];
-    if (std::isfinite(s)) {
-      shifts[k] = static_cast<C>(s);
-      scales[k] = static_cast<C>(scale[first + k] * std::exp(static_cast<double>(shifts[k]) - s));
-    }
-  }
-  const C cap = static_cast<C>(softcap), inv_cap = softcap > 0 ? static_cast<C>(1.0 / softcap) : C(0);
-  V peak(0);  // entry v's running max |dz| over this thread's columns (padded lanes hold 0)
-  std::vector<C> sums(entry_max != nullptr ? padded : 0);  // the current block's sums, one per column
-  int64_t current = -1;                                    // that block
-  const int64_t R = ld;  // block_sums' row stride: the chunk's rows (its vocabulary-major stride)
-  auto flush = [&]() {
-    if (current >= 0) {
-      for (int64_t k = 0; k < n; ++k) {
-        block_sums[current * R + first + k] = static_cast<float>(sums[k]);
-      }
-      std::fill(sums.begin(), sums.end(), C(0));
-    }
-  };
-  walk<L, T>(0, V_, eos, first, last, [&](int64_t v, int64_t c, int64_t lanes) {
-    T* at = z + v * ld + c;
-    if (entry_max != nullptr && c == first && v / block != current) {
-      flush();
-      current = v / block;
-    }
-    const int64_t k = c - first;
-    V a, b;
-    L::load(at, lanes, a, b);
-    const V sh_a = V::loadu(shifts.data() + k), sh_b = V::loadu(shifts.data() + k + W);
-    const V sc_a = V::loadu(scales.data() + k), sc_b = V::loadu(scales.data() + k + W);
-    if (softcap > 0) {
-      V sech_a, sech_b;
-      const V ya = capped<L>(a, cap, inv_cap, &sech_a), yb = capped<L>(b, cap, inv_cap, &sech_b);
-      a = L::exp(ya - sh_a) * sc_a * sech_a;
-      b = L::exp(yb - sh_b) * sc_b * sech_b;
-    } else {
-      a = L::exp(a - sh_a) * sc_a;
-      b = L::exp(b - sh_b) * sc_b;
-    }
-    L::store(at, a, b, lanes);
-    if (entry_max != nullptr) {
-      C* sum = sums.data() + k;
-      (V::loadu(sum) + a).store(sum);
-      (V::loadu(sum + W) + b).store(sum + W);
-      peak = at::vec::maximum(peak, at::vec::maximum(a.abs(), b.abs()));
-      if (c + L::kStep >= last) {  // the entry's last step: one horizontal max, then the next entry starts at 0
-        const auto top = at::vec::vec_reduce_all<C>([](V& x, V& y) { return at::vec::maximum(x, y); }, peak);
-        entry_max[v] = std::max(entry_max[v], static_cast<float>(top));
-        peak = V(0);
+// f(v0, v1, part) over [0, V_) in parallel: the stretches' bounds multiples of ``unit`` (but the last), ``part`` the
+// stretch's index in [0, parts) and the stretches in order of part; returns parts, the most f may be called with.
+template <typename F>
+inline int64_t parallel_entries(int64_t V_, int64_t R, int64_t unit, const F& f) {
+  const int64_t units = (V_ + unit - 1) / unit;
+  const int64_t grain = std::max<int64_t>(1, kTaskEntries / std::max<int64_t>(unit * R, 1));
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (units + grain - 1) / grain));
+  const int64_t per_part = (units + parts - 1) / parts;
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t v0 = std::min(V_, p * per_part * unit), v1 = std::min(V_, (p + 1) * per_part * unit);
+      if (v0 < v1) {
+        f(v0, v1, p);
       }
     }
   });
-  if (entry_max != nullptr) {
-    flush();
+  return parts;
+}
+
+// Vocabulary entries per block of chunk_lse and chunk_statistics: one block of a thread's rows fits kBlockBytes.
+inline int64_t entries_per_block(int64_t R, int64_t bytes) {
+  return std::clamp<int64_t>(kBlockBytes / std::max<int64_t>(R * bytes, 1), 8, 256);
+}
+
+// body(c, lanes) for each step of kStep lanes of a row of R, with the row ``ahead`` (or none) prefetched alongside.
+template <typename L, typename T, typename F>
+inline void each_step(const T* ahead, int64_t R, F&& body) {
+  for (int64_t c = 0; c < R; c += L::kStep) {
+    if (ahead != nullptr) {
+      for (int64_t byte = 0; byte < L::kStep * static_cast<int64_t>(sizeof(T)); byte += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(ahead + c) + byte);
+      }
+    }
+    body(c, std::min(L::kStep, R - c));
   }
 }
 
+// Folds a part's (max, sum of exp(y - max)) into a running pair, in float64: NaN from either stays NaN.
+inline void merge_exp_sum(double& run_max, double& run_sum, double m, double s) {
+  if (std::isnan(m) || std::isnan(s) || std::isnan(run_max)) {
+    run_max = run_sum = std::numeric_limits<double>::quiet_NaN();
+  } else if (m > run_max) {
+    run_sum = run_sum * std::exp(run_max - m) + s;
+    run_max = m;
+  } else if (m != -std::numeric_limits<double>::infinity()) {
+    run_sum += s * std::exp(m - run_max);
+  }
+}
+
+// Entries [v0, v1) of a (V, R) chunk: each column's max and sum of exp(y - max) over them, into run_max / run_sum (R,).
 template <typename T>
-void span_statistics(const T* z, int64_t ld, int64_t V_, int64_t eos, double softcap, int64_t first, int64_t last,
-                     const double* shift_in, double* out) {
+void span_lse(const T* z, int64_t ld, int64_t R, int64_t v0, int64_t v1, int64_t eos, double softcap, double* run_max,
+              double* run_sum) {
   using L = Lanes<T>;
   using V = typename L::V;
   using C = typename L::C;
   constexpr int64_t W = V::size();
-  const int64_t n = last - first, padded = (n + L::kStep - 1) / L::kStep * L::kStep;
+  const int64_t padded = (R + L::kStep - 1) / L::kStep * L::kStep, block = entries_per_block(R, sizeof(T));
   const C cap = static_cast<C>(softcap), inv_cap = softcap > 0 ? static_cast<C>(1.0 / softcap) : C(0);
   const C lowest = -std::numeric_limits<C>::infinity();
-  // the shift as the compute type holds it (0 where it is not finite); the sums are corrected for its rounding
-  std::vector<C> shift(padded, C(0)), weighted(padded), squares(padded), total(padded);
-  std::vector<C> best(padded, lowest), where(padded, C(-1));
-  for (int64_t k = 0; k < n; ++k) {
-    if (std::isfinite(shift_in[first + k])) {
-      shift[k] = static_cast<C>(shift_in[first + k]);
+  std::vector<C> block_max(padded), shift(padded), block_sum(padded);
+  std::fill(run_max, run_max + R, -std::numeric_limits<double>::infinity());
+  std::fill(run_sum, run_sum + R, 0.0);
+  for (int64_t b0 = v0; b0 < v1; b0 += block) {
+    const int64_t b1 = std::min(v1, b0 + block);
+    std::fill(block_max.begin(), block_max.end(), lowest);
+    std::fill(block_sum.begin(), block_sum.end(), C(0));
+    for (int64_t v = b0; v < b1; ++v) {  // the block's max, read from memory (the next rows prefetched)
+      if (v == eos) continue;
+      const T* row = z + v * ld;
+      each_step<L>(v + kAhead < v1 ? row + kAhead * ld : nullptr, R, [&](int64_t c, int64_t lanes) {
+        V a, b;
+        L::load(row + c, lanes, a, b);
+        if (softcap > 0) {
+          a = capped<L>(a, cap, inv_cap, nullptr);
+          b = capped<L>(b, cap, inv_cap, nullptr);
+        }
+        C* m = block_max.data() + c;
+        at::vec::maximum(V::loadu(m), a).store(m);
+        at::vec::maximum(V::loadu(m + W), b).store(m + W);
+      });
+    }
+    for (int64_t k = 0; k < padded; ++k) {  // a column of -inf only (or none) in the block: exp(-inf - 0) = 0
+      shift[k] = block_max[k] == lowest ? C(0) : block_max[k];
+    }
+    // The sum, read from cache (the next block's rows prefetched alongside, for its max pass), also takes z - z of
+    // the raw logits (before a cap): 0 while every one is finite, NaN from the first NaN or infinite one on, which
+    // the merge below carries to L and m.
+    for (int64_t v = b0; v < b1; ++v) {
+      if (v == eos) continue;
+      const T* row = z + v * ld;
+      each_step<L>(v + block < v1 ? row + block * ld : nullptr, R, [&](int64_t c, int64_t lanes) {
+        V a, b;
+        L::load(row + c, lanes, a, b);
+        const V raw_a = a - a, raw_b = b - b;
+        if (softcap > 0) {
+          a = capped<L>(a, cap, inv_cap, nullptr);
+          b = capped<L>(b, cap, inv_cap, nullptr);
+        }
+        C* sum = block_sum.data() + c;
+        (V::loadu(sum) + (L::exp(a - V::loadu(shift.data() + c)) + raw_a)).store(sum);
+        (V::loadu(sum + W) + (L::exp(b - V::loadu(shift.data() + c + W)) + raw_b)).store(sum + W);
+      });
+    }
+    for (int64_t k = 0; k < R; ++k) {
+      merge_exp_sum(run_max[k], run_sum[k], block_max[k], block_sum[k]);
     }
   }
-  std::vector<double> run_weighted(n, 0.0), run_squares(n, 0.0), run_total(n, 0.0);
-  for (int64_t v0 = 0; v0 < V_; v0 += kBlock) {
-    const int64_t v1 = std::min(V_, v0 + kBlock);
+}
+
+// Entries [v0, v1) of a (V, R) chunk, in place: z[v, r] <- scales[r]·exp(y[v, r] - shifts[r]) (· sech²(z / c) with a
+// softcap) for v != eos. With entry_max: entry_max[v] <- max over r of |that| (0 for eos), and block_sums[b, r] <- its
+// sum over the b-th ``block`` entries (v0 a multiple of block).
+template <typename T>
+void span_grad(T* z, int64_t ld, int64_t R, int64_t v0, int64_t v1, int64_t eos, double softcap,
+               const typename Lanes<T>::C* shifts, const typename Lanes<T>::C* scales, float* entry_max,
+               float* block_sums, int64_t block) {
+  using L = Lanes<T>;
+  using V = typename L::V;
+  using C = typename L::C;
+  constexpr int64_t W = V::size();
+  const int64_t padded = (R + L::kStep - 1) / L::kStep * L::kStep;
+  const C cap = static_cast<C>(softcap), inv_cap = softcap > 0 ? static_cast<C>(1.0 / softcap) : C(0);
+  std::vector<C> sums(entry_max != nullptr ? padded : 0);  // the current block's sums, one per column
+  for (int64_t v = v0; v < v1; ++v) {
+    if (entry_max != nullptr && v > v0 && v % block == 0) {
+      std::copy(sums.begin(), sums.begin() + R, block_sums + (v / block - 1) * R);
+      std::fill(sums.begin(), sums.end(), C(0));
+    }
+    if (v == eos) {
+      if (entry_max != nullptr) {
+        entry_max[v] = 0.f;
+      }
+      continue;
+    }
+    T* row = z + v * ld;
+    V peak(0);  // the entry's running max |dz| (padded lanes hold 0)
+    each_step<L>(v + kAhead < v1 ? row + kAhead * ld : nullptr, R, [&](int64_t c, int64_t lanes) {
+      V a, b;
+      L::load(row + c, lanes, a, b);
+      const V sh_a = V::loadu(shifts + c), sh_b = V::loadu(shifts + c + W);
+      const V sc_a = V::loadu(scales + c), sc_b = V::loadu(scales + c + W);
+      if (softcap > 0) {
+        V sech_a, sech_b;
+        const V ya = capped<L>(a, cap, inv_cap, &sech_a), yb = capped<L>(b, cap, inv_cap, &sech_b);
+        a = L::exp(ya - sh_a) * sc_a * sech_a;
+        b = L::exp(yb - sh_b) * sc_b * sech_b;
+      } else {
+        a = L::exp(a - sh_a) * sc_a;
+        b = L::exp(b - sh_b) * sc_b;
+      }
+      L::store(row + c, a, b, lanes);
+      if (entry_max != nullptr) {
+        C* sum = sums.data() + c;
+        (V::loadu(sum) + a).store(sum);
+        (V::loadu(sum + W) + b).store(sum + W);
+        peak = at::vec::maximum(peak, at::vec::maximum(a.abs(), b.abs()));
+      }
+    });
+    if (entry_max != nullptr) {  // std::max keeps 0 where the max is NaN
+      const auto top = at::vec::vec_reduce_all<C>([](V& x, V& y) { return at::vec::maximum(x, y); }, peak);
+      entry_max[v] = std::max(0.f, static_cast<float>(top));
+    }
+  }
+  if (entry_max != nullptr && v0 < v1) {
+    std::copy(sums.begin(), sums.begin() + R, block_sums + ((v1 - 1) / block) * R);
+  }
+}
+
+// Entries [v0, v1) of a (V, R) chunk: out (R, 5) <- each column's sum exp(y - shift)·y, sum exp(2·(y - shift)),
+// sum y, max y and its first v (-1: none), over v != eos; the shift as the compute type holds it.
+template <typename T>
+void span_statistics(const T* z, int64_t ld, int64_t R, int64_t v0, int64_t v1, int64_t eos, double softcap,
+                     const typename Lanes<T>::C* shift, double* out) {
+  using L = Lanes<T>;
+  using V = typename L::V;
+  using C = typename L::C;
+  constexpr int64_t W = V::size();
+  const int64_t padded = (R + L::kStep - 1) / L::kStep * L::kStep, block = entries_per_block(R, sizeof(T));
+  const C cap = static_cast<C>(softcap), inv_cap = softcap > 0 ? static_cast<C>(1.0 / softcap) : C(0);
+  const C lowest = -std::numeric_limits<C>::infinity();
+  std::vector<C> weighted(padded), squares(padded), total(padded);
+  std::vector<C> best(padded, lowest), where(padded, C(-1));
+  std::vector<double> run_weighted(R, 0.0), run_squares(R, 0.0), run_total(R, 0.0);
+  for (int64_t b0 = v0; b0 < v1; b0 += block) {
+    const int64_t b1 = std::min(v1, b0 + block);
     std::fill(weighted.begin(), weighted.end(), C(0));
     std::fill(squares.begin(), squares.end(), C(0));
     std::fill(total.begin(), total.end(), C(0));
-    walk<L, T>(v0, v1, eos, first, last, [&](int64_t v, int64_t c, int64_t lanes) {
-      V y[2];
-      L::load(z + v * ld + c, lanes, y[0], y[1]);
-      const int64_t k = c - first;
+    for (int64_t v = b0; v < b1; ++v) {
+      if (v == eos) continue;
+      const T* row = z + v * ld;
       const V column(static_cast<C>(v));  // exact: V < 2^24
-      for (int64_t h = 0; h < 2; ++h) {
-        const int64_t at = k + h * W;
-        if (softcap > 0) {
-          y[h] = capped<L>(y[h], cap, inv_cap, nullptr);
+      each_step<L>(v + kAhead < v1 ? row + kAhead * ld : nullptr, R, [&](int64_t c, int64_t lanes) {
+        V y[2];
+        L::load(row + c, lanes, y[0], y[1]);
+        for (int64_t h = 0; h < 2; ++h) {
+          const int64_t at = c + h * W;
+          if (softcap > 0) {
+            y[h] = capped<L>(y[h], cap, inv_cap, nullptr);
+          }
+          const V e = L::exp(y[h] - V::loadu(shift + at));
+          (V::loadu(weighted.data() + at) + e * y[h]).store(weighted.data() + at);
+          (V::loadu(squares.data() + at) + e * e).store(squares.data() + at);
+          (V::loadu(total.data() + at) + y[h]).store(total.data() + at);
+          const V top = V::loadu(best.data() + at);
+          const V higher = y[h] > top;  // strictly: the first v of the max stays
+          V::blendv(top, y[h], higher).store(best.data() + at);
+          V::blendv(V::loadu(where.data() + at), column, higher).store(where.data() + at);
         }
-        const V e = L::exp(y[h] - V::loadu(shift.data() + at));
-        (V::loadu(weighted.data() + at) + e * y[h]).store(weighted.data() + at);
-        (V::loadu(squares.data() + at) + e * e).store(squares.data() + at);
-        (V::loadu(total.data() + at) + y[h]).store(total.data() + at);
-        const V top = V::loadu(best.data() + at);
-        const V higher = y[h] > top;  // strictly: the first v of the max stays
-        V::blendv(top, y[h], higher).store(best.data() + at);
-        V::blendv(V::loadu(where.data() + at), column, higher).store(where.data() + at);
-      }
-    });
-    for (int64_t k = 0; k < n; ++k) {
+      });
+    }
+    for (int64_t k = 0; k < R; ++k) {
       run_weighted[k] += weighted[k];
       run_squares[k] += squares[k];
       run_total[k] += total[k];
     }
   }
-  for (int64_t k = 0; k < n; ++k) {
-    const double s = shift_in[first + k], rounding = std::exp(static_cast<double>(shift[k]) - s);
-    double* row = out + (first + k) * 5;
-    row[0] = run_weighted[k] * rounding;
-    row[1] = run_squares[k] * rounding * rounding;
+  for (int64_t k = 0; k < R; ++k) {
+    double* row = out + k * 5;
+    row[0] = run_weighted[k];
+    row[1] = run_squares[k];
     row[2] = run_total[k];
     row[3] = best[k];
     row[4] = where[k];
@@ -361,10 +375,23 @@ std::tuple<at::Tensor, at::Tensor> chunk_lse(const at::Tensor& z, int64_t eos, d
   at::Tensor lse = at::empty({R}, z.options().dtype(at::kDouble));
   at::Tensor row_max = at::empty({R}, z.options().dtype(at::kDouble));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, z.scalar_type(), "chunk_lse", [&] {
-    parallel_columns(R, [&](int64_t first, int64_t last) {
-      span_lse<scalar_t>(z.const_data_ptr<scalar_t>(), ld, V_, eos, softcap, first, last, lse.data_ptr<double>(),
-                         row_max.data_ptr<double>());
+    const int64_t threads = at::get_num_threads();
+    std::vector<double> part_max(threads * R, -std::numeric_limits<double>::infinity()), part_sum(threads * R, 0.0);
+    const int64_t parts = parallel_entries(V_, R, entries_per_block(R, sizeof(scalar_t)),
+                                           [&](int64_t v0, int64_t v1, int64_t part) {
+      span_lse<scalar_t>(z.const_data_ptr<scalar_t>(), ld, R, v0, v1, eos, softcap, part_max.data() + part * R,
+                         part_sum.data() + part * R);
     });
+    double* lse_out = lse.data_ptr<double>();
+    double* max_out = row_max.data_ptr<double>();
+    for (int64_t r = 0; r < R; ++r) {
+      double m = -std::numeric_limits<double>::infinity(), sum = 0.0;
+      for (int64_t part = 0; part < parts; ++part) {
+        merge_exp_sum(m, sum, part_max[part * R + r], part_sum[part * R + r]);
+      }
+      lse_out[r] = std::isfinite(m) ? m + std::log(sum) : m;
+      max_out[r] = m;
+    }
   });
   return {lse, row_max};
 }
@@ -373,13 +400,48 @@ at::Tensor chunk_statistics(const at::Tensor& z, int64_t eos, double softcap, co
   check_chunk(z, eos, "chunk_statistics");
   const int64_t V_ = z.size(0), R = z.size(1), ld = z.stride(0);
   TORCH_CHECK(V_ < (int64_t{1} << 24), "chunk_statistics: the chunk's vocabulary must be under 2^24 entries");
-  const double* shifts = rows_of(shift, R, "chunk_statistics", "shift");
+  const double* shift_in = rows_of(shift, R, "chunk_statistics", "shift");
   at::Tensor out = at::empty({R, 5}, z.options().dtype(at::kDouble));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, z.scalar_type(), "chunk_statistics", [&] {
-    parallel_columns(R, [&](int64_t first, int64_t last) {
-      span_statistics<scalar_t>(z.const_data_ptr<scalar_t>(), ld, V_, eos, softcap, first, last, shifts,
-                                out.data_ptr<double>());
+    using C = typename Lanes<scalar_t>::C;
+    // the shift as the compute type holds it (0 where it is not finite); the sums are corrected for its rounding
+    std::vector<C> shifts((R + Lanes<scalar_t>::kStep - 1) / Lanes<scalar_t>::kStep * Lanes<scalar_t>::kStep, C(0));
+    for (int64_t k = 0; k < R; ++k) {
+      if (std::isfinite(shift_in[k])) {
+        shifts[k] = static_cast<C>(shift_in[k]);
+      }
+    }
+    const int64_t threads = at::get_num_threads();
+    std::vector<double> parts_out(threads * R * 5);
+    for (int64_t k = 0; k < threads * R; ++k) {  // an empty part: no sum, no max
+      double* row = parts_out.data() + k * 5;
+      row[0] = row[1] = row[2] = 0.0;
+      row[3] = -std::numeric_limits<double>::infinity();
+      row[4] = -1.0;
+    }
+    const int64_t parts = parallel_entries(V_, R, entries_per_block(R, sizeof(scalar_t)),
+                                           [&](int64_t v0, int64_t v1, int64_t part) {
+      span_statistics<scalar_t>(z.const_data_ptr<scalar_t>(), ld, R, v0, v1, eos, softcap, shifts.data(),
+                                parts_out.data() + part * R * 5);
     });
+    double* result = out.data_ptr<double>();
+    for (int64_t k = 0; k < R; ++k) {
+      double* row = result + k * 5;
+      std::copy_n(parts_out.data() + k * 5, 5, row);
+      for (int64_t part = 1; part < parts; ++part) {
+        const double* other = parts_out.data() + (part * R + k) * 5;
+        row[0] += other[0];
+        row[1] += other[1];
+        row[2] += other[2];
+        if (other[3] > row[3]) {  // strictly: the first v of the max stays
+          row[3] = other[3];
+          row[4] = other[4];
+        }
+      }
+      const double rounding = std::exp(static_cast<double>(shifts[k]) - shift_in[k]);
+      row[0] *= rounding;
+      row[1] *= rounding * rounding;
+    }
   });
   return out;
 }
@@ -390,8 +452,8 @@ void chunk_grad_(at::Tensor& z, const at::Tensor& shift, const at::Tensor& scale
                  int64_t block) {
   check_chunk(z, eos, "chunk_grad_");
   const int64_t V_ = z.size(0), R = z.size(1), ld = z.stride(0);
-  const double* shifts = rows_of(shift, R, "chunk_grad_", "shift");
-  const double* scales = rows_of(scale, R, "chunk_grad_", "scale");
+  const double* shift_in = rows_of(shift, R, "chunk_grad_", "shift");
+  const double* scale_in = rows_of(scale, R, "chunk_grad_", "scale");
   const double* value = rows_of(values, R, "chunk_grad_", "values");
   TORCH_CHECK(targets.device().is_cpu() && targets.scalar_type() == at::kLong && targets.dim() == 1 &&
                   targets.size(0) == R && targets.is_contiguous(),
@@ -401,13 +463,11 @@ void chunk_grad_(at::Tensor& z, const at::Tensor& shift, const at::Tensor& scale
     TORCH_CHECK(-1 <= target[r] && target[r] < V_, "chunk_grad_: target ", target[r], " is not a row of the chunk");
   }
   float* peaks = nullptr;
-  std::vector<float> thread_peaks;  // one (V,) row per thread, merged below
   if (entry_max.has_value()) {
     TORCH_CHECK(entry_max->device().is_cpu() && entry_max->scalar_type() == at::kFloat && entry_max->dim() == 1 &&
                     entry_max->size(0) == V_ && entry_max->is_contiguous(),
                 "chunk_grad_: entry_max must be a contiguous (V,) float32 CPU tensor");
     peaks = entry_max->data_ptr<float>();
-    thread_peaks.assign(static_cast<size_t>(at::get_num_threads()) * V_, 0.f);
     TORCH_CHECK(block > 0 && block_sums.has_value() && block_sums->device().is_cpu() &&
                     block_sums->scalar_type() == at::kFloat && block_sums->dim() == 2 &&
                     block_sums->size(0) == (V_ + block - 1) / block && block_sums->size(1) == R &&
@@ -415,14 +475,22 @@ void chunk_grad_(at::Tensor& z, const at::Tensor& shift, const at::Tensor& scale
                 "chunk_grad_: with entry_max, block_sums must be a contiguous (ceil(V / block), R) float32 CPU tensor "
                 "and block positive");
     TORCH_CHECK(R == 0 || z.size(0) <= 1 || ld == R, "chunk_grad_: with entry_max, the chunk's rows must be dense");
-    block_sums->zero_();
   }
   float* sums_out = peaks == nullptr ? nullptr : block_sums->data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, z.scalar_type(), "chunk_grad_", [&] {
+    using C = typename Lanes<scalar_t>::C;
+    // the shift as the compute type holds it; the scale takes the difference: exp(y - s) = exp(y - s_C)·exp(s_C - s)
+    const int64_t padded = (R + Lanes<scalar_t>::kStep - 1) / Lanes<scalar_t>::kStep * Lanes<scalar_t>::kStep;
+    std::vector<C> shifts(padded, C(0)), scales(padded, C(0));
+    for (int64_t k = 0; k < R; ++k) {
+      if (std::isfinite(shift_in[k])) {
+        shifts[k] = static_cast<C>(shift_in[k]);
+        scales[k] = static_cast<C>(scale_in[k] * std::exp(static_cast<double>(shifts[k]) - shift_in[k]));
+      }
+    }
     scalar_t* base = z.data_ptr<scalar_t>();
-    parallel_columns(R, [&](int64_t first, int64_t last) {
-      float* own = peaks == nullptr ? nullptr : thread_peaks.data() + at::get_thread_num() * V_;
-      span_grad<scalar_t>(base, ld, V_, eos, softcap, first, last, shifts, scales, own, sums_out, block);
+    parallel_entries(V_, R, peaks == nullptr ? 64 : block, [&](int64_t v0, int64_t v1, int64_t) {
+      span_grad<scalar_t>(base, ld, R, v0, v1, eos, softcap, shifts.data(), scales.data(), peaks, sums_out, block);
     });
     if (eos >= 0) {
       std::fill(base + eos * ld, base + eos * ld + R, scalar_t(0));
@@ -433,18 +501,6 @@ void chunk_grad_(at::Tensor& z, const at::Tensor& shift, const at::Tensor& scale
       }
     }
   });
-  if (peaks != nullptr) {
-    const int64_t threads = static_cast<int64_t>(thread_peaks.size()) / std::max<int64_t>(V_, 1);
-    at::parallel_for(0, V_, 1 << 12, [&](int64_t v0, int64_t v1) {
-      for (int64_t v = v0; v < v1; ++v) {
-        float top = 0.f;
-        for (int64_t t = 0; t < threads; ++t) {
-          top = std::max(top, thread_peaks[t * V_ + v]);  // std::max keeps top where a NaN comes second
-        }
-        peaks[v] = top;
-      }
-    });
-  }
 }
 
 template <typename In, typename Out>
