@@ -179,7 +179,7 @@ def test_chunks_of_several_hold_whole_cache_lines_of_tokens(N, V):
         rows = fused.default_chunk_rows(N, V, dtype, torch.device("cpu"), accumulator_bytes=V * 768 * 4)
         chunks = -(-N // rows)
         if chunks > 1:
-            budget = max(fused._CHUNK_BYTES["cpu"], V * 768 * 4 // 2)
+            budget = fused.chunk_budget(torch.device("cpu"), V * 768 * 4)
             assert rows % fused.LANE_ALIGN == 0 and rows * V * dtype.itemsize <= budget
             assert N - (chunks - 1) * rows > 0
         else:
