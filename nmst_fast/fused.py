@@ -152,6 +152,19 @@ def direct_dw(num_rows: int, chunk_rows: int, weight_dtype: torch.dtype, device:
     return device.type == "cpu" and weight_dtype == torch.bfloat16 and dw_dtype is None and num_rows <= chunk_rows
 
 
+def mean_folded(reduction: str, num_rows: int, chunk_rows: int, weight_dtype: torch.dtype, device: torch.device,
+                dw_dtype: Optional[torch.dtype]) -> bool:
+    """Whether the forward's gradients are "mean"'s own, its 1/N in the row weights, rather than the sum's: on CPU,
+    where dz is float32 or wider or dW comes out of one bf16 GEMM (:func:`direct_dw`). Backward's upstream scale (1 in
+    training) then needs no pass of its own where the gradients are in the parameters' dtype (fp32 and fp64 dW, a
+    direct bf16 one). A bf16 / fp16 dz in chunks keeps unit weights: dz = p_v / N in fp16 underflowed before a
+    GradScaler's loss scale could reach it (20-80% error on rarely-targeted rows' dW), and its float32 accumulator
+    takes a pass for its cast anyway."""
+    wide = weight_dtype in (torch.float32, torch.float64)
+    return reduction == "mean" and device.type == "cpu" and (
+        wide or direct_dw(num_rows, chunk_rows, weight_dtype, device, dw_dtype))
+
+
 def chunk_buffers(backend: str, device: torch.device, softcap: Optional[float]) -> int:
     """How many (chunk, V) tensors the row pass of ``backend`` holds at once: 2 for the torch row pass with a
     softcap (it keeps x / c beside the chunk for the cap's gradient), else 1."""
@@ -511,13 +524,14 @@ def fused_forward(
         else None. dW and db stay in at least fp32 (their accumulators; dW in bf16 where
         :func:`direct_dw`): backward scales them by the upstream gradient and casts to the parameters' dtype in
         one pass. For "mean" the three are the gradients of the *sum*, which backward divides by the active-row
-        count (where :func:`direct_dw`, of the mean itself).
+        count (where :func:`mean_folded`, of the mean itself).
     """
     want_grad = any(need)
     if statistics and (want_grad or (shard is not None and shard.group is not None)):
         raise ValueError("the fused statistics need a pass without gradients and the whole vocabulary")
     shard = shard or VocabShard(0, weight.shape[0])
     direct = direct_dw(hidden.shape[0], chunk_rows, weight.dtype, hidden.device, dw_dtype)
+    folded = mean_folded(reduction, hidden.shape[0], chunk_rows, weight.dtype, hidden.device, dw_dtype)
 
     @functools.cache
     def prep() -> _HeadPrep:
@@ -527,12 +541,10 @@ def fused_forward(
         rows = _RowTargets.build(targets, cfg, shard)
         s = _head_eos_logits(hidden, weight, bias, cfg, shard)
         log_surv = None if cfg.head == "va" else head_math.log_survival(cfg.head, s, steps, cfg.eps, cfg.seq_len)
-        # Unit row weights for every reduction: "mean" forms the gradients of the sum and backward
-        # divides by the row count with the upstream gradient, in fp32 or wider: dz = p_v / N in fp16
-        # underflowed before a GradScaler's loss scale could reach it (20-80% error on rarely-targeted
-        # rows' dW).
+        # Unit row weights, but where "mean"'s 1/N is folded in (mean_folded): otherwise backward divides the
+        # sum's gradients by the row count with the upstream gradient.
         row_weight = rows.active.to(torch.float64)
-        if direct and reduction == "mean":
+        if folded:
             row_weight = row_weight / mean_divisor(rows.active)
         eos_grads = None
         if want_grad and cfg.head != "va":

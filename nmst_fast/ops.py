@@ -26,7 +26,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .fused import HeadConfig, dh_dtype, direct_dw, fused_backward_from_lse, fused_forward, mean_divisor
+from .fused import (
+    HeadConfig,
+    dh_dtype,
+    direct_dw,
+    fused_backward_from_lse,
+    fused_forward,
+    mean_divisor,
+    mean_folded,
+)
 from .kernels.cpu import row_kernels
 from .settings import HeadSettings
 from .vocab_shard import VocabShard
@@ -197,8 +205,7 @@ def _setup_context(ctx, inputs, output):
                                          vocab_start, dw_dtype, eos_scale, grad_filter)))
     ctx.has_bias = bias is not None
     # the forward's gradients are the mean's (not the sum's) where its dW comes out of one bf16 GEMM
-    ctx.mean_folded = reduction == "mean" and direct_dw(hidden.shape[0], chunk_rows, weight.dtype, hidden.device,
-                                                        dw_dtype)
+    ctx.mean_folded = mean_folded(reduction, hidden.shape[0], chunk_rows, weight.dtype, hidden.device, dw_dtype)
     ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, bias, targets, steps, lse)
@@ -206,6 +213,24 @@ def _setup_context(ctx, inputs, output):
         # Only the finished gradients are kept (and "mean"'s targets, for its row count): no
         # activations outlive the forward.
         ctx.save_for_backward(dh, dw, db, targets if reduction == "mean" else None)
+
+
+def _graph_kept() -> bool:
+    """Whether the running backward keeps the graph for another (``retain_graph=True``); True where torch does not
+    say."""
+    kept = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if kept is None else bool(kept())
+
+
+def _scaled(grad: Tensor, scale: Tensor, dtype: torch.dtype, backend: str) -> Tensor:
+    """The forward's ``grad`` times the upstream ``scale`` in ``dtype`` (:func:`scale_cast`); ``grad`` itself, with no
+    pass, where that is what it is: a CPU scale of exactly 1 (training's, where "mean" is folded into the forward) on a
+    gradient already in ``dtype``, and a graph that no later backward reads again (a kept graph's next backward would
+    hand out the same tensor, whatever the caller did to the first)."""
+    if (grad.dtype == dtype and grad.device.type == "cpu" and scale.device.type == "cpu"
+            and not torch.compiler.is_compiling() and not _graph_kept() and bool(scale == 1)):
+        return grad
+    return scale_cast(grad, scale, dtype, backend)
 
 
 def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db, _grad_statistics):
@@ -228,11 +253,11 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_dh, _grad_dw, _grad_db, _grad_sta
         if ctx.reduction == "mean" and not ctx.mean_folded:  # the forward's gradients are the sum's
             scale = grad_loss.to(torch.float64) / mean_divisor(targets != st["ignore_index"])
         if st["need_grad_hidden"]:
-            dh = scale_cast(dh, scale, weight_dtype, st["backend"])  # hidden's dtype, which is weight's
+            dh = _scaled(dh, scale, weight_dtype, st["backend"])  # hidden's dtype, which is weight's
         if st["need_grad_weight"]:
-            dw = scale_cast(dw, scale, weight_dtype, st["backend"])
+            dw = _scaled(dw, scale, weight_dtype, st["backend"])
         if st["need_grad_bias"] and ctx.has_bias:
-            db = scale_cast(db, scale, bias_dtype, st["backend"])
+            db = _scaled(db, scale, bias_dtype, st["backend"])
     grads = (
         dh if st["need_grad_hidden"] else None,
         dw if st["need_grad_weight"] else None,

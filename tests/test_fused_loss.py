@@ -281,6 +281,42 @@ def test_loss_used_twice_scales_gradients():
     torch.testing.assert_close(g_twice, g_ref)
 
 
+@pytest.mark.parametrize("dtype, chunk_size", [(torch.float32, 7), (torch.float64, None), (torch.bfloat16, None)])
+def test_a_unit_upstream_gradient_hands_out_the_forwards_gradients_without_aliasing_a_kept_graph(dtype, chunk_size,
+                                                                                                   monkeypatch):
+    """On CPU "mean"'s 1/N is in the forward's gradients (fp32, fp64; bf16 in one chunk), so a unit upstream gradient
+    needs no pass: backward hands out those in the parameters' dtype as they are, unless the graph is kept, where the
+    next backward must not see what the caller did to the first one's gradients. Each way equals the reference."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    case = make_case(gen, head="nmst", shape=(3, 11), H=16, V=131, bias=True, logit_scale=2.0)
+    leaves = [t.to(dtype).requires_grad_() for t in (case.hidden, case.weight, case.bias)]
+
+    def loss_of(impl):
+        return nmst_fast.linear_nmst_loss(leaves[0], leaves[1], case.targets, eos_index=case.eos_index, eps=case.eps,
+                                          steps=case.steps, bias=leaves[2], impl=impl, chunk_size=chunk_size)
+
+    truth = run(Case(*(t.to(dtype).double() if torch.is_tensor(t) and t.is_floating_point() else t
+                       for t in (case.hidden, case.weight, case.bias, case.targets, case.steps)),
+                     case.eos_index, case.eps, case.head), "reference", torch.float64)[1:]
+    loss = loss_of("chunked")
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    for got, ref in zip(first, truth):
+        assert float((got.double() - ref).norm() / ref.norm()) < (2e-2 if dtype == torch.bfloat16 else 1e-5)
+    kept = [g.clone() for g in first]
+    for g in first:
+        g.zero_()  # the caller's own use of the first gradients
+    second = torch.autograd.grad(loss, leaves)
+    assert all(torch.equal(a, b) for a, b in zip(second, kept))
+    passes = []
+    scale_cast = nmst_fast.ops.scale_cast
+    monkeypatch.setattr(nmst_fast.ops, "scale_cast", lambda *args: passes.append(args) or scale_cast(*args))
+    loss = loss_of("chunked")
+    loss.backward()
+    assert all(torch.equal(leaf.grad, g) for leaf, g in zip(leaves, kept))
+    # no pass over dW (bf16's float32 dh and db are cast in one)
+    assert not (passes if dtype != torch.bfloat16 else [a for a in passes if a[0].shape == leaves[1].shape])
+
+
 def test_targets_of_any_integer_dtype_and_ignore_index_checked():
     """int16 / uint8 targets pass validation, so every backend takes them (the reference's gather
     needed int64); a non-integer ignore_index is a TypeError naming it, before any kernel runs."""
