@@ -61,7 +61,7 @@ namespace {
 using at::vec::Vectorized;
 
 // How compute values (float, or double for double storage) are read from and written to storage T, kStep lanes
-// at a time as two vectors a, b; ``n`` < kStep lanes at the end of a thread's columns (the rest read as 0, not
+// at a time as two vectors a, b; ``n`` < kStep lanes at the end of a row (the rest read as 0, not
 // written).
 template <typename T>
 struct Lanes {
