@@ -333,7 +333,10 @@ def _chunk_loop(
     # One flat buffer, reused: each chunk views a prefix of it in its own shape; row-major, the row
     # stride is V padded to a multiple of ROW_ALIGN elements (see padded_stride).
     ld = padded_stride(V)
-    weight_t = transposed_weight(weight) if need_dh and vocab_major and dh_from_transposed_weight(weight) else None
+    # Wᵀ for dh's products, copied at the first chunk whose products take every column (one the gradient filter
+    # thins takes W itself, so a call it thins in every chunk never copies it)
+    transposes = need_dh and vocab_major and dh_from_transposed_weight(weight)
+    weight_t = None
     buffer = torch.empty(min(chunk_rows, N) * (V if vocab_major else ld), dtype=hidden.dtype, device=hidden.device)
     gate = None
     if grad_filter is not None and (need_dh or need_dw) and N:
@@ -359,6 +362,8 @@ def _chunk_loop(
         runs, skipped, heavy = ([(0, V)], [], None) if gate is None else gate.plan(filtered)
         whole = runs == [(0, V)]
         if dh is not None:
+            if whole and transposes and weight_t is None:
+                weight_t = transposed_weight(weight)
             _dh_chunk(dh[start:stop], z, weight, sparse, weight_t if whole else None, None if whole else runs)
             if skipped:
                 gate.correct_dh_(dh[start:stop], filtered, skipped)

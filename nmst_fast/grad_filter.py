@@ -27,6 +27,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed
 
+from .kernels.cpu import row_kernels
 from .row_ops import FilterOut, SparseGrad
 
 # Vocabulary entries per block of the gradient filter: a skipped block spares a (rows × block) · (block × H) product
@@ -67,6 +68,23 @@ def kept_runs(keep: list[bool], V: int) -> list[tuple[int, int]]:
         else:
             runs.append((v0, v1))
     return runs
+
+
+def _block_row_sums(weight: torch.Tensor, blocks: int) -> torch.Tensor:
+    """(blocks, H) float32: the sums of each FILTER_BLOCK rows of ``weight`` (V, H), the last block's the rest: on CPU
+    by the kernels' ``block_row_sums`` in one read of W (torch's sum over the middle dimension of a bf16 (blocks,
+    block, H) view first copies W to float32: 87 ms at 50257 x 768, about a sixth of a filtered step on AMX)."""
+    kernels = row_kernels() if weight.device.type == "cpu" else None
+    if kernels is not None and weight.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return kernels.block_row_sums(weight.contiguous(), FILTER_BLOCK)
+    V, H = weight.shape
+    full = V // FILTER_BLOCK
+    sums = torch.empty(blocks, H, dtype=torch.float32, device=weight.device)
+    if full:
+        sums[:full] = weight[: full * FILTER_BLOCK].view(full, FILTER_BLOCK, H).sum(1, dtype=torch.float32)
+    if V % FILTER_BLOCK:
+        sums[full] = weight[full * FILTER_BLOCK:].sum(0, dtype=torch.float32)
+    return sums
 
 
 class GradFilter:
@@ -171,13 +189,7 @@ class GradFilter:
     def block_means(self) -> torch.Tensor:
         """(blocks, H) float32: each block's mean row of W (eos's row left out), computed once."""
         if self._means is None:
-            V, H = self.weight.shape
-            full = V // FILTER_BLOCK
-            sums = torch.empty(self.blocks, H, dtype=torch.float32, device=self.weight.device)
-            if full:
-                sums[:full] = self.weight[: full * FILTER_BLOCK].view(full, FILTER_BLOCK, H).sum(1, dtype=torch.float32)
-            if V % FILTER_BLOCK:
-                sums[full] = self.weight[full * FILTER_BLOCK:].sum(0, dtype=torch.float32)
+            sums = _block_row_sums(self.weight, self.blocks)
             if self.eos_column >= 0:
                 sums[self.eos_column // FILTER_BLOCK] -= self.weight[self.eos_column].float()
             self._means = sums / self._counts.unsqueeze(1)

@@ -166,3 +166,21 @@ def test_scale_cast_rounds_the_product_once(source, dtype, n):
     torch.testing.assert_close(got, (acc.float() * torch.tensor(1 / 3)).to(dtype), rtol=0, atol=0, equal_nan=True)
     with pytest.raises(RuntimeError, match="bfloat16 or float16"):
         kernels().scale_cast(acc, 1.0, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("V, H, block", [(1, 1, 256), (255, 37, 256), (256, 32, 256), (257, 33, 256),
+                                         (3001, 100, 256), (10, 5, 3)])
+def test_block_row_sums_sum_each_block_of_rows(dtype, V, H, block):
+    """Each ``block`` rows' sum in float32 (the last block the rest), H not a multiple of the vector, against
+    float64; a bad weight or block is refused."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    w = (torch.randn(V, H, generator=gen) * 4).to(dtype)
+    got = kernels().block_row_sums(w, block)
+    want = torch.stack([w[b:b + block].double().sum(0) for b in range(0, V, block)])
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="block must be positive"):
+        kernels().block_row_sums(w, 0)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels().block_row_sums(w.double(), block)
