@@ -228,3 +228,20 @@ def test_flat_rows_among_peaked_ones_keep_their_exact_gradient(kept):
     torch.testing.assert_close(got[1][flat], exact[1][flat], rtol=1e-9, atol=1e-12)
     peaked_moved = (got[1][: N // 2] - exact[1][: N // 2]).norm()
     assert peaked_moved > 1e-9 * exact[1].norm()  # the peaked rows took the block means instead
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("V, eos", [(3001, 3000), (512, 0), (100, 57)])
+def test_the_block_means_with_or_without_the_cpu_kernels(dtype, V, eos, monkeypatch):
+    """Each block's mean row of W, eos's row left out, the last block partial: the kernels' one read of W and torch's
+    sums (where the kernels are not built, and on CUDA) both equal float64's."""
+    W = torch.randn(V, 40).to(dtype)
+    block = grad_filter.FILTER_BLOCK
+    rows = [[v for v in range(b, min(V, b + block)) if v != eos] for b in range(0, V, block)]
+    want = torch.stack([W[r].double().mean(0) for r in rows])
+    means = grad_filter.GradFilter(2**-12, W, 16, eos).block_means()
+    monkeypatch.setattr(grad_filter, "row_kernels", lambda: None)
+    torch_means = grad_filter.GradFilter(2**-12, W, 16, eos).block_means()
+    for got in (means, torch_means):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
