@@ -1,7 +1,9 @@
 """The head's llama.cpp sampler (nmst_fast/kernels/cpu/llama_sampler.cpp) called as llama.cpp calls it, on
 candidate records built here, against the float64 reference: NMST, ST and VA, temperatures, odd vocabularies, eos
 anywhere, large t, tiny and large ε, extreme and non-finite logits; ST's running sum over steps; the failures it
-keeps (NaN, no distribution, candidates that are not the whole row) with the candidates left as they were."""
+keeps (NaN, no distribution, candidates that are not the whole row) with the candidates left as they were; the draw
+from the context's logits row (``nmst_head_sampler_sample``, with llama.h's functions stood in for here) equals the
+draw through the records."""
 
 from __future__ import annotations
 
@@ -14,7 +16,15 @@ import torch
 
 from nmst_fast.decoding import step_log_probs
 from nmst_fast.decoding.eos_column import MAX_EOS_LOGIT_GAP
-from nmst_fast.kernels.cpu.llama_sampler import SamplerState, apply_address, make_state, name_address, state_error
+from nmst_fast.kernels.cpu.llama_sampler import (
+    LlamaCalls,
+    SamplerState,
+    apply_address,
+    make_state,
+    name_address,
+    sample_function,
+    state_error,
+)
 
 RECORD = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])  # llama_token_data
 
@@ -156,3 +166,86 @@ def test_an_eos_outside_the_vocabulary_is_refused():
 def test_the_sampler_names_itself():
     name = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)(name_address())
     assert name(None) == b"nmst-head"
+
+
+def drawing_state(head: str, V: int, eos: int, *, top_k=0, cut=2.0, min_p=0.0, temperature=1.0, seed=7):
+    state = make_state(head, 1e-3, eos, V, MAX_EOS_LOGIT_GAP)
+    state.draw, state.top_k, state.cut, state.min_p = 1, top_k, cut, min_p
+    state.temperature, state.rng = temperature, seed
+    return state
+
+
+def draw_through_records(state: SamplerState, logits: np.ndarray) -> int:
+    records = np.zeros(len(logits), dtype=RECORD)
+    records["id"], records["logit"] = np.arange(len(logits)), logits
+    candidates = TokenDataArray(records.ctypes.data, len(records), -1, False)
+    sampler = Sampler(None, ctypes.cast(ctypes.pointer(state), ctypes.c_void_p))
+    sampler_apply()(ctypes.byref(sampler), ctypes.byref(candidates))
+    return candidates.selected
+
+
+class FakeContext:
+    """llama.h's functions over one logits row (``row``; None: llama.cpp has none) and a backend sampler's results
+    (``sampled``: "token", "logits" or "probs"), with the tokens the chain accepted."""
+
+    def __init__(self, row, sampled=None):
+        self.row, self.sampled, self.accepted, self.indices = row, sampled, [], []
+        pointer = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)
+
+        def logits_ith(context, idx):
+            self.indices.append(idx)
+            return None if self.row is None else self.row.ctypes.data
+
+        def backend(kind):
+            return lambda context, idx: self.row.ctypes.data if self.sampled == kind else None
+
+        self._functions = [pointer(logits_ith),
+                           ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32)(
+                               lambda context, idx: 5 if self.sampled == "token" else -1),
+                           pointer(backend("logits")), pointer(backend("probs")),
+                           ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)(
+                               lambda chain, token: self.accepted.append((chain, token)))]
+        self.calls = LlamaCalls(*(ctypes.cast(f, ctypes.c_void_p).value for f in self._functions))
+
+    def sample(self, state: SamplerState, idx: int = -1) -> int:
+        sampler = Sampler(None, ctypes.cast(ctypes.pointer(state), ctypes.c_void_p))
+        return sample_function()(ctypes.addressof(sampler), 1234, 5678, idx, ctypes.byref(self.calls))
+
+
+@pytest.mark.parametrize("head", ["nmst", "st", "va"])
+@pytest.mark.parametrize("V,eos,cuts", [(2, 1, {}), (37, 0, dict(top_k=1)), (1000, 500, dict(top_k=40, cut=0.9)),
+                                        (32001, 32000, dict(top_k=40, cut=0.95 - 1e-6, min_p=0.05, temperature=0.8)),
+                                        (4099, 17, dict(min_p=0.1, temperature=1.7))])
+def test_the_draw_from_the_logits_row_is_the_draw_through_the_records(head, V, eos, cuts):
+    rng = np.random.default_rng([V, eos])
+    direct, through_records = drawing_state(head, V, eos, **cuts), drawing_state(head, V, eos, **cuts)
+    for t in range(1, 30):
+        logits = (rng.standard_normal(V) * 3).astype(np.float32)
+        logits[eos] += 1.0
+        context = FakeContext(logits)
+        token = context.sample(direct, idx=-1)
+        assert token == draw_through_records(through_records, logits)
+        assert context.accepted == [(1234, token)] and context.indices == [-1]
+        assert (direct.step, direct.st_sum, direct.rng) == (through_records.step, through_records.st_sum,
+                                                            through_records.rng) and direct.step == t + 1
+    assert state_error(direct) is None
+
+
+def test_the_draw_from_the_logits_row_keeps_its_failures():
+    V, eos = 64, 7
+    cases = [(FakeContext(None), "no logits for the output the step at t=3 samples"),
+             (FakeContext(np.full(V, np.nan, dtype=np.float32)), "logits at step t=3 hold NaN"),
+             (FakeContext(np.full(V, -np.inf, dtype=np.float32)), "logits at step t=3 give no distribution")]
+    cases += [(FakeContext(np.zeros(V, dtype=np.float32), sampled=kind), "not the model's whole row")
+              for kind in ("token", "logits", "probs")]
+    for context, message in cases:
+        state = drawing_state("nmst", V, eos, top_k=40)
+        state.step = 3
+        assert context.sample(state) == 0 and context.accepted == [] and state.step == 3
+        assert message in str(state_error(state))
+        context.row, context.sampled = np.zeros(V, dtype=np.float32), None
+        assert context.sample(state) == 0 and context.accepted == []  # nothing done until the state is reset
+    state = drawing_state("nmst", V, eos)
+    state.draw = 0  # a sampler that does not draw leaves the step to the chain's apply
+    context = FakeContext(np.zeros(V, dtype=np.float32))
+    assert context.sample(state) == 0 and context.accepted == [] and state.step == 1

@@ -190,6 +190,8 @@ def ran_as(llm: Llama) -> str:
     first = llama_cpp.llama_sampler_chain_get(llm._sampler.sampler, 0)
     assert ctypes.cast(first, ctypes.c_void_p).value == ctypes.addressof(llm._nmst_sampler._sampler)
     assert llama_cpp.llama_sampler_name(first) == b"nmst-head"
+    # drawing alone, the head samples from the context's logits row (the chain's sample is its own)
+    assert ("sample" in vars(llm._sampler)) == bool(llm._nmst_sampler.state.draw)
     return "sampler"
 
 
@@ -207,6 +209,24 @@ def test_every_path_decodes_greedy_as_nmst_fast_generate(how, head, eps, exporte
         assert ran_as(llm) == ("processor" if how.endswith("without the kernels") else "sampler")
         compared += 1
     assert compared >= 4
+
+
+def test_the_draw_from_the_logits_row_refuses_a_step_without_logits(exported, tokenizer):
+    """Greedy and llama.cpp's default cuts: the head draws alone, from the context's logits row; a ``sample`` call
+    for an output llama.cpp holds no logits of (where its own llama_sampler_sample aborts the process) raises the
+    head's error, and the next generation runs."""
+    _, path = exported("llama")
+    llm = load(path, **OPEN)
+    prompt = prompts(tokenizer, 1)[0]
+    for kwargs in (dict(temp=0.0), dict(temp=0.8, top_k=40, top_p=0.95, min_p=0.05)):
+        llm.set_seed(0)
+        tokens = [int(token) for _, token in zip(range(4), llm.generate(prompt, **kwargs))]
+        assert ran_as(llm) == "sampler" and llm._nmst_sampler.state.draw == 1
+        with pytest.raises(RuntimeError, match="NMST head failed") as raised:
+            llm.sample(**kwargs, idx=llm.n_tokens + 10_000)
+        assert "no logits for the output the step at t=5 samples" in str(raised.value.__cause__)
+        llm.set_seed(0)
+        assert [int(token) for _, token in zip(range(4), llm.generate(prompt, **kwargs))] == tokens
 
 
 def test_a_processor_after_another_runs_in_the_callback(exported, tokenizer):

@@ -10,9 +10,9 @@ generated token; ST's running sum is kept across the steps.
 
 The head runs first in that chain as a sampler written in C (:mod:`.sampler`): no Python runs in a step, and a
 step's failure is kept and raised from ``sample`` as soon as llama.cpp returns, before its token reaches the caller.
-Where the rest of the chain is top-k, top-p, min-p and the draw alone (no penalties, grammar or other processors),
-the C sampler draws the token itself, with the library's CPU selection kernel and a generator seeded by the
-``Llama``'s seed, and is the chain's only sampler.
+Where the rest of the chain is greedy, or top-k, top-p, min-p and the draw alone (no penalties, grammar or other
+processors), the C sampler draws the token itself from the context's logits row, with the library's CPU selection
+kernel and a generator seeded by the ``Llama``'s seed, and is the chain's only sampler.
 :class:`NMSTLlama` does so in every call; an :class:`NMSTLogitsProcessor` given first among a call's processors (a
 ``Llama`` of one's own) is run that way too, its hooks on that instance standing for the subclass's overrides.
 Where the CPU kernels cannot be built, or the call puts another processor before it, the head runs as a processor in

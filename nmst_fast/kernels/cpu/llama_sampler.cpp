@@ -8,8 +8,9 @@
 // head_row.h's row pass; the eos entry then becomes T * zeta_eos and every logit is divided by T, as
 // nmst_fast.integrations.llama_cpp.decoding.NMSTLogitsProcessor.apply does. Where the state says ``draw``, the
 // sampler instead draws the step's token itself (select_rows.cpp's row selection: temperature, top-k, top-p,
-// min-p, then one uniform of its own generator) and marks it selected, the chain's only sampler. t advances by one
-// per apply. A failure (error codes below) leaves the candidates as they are and is kept in the state for
+// min-p, then one uniform of its own generator) and marks it selected, the chain's only sampler; there the chain's
+// sample call comes to nmst_head_sampler_sample instead, which draws from the context's logits row without the
+// records. t advances by one per step. A failure (error codes below) leaves the candidates as they are and is kept in the state for
 // the caller to raise once llama.cpp returns; later applies do nothing until the state is reset.
 #include <cstddef>
 #include <cstdint>
@@ -67,6 +68,7 @@ enum : int32_t {
   kCandidates = 1,      // not the model's whole row in token order
   kNaN = 2,             // NaN logits
   kNoDistribution = 3,  // no finite non-eos logit (NMST / ST), no finite logit (VA)
+  kNoLogits = 4,        // llama.cpp has no logits for the step's output index
 };
 
 size_t nmst_head_sampler_state_size() { return sizeof(nmst_head_sampler_state); }
@@ -83,6 +85,68 @@ static double next_uniform(uint64_t* state) {
 // llama_sampler_i.name (llama.cpp prints it where it lists a chain).
 const char* nmst_head_sampler_name(const nmst_llama_sampler*) { return "nmst-head"; }
 
+static void fail(nmst_head_sampler_state* state, int32_t code) {
+  state->error = code;
+  state->error_step = state->step;
+}
+
+// The token the head draws from ``row`` (the step's V logits, contiguous), advancing t, ST's sum and the generator;
+// -1 after keeping the failure in the state.
+static int64_t draw_step(nmst_head_sampler_state* state, const float* row) {
+  const int64_t V = state->vocabulary;
+  int64_t token = 0;
+  double after = state->st_sum;
+  if (!nmst_fast_cpu::draw_row(row, V, state->head, state->eos, state->log1m_eps, state->temperature, state->top_k,
+                               state->cut, state->min_p, state->step, state->st_sum, next_uniform(&state->rng), &token,
+                               &after)) {
+    fail(state, std::isnan(nmst_fast_cpu::span_max(row, V)) ? kNaN : kNoDistribution);
+    return -1;
+  }
+  state->st_sum = after;
+  state->step += 1;
+  return token;
+}
+
+// The llama.h functions the direct draw calls, their addresses taken on the Python side from the libllama
+// llama-cpp-python loaded.
+struct nmst_llama_calls {
+  const float* (*logits_ith)(void* context, int32_t idx);             // llama_get_logits_ith
+  int32_t (*sampled_token_ith)(void* context, int32_t idx);           // llama_get_sampled_token_ith
+  const float* (*sampled_logits_ith)(void* context, int32_t idx);     // llama_get_sampled_logits_ith
+  const float* (*sampled_probs_ith)(void* context, int32_t idx);      // llama_get_sampled_probs_ith
+  void (*accept)(void* sampler, int32_t token);                       // llama_sampler_accept
+};
+
+// llama_sampler_sample(chain, context, idx) for a chain whose only sampler is this one, drawing: the head draws from
+// the context's logits row itself, with no candidate records (llama_sampler_sample writes V (id, logit, p) records
+// and the head would copy the logits back out of them: 12 of every 16 bytes it moves are not logits), then the chain
+// accepts the token as llama_sampler_sample does. A step a backend sampler of the context has sampled or cut fails
+// as candidates that are not the whole row do in apply. Returns the token; 0 after a failure, which the state keeps
+// for the caller to raise (as apply's selection of entry 0).
+int32_t nmst_head_sampler_sample(nmst_llama_sampler* sampler, void* chain, void* context, int32_t idx,
+                                 const nmst_llama_calls* calls) {
+  auto* state = static_cast<nmst_head_sampler_state*>(sampler->ctx);
+  if (state->error != 0 || state->draw == 0) {
+    return 0;
+  }
+  if (calls->sampled_token_ith(context, idx) != -1 || calls->sampled_logits_ith(context, idx) != nullptr ||
+      calls->sampled_probs_ith(context, idx) != nullptr) {
+    fail(state, kCandidates);
+    return 0;
+  }
+  const float* row = calls->logits_ith(context, idx);
+  if (row == nullptr) {
+    fail(state, kNoLogits);
+    return 0;
+  }
+  const int64_t token = draw_step(state, row);
+  if (token < 0) {
+    return 0;
+  }
+  calls->accept(chain, static_cast<int32_t>(token));
+  return static_cast<int32_t>(token);
+}
+
 void nmst_head_sampler_apply(nmst_llama_sampler* sampler, nmst_llama_token_data_array* candidates) {
   auto* state = static_cast<nmst_head_sampler_state*>(sampler->ctx);
   if (state->error != 0) {
@@ -93,13 +157,9 @@ void nmst_head_sampler_apply(nmst_llama_sampler* sampler, nmst_llama_token_data_
   }
   const int64_t V = state->vocabulary, eos = state->eos;
   nmst_llama_token_data* data = candidates->data;
-  auto fail = [state](int32_t code) {
-    state->error = code;
-    state->error_step = state->step;
-  };
   if (static_cast<int64_t>(candidates->size) != V || candidates->sorted || data[0].id != 0 || data[eos].id != eos ||
       data[V - 1].id != V - 1) {
-    fail(kCandidates);
+    fail(state, kCandidates);
     if (state->draw != 0 && candidates->size > 0) {
       candidates->selected = 0;
     }
@@ -112,36 +172,27 @@ void nmst_head_sampler_apply(nmst_llama_sampler* sampler, nmst_llama_token_data_
   }
   const double temperature = state->temperature;
   if (state->draw != 0) {
-    int64_t token = 0;
-    double after = state->st_sum;
-    if (!nmst_fast_cpu::draw_row(row.data(), V, state->head, eos, state->log1m_eps, temperature, state->top_k,
-                                 state->cut, state->min_p, state->step, state->st_sum, next_uniform(&state->rng),
-                                 &token, &after)) {
-      const bool nan = std::isnan(nmst_fast_cpu::span_max(row.data(), V));
-      fail(nan ? kNaN : kNoDistribution);
-      candidates->selected = 0;  // llama.cpp asserts a selection; the caller raises the kept error instead
-      return;
-    }
-    candidates->selected = token;  // the candidates are the row in token order
-    state->st_sum = after;
-    state->step += 1;
+    const int64_t token = draw_step(state, row.data());
+    // the candidates are the row in token order; after a failure llama.cpp still asserts a selection, and the caller
+    // raises the kept error instead
+    candidates->selected = token < 0 ? 0 : token;
     return;
   }
   if (state->head == 2) {
     const float best = nmst_fast_cpu::span_max(row.data(), V);
     if (std::isnan(best)) {
-      fail(kNaN);
+      fail(state, kNaN);
       return;
     }
     if (!std::isfinite(best)) {
-      fail(kNoDistribution);
+      fail(state, kNoDistribution);
       return;
     }
   } else {
     const double s = static_cast<double>(row[eos]);
     const double L = nmst_fast_cpu::row_lse(row.data(), V, eos, 1.0 / temperature);
     if (std::isnan(L) || std::isnan(s)) {
-      fail(kNaN);
+      fail(state, kNaN);
       return;
     }
     const bool st = state->head == 1;
@@ -152,7 +203,7 @@ void nmst_head_sampler_apply(nmst_llama_sampler* sampler, nmst_llama_token_data_
       eos_logit = static_cast<float>(value);
     }
     if (!std::isfinite(eos_logit)) {
-      fail(kNoDistribution);
+      fail(state, kNoDistribution);
       return;
     }
     data[eos].logit = eos_logit;

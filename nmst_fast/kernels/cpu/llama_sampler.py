@@ -1,5 +1,6 @@
-"""The Python side of ``llama_sampler.cpp``: its state structure, field for field, its error messages, and the
-addresses of its functions (llama.cpp's ``llama_sampler_i.apply`` and ``.name``) in the kernels' library."""
+"""The Python side of ``llama_sampler.cpp``: its state structure, field for field, its error messages, the
+addresses of its functions (llama.cpp's ``llama_sampler_i.apply`` and ``.name``) in the kernels' library, and its
+``llama_sampler_sample`` for a chain where the head draws alone."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Optional
 
 from . import native_library
 
-__all__ = ["SamplerState", "apply_address", "make_state", "name_address", "state_error"]
+__all__ = ["LlamaCalls", "SamplerState", "apply_address", "make_state", "name_address", "sample_function",
+           "state_error"]
 
 HEAD_CODES = {"nmst": 0, "st": 1, "va": 2}
 
@@ -19,6 +21,7 @@ ERRORS = {
        "first in the sampler chain; llama.cpp's backend sampling is not supported)",
     2: "the model's logits at step t={t} hold NaN",
     3: "the model's logits at step t={t} give no distribution (no finite non-eos logit)",
+    4: "llama.cpp has no logits for the output the step at t={t} samples",
 }
 
 
@@ -83,3 +86,32 @@ def name_address() -> Optional[int]:
     if apply_address() is None:
         return None
     return ctypes.cast(native_library().nmst_head_sampler_name, ctypes.c_void_p).value
+
+
+
+class LlamaCalls(ctypes.Structure):
+    """``nmst_llama_calls``: the addresses of the llama.h functions ``nmst_head_sampler_sample`` calls."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("logits_ith", "sampled_token_ith", "sampled_logits_ith", "sampled_probs_ith", "accept")]
+
+    @classmethod
+    def of(cls, library: ctypes.CDLL) -> "LlamaCalls":
+        """The functions of ``library`` (the libllama llama-cpp-python loaded)."""
+        names = ("llama_get_logits_ith", "llama_get_sampled_token_ith", "llama_get_sampled_logits_ith",
+                 "llama_get_sampled_probs_ith", "llama_sampler_accept")
+        return cls(*(ctypes.cast(getattr(library, name), ctypes.c_void_p).value for name in names))
+
+
+def sample_function() -> Optional[ctypes._CFuncPtr]:
+    """``nmst_head_sampler_sample(llama_sampler *head, llama_sampler *chain, llama_context *context, int32 idx,
+    LlamaCalls *calls) -> int32``: llama.cpp's ``llama_sampler_sample(chain, context, idx)`` for a chain whose only
+    sampler is the drawing head ``head``, from the context's logits row; 0 after a failure, which the head's state
+    keeps. None where the kernels' library could not be built."""
+    if apply_address() is None:
+        return None
+    function = native_library().nmst_head_sampler_sample
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+                         ctypes.POINTER(LlamaCalls)]
+    function.restype = ctypes.c_int32
+    return function
