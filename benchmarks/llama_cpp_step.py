@@ -10,16 +10,16 @@ processor; the callback copies the step's logits out of its candidate records an
 ``generate`` takes ``--new-tokens`` tokens (eos does not stop ``generate``) from the same prompt, B = 1; the four
 alternate over ``--rounds`` rounds and the table holds the medians of the time per token and of each round's ratio
 to the plain run. A second table: sampled ``generate`` calls (:data:`CHAINS`: llama.cpp's default cuts, and none),
-plain against ``load``, whose C sampler then draws the token itself (llama.cpp's own samplers draw the plain
-run's). Timed alone, warm: the sampler's step on V candidate records (one ctypes call,
-as llama.cpp's chain makes it without ctypes), and the copy of a step's logits out of the candidate records (a
-strided view), which the processor path makes in Python. ``--threads`` llama.cpp threads (default 1).
+plain against ``load``. Where the chain is greedy or llama.cpp's cuts and draw alone, ``load``'s C sampler draws
+the token itself from the context's logits row (llama.cpp's own samplers draw the plain run's). Timed alone, warm:
+that draw of a greedy step (the chain's ``sample``, one ctypes call, on the last step's logits), and the copy of a
+step's logits out of the candidate records (a strided view), which the processor path makes in Python.
+``--threads`` llama.cpp threads (default 1).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import tempfile
 import time
@@ -111,7 +111,8 @@ def main() -> None:
             records["id"] = np.arange(vocab)
             records["logit"] = np.random.default_rng(0).standard_normal(vocab)
             buffer = np.empty(vocab, dtype=np.float32)
-            alone = median_us({"step": sampler_step(head, records),
+            per_token(head, prompt, 8)  # greedy: the chain the head draws alone, kept after generate
+            alone = median_us({"step": lambda: head._sampler.sample(head._ctx, -1),
                                "copy": lambda: np.copyto(buffer, records["logit"])}, 200)
             ratio = {name: statistics.median(t / p for t, p in zip(times[name], times["plain"])) for name in times}
             ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
@@ -134,20 +135,6 @@ def main() -> None:
     print("|---:|---|---:|---:|---:|")
     print("\n".join(sampled_rows), flush=True)
 
-
-def sampler_step(llm, records: np.ndarray):
-    """One call of ``llm``'s head sampler on ``records`` (llama.cpp's candidate records; at temperature 1 a step
-    writes the eos entry only, and the next reads it as its eos logit)."""
-    import llama_cpp
-
-    candidates = llama_cpp.llama_token_data_array(
-        data=records.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=len(records), selected=-1,
-        sorted=False)
-    sampler = llm._steps.sampler
-    apply = sampler._interface.apply
-
-    sampler.reset()
-    return lambda: apply(ctypes.pointer(sampler._sampler), ctypes.pointer(candidates))
 
 
 if __name__ == "__main__":
