@@ -61,9 +61,9 @@ class Draw:
         plain = (arguments["grammar"] is None and not arguments["logits_processor"]
                  and arguments["repeat_penalty"] == 1.0 and arguments["frequency_penalty"] == 0.0
                  and arguments["presence_penalty"] == 0.0)
-        temperature = arguments["temp"]
         if not plain:
             return None
+        temperature = arguments["temp"]
         if temperature == 0.0:  # llama.cpp's greedy sampler alone
             return cls(top_k=1, top_p=1.0, min_p=0.0, seed=int(seed))
         if temperature < 0.0:  # llama.cpp's dist sampler alone

@@ -10,8 +10,8 @@
 // sampler instead draws the step's token itself (select_rows.cpp's row selection: temperature, top-k, top-p,
 // min-p, then one uniform of its own generator) and marks it selected, the chain's only sampler; there the chain's
 // sample call comes to nmst_head_sampler_sample instead, which draws from the context's logits row without the
-// records. t advances by one per step. A failure (error codes below) leaves the candidates as they are and is kept in the state for
-// the caller to raise once llama.cpp returns; later applies do nothing until the state is reset.
+// records. t advances by one per step. A failure (error codes below) leaves the candidates as they are and is kept
+// in the state for the caller to raise once llama.cpp returns; later steps do nothing until the state is reset.
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -110,11 +110,11 @@ static int64_t draw_step(nmst_head_sampler_state* state, const float* row) {
 // The llama.h functions the direct draw calls, their addresses taken on the Python side from the libllama
 // llama-cpp-python loaded.
 struct nmst_llama_calls {
-  const float* (*logits_ith)(void* context, int32_t idx);             // llama_get_logits_ith
-  int32_t (*sampled_token_ith)(void* context, int32_t idx);           // llama_get_sampled_token_ith
-  const float* (*sampled_logits_ith)(void* context, int32_t idx);     // llama_get_sampled_logits_ith
-  const float* (*sampled_probs_ith)(void* context, int32_t idx);      // llama_get_sampled_probs_ith
-  void (*accept)(void* sampler, int32_t token);                       // llama_sampler_accept
+  const float* (*logits_ith)(void* context, int32_t idx);          // llama_get_logits_ith
+  int32_t (*sampled_token_ith)(void* context, int32_t idx);        // llama_get_sampled_token_ith
+  const float* (*sampled_logits_ith)(void* context, int32_t idx);  // llama_get_sampled_logits_ith
+  const float* (*sampled_probs_ith)(void* context, int32_t idx);   // llama_get_sampled_probs_ith
+  void (*accept)(void* sampler, int32_t token);                    // llama_sampler_accept
 };
 
 // llama_sampler_sample(chain, context, idx) for a chain whose only sampler is this one, drawing: the head draws from
