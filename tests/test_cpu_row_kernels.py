@@ -154,6 +154,32 @@ def test_the_first_build_on_a_machine_says_so_and_how_long_it_took(monkeypatch, 
         cpu.native_module.cache_clear()
 
 
+def test_a_lock_file_a_killed_build_left_does_not_stall_the_next_build(tmp_path, monkeypatch):
+    """torch's builder waits without end for its lock file to go; one a killed build left (here: made by hand) is
+    cleared under the kernels' own lock, which the build holds while torch's builder runs."""
+    import fcntl
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    directory = cpu._build_directory("DEFAULT")
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "lock").touch()
+    built = object()
+
+    def load(**kwargs):
+        assert not (directory / "lock").exists()
+        with open(directory / "nmst_fast.lock") as other:  # another process's try: the lock is held
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return built
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    assert cpu.build("DEFAULT") is built
+    with open(directory / "nmst_fast.lock") as other:  # released once the build returns
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
 def test_the_build_flags_follow_torchs_capability():
     assert "-mavx512f" in cpu.build_flags("AVX512") and "-DCPU_CAPABILITY_AVX512" in cpu.build_flags("AVX512")
     assert "-mavx2" in cpu.build_flags("AVX2") and not any("avx512" in f for f in cpu.build_flags("AVX2"))

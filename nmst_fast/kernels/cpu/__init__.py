@@ -33,6 +33,7 @@ call cost ~20 µs and this one ~5 µs):
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -42,7 +43,7 @@ import shutil
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -89,11 +90,31 @@ def build(capability: Optional[str] = None) -> ModuleType:
     path = os.environ.get("PATH", "")
     try:
         os.environ["PATH"] = _with_ninja(path)
-        return cpp_extension.load(name=name, sources=[str(source) for source in SOURCES],
-                                  extra_cflags=build_flags(capability), extra_ldflags=["-fopenmp"],
-                                  is_python_module=True, verbose=False)
+        with _build_held(_build_directory(capability)):
+            return cpp_extension.load(name=name, sources=[str(source) for source in SOURCES],
+                                      extra_cflags=build_flags(capability), extra_ldflags=["-fopenmp"],
+                                      is_python_module=True, verbose=False)
     finally:
         os.environ["PATH"] = path
+
+
+@contextlib.contextmanager
+def _build_held(directory: Path) -> Iterator[None]:
+    """Hold the build ``directory`` against other processes building these kernels, with a lock the system releases
+    when its holder dies, and clear a lock file torch's builder left there. torch's builder waits, without end, for
+    its own lock file (``lock``) to go; a build killed while it held it (a Ctrl-C during the first build) leaves it
+    behind, and every later import of the kernels waited forever. Every build of these kernels takes this lock first,
+    so torch's lock file, where this one is held, is such a leftover."""
+    try:
+        import fcntl
+    except ImportError:  # no POSIX locks: torch's own lock file alone
+        yield
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "nmst_fast.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        yield
 
 
 @functools.lru_cache(maxsize=None)
