@@ -11,7 +11,9 @@ Workloads (the NMST head, eos the last token; a random softmax leaves the filter
 * ``random``: N(0, 1) hidden states, N(0, 1/H) weights, uniform targets (``benchmarks.cases.make_inputs``): the
   worst case, where every block is kept.
 * ``trained`` (with ``--model-dir``): a causal LM trained here (``python -m train.hf ...``), its last hidden states
-  on WikiText test lines (``--data-dir``) and its output embedding, targets the next tokens.
+  on WikiText test lines (``--data-dir``) and its output embedding, targets the next tokens. At the goal's
+  4096x768x50257: GPT-2's own tokenizer (``tools/gpt2_tokenizer.py`` rebuilds it from openai-whisper's sdist) and
+  ``train.hf --config gpt2 --size base`` (H = 768).
 
 Times: every round runs each case once, in a fresh order, and each case's ratio to that round's floor is taken;
 the table reports medians over ``--rounds``. The errors (relative Frobenius norms of dh and dW against the float64

@@ -87,7 +87,20 @@ def test_gpt2_fine_tuning_command_end_to_end(tokenizer_dir, tmp_path):
     assert results["perplexity"] > 1 and set(results["r_nt"]) >= {"greedy", "top-k 2", "nucleus 0.4", "beam 4"}
     saved = transformers.GPT2LMHeadModel.from_pretrained(out / "model").config
     assert saved.nmst == dict(head="nmst", eps=0.05, context_length=10, eos_token_id=saved.eos_token_id)
-    # Interrupted after one of two epochs, then resumed: the same model as an uninterrupted run.
+    with pytest.raises(SystemExit):
+        main(files + ["--max-length", "60", "--out", str(tmp_path / "run2")])  # 10 + 60 - 1 > 64 positions
+
+
+@pytest.mark.slow
+def test_gpt2_fine_tuning_interrupted_and_resumed_equals_one_run(tokenizer_dir, tmp_path):
+    """Interrupted after one of two epochs, then resumed: the same model and results as an uninterrupted run."""
+    import json
+
+    import transformers
+
+    from train.gpt2 import main
+
+    files = _gpt2_run_files(tokenizer_dir, tmp_path)
     common = files + ["--head", "st", "--eps", "0.05", "--epochs", "2"]
     full = main(common + ["--out", str(tmp_path / "full")])
     main(common + ["--out", str(tmp_path / "cut"), "--stop-after", "1"])
@@ -96,8 +109,6 @@ def test_gpt2_fine_tuning_command_end_to_end(tokenizer_dir, tmp_path):
     b = transformers.GPT2LMHeadModel.from_pretrained(resumed / "last").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((full / "results.json").read_text()) == json.loads((resumed / "results.json").read_text())
-    with pytest.raises(SystemExit):
-        main(files + ["--max-length", "60", "--out", str(tmp_path / "run2")])  # 10 + 60 - 1 > 64 positions
 
 
 def _gpt2_run_files(tokenizer_dir, tmp_path, n_positions=64):
