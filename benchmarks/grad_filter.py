@@ -15,6 +15,8 @@ Workloads (the NMST head, eos the last token; a random softmax leaves the filter
   4096x768x50257: GPT-2's own tokenizer (``tools/gpt2_tokenizer.py`` rebuilds it from openai-whisper's sdist) and
   ``train.hf --config gpt2 --size base`` (H = 768).
 
+Cases: the dense floor (three bf16 GEMMs), the fused step unfiltered, filtered (on the vocabulary sorted by mean
+logit where :mod:`nmst_fast.vocab_order` takes the sort: "sorted"), and filtered in the vocabulary's id order.
 Times: every round runs each case once, in a fresh order, and each case's ratio to that round's floor is taken;
 the table reports medians over ``--rounds``. The errors (relative Frobenius norms of dh and dW against the float64
 fused loss, which equals the reference to float64 rounding) are taken once, on the first ``--error-rows`` rows.
@@ -27,6 +29,7 @@ fused loss, which equals the reference to float64 rounding) are taken once, on t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -35,12 +38,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
 import nmst_fast
-from nmst_fast import grad_filter
+from nmst_fast import grad_filter, vocab_order
 
 from .cases import CPU_DEFAULT, CPU_LARGE, Shape, make_inputs
 
@@ -139,16 +142,28 @@ def softmax_profile(w: Workload, rows: int = 512) -> tuple[float, float]:
     return entropy, (logp >= -12 * math.log(2)).float().mean().item()
 
 
-def _step(w: Workload, grad_filter_value) -> Callable[[], None]:
+def _step(w: Workload, grad_filter_value, id_order: bool = False) -> Callable[[], None]:
+    """One fused step; ``id_order``: the filter on the vocabulary's own order (nmst_fast.vocab_order's sort off)."""
     steps = torch.arange(1, w.hidden.shape[0] + 1) % 1000 + 1
 
     def step() -> None:
         w.hidden.grad = w.weight.grad = None
-        loss = nmst_fast.linear_nmst_loss(w.hidden, w.weight, w.targets, eos_index=w.eos % w.weight.shape[0],
-                                          steps=steps, grad_filter=grad_filter_value)
-        loss.backward()
+        with _id_order() if id_order else contextlib.nullcontext():
+            loss = nmst_fast.linear_nmst_loss(w.hidden, w.weight, w.targets, eos_index=w.eos % w.weight.shape[0],
+                                              steps=steps, grad_filter=grad_filter_value)
+            loss.backward()
 
     return step
+
+
+@contextlib.contextmanager
+def _id_order() -> Iterator[None]:
+    """The vocabulary's own order in the block: the sort's spread threshold out of reach."""
+    saved, vocab_order.ORDER_SPREAD = vocab_order.ORDER_SPREAD, math.inf
+    try:
+        yield
+    finally:
+        vocab_order.ORDER_SPREAD = saved
 
 
 def _floor(w: Workload) -> Callable[[], None]:
@@ -161,10 +176,10 @@ def _floor(w: Workload) -> Callable[[], None]:
     return step
 
 
-def kept_share(w: Workload) -> float:
+def kept_share(w: Workload, id_order: bool = False) -> float:
     """The mean share of the vocabulary the filter's chunks keep in one filtered step."""
     with grad_filter.recorded_kept_shares() as shares:
-        _step(w, "auto")()
+        _step(w, "auto", id_order)()
     return statistics.fmean(shares)
 
 
@@ -189,7 +204,8 @@ def gradient_errors(w: Workload, rows: int) -> dict[str, list[float]]:
 
 
 def measure(w: Workload, rounds: int, error_rows: int) -> dict:
-    cases = {"floor": _floor(w), "unfiltered": _step(w, None), "filtered": _step(w, "auto")}
+    cases = {"floor": _floor(w), "unfiltered": _step(w, None), "filtered": _step(w, "auto"),
+             "filtered_id_order": _step(w, "auto", id_order=True)}
     for fn in cases.values():
         fn()  # warm-up: the first call builds kernels and allocator state
     times: dict[str, list[float]] = {name: [] for name in cases}
@@ -205,25 +221,29 @@ def measure(w: Workload, rounds: int, error_rows: int) -> dict:
     return dict(
         workload=w.name, note=w.note, shape=[N, H, w.weight.shape[0]], dtype=str(w.hidden.dtype).removeprefix("torch."),
         entropy_nats=entropy, share_above_2_12=above, kept_share=kept_share(w),
+        kept_share_id_order=kept_share(w, id_order=True), sorted=vocab_order.vocabulary_order(
+            w.hidden.detach(), w.weight.detach(), None) is not None,
         floor_s=statistics.median(times["floor"]), unfiltered_s=statistics.median(times["unfiltered"]),
         filtered_s=statistics.median(times["filtered"]), unfiltered_x_floor=ratio["unfiltered"],
-        filtered_x_floor=ratio["filtered"],
+        filtered_x_floor=ratio["filtered"], filtered_id_order_x_floor=ratio["filtered_id_order"],
         filtered_x_unfiltered=statistics.median(f / u for f, u in zip(times["filtered"], times["unfiltered"])),
         errors=gradient_errors(w, error_rows) if error_rows else None,
     )
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| workload | N×H×V | entropy (nats) | entries ≥ 2⁻¹² | kept | floor (s) | unfiltered × floor | "
-             "filtered × floor | filtered × unfiltered | dh error unfiltered / filtered | "
-             "dW error unfiltered / filtered |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    lines = ["| workload | N×H×V | entropy (nats) | entries ≥ 2⁻¹² | sorted | kept | kept in id order | floor (s) | "
+             "unfiltered × floor | filtered × floor | in id order × floor | filtered × unfiltered | "
+             "dh error unfiltered / filtered | dW error unfiltered / filtered |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         e = r["errors"]
         errs = ("—", "—") if e is None else tuple(f"{e['unfiltered'][i]:.2e} / {e['filtered'][i]:.2e}" for i in (0, 1))
         lines.append(f"| {r['workload']} | {'×'.join(map(str, r['shape']))} | {r['entropy_nats']:.2f} | "
-                     f"{r['share_above_2_12']:.4f} | {r['kept_share']:.3f} | {r['floor_s']:.3f} | "
+                     f"{r['share_above_2_12']:.4f} | {'yes' if r['sorted'] else 'no'} | {r['kept_share']:.3f} | "
+                     f"{r['kept_share_id_order']:.3f} | {r['floor_s']:.3f} | "
                      f"{r['unfiltered_x_floor']:.3f} | {r['filtered_x_floor']:.3f} | "
+                     f"{r['filtered_id_order_x_floor']:.3f} | "
                      f"{r['filtered_x_unfiltered']:.3f} | "
                      f"{errs[0]} | {errs[1]} |")
     return "\n".join(lines)

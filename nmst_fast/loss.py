@@ -36,6 +36,7 @@ from .validation import (
     should_check_data,
     value_flags,
 )
+from .vocab_order import ordered, vocabulary_order
 from .vocab_shard import check_vocab_shards, group_name_of
 
 
@@ -449,6 +450,17 @@ def _reference_statistics(hidden, weight, bias, targets, steps, options: _Option
                                    softcap=options.softcap, logit_scale=options.logit_scale)
 
 
+def _orders_vocabulary(flat_hidden, weight, options: _Options, backend: str, statistics: bool) -> bool:
+    """Whether the call runs on the vocabulary sorted by mean logit (:mod:`nmst_fast.vocab_order`): where the gradient
+    filter runs on CPU and a gradient is taken, on one process's whole vocabulary (the row statistics' top-1 ties go
+    to the lower index, which the order would change: they keep the identity), outside a torch.compile trace (the
+    choice syncs with the host)."""
+    return (options.grad_filter is not None and backend == "chunked" and flat_hidden.device.type == "cpu"
+            and options.group is None and not statistics and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and (flat_hidden.requires_grad or weight.requires_grad))
+
+
 def _fused_loss(hidden, weight, bias, targets, steps, options: _Options, backend: str, autocasting: bool,
                 statistics: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The fused op (``torch.ops.nmst_fast.linear_loss``) on the flattened rows: (the loss, L per row (NaN where a
@@ -457,6 +469,11 @@ def _fused_loss(hidden, weight, bias, targets, steps, options: _Options, backend
     hidden, bias, softcap, eos_scale = _folded_logit_transforms(hidden, bias, options)
     hidden, weight, bias, options = _product_dtype_inputs(hidden, weight, bias, options)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    if _orders_vocabulary(flat_hidden, weight, options, backend, statistics):
+        order = vocabulary_order(flat_hidden, weight, bias)
+        if order is not None:
+            weight, bias, targets, eos_index = ordered(order, weight, bias, targets, options.eos_index)
+            options = dataclasses.replace(options, eos_index=eos_index)
     dw_dtype = options.dw_dtype or dw_accumulator_dtype(weight.dtype)
     summed_apart = hidden.device.type == "cpu" and weight.requires_grad and dw_dtype != weight.dtype
     chunk_rows = options.chunk_size or default_chunk_rows(
