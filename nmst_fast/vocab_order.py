@@ -32,6 +32,7 @@ LIKELY_SHARE = 16
 PACKED = 4
 
 
+@torch.no_grad()
 def vocabulary_order(hidden: torch.Tensor, weight: torch.Tensor,
                      bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """(V,) int64: the vocabulary by descending mean logit over ``hidden``'s rows (N, H), or None (the identity)

@@ -2,6 +2,8 @@
 tokens, the CPU backends sort it by mean logit, so that the filter skips the blocks of unlikely ones; the loss and
 the gradients come back in the caller's order."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -32,6 +34,16 @@ def test_the_order_is_taken_only_where_the_ids_scatter_the_likely_tokens():
     assert (mean_logit[order].diff() <= 1e-5).all()  # descending mean logit (the order's, in float32)
     flat = torch.randn(1024, 64, dtype=torch.float64), torch.randn(20000, 64, dtype=torch.float64) / 8
     assert vocabulary_order(*flat, None) is None  # random rows: the mean logits hardly spread
+
+
+def test_the_order_is_chosen_outside_autograd():
+    """Its product of W with the rows' mean leaves no graph and no warning on tensors that require grad."""
+    hidden, weight = peaked_rows(256, 32, 4000, seed=4)
+    weight = weight[torch.randperm(4000, generator=torch.Generator().manual_seed(4))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        order = vocabulary_order(hidden.requires_grad_(), weight.requires_grad_(), None)
+    assert order is not None and not order.requires_grad
 
 
 def test_ordered_renumbers_targets_and_eos_and_returns_gradients_in_the_callers_order():
