@@ -3,9 +3,9 @@ call's rows, so that the tokens probable somewhere in a chunk share few blocks o
 FILTER_BLOCK` entries and the filter skips the rest.
 
 A real tokenizer's ids do not follow a corpus's frequencies: on GPT-2's 50257-token vocabulary and a model trained
-on WikiText-2, the tokens above the filter's threshold in a chunk of rows touch 75% of the blocks in GPT-2's id
-order and 23% sorted by mean logit (``python -m benchmarks.grad_filter --workloads trained``). Cut Cross-Entropy
-sorts its backward the same way (by the forward's average logit).
+on WikiText-2, the filter's chunks keep 96% of the vocabulary in GPT-2's id order and 27.5% sorted by mean logit
+(``python -m benchmarks.grad_filter --workloads trained``). Cut Cross-Entropy sorts its backward the same way (by
+the forward's average logit).
 
 The mean logit over the rows is W · mean(h) (+ b): one (V, H) product with a vector, no pass over the logits. The
 loss is invariant under the permutation (targets and eos are renumbered), and the gradients come back in the
@@ -22,8 +22,8 @@ import torch
 from .grad_filter import FILTER_BLOCK
 
 # The standard deviation (nats) of the mean logits under which the vocabulary keeps its order: random N(0, 1) rows
-# against N(0, 1/H) weights spread them by about 1/sqrt(N) (0.02 at 4096 rows); a trained model's by its unigram
-# prior (about 3 nats on the trained workload).
+# against N(0, 1/H) weights spread them by about 1/sqrt(N) (0.02 at 4096 rows); benchmarks.grad_filter's synthetic
+# rows, whose shared Zipf prior a trained model's rows carry too, by 1.1-1.2 nats.
 ORDER_SPREAD = 0.5
 # The likely tokens: the 1/LIKELY_SHARE of the vocabulary with the highest mean logits. The identity stays where they
 # touch at most PACKED times the blocks they fill in the order: on benchmarks.grad_filter's frequency-numbered
