@@ -38,7 +38,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -148,22 +148,12 @@ def _step(w: Workload, grad_filter_value, id_order: bool = False) -> Callable[[]
 
     def step() -> None:
         w.hidden.grad = w.weight.grad = None
-        with _id_order() if id_order else contextlib.nullcontext():
+        with vocab_order.ids_kept() if id_order else contextlib.nullcontext():
             loss = nmst_fast.linear_nmst_loss(w.hidden, w.weight, w.targets, eos_index=w.eos % w.weight.shape[0],
                                               steps=steps, grad_filter=grad_filter_value)
             loss.backward()
 
     return step
-
-
-@contextlib.contextmanager
-def _id_order() -> Iterator[None]:
-    """The vocabulary's own order in the block: the sort's spread threshold out of reach."""
-    saved, vocab_order.ORDER_SPREAD = vocab_order.ORDER_SPREAD, math.inf
-    try:
-        yield
-    finally:
-        vocab_order.ORDER_SPREAD = saved
 
 
 def _floor(w: Workload) -> Callable[[], None]:

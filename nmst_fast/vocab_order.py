@@ -15,7 +15,9 @@ identity and pay only that product.
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import math
+from typing import Iterator, Optional
 
 import torch
 
@@ -30,6 +32,18 @@ ORDER_SPREAD = 0.5
 # synthetic rows they touch 1.3-3x, with the same ids shuffled 15-16x.
 LIKELY_SHARE = 16
 PACKED = 4
+
+
+@contextlib.contextmanager
+def ids_kept() -> Iterator[None]:
+    """Within the block, the vocabulary keeps its ids' order (what the benchmarks time beside the sort, and what a
+    vocabulary-parallel call, whose shards keep it, is compared with on one process)."""
+    global ORDER_SPREAD
+    saved, ORDER_SPREAD = ORDER_SPREAD, math.inf
+    try:
+        yield
+    finally:
+        ORDER_SPREAD = saved
 
 
 @torch.no_grad()

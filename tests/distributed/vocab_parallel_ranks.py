@@ -17,8 +17,6 @@ skips blocks.
 """
 
 import argparse
-import contextlib
-import math
 import os
 
 import torch
@@ -89,16 +87,6 @@ def check(rank: int, world: int, group) -> int:
     return cases
 
 
-@contextlib.contextmanager
-def id_order():
-    """One process's filter on the vocabulary's id order, as the shards' (the sort's spread threshold out of reach)."""
-    saved, vocab_order.ORDER_SPREAD = vocab_order.ORDER_SPREAD, math.inf
-    try:
-        yield
-    finally:
-        vocab_order.ORDER_SPREAD = saved
-
-
 def check_filtered(rank: int, world: int, group) -> tuple[int, float]:
     """The filtered loss's gradients on shards that start at multiples of the filter's block (so each shard's blocks
     are one process's) equal one process's, for every head and both backends, at two thresholds; returns the cases
@@ -123,7 +111,7 @@ def check_filtered(rank: int, world: int, group) -> tuple[int, float]:
                 args = dict(eos_index=eos, eps=0.05, head=head, steps=steps, grad_filter=g, impl=impl, chunk_size=32)
                 h = hidden.view(3, 37, -1).to(dtype)
                 full = [h.clone().requires_grad_(), weight.to(dtype).clone().requires_grad_()]
-                with id_order():  # shards keep the ids' order (nmst_fast.vocab_order): one process's in it
+                with vocab_order.ids_kept():  # shards keep the ids' order (nmst_fast.vocab_order): one process's in it
                     want = linear_nmst_loss(full[0], full[1], targets, **args)
                     want.backward()
                 mine = [h.clone().requires_grad_(), weight[lo:hi].to(dtype).clone().requires_grad_()]
