@@ -170,6 +170,64 @@ def test_st_refuses_logits_of_some_positions_only():
     torch.testing.assert_close(kept, full[:, -2:], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("labelled", [False, True], ids=["no labels", "labels"])
+@pytest.mark.parametrize("keep", ["last 3", "positions 0 4 5", "none"])
+@pytest.mark.parametrize("head", HEADS)
+def test_logits_to_keep_gives_those_positions_head_logits(head, keep, labelled):
+    """HF's ``logits_to_keep`` (the last k positions, or an index of positions) gives the full forward's logits of
+    those positions, with labels or without; with labels the loss still takes every label. An empty index: the loss
+    alone (what the project's own perplexity asks for). ST's logits come for every position or none."""
+    model = model_with(head)
+    ids, mask, labels = left_padded(seed=3)
+    extra = dict(labels=labels) if labelled else {}
+    positions = {"last 3": 3, "positions 0 4 5": torch.tensor([0, 4, 5]), "none": torch.empty(0, dtype=torch.long)}
+    keep_arg = positions[keep]
+    index = slice(-3, None) if keep == "last 3" else keep_arg
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, **extra)
+        if head == "st" and keep != "none":
+            with pytest.raises(ValueError, match="logits_to_keep"):
+                model(ids, attention_mask=mask, logits_to_keep=keep_arg, **extra)
+            return
+        kept = model(ids, attention_mask=mask, logits_to_keep=keep_arg, **extra)
+    assert kept.logits.shape == full.logits[:, index].shape
+    torch.testing.assert_close(kept.logits, full.logits[:, index], rtol=1e-6, atol=1e-6)
+    if labelled:
+        torch.testing.assert_close(kept.loss, full.loss, rtol=0, atol=0)
+
+
+def test_the_projects_perplexity_forms_no_gradient_and_no_logits():
+    """train.loop.token_perplexity: its forwards run without grad and keep no position's logits (an epoch's
+    validation costs a forward, not a training step's products), and give the loss's perplexity."""
+    from train.loop import token_perplexity
+
+    model = model_with("nmst")
+    calls = []
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        calls.append((torch.is_grad_enabled(), kwargs["logits_to_keep"].numel()))
+        out = forward(*args, **kwargs)
+        assert out.logits.shape[1] == 0
+        return out
+
+    model.forward = spy
+    seqs = [torch.randint(3, V - 1, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (6, 9, 12)]
+    perplexity = token_perplexity(model, seqs, 2, 64, 0, "cpu")
+    assert calls and all(c == (False, 0) for c in calls)
+    assert all(p.grad is None for p in model.parameters())
+    model.forward = forward
+    total = count = 0.0
+    with torch.no_grad():
+        for seq in seqs:
+            ids = torch.tensor([seq])
+            labels = ids.clone()
+            labels[:, :2] = -100
+            total += float(model(ids, labels=labels).loss) * (len(seq) - 2)
+            count += len(seq) - 2
+    assert perplexity == pytest.approx(math.exp(total / count), rel=1e-5)
+
+
 def test_trainer_evaluate_computes_the_losss_perplexity_from_the_logits(tmp_path):
     """In a fresh process, as a user opens the saved model: HF Trainer's evaluate with a compute_metrics that
     computes the perplexity from EvalPrediction's logits gets exp of the evaluation loss."""

@@ -271,11 +271,14 @@ def token_perplexity(model, seqs: list[list[int]], context_length: int, max_toke
     share of every batch (in step, as a sharded model needs) and the sums are reduced."""
     model.eval()
     total, count = 0.0, 0
+    no_logits = torch.empty(0, dtype=torch.long)  # logits_to_keep: no position's logits, the loss alone
     for batch, _ in token_batches(seqs, max_tokens, 0, pad_id, shuffle=False, world=world):
         labels = batch.labels.clone()
         labels[:, :context_length] = -100  # the context is given, not predicted
-        out = model(batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-                    labels=class_labels(model, labels).to(device), num_items_in_batch=1)  # = the summed NLL
+        with torch.no_grad():  # no gradient formed, and no (B, T, V) logits: the fused loss's forward alone
+            out = model(batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                        labels=class_labels(model, labels).to(device), num_items_in_batch=1,  # = the summed NLL
+                        logits_to_keep=no_logits)
         total += float(out.loss)
         count += int((labels[:, 1:] != -100).sum())
     total, count = all_sum([total, count], world).tolist()

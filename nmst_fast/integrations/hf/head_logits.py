@@ -18,7 +18,7 @@ the last position predicts the token after the input, at the last t + 1 (1 after
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -59,21 +59,40 @@ def position_steps(settings: HeadSettings, input_shape: torch.Size, device: torc
     return scored_steps(labels, settings, shifted=True, attention_mask=mask, position_ids=positions)[:, 1:]
 
 
-def head_logits(logits: torch.Tensor, settings: HeadSettings, steps: torch.Tensor) -> torch.Tensor:
-    """``logits`` (B, T', V) the model's own, of the last T' positions of a sequence of T (``steps`` (B, T)) with
-    their eos entry replaced by the head's effective eos logit at each position's t (in the logits' dtype).
+def kept_positions(logits_to_keep: Union[int, torch.Tensor]) -> Union[slice, torch.Tensor]:
+    """HF's ``logits_to_keep`` as an index of the sequence dimension: an int k the last k positions (0: all of them),
+    a 1-D int tensor those positions."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return logits_to_keep
+    return slice(-logits_to_keep, None) if logits_to_keep else slice(None)
+
+
+def head_logits(logits: torch.Tensor, settings: HeadSettings, steps: torch.Tensor,
+                logits_to_keep: Union[int, torch.Tensor] = 0) -> torch.Tensor:
+    """``logits`` (B, T', V) the model's own, of the positions ``logits_to_keep`` (HF's argument:
+    :func:`kept_positions`) of a sequence of T (``steps`` (B, T)), with their eos entry replaced by the head's
+    effective eos logit at each position's t (in the logits' dtype).
 
     Logits that autograd tracks (a training forward without labels: DPO's or GRPO's log-probabilities) get a new
     tensor whose gradient flows through ζ to every logit (L's softmax weights and s); others are overwritten in
-    place (one row pass, no copy) and returned. ST needs every position's eos logit (T' = T)."""
+    place (one row pass, no copy) and returned. ST needs every position's eos logit: its logits come for every
+    position or none."""
     if settings.head == "va":
         return logits
     B, kept, V = logits.shape
-    if settings.head == "st" and kept != steps.shape[1]:
+    T = steps.shape[1]
+    positions = kept_positions(logits_to_keep)
+    if isinstance(positions, torch.Tensor):
+        positions = positions.to(steps.device)
+    every = kept == T and (isinstance(positions, slice)
+                           or torch.equal(positions, torch.arange(T, device=steps.device)))
+    if settings.head == "st" and kept and not every:
         raise ValueError(f"head 'st': its logits need every position's eos logit (its running sum goes along the "
-                         f"row), but the forward kept {kept} of {steps.shape[1]} positions (logits_to_keep): call it "
+                         f"row), but the forward kept {kept} of {T} positions (logits_to_keep): call it "
                          "without logits_to_keep")
-    steps = steps[:, -kept:].reshape(-1)
+    if kept == 0:
+        return logits
+    steps = steps[:, positions].reshape(-1)
     eos = settings.eos_index
     if torch.is_grad_enabled() and logits.requires_grad:
         rows = logits.reshape(B * kept, V)

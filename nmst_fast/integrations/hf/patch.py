@@ -6,7 +6,9 @@ class with :class:`NMSTModelMixin` first, whose config is likewise ``NMST<its co
 (:mod:`nmst_fast.integrations.nmst_config`). The model keeps every weight, module and method of its class; what
 changes:
 
-* ``forward`` with ``labels``: the head's fused loss (:func:`~.scoring.score_labels`; no (B, T, V) logits);
+* ``forward`` with ``labels``: the head's fused loss (:func:`~.scoring.score_labels`; training forms no (B, T, V)
+  logits; an evaluation forward, without grad, also returns the head's logits of the positions ``logits_to_keep``
+  names, every one by default as HF models give them, none for an empty index);
   without labels the class's own forward, whose last-position logits carry the head's step distribution while
   ``generate()`` runs (:mod:`~.generation`);
 * ``generate()``: decodes the head (:func:`~.generation.generate_with_head`);
@@ -29,7 +31,7 @@ from ...settings import HeadSettings
 from ...validation import IMPLS, check_choice, check_int_tensor, resolve_grad_filter
 from ..nmst_config import MODEL_TYPE, config_class_for
 from .generation import generate_with_head, step_logits
-from .head_logits import head_logits, position_steps
+from .head_logits import head_logits, kept_positions, position_steps
 from .probe import probe_class
 from .scoring import score_labels
 from .settings import nmst_settings
@@ -145,13 +147,15 @@ class NMSTModelMixin:
             if num_items_in_batch is not None:  # HF Trainer's gradient accumulation: one divisor for the whole batch
                 loss = loss / num_items_in_batch
             logits = None
-            if not torch.is_grad_enabled():  # evaluation: the logits too, as any HF model gives them with its loss
-                logits = output_logits(self, hidden, settings)
+            if not torch.is_grad_enabled():  # evaluation: the logits too, as any HF model gives them with its loss,
+                # of the positions logits_to_keep names (the loss takes every label; an empty index: the loss alone)
+                keep = named.get("logits_to_keep", 0)
+                logits = output_logits(self, hidden[:, kept_positions(keep)], settings)
                 if nmst_logits:
                     steps = scores.steps
                     if shifted:  # the last position predicts the token after the input
                         steps = torch.cat([steps, steps[:, -1:].clamp(min=0) + 1], dim=1)
-                    logits = head_logits(logits, settings, steps)
+                    logits = head_logits(logits, settings, steps, keep)
             return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=getattr(out, "hidden_states", None),
                                           attentions=getattr(out, "attentions", None))
         with patched_call():
@@ -167,7 +171,7 @@ class NMSTModelMixin:
             steps = position_steps(settings, shape, out.logits.device, shifted=shifted,
                                    attention_mask=named.get("attention_mask"), position_ids=named.get("position_ids"),
                                    nmst_steps=nmst_steps)
-            out.logits = head_logits(out.logits, settings, steps)
+            out.logits = head_logits(out.logits, settings, steps, named.get("logits_to_keep", 0))
         elif nmst_steps is not None:
             raise ValueError("nmst_steps is the t of the head's logits: it has no use with nmst_logits=False")
         return out
