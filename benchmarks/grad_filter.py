@@ -248,7 +248,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                    choices=["synthetic", "random", "trained"])
     p.add_argument("--model-dir", type=Path, help="the trained workload's model (a from_pretrained directory)")
     p.add_argument("--data-dir", type=Path, help="the trained workload's WikiText directory")
-    p.add_argument("--rows", type=int, default=4096, help="the trained workload's rows")
+    p.add_argument("--rows", type=int, help="the trained workload's rows (default: the shape's N)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--error-rows", type=int, default=1024, help="rows of the float64 error check (0: none)")
     p.add_argument("--json", type=Path, help="write the rows here")
@@ -261,7 +261,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         if name == "trained":
             if args.model_dir is None or args.data_dir is None:
                 p.error("the trained workload needs --model-dir and --data-dir")
-            w = trained(args.model_dir, args.data_dir, args.rows, torch.bfloat16)
+            w = trained(args.model_dir, args.data_dir, args.rows or shape.N, torch.bfloat16)
         else:
             w = (synthetic if name == "synthetic" else uniform)(shape)
         rows.append(measure(w, args.rounds, args.error_rows))

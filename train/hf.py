@@ -5,7 +5,7 @@
     python -m train.hf --data-dir DIR --model-dir MODEL_DIR [--tokenizer-dir TOKENIZER_DIR]
 
 The model is ``from_pretrained(--model-dir)`` (local files, no hub access) or a random-init
-``--config FAMILY`` (any transformers ``model_type``) of ``--size`` tiny, small or base. The tokenizer is
+``--config FAMILY`` (any transformers ``model_type``) of ``--size`` tiny, small, base or large. The tokenizer is
 ``--tokenizer-dir`` (else the model directory's), or a byte-level BPE trained on the training lines
 with the ``tokenizers`` library. Each line becomes " " + line + eos; the first ``--context-length``
 tokens are context (t <= 0, p(eos) = 0), t = 1 at the next. The loss is the fused one
@@ -68,6 +68,9 @@ SIZES = {
     "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024),
     # GPT-2 small's width (the fused-loss benchmarks' H = 768) at two layers: the gradient filter's trained workload.
     "base": dict(hidden_size=768, num_hidden_layers=2, num_attention_heads=12, intermediate_size=3072),
+    # Gemma 2 2B's width (the large benchmarks' H = 2304) at two layers: with a 256000-token vocabulary
+    # (tools/gguf_tokenizer.py rebuilds Command-R's) the gradient filter's trained workload at its large shape.
+    "large": dict(hidden_size=2304, num_hidden_layers=2, num_attention_heads=18, intermediate_size=9216),
 }
 MAX_POSITIONS = 1024  # position table of a random-init model: context + the largest r_nt L
 
