@@ -7,6 +7,13 @@ on WikiText-2, the filter's chunks keep 96% of the vocabulary in GPT-2's id orde
 (``python -m benchmarks.grad_filter --workloads trained``). Cut Cross-Entropy sorts its backward the same way (by
 the forward's average logit).
 
+A tighter order skips more of each row's tail, whose sum the block means do not carry: on a GPT-2-vocabulary model
+after one epoch on WikiText-2 (5.7 nats), sorted by each token's largest log-probability over 128 of 4096 rows the
+chunks would keep 5% of the vocabulary, but most rows then hold over 1/8 of their gradient mass in skipped blocks
+(the filter forms those rows' products exactly: the dense step), and with that guard off dh's bf16 error is 4.7x the
+unfiltered one's; sorted by the sampled rows' summed probability, 15% kept and 1.14x the error; by mean logit, 22%
+kept and the unfiltered error.
+
 The mean logit over the rows is W · mean(h) (+ b): one (V, H) product with a vector, no pass over the logits. The
 loss is invariant under the permutation (targets and eos are renumbered), and the gradients come back in the
 caller's order; rows whose mean logits hardly spread (random rows: nothing to cluster, nothing skipped) keep the
