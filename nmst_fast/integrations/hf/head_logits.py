@@ -84,9 +84,8 @@ def head_logits(logits: torch.Tensor, settings: HeadSettings, steps: torch.Tenso
     positions = kept_positions(logits_to_keep)
     if isinstance(positions, torch.Tensor):
         positions = positions.to(steps.device)
-    every = kept == T and (isinstance(positions, slice)
-                           or torch.equal(positions, torch.arange(T, device=steps.device)))
-    if settings.head == "st" and kept and not every:
+    if settings.head == "st" and kept and not (kept == T and (
+            isinstance(positions, slice) or torch.equal(positions, torch.arange(T, device=steps.device)))):
         raise ValueError(f"head 'st': its logits need every position's eos logit (its running sum goes along the "
                          f"row), but the forward kept {kept} of {T} positions (logits_to_keep): call it "
                          "without logits_to_keep")
