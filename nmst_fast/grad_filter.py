@@ -251,10 +251,12 @@ class GradFilter:
             if self.written[b] and not self._spread_any[b]:
                 continue
             eos_row = dw[self.eos_column].clone() if b == eos_block else None
-            if not self.written[b]:
-                rows.zero_()
-            if self._spread_any[b]:
+            if self.written[b]:
                 rows.add_(spread[b])
+            elif self._spread_any[b]:  # the spread alone: one write of the rows, no zero fill before it
+                rows.copy_(spread[b].expand_as(rows))
+            else:
+                rows.zero_()
             if eos_row is not None:  # eos's row takes no share of the spread: its own gradient came apart, exact
                 dw[self.eos_column] = eos_row if self.written[b] else 0
         self.written = [True] * self.blocks

@@ -275,12 +275,18 @@ def test_the_export_streams_the_checkpoint_and_never_builds_the_model(tokenizer,
     assert len(gguf.GGUFReader(out).tensors) > 10 and max(largest) <= max(2048, head_rows)
 
 
+# A case is a process of the console script (7-12 s each: torch and transformers imported): one per command in the
+# fast set, the others in the slow set.
 @pytest.mark.parametrize("command, message", [
     (["export-gguf", "{missing}", "{tmp}/out.gguf"], "{missing} has no config.json: not a saved model directory"),
-    (["export-gguf", "{empty}", "{tmp}/out.gguf"], "{empty} has no config.json: not a saved model directory"),
-    (["export-gguf", "{model}", "{missing}/out.gguf"], "{missing} does not exist: the GGUF file's directory must"),
-    (["export-gguf", "{config_only}", "{tmp}/out.gguf"], "{config_only} holds no weights"),
-    (["export-plain", "{missing}", "{tmp}/plain"], "{missing} has no config.json: not a saved model directory"),
+    pytest.param(["export-gguf", "{empty}", "{tmp}/out.gguf"],
+                 "{empty} has no config.json: not a saved model directory", marks=pytest.mark.slow),
+    pytest.param(["export-gguf", "{model}", "{missing}/out.gguf"],
+                 "{missing} does not exist: the GGUF file's directory must", marks=pytest.mark.slow),
+    pytest.param(["export-gguf", "{config_only}", "{tmp}/out.gguf"], "{config_only} holds no weights",
+                 marks=pytest.mark.slow),
+    pytest.param(["export-plain", "{missing}", "{tmp}/plain"],
+                 "{missing} has no config.json: not a saved model directory", marks=pytest.mark.slow),
     (["export-plain", "{model}", "{model}"], "{model} exists: export-plain writes a new directory"),
     (["upgrade", "{missing}"], "{missing} has no config.json: not a saved model directory"),
 ])

@@ -25,6 +25,7 @@ def test_vocab_parallel_equals_one_process():
             assert f"rank {rank}/{ranks}: 18 cases equal to one process" in run.stdout
 
 
+@pytest.mark.slow  # 18 s of torchrun; the filter's one-process tests are in the fast set (tests/test_grad_filter.py)
 def test_the_gradient_filter_on_shards_equals_one_process():
     run = _torchrun(3, "--grad-filter")  # shards of whole filter blocks: each one's blocks are one process's
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
