@@ -376,9 +376,12 @@ def _chunk_loop(
                 if skipped:
                     gate.spread_(h, filtered, skipped)
             if sparse is not None:
-                if gate is not None:
-                    gate.store_zeros_(dw, gate.sparse_blocks(sparse))
-                _add_sparse_dw_(dw, h, sparse)
+                if skipped:  # added after the skipped blocks' spread, which then writes whole runs of blocks
+                    gate.hold_sparse(h, sparse)
+                else:
+                    if gate is not None:
+                        gate.store_zeros_(dw, gate.sparse_blocks(sparse))
+                    _add_sparse_dw_(dw, h, sparse)
         if heavy is not None:
             gate.heavy_(None if dh is None else dh[start:stop], z, h, heavy, runs, dw, _accumulate_dw_)
         if db is not None:
@@ -388,7 +391,7 @@ def _chunk_loop(
                 if sparse.eos_values is not None:
                     db[sparse.eos_index] += sparse.eos_values.sum().to(db.dtype)
     if dw is not None and gate is not None:
-        gate.finish_dw_(dw, _accumulate_dw_)
+        gate.finish_dw_(dw, _accumulate_dw_, _add_sparse_dw_)
     return dh, dw, db  # dW, db still in their accumulators' dtype: the callers cast once, at the end
 
 
