@@ -56,18 +56,21 @@ def recorded_kept_shares() -> Iterator[list[float]]:
         _kept_shares = outer
 
 
+def _block_runs(blocks: list[int]) -> list[tuple[int, int]]:
+    """The [b0, b1) runs of adjacent block numbers in the ascending list ``blocks``."""
+    runs: list[tuple[int, int]] = []
+    for b in blocks:
+        if runs and runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], b + 1)
+        else:
+            runs.append((b, b + 1))
+    return runs
+
+
 def kept_runs(keep: list[bool], V: int) -> list[tuple[int, int]]:
     """The [v0, v1) runs of adjacent blocks of a V-column vocabulary whose ``keep`` flag (one per block) is set."""
-    runs: list[tuple[int, int]] = []
-    for b, kept in enumerate(keep):
-        if not kept:
-            continue
-        v0, v1 = b * FILTER_BLOCK, min(V, (b + 1) * FILTER_BLOCK)
-        if runs and runs[-1][1] == v0:
-            runs[-1] = (runs[-1][0], v1)
-        else:
-            runs.append((v0, v1))
-    return runs
+    return [(b0 * FILTER_BLOCK, min(V, b1 * FILTER_BLOCK))
+            for b0, b1 in _block_runs([b for b, kept in enumerate(keep) if kept])]
 
 
 def _heavy_lanes(dz: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -296,14 +299,3 @@ class GradFilter:
         if eos_row is not None:
             dw[self.eos_column] = eos_row
         self.written = [True] * self.blocks
-
-
-def _block_runs(blocks: list[int]) -> list[tuple[int, int]]:
-    """The [b0, b1) runs of adjacent block numbers in the ascending list ``blocks``."""
-    runs: list[tuple[int, int]] = []
-    for b in blocks:
-        if runs and runs[-1][1] == b:
-            runs[-1] = (runs[-1][0], b + 1)
-        else:
-            runs.append((b, b + 1))
-    return runs

@@ -213,7 +213,7 @@ def test_loss_report_varies_its_case_order():
         before = {order[order.index(name) - 1] for order in orders if order[0] != name}
         assert len(before) >= 3, (name, before)
     assert len({order[0] for order in orders}) >= 4
-    # Cut Cross-Entropy's torch.compile case is left out: its two compilations took 30-40 s of this test, and
+    # Cut Cross-Entropy's torch.compile case is left out: its two compilations took about 40 s of this test, and
     # the benchmark suite (benchmarks/test_bench_loss.py) runs it
     times = measure_times(Shape(64, 32, 300, torch.float32, "cpu"), rounds=2, skip=("torch_compile",))
     assert "Cut Cross-Entropy (va, torch_compile)" not in times
