@@ -178,6 +178,27 @@ def test_teacher_forced_eos_probability_matches_the_full_distribution(head):
     torch.testing.assert_close(got, full[..., vocab.eos], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("head", ["va", "st", "nmst"])
+def test_eos_probability_by_rows_matches_the_full_distribution(head):
+    """train.hf's p(eos) curve: from the eos logit alone (NMST, ST) or a logsumexp over a few rows at a time (VA),
+    equal to the full (B, T, V) distribution's, with context positions, a restart of t and a short last chunk."""
+    from nmst_fast import NMSTHead, nmst_log_probs
+    from train.evaluate import head_eos_log_probs
+
+    g = torch.Generator().manual_seed(11)
+    B, T, H, V = 3, 7, 5, 37
+    nmst = NMSTHead(H, V, eos_index=4, head=head, eps=0.05, bias=True, softcap=20.0).double()
+    with torch.no_grad():
+        nmst.weight.copy_(torch.randn(V, H, generator=g, dtype=torch.float64) * 2)
+        nmst.bias.copy_(torch.randn(V, generator=g, dtype=torch.float64))
+    hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    steps = torch.tensor([[-1, 0, 1, 2, 3, 4, 5], [1, 2, 3, 1, 2, 3, 4], [0, 0, 0, 0, 0, 1, 2]])
+    with torch.no_grad():
+        got = head_eos_log_probs(nmst, hidden, steps, rows=4)
+        full = nmst_log_probs(nmst(hidden), eos_index=4, eps=0.05, head=head, steps=None if head == "va" else steps)
+    torch.testing.assert_close(got, full[..., 4], rtol=1e-9, atol=1e-12)
+
+
 def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, capsys):
     """A rerun into the same --out with another ε trained nothing (the old run had finished) and
     reported the old weights under the new ε; another size crashed in load_state_dict."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from nmst_fast import generate, head_math, metrics, nmst_log_probs
+from nmst_fast import generate, head_math, metrics
 from nmst_fast.data.wikitext import CONTEXT_LENGTH, Vocabulary
 from nmst_fast.integrations.hf import HFDecoder, decoder_hidden, steps_from_attention_mask
 from nmst_fast.logits import eos_logits
@@ -80,19 +80,27 @@ def non_termination(model, contexts: torch.Tensor, max_length: int, *, seed: int
 
 
 def eos_log_probs(model, inputs: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """(B, T) float64 log p(eos) at every position, teacher-forced.
-
-    NMST/ST need only the eos logit s (p(eos) = 1 − e^{log(1−α_t)}), so no (B, T, V) tensor is
-    formed for them; VA needs its full logsumexp, taken in (at least) float32.
-    """
-    head = model.nmst_head
+    """(B, T) float64 log p(eos) at every position of ``python -m train``'s model, teacher-forced."""
     hidden, _ = model(inputs)
+    return head_eos_log_probs(model.nmst_head, hidden, steps)
+
+
+def head_eos_log_probs(head, hidden: torch.Tensor, steps: torch.Tensor, rows: int = 256) -> torch.Tensor:
+    """(B, T) float64 log p(eos) of ``head`` (an :class:`nmst_fast.NMSTHead`) at hidden states (B, T, H), with
+    the step t of each position in ``steps`` (B, T).
+
+    NMST/ST need only the eos logit s (p(eos) = 1 − e^{log(1−α_t)}), so no V-wide tensor is formed for them;
+    VA needs its full logsumexp, taken in (at least) float32 over ``rows`` positions at a time: (rows, V) at
+    most, never (B, T, V) (at V = 256000 a 2048-token batch's logits are 2 GB in float32).
+    """
     B, T, _ = hidden.shape
     s = eos_logits(hidden, head.weight, head.bias, head.eos_index, softcap=head.softcap, logit_scale=head.logit_scale,
                    dtype=torch.float64)
     if head.head == "va":
-        logits = head(hidden)
-        return s - torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1).double()
+        flat = hidden.reshape(B * T, -1)
+        lse = torch.cat([torch.logsumexp(head(flat[r0:r0 + rows]).to(torch.promote_types(flat.dtype, torch.float32)),
+                                         dim=-1) for r0 in range(0, B * T, rows)])
+        return s - lse.double().view(B, T)
     log_surv = head_math.log_survival(head.head, s.reshape(-1), steps.reshape(-1), head.eps, T).view(B, T)
     return log1mexp(log_surv)
 
@@ -181,10 +189,8 @@ def token_eos_probability_by_step(model, seqs: list[list[int]], context_length: 
         ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
         hidden = decoder_hidden(model, input_ids=ids, attention_mask=mask)[1][:, :-1]
         steps = steps_from_attention_mask(mask, context_length)[:, 1:]  # t of the token each position predicts
-        log_p = nmst_log_probs(head(hidden).double(), eos_index=head.eos_index, eps=head.eps, head=head.head,
-                               steps=None if head.head == "va" else steps)
         targets = batch.labels[:, 1:].to(device)
-        rate.add(steps, log_p[..., head.eos_index].exp(), targets == head.eos_index, targets != -100)
+        rate.add(steps, head_eos_log_probs(head, hidden, steps).exp(), targets == head.eos_index, targets != -100)
     return rate.result(world)
 
 
